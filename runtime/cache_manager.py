@@ -1,0 +1,115 @@
+"""Allocation policy over the KV memory: prefix reuse, slot allocation with eviction, release.
+
+The cache manager is the only place that moves slots between the allocator, the request rows and
+the prefix cache, so that a slot always has exactly one owner: the free list, one request, or the
+prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.radix_cache.base import MatchResult, PrefixCache
+from radixlm.runtime.memory_pool import ReqToTokenPool, SlotAllocator
+from radixlm.runtime.request import Req
+
+
+@dataclass
+class CacheStats:
+    prompt_tokens: int = 0  # prompt tokens admitted (first admission of each request)
+    cached_tokens: int = 0  # of which served from the prefix cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class CacheManager:
+    def __init__(
+        self, allocator: SlotAllocator, rows: ReqToTokenPool, prefix_cache: PrefixCache
+    ) -> None:
+        self.allocator = allocator
+        self.rows = rows
+        self.prefix_cache = prefix_cache
+        self.stats = CacheStats()
+
+    # ---- queries --------------------------------------------------------------------------
+
+    @property
+    def available_slots(self) -> int:
+        """Slots that can be had now: free ones plus those eviction could free."""
+        return self.allocator.num_free + self.prefix_cache.evictable_size
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def match(self, req: Req) -> MatchResult:
+        """The longest cached prefix of what `req` must have computed, leaving at least one token
+        to compute (its logits give the next token) and every position whose input log-probability
+        was asked for."""
+        limit = req.num_tokens - 1
+        if req.wants_input_logprobs:
+            limit = min(limit, max(req.logprob.logprob_start_len - 1, 0))
+        return self.prefix_cache.match_prefix(req.all_ids[:limit])
+
+    # ---- commands -------------------------------------------------------------------------
+
+    def admit(self, req: Req, match: MatchResult) -> None:
+        """Give `req` a row holding the matched prefix, and lock that prefix for it."""
+        req.pool_row = self.rows.allocate()
+        self.prefix_cache.lock(match.node)
+        req.locked_node = match.node
+        req.locked_len = req.kv_len = len(match.slots)
+        if len(match.slots):
+            self.rows.write(req.pool_row, 0, match.slots)
+
+    def record_first_admission(self, req: Req) -> None:
+        req.cached_tokens = req.locked_len
+        self.stats.prompt_tokens += len(req.input_ids)
+        self.stats.cached_tokens += req.locked_len
+
+    def can_extend(self, num_tokens: int) -> bool:
+        return num_tokens <= self.available_slots
+
+    def extend(self, req: Req, num_tokens: int) -> None:
+        """Reserve slots for the next `num_tokens` positions of `req` (evicting cached prefixes if
+        needed) and advance `req.kv_len` over them; the step being planned computes their K/V."""
+        slots = self._allocate(num_tokens)
+        self.rows.write(req.pool_row, req.kv_len, slots)
+        req.kv_len += num_tokens
+
+    def release(self, req: Req) -> None:
+        """Hand the request's computed tokens to the prefix cache and free what it does not keep.
+
+        Used when a request finishes and when it is preempted (its prefix may then be reused
+        when it resumes)."""
+        if req.pool_row is None:
+            return
+        slots = self.rows.read(req.pool_row, req.kv_len)
+        inserted = self.prefix_cache.insert(req.all_ids[: req.kv_len], slots)
+        # slots[:locked_len] are the cache's own; slots[locked_len:prefix_len] duplicate what the
+        # cache already held, so they return to the free list
+        self.allocator.free(slots[req.locked_len : inserted.prefix_len])
+        self.prefix_cache.unlock(req.locked_node)
+        self.rows.free(req.pool_row)
+        req.pool_row, req.locked_node, req.locked_len, req.kv_len = None, None, 0, 0
+
+    def flush(self) -> bool:
+        """Empty the prefix cache; False (and nothing done) while any of it is in use."""
+        if self.prefix_cache.protected_size:
+            return False
+        self.allocator.free(self.prefix_cache.reset())
+        return True
+
+    def _allocate(self, n: int) -> torch.Tensor:
+        short = n - self.allocator.num_free
+        if short > 0:
+            self.allocator.free(self.prefix_cache.evict(short))
+        return self.allocator.allocate(n)
+
+    def slots_in_use(self) -> int:
+        """Slots owned by running requests (for invariant checks)."""
+        return self.allocator.capacity - self.allocator.num_free - self.prefix_cache.total_size

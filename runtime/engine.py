@@ -1,0 +1,380 @@
+"""The offline engine: SGLang's `Engine` API over radixlm's engine core.
+
+engine = radixlm.Engine()   # the embedded default model
+out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+out["text"], out["output_ids"], out["meta_info"]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import torch
+
+from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.engine_core import EngineCore, kv_pool_tokens
+from radixlm.runtime.memory_pool import KVPool
+from radixlm.runtime.model_config import ModelConfig
+from radixlm.runtime.request import LogprobRequest, Req
+from radixlm.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Engine:
+    """An in-process inference engine. Thread-safe: calls from many threads or coroutines are
+    batched together by the engine core, which runs in its own thread."""
+
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - EngineConfig.field_names())
+        if unknown:
+            raise ValueError(
+                f"unknown engine option(s) {unknown}; valid: {sorted(EngineConfig.field_names())}"
+            )
+        self.config = config = EngineConfig(model_path=model_path, **kwargs)
+        t0 = time.perf_counter()
+        from radixlm.runtime import model_loader
+        from radixlm.runtime.attention import create_backend
+        from radixlm.runtime.models.llama import LlamaForCausalLM
+
+        self.device = torch.device(
+            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        dtype_name = (
+            config.dtype
+            if config.dtype != "auto"
+            else ("bfloat16" if self.device.type == "cuda" else "float32")
+        )
+        self.dtype = _DTYPES[dtype_name]
+        folder = model_loader.resolve_model_folder(config.model_path, config.cache_dir)
+        self.model_folder = folder
+        self.tokenizer = model_loader.load_tokenizer(config.tokenizer_path or folder)
+        hf_config = model_loader.load_hf_config(folder)
+        self.model_config = mc = ModelConfig.from_hf(hf_config)
+        self.context_len = config.context_length or mc.max_position_embeddings
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(mc, self.context_len + 1)
+        model = model.to(self.dtype).to_empty(device=self.device)
+        model.load_weights(model_loader.iter_safetensors(folder))
+        model.rope.build_tables(self.device)
+        model.eval()
+        self.model = model
+
+        num_slots = kv_pool_tokens(config, mc, self.dtype, self.device, self.context_len)
+        kv_pool = KVPool(
+            num_slots + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+        )
+        backend = create_backend(config.attention_backend, kv_pool, None, self.device)
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        self._core = EngineCore(config, mc, model, kv_pool, backend, self.context_len, self.device)
+        self._rng = random.Random(config.random_seed)
+        self._ids = itertools.count()
+        self._closed = False
+        logger.info(
+            "radixlm engine ready in %.1fs: %s on %s (%s), KV pool %d tokens",
+            time.perf_counter() - t0, folder.name, self.device, dtype_name, num_slots,
+        )  # fmt: skip
+
+    # ---- the API --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
+        stream: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """Generate for one prompt (a dict back) or a list (a list back, n outputs per prompt).
+
+        With stream=True (one prompt, n=1), returns an iterator of snapshots whose `text` and
+        `output_ids` are cumulative; the last one carries the finish reason."""
+        reqs, single = self._make_requests(
+            prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num
+        )
+        if stream:
+            self._check_streamable(reqs)
+            return self._stream_sync(reqs[0])
+        done: queue.Queue[dict[str, Any]] = queue.Queue()
+        for req in reqs:
+            self._core.submit(req, _final_only(lambda out: done.put(out)))
+        outs = {}
+        for _ in reqs:
+            out = done.get()
+            outs[out["meta_info"]["id"]] = out
+        results = [outs[r.rid] for r in reqs]
+        return results[0] if single and len(results) == 1 else results
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
+        stream: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
+        """Like `generate`, from a coroutine; with stream=True it returns an async iterator."""
+        reqs, single = self._make_requests(
+            prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num
+        )
+        loop = asyncio.get_running_loop()
+        if stream:
+            self._check_streamable(reqs)
+            return self._stream_async(reqs[0], loop)
+        futures = []
+        for req in reqs:
+            fut = loop.create_future()
+            self._core.submit(req, _final_only(_resolver(loop, fut)))
+            futures.append(fut)
+        results = list(await asyncio.gather(*futures))
+        return results[0] if single and len(results) == 1 else results
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache. False (nothing flushed) while any request is running."""
+
+        def flush() -> bool:
+            if self._core.scheduler.has_work():
+                return False
+            return self._core.cache.flush()
+
+        return self._core.call(flush)
+
+    def get_stats(self) -> dict[str, Any]:
+        return self._core.call(self._core.stats)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._core.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:  # best effort; call shutdown() explicitly
+        with contextlib.suppress(Exception):
+            self.shutdown()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def _make_requests(
+        self,
+        prompt,
+        sampling_params,
+        input_ids,
+        return_logprob,
+        logprob_start_len,
+        top_logprobs_num,
+    ):
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt (text) and input_ids")
+        single = isinstance(prompt, str) or (
+            input_ids is not None and (not input_ids or isinstance(input_ids[0], int))
+        )
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        if input_ids is not None:
+            prompts = [input_ids] if single else input_ids
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompt must be a string or a non-empty list of strings")
+        count = len(prompts)
+        params_list = _broadcast(sampling_params, count, "sampling_params")
+        lp_list = _broadcast(return_logprob, count, "return_logprob")
+        start_list = _broadcast(logprob_start_len, count, "logprob_start_len")
+        top_list = _broadcast(top_logprobs_num, count, "top_logprobs_num")
+        reqs = []
+        for i, item in enumerate(prompts):
+            ids = self._tokenize(item)
+            params = SamplingParams.from_dict(params_list[i])
+            logprob = self._logprob_request(lp_list[i], start_list[i], top_list[i], len(ids))
+            self._check_fits(ids, params)
+            base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+            for k in range(params.n):
+                reqs.append(self._new_req(ids, params, base_seed + k, logprob))
+        return reqs, single
+
+    def _tokenize(self, item: Any) -> list[int]:
+        if isinstance(item, str):
+            if not item:
+                raise ValueError("the prompt is empty; give at least one character")
+            return self.tokenizer.encode(item, add_special_tokens=False) or _raise_empty()
+        if (
+            isinstance(item, list)
+            and item
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+        ):
+            bad = [t for t in item if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"input_ids {bad[:5]} lie outside the vocabulary [0, {self.model_config.vocab_size})"
+                )
+            return list(item)
+        raise ValueError("each prompt must be a non-empty string, or a non-empty list of token ids")
+
+    def _logprob_request(self, return_logprob, start, top, prompt_len) -> LogprobRequest:
+        if not return_logprob:
+            return LogprobRequest()
+        start = -1 if start is None else start
+        if not isinstance(start, int) or start < -1 or start > prompt_len:
+            raise ValueError(
+                f"logprob_start_len={start} must be -1 (output only) or in [0, {prompt_len}]"
+            )
+        top = top or 0
+        if not isinstance(top, int) or not 0 <= top <= 100:
+            raise ValueError(f"top_logprobs_num={top} must be in [0, 100]")
+        return LogprobRequest(True, start, top)
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        if len(ids) >= self.context_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; the model's context is {self.context_len}: shorten the prompt"
+            )
+        capacity = self._core.allocator.capacity
+        need = len(ids) + min(params.max_new_tokens, self.context_len - len(ids))
+        if need > capacity:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) needs {need} KV "
+                f"slots, more than the pool's {capacity}: lower max_new_tokens or raise the pool size"
+            )
+
+    def _new_req(
+        self, ids: list[int], params: SamplingParams, seed: int, logprob: LogprobRequest
+    ) -> Req:
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            stop=list(params.stop),
+        )
+        return Req(
+            rid=f"{uuid.uuid4().hex[:12]}-{next(self._ids)}",
+            input_ids=ids,
+            params=params,
+            seed=seed,
+            detokenizer=detok,
+            logprob=logprob,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    @staticmethod
+    def _check_streamable(reqs: list[Req]) -> None:
+        if len(reqs) != 1:
+            raise ValueError("stream=True takes one prompt with n=1")
+
+    def _stream_sync(self, req: Req) -> Iterator[dict[str, Any]]:
+        updates: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._core.submit(
+            req, lambda r, finished: updates.put(request_output(r, stream=not finished))
+        )
+        try:
+            while True:
+                out = updates.get()
+                yield out
+                if out["meta_info"]["finish_reason"] is not None:
+                    return
+        finally:
+            if not req.is_finished:
+                self._core.abort(req.rid)
+
+    async def _stream_async(self, req: Req, loop) -> AsyncIterator[dict[str, Any]]:
+        updates: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._core.submit(
+            req,
+            lambda r, finished: loop.call_soon_threadsafe(
+                updates.put_nowait, request_output(r, stream=not finished)
+            ),
+        )
+        try:
+            while True:
+                out = await updates.get()
+                yield out
+                if out["meta_info"]["finish_reason"] is not None:
+                    return
+        finally:
+            if not req.is_finished:
+                self._core.abort(req.rid)
+
+
+def request_output(req: Req, stream: bool = False) -> dict[str, Any]:
+    """The SGLang-shaped result of a request, as of now (called on the core thread)."""
+    now = time.perf_counter()
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "prompt_tokens": len(req.input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens,
+        "finish_reason": req.finish_reason,
+        "e2e_latency": (req.finish_time or now) - req.arrival_time,
+    }
+    if req.error is not None:
+        meta["error"] = req.error
+    if req.logprob.return_logprob:
+        meta["input_token_logprobs"] = [(lp, t, None) for lp, t in req.input_token_logprobs]
+        meta["output_token_logprobs"] = [(lp, t, None) for lp, t in req.output_token_logprobs]
+        if req.logprob.top_logprobs_num:
+            meta["input_top_logprobs"] = [_top(x) for x in req.input_top_logprobs]
+            meta["output_top_logprobs"] = [_top(x) for x in req.output_top_logprobs]
+    text = req.detokenizer.stream_text if stream else req.detokenizer.text
+    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def _top(entries):
+    return None if entries is None else [(lp, t, None) for lp, t in entries]
+
+
+def _final_only(deliver):
+    def sink(req: Req, finished: bool) -> None:
+        if finished:
+            deliver(request_output(req))
+
+    return sink
+
+
+def _resolver(loop, fut):
+    def deliver(out):
+        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(out))
+
+    return deliver
+
+
+def _broadcast(value: Any, count: int, name: str) -> list[Any]:
+    if isinstance(value, list) and not (
+        name == "sampling_params" and value and not isinstance(value[0], dict)
+    ):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+        return value
+    return [value] * count
+
+
+def _raise_empty() -> list[int]:
+    raise ValueError("the prompt tokenizes to nothing; give some text")

@@ -1,0 +1,246 @@
+"""The engine core: model, KV memory, scheduler and the loop that drives them, in its own thread.
+
+Clients submit requests from any thread; the core batches whatever is waiting at each step and
+hands each request's progress to its sink (a callable run on the core thread, which must not block).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from radixlm.radix_cache.base import NoPrefixCache
+from radixlm.runtime.cache_manager import CacheManager
+from radixlm.runtime.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
+from radixlm.runtime.model_runner import ModelRunner, ReqStepResult
+from radixlm.runtime.request import Req
+from radixlm.runtime.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[Req, bool], None]  # (request, finished) -> None
+
+
+class EngineCore:
+    def __init__(
+        self, config, model_config, model, kv_pool: KVPool, backend, context_len: int, device
+    ) -> None:
+        self.config = config
+        self.context_len = context_len
+        self.kv_pool = kv_pool
+        self.rows = ReqToTokenPool(config.max_running_requests + 1, context_len + 1, device)
+        backend.req_to_token = self.rows.table
+        self.allocator = SlotAllocator(kv_pool.num_slots)
+        if config.disable_radix_cache:
+            prefix_cache = NoPrefixCache()
+        else:
+            from radixlm.radix_cache.radix_tree import RadixCache
+
+            prefix_cache = RadixCache()
+        self.cache = CacheManager(self.allocator, self.rows, prefix_cache)
+        self.scheduler = Scheduler(
+            self.cache,
+            max_running_requests=config.max_running_requests,
+            chunked_prefill_size=config.chunked_prefill_size,
+            schedule_policy=config.schedule_policy,
+        )
+        self.runner = ModelRunner(model, backend, self.rows.table, device)
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._sinks: dict[str, Sink] = {}
+        self._reqs: dict[str, Req] = {}
+        self._stop = threading.Event()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self._thread = threading.Thread(target=self._loop, name="radixlm-core", daemon=True)
+        self._thread.start()
+
+    # ---- client side (any thread) ---------------------------------------------------------
+
+    def submit(self, req: Req, sink: Sink) -> None:
+        if self._stop.is_set():
+            raise RuntimeError("the engine is shut down")
+        self._inbox.put(("add", (req, sink)))
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run `fn` on the core thread between steps and return its result."""
+        done: queue.Queue = queue.Queue(maxsize=1)
+        self._inbox.put(("call", (fn, done)))
+        ok, value = done.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    # ---- core thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.scheduler.has_work())
+            if self._stop.is_set():
+                break
+            plan = self.scheduler.schedule()
+            if not plan:
+                continue
+            try:
+                results = self.runner.step(plan)
+            except Exception as e:  # a failed step fails its requests, never the engine
+                logger.error("step failed: %s\n%s", e, traceback.format_exc())
+                for item in plan:
+                    self._fail(item.req, f"internal error during the forward step: {e}")
+                continue
+            self.num_steps += 1
+            for item, result in zip(plan, results):
+                self._apply(item.req, result)
+        for req in list(self._reqs.values()):
+            self._fail(req, "the engine shut down before the request finished")
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = msg
+            if kind == "add":
+                req, sink = payload
+                self._reqs[req.rid] = req
+                self._sinks[req.rid] = sink
+                self.scheduler.add(req)
+            elif kind == "abort":
+                req = self._reqs.get(payload)
+                if req is not None:
+                    req.finish({"type": "abort", "message": "aborted by the client"})
+                    self._finish(req)
+            elif kind == "call":
+                fn, done = payload
+                try:
+                    done.put((True, fn()))
+                except Exception as e:
+                    done.put((False, e))
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, req: Req, result: ReqStepResult) -> None:
+        if req.is_finished:
+            return
+        if result.input_logprobs:
+            req.input_token_logprobs.extend(result.input_logprobs)
+            req.input_top_logprobs.extend(result.input_top_logprobs)
+        token = result.next_token
+        if token is None:
+            return
+        if req.params.max_new_tokens == 0:  # prompt scoring only
+            req.finish({"type": "length", "length": 0})
+            self._finish(req)
+            return
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        req.output_ids.append(token)
+        self.num_generated_tokens += 1
+        if req.logprob.return_logprob:
+            req.output_token_logprobs.append((result.logprob, token))
+            req.output_top_logprobs.append(result.top_logprobs)
+        self._check_finished(req, token)
+        if req.is_finished:
+            self._finish(req)
+        else:
+            self._sinks[req.rid](req, False)
+
+    def _check_finished(self, req: Req, token: int) -> None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids):
+            req.finish({"type": "stop", "matched": token})
+            return
+        req.detokenizer.add([token])
+        if req.detokenizer.matched_stop is not None:
+            req.finish({"type": "stop", "matched": req.detokenizer.matched_stop})
+        elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.context_len:
+            req.finish({"type": "length", "length": len(req.output_ids)})
+
+    def _finish(self, req: Req) -> None:
+        self.scheduler.remove(req)
+        req.detokenizer.flush()
+        self._reqs.pop(req.rid, None)
+        sink = self._sinks.pop(req.rid, None)
+        if sink is not None:
+            sink(req, True)
+
+    def _fail(self, req: Req, message: str) -> None:
+        req.error = message
+        req.finish({"type": "abort", "message": message})
+        self._finish(req)
+
+    # ---- statistics -----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        pc = self.cache.prefix_cache
+        return {
+            "num_running_reqs": len(self.scheduler.running),
+            "num_waiting_reqs": len(self.scheduler.waiting),
+            "kv_pool_capacity_tokens": self.allocator.capacity,
+            "kv_pool_free_tokens": self.allocator.num_free,
+            "radix_cache_tokens": pc.total_size,
+            "radix_cache_evictable_tokens": pc.evictable_size,
+            "radix_cache_protected_tokens": pc.protected_size,
+            "cache_hit_rate": self.cache.stats.hit_rate,
+            "prompt_tokens": self.cache.stats.prompt_tokens,
+            "cached_tokens": self.cache.stats.cached_tokens,
+            "generated_tokens": self.num_generated_tokens,
+            "num_steps": self.num_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+
+def kv_pool_tokens(
+    config, model_config, dtype: torch.dtype, device: torch.device, context_len: int
+) -> int:
+    """Size the KV pool from free memory (or take `max_total_tokens`)."""
+    per_token = KVPool.bytes_per_slot(
+        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype
+    )
+    if config.max_total_tokens is not None:
+        return config.max_total_tokens
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        fraction = config.mem_fraction_static or 0.85
+    else:
+        free = _available_host_memory()
+        fraction = config.mem_fraction_static or 0.25
+    tokens = int(free * fraction) // per_token
+    # no use in more than every running request at full context
+    tokens = min(tokens, config.max_running_requests * context_len)
+    if tokens < 16:
+        raise ValueError(
+            f"not enough free memory for a KV cache ({free / 2**30:.1f} GiB free); "
+            "lower the load, raise mem_fraction_static, or set max_total_tokens"
+        )
+    return tokens
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

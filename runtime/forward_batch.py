@@ -1,0 +1,41 @@
+"""What one forward step computes, as tensors: built once per step by the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """A batch of requests, each extending its KV from `prefix_lens[i]` by `extend_lens[i]` tokens.
+
+    Requests with more than one new token (prefill chunks) come first, then the single-token ones
+    (decodes): `num_multi` counts the former. Tokens are packed request after request.
+    """
+
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    out_cache_loc: torch.Tensor  # (T,) int64: the KV slot of each new token
+    req_pool_indices: torch.Tensor  # (B,) int64: each request's row in req_to_token
+    prefix_lens: torch.Tensor  # (B,) int64
+    extend_lens: torch.Tensor  # (B,) int64
+    seq_lens: torch.Tensor  # (B,) int64: prefix + extend
+    logits_indices: torch.Tensor  # (L,) int64: rows of the packed hidden states that need logits
+    # host copies, for control flow without device syncs
+    extend_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    num_multi: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_multi == 0

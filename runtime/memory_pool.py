@@ -1,0 +1,110 @@
+"""KV memory: the per-token slot pool, its allocator, and the request-to-slot table.
+
+Three owners of three things: `KVPool` holds the K/V tensors (one flat buffer sliced per layer),
+`SlotAllocator` hands out free slot indices, `ReqToTokenPool` maps each running request's positions
+to slots. Policy (what to evict, whom to preempt) lives in `cache_manager.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K and V for every layer, addressed per token slot: k[layer] is (num_slots, num_kv_heads, head_dim)."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_slots = num_slots
+        # one buffer so a single allocation holds it all; (2, layers, slots, kv_heads, head_dim)
+        self._buffer = torch.empty(
+            (2, num_layers, num_slots, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+        self.k = list(self._buffer[0].unbind(0))
+        self.v = list(self._buffer[1].unbind(0))
+
+    @staticmethod
+    def bytes_per_slot(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class SlotAllocator:
+    """Free-list of KV slot indices (CPU int64). Slot 0 is never handed out: padding points at it."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.reset()
+
+    def reset(self) -> None:
+        self._free = torch.arange(1, self.num_slots, dtype=torch.int64)
+        self._pending: list[torch.Tensor] = []  # freed slots, merged lazily
+        self._num_pending = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.num_slots - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + self._num_pending
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
+    def allocate(self, n: int) -> torch.Tensor:
+        """Take n free slots. Raises RuntimeError when fewer are free (check `can_allocate` first)."""
+        if n > len(self._free):
+            self._merge()
+            if n > len(self._free):
+                raise RuntimeError(
+                    f"KV pool exhausted: asked for {n} slots, {len(self._free)} free"
+                )
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._pending.append(slots.to(torch.int64))
+            self._num_pending += slots.numel()
+
+    def _merge(self) -> None:
+        if self._pending:
+            self._free = torch.cat([self._free, *self._pending])
+            self._pending.clear()
+            self._num_pending = 0
+
+
+class ReqToTokenPool:
+    """Rows of slot indices, one per running request: table[row, pos] is the slot of position pos."""
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device) -> None:
+        self.table = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+        self.max_requests = max_requests
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_rows)
+
+    def allocate(self) -> int:
+        if not self._free_rows:
+            raise RuntimeError("no free request row")
+        return self._free_rows.pop()
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start : start + len(slots)] = slots.to(self.table.device, torch.int32)
+
+    def read(self, row: int, length: int) -> torch.Tensor:
+        return self.table[row, :length].to("cpu", torch.int64)

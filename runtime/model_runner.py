@@ -1,0 +1,161 @@
+"""One forward step: build the batch tensors once, run the model, sample.
+
+`ModelRunner.step` is the whole step: plan -> ForwardBatch -> logits -> tokens and log-probs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.sampler import Sampler, SamplingRow, top_logprobs
+from radixlm.runtime.scheduler import ScheduledReq
+
+
+@dataclass
+class ReqStepResult:
+    next_token: int | None = None  # None when this step did not end at the request's newest token
+    logprob: float | None = None
+    top_logprobs: list[tuple[float, int]] | None = None
+    # input log-probabilities for prompt positions computed in this step: (logprob, token_id)
+    input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, model, backend, req_to_token: torch.Tensor, device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.req_to_token = req_to_token
+        self.device = device
+        self.sampler = Sampler()
+
+    def step(self, plan: list[ScheduledReq]) -> list[ReqStepResult]:
+        """Run one step; results come in the order of `plan`."""
+        order = sorted(range(len(plan)), key=lambda i: plan[i].num_tokens == 1)  # multi-token first
+        items = [plan[i] for i in order]
+        batch, sample_rows, input_lp_rows = self._build_batch(items)
+        logits = self.model(batch, self.backend)  # (L, V)
+
+        results = [ReqStepResult() for _ in items]
+        rows = [sample_rows[i] for i in range(len(items)) if i in sample_rows]
+        if rows:
+            which = [i for i in range(len(items)) if i in sample_rows]
+            row_logits = logits[torch.tensor([sample_rows[i].logit_row for i in which])]
+            out = self.sampler(row_logits, [sample_rows[i].row for i in which])
+            for j, i in enumerate(which):
+                results[i].next_token = out.token_ids[j]
+                results[i].logprob = out.logprobs[j]
+                results[i].top_logprobs = out.top_logprobs[j]
+        for i, entries in input_lp_rows.items():
+            self._input_logprobs(logits, items[i], entries, results[i])
+
+        unsorted = [ReqStepResult()] * len(plan)
+        for pos, i in enumerate(order):
+            unsorted[i] = results[pos]
+        return unsorted
+
+    # ---- batch ----------------------------------------------------------------------------
+
+    def _build_batch(self, items: list[ScheduledReq]):
+        input_ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        logits_rows: list[int] = []
+        sample_rows: dict[int, _SampleSlot] = {}
+        input_lp_rows: dict[int, list[tuple[int, int]]] = {}  # item -> [(logit_row, token index)]
+        offset = 0
+        for i, it in enumerate(items):
+            req = it.req
+            ids = req.all_ids
+            input_ids.extend(ids[it.start : it.start + it.num_tokens])
+            positions.extend(range(it.start, it.start + it.num_tokens))
+            rows.append(req.pool_row)
+            if req.wants_input_logprobs:
+                entries = self._input_logprob_positions(it)
+                if entries:
+                    input_lp_rows[i] = []
+                    for pos, token_index in entries:
+                        input_lp_rows[i].append((len(logits_rows), token_index))
+                        logits_rows.append(offset + pos - it.start)
+            if it.samples:
+                sample_rows[i] = _SampleSlot(len(logits_rows), _sampling_row(req))
+                logits_rows.append(offset + it.num_tokens - 1)
+            offset += it.num_tokens
+
+        dev = self.device
+        extend_lens = [it.num_tokens for it in items]
+        prefix_lens = [it.start for it in items]
+        req_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        extend_t = torch.tensor(extend_lens, dtype=torch.int64, device=dev)
+        prefix_t = torch.tensor(prefix_lens, dtype=torch.int64, device=dev)
+        token_rows = torch.repeat_interleave(req_rows, extend_t)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=pos_t,
+            out_cache_loc=self.req_to_token[token_rows, pos_t].long(),
+            req_pool_indices=req_rows,
+            prefix_lens=prefix_t,
+            extend_lens=extend_t,
+            seq_lens=prefix_t + extend_t,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            extend_lens_cpu=extend_lens,
+            prefix_lens_cpu=prefix_lens,
+            num_multi=sum(1 for n in extend_lens if n > 1),
+        )
+        return batch, sample_rows, input_lp_rows
+
+    @staticmethod
+    def _input_logprob_positions(it: ScheduledReq) -> list[tuple[int, int]]:
+        """(position whose logits are needed, index of the prompt token they score) for the prompt
+        tokens this step can score that have not been scored yet."""
+        req = it.req
+        start = req.logprob.logprob_start_len
+        prompt_len = len(req.input_ids)
+        first_unscored = start + len(req.input_token_logprobs)
+        out = []
+        for token_index in range(max(first_unscored, 1), prompt_len):
+            pos = token_index - 1
+            if it.start <= pos < it.start + it.num_tokens:
+                out.append((pos, token_index))
+        return out
+
+    def _input_logprobs(self, logits, it: ScheduledReq, entries, result: ReqStepResult) -> None:
+        req = it.req
+        k = req.logprob.top_logprobs_num
+        idx = torch.tensor([row for row, _ in entries])
+        lp = torch.log_softmax(logits[idx], dim=-1)
+        if req.logprob.logprob_start_len == 0 and not req.input_token_logprobs:
+            # the first prompt token has no context to be scored from
+            result.input_logprobs.append((None, req.input_ids[0]))
+            result.input_top_logprobs.append(None)
+        for j, (_, token_index) in enumerate(entries):
+            token = req.input_ids[token_index]
+            result.input_logprobs.append((float(lp[j, token]), token))
+            result.input_top_logprobs.append(top_logprobs(lp[j], k) if k else None)
+
+
+@dataclass
+class _SampleSlot:
+    logit_row: int
+    row: SamplingRow
+
+
+def _sampling_row(req) -> SamplingRow:
+    p = req.params
+    banned: tuple[int, ...] = ()
+    if len(req.output_ids) < p.min_new_tokens:
+        banned = tuple(sorted(set(req.eos_token_ids) | set(p.stop_token_ids)))
+    return SamplingRow(
+        params=p,
+        seed=req.seed,
+        step=len(req.output_ids),
+        input_ids=req.input_ids,
+        output_ids=req.output_ids,
+        banned_ids=banned,
+        want_logprob=req.logprob.return_logprob,
+        top_logprobs_num=req.logprob.top_logprobs_num if req.logprob.return_logprob else 0,
+    )

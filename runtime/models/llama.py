@@ -1,0 +1,185 @@
+"""Llama-family decoders (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3), written once.
+
+Differences between the members are flags of `ModelConfig`: Qwen2 has q/k/v biases, Qwen3 has an
+RMSNorm on q and k per head. q/k/v and gate/up projections are fused into one matmul each at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from radixlm.runtime.model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rope = rope
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, backend
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # (T, q + 2 kv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        o = backend.forward(q, k, v, self.layer_id, batch, self.scale)  # (T, Hq, D)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions, x, residual, batch, backend):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, batch, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # one rope table shared by all layers (kept out of the state dict)
+        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = rope
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
+        """Logits (L, vocab) in float32 for the rows `batch.logits_indices`."""
+        x = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(batch.positions, x, residual, batch, backend)
+        x, _ = self.norm(x, residual)
+        x = x[batch.logits_indices]
+        return self.lm_head(x).float()
+
+    # ---- weights -------------------------------------------------------------------------
+
+    _STACKED = {
+        # our fused parameter: (hf name part, index in the fused order)
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face named tensors into this model; every parameter must be covered."""
+        if self.cfg.tie_word_embeddings:  # moving off the meta device unties them
+            self.lm_head.weight = self.embed_tokens.weight
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            target, offset_rows = name, None
+            for part, (fused, index) in self._STACKED.items():
+                if f".{part}." in name:
+                    target = name.replace(part, fused)
+                    offset_rows = self._fused_rows(fused, index, name)
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"unexpected weight {hf_name!r} for a {self.cfg.model_type} model")
+            with torch.no_grad():
+                if offset_rows is None:
+                    _check_shape(hf_name, param.shape, tensor.shape)
+                    param.copy_(tensor)
+                else:
+                    start, end = offset_rows
+                    _check_shape(hf_name, param[start:end].shape, tensor.shape)
+                    param[start:end].copy_(tensor)
+            loaded.add(f"{target}:{offset_rows}")
+        expected = self._expected_loads()
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(
+                f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            )
+
+    def _fused_rows(self, fused: str, index: int, name: str) -> tuple[int, int]:
+        cfg = self.cfg
+        if fused == "qkv_proj":
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            sizes = [q, kv, kv]
+        else:
+            sizes = [cfg.intermediate_size] * 2
+        start = sum(sizes[:index])
+        return start, start + sizes[index]
+
+    def _expected_loads(self) -> set[str]:
+        out = set()
+        for name, _ in self.named_parameters():
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            fused = [(p, i) for p, (f, i) in self._STACKED.items() if f".{f}." in name]
+            if fused:
+                for part, index in fused:
+                    fused_name = self._STACKED[part][0]
+                    out.add(f"{name}:{self._fused_rows(fused_name, index, name)}")
+            else:
+                out.add(f"{name}:None")
+        return out
+
+
+def _check_shape(name: str, want: torch.Size, got: torch.Size) -> None:
+    if tuple(want) != tuple(got):
+        raise ValueError(f"weight {name!r} has shape {tuple(got)}, the model expects {tuple(want)}")

@@ -1,0 +1,88 @@
+"""A request's state inside the engine core."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixlm.runtime.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class LogprobRequest:
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: output tokens only
+    top_logprobs_num: int = 0
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    detokenizer: IncrementalDetokenizer
+    logprob: LogprobRequest = field(default_factory=LogprobRequest)
+    eos_token_ids: frozenset[int] = frozenset()
+    grammar: Any = None  # a constrained.GrammarMatcher, once constrained decoding is wired in
+
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: dict[str, Any] | None = None
+    error: str | None = None
+
+    # KV bookkeeping, owned by the cache manager
+    pool_row: int | None = None
+    kv_len: int = 0  # tokens of all_ids whose K/V are in the pool (req_to_token row)
+    locked_node: Any = None  # prefix-cache node locked on behalf of this request
+    locked_len: int = 0  # tokens of the row that belong to the prefix cache (not ours to free)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_preemptions: int = 0
+
+    # log-probabilities gathered so far: (logprob, token_id) and top lists
+    input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        """Prompt then output: every token whose K/V the next step needs (but the newest)."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    @property
+    def prefill_done(self) -> bool:
+        """True once every prompt token has K/V: each step from then on decodes one token."""
+        return self.kv_len >= len(self.input_ids)
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.logprob.return_logprob and 0 <= self.logprob.logprob_start_len < len(
+            self.input_ids
+        )
+
+    def finish(self, reason: dict[str, Any]) -> None:
+        self.status = ReqStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter()

@@ -1,0 +1,140 @@
+"""Sampling parameters, with SGLang's names, validated before a request reaches the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+_MAX_STOP_STRINGS = 64
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+    # constrained decoding: at most one of these
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+        """Build from a user's dict; unknown keys are an error naming the valid ones."""
+        if params is None:
+            return cls()
+        if isinstance(params, SamplingParams):
+            return dataclasses.replace(params)
+        if not isinstance(params, dict):
+            raise TypeError(f"sampling params must be a dict, got {type(params).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown sampling parameter(s) {unknown}; valid names are {sorted(known)}"
+            )
+        values = dict(params)
+        if isinstance(values.get("stop"), str):
+            values["stop"] = [values["stop"]]
+        if values.get("stop") is None:
+            values["stop"] = []
+        if values.get("stop_token_ids") is None:
+            values["stop_token_ids"] = []
+        schema = values.get("json_schema")
+        if schema is not None and not isinstance(schema, str):
+            values["json_schema"] = _schema_to_text(schema)
+        sp = cls(**values)
+        sp.validate()
+        return sp
+
+    def validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(f"sampling params: {msg}")
+
+        def check_int(name: str, low: int, high: int | None = None) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                bad(f"{name} must be an integer, got {value!r}")
+            if value < low or (high is not None and value > high):
+                rng = f">= {low}" if high is None else f"in [{low}, {high}]"
+                bad(f"{name}={value} must be {rng}")
+
+        def check_float(name: str, low: float, high: float, low_open: bool = False) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                bad(f"{name} must be a number, got {value!r}")
+            if value != value or value > high or value < low or (low_open and value == low):
+                opener = "(" if low_open else "["
+                bad(f"{name}={value} must be in {opener}{low}, {high}]")
+            setattr(self, name, float(value))
+
+        check_int("max_new_tokens", 0)
+        check_int("min_new_tokens", 0)
+        if self.min_new_tokens > self.max_new_tokens:
+            bad(
+                f"min_new_tokens={self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}"
+            )
+        check_float("temperature", 0.0, 100.0)
+        check_float("top_p", 0.0, 1.0, low_open=True)
+        check_int("top_k", -1)
+        check_float("min_p", 0.0, 1.0)
+        check_float("frequency_penalty", -2.0, 2.0)
+        check_float("presence_penalty", -2.0, 2.0)
+        check_float("repetition_penalty", 0.0, 2.0, low_open=True)
+        check_int("n", 1, 128)
+        if self.seed is not None:
+            check_int("seed", 0, 2**63 - 1)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop must be a non-empty string or a list of non-empty strings")
+        if len(self.stop) > _MAX_STOP_STRINGS:
+            bad(f"at most {_MAX_STOP_STRINGS} stop strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            bad("stop_token_ids must be a list of non-negative integers")
+        constraints = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
+        if len(constraints) > 1:
+            bad(f"give at most one of regex, json_schema, ebnf (got {constraints})")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        for kind in ("regex", "json_schema", "ebnf"):
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _schema_to_text(schema: Any) -> str:
+    """Accept a dict or a pydantic model class as a JSON schema."""
+    import json
+
+    if isinstance(schema, dict):
+        return json.dumps(schema)
+    model_json_schema = getattr(schema, "model_json_schema", None)
+    if callable(model_json_schema):
+        return json.dumps(model_json_schema())
+    raise TypeError(
+        f"json_schema must be a JSON string, a dict or a pydantic model class, got {schema!r}"
+    )

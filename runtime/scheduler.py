@@ -1,0 +1,145 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each computes.
+
+The scheduler decides; it never touches tensors. Each step holds every running request that is
+decoding (one token each) plus prompt chunks under a token budget (chunked prefill), so prefills and
+decodes share a step. When KV memory runs short, cached prefixes are evicted first, then the
+newest running requests are preempted: their computed tokens go to the prefix cache and they wait
+to resume (recomputing what was evicted meanwhile). A request is never failed for lack of memory
+once admitted: one that could never fit alone is refused when it is submitted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from radixlm.radix_cache.ordering import order_waiting
+from radixlm.runtime.cache_manager import CacheManager
+from radixlm.runtime.request import Req, ReqStatus
+
+
+@dataclass(frozen=True)
+class ScheduledReq:
+    req: Req
+    start: int  # first position computed in this step
+    num_tokens: int  # positions computed in this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step ends at the request's newest token, so its logits give the next one."""
+        return self.start + self.num_tokens == self.req.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cache: CacheManager,
+        *,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        schedule_policy: str,
+    ) -> None:
+        self.cache = cache
+        self.max_running = max_running_requests
+        self.chunk_budget = chunked_prefill_size
+        self.policy = schedule_policy
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.num_preemptions = 0
+
+    # ---- queue ----------------------------------------------------------------------------
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Req) -> None:
+        """Take a request out (finished or aborted) and release its memory."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.cache.release(req)
+
+    # ---- planning -------------------------------------------------------------------------
+
+    def schedule(self) -> list[ScheduledReq]:
+        """Plan the next step; reserves the KV slots it needs. Empty when there is nothing to run."""
+        plan = self._schedule_decodes()
+        budget = self.chunk_budget
+        # prompts already partly computed continue first
+        for req in self.running:
+            if budget <= 0:
+                break
+            if not req.prefill_done:
+                item = self._extend(req, min(budget, req.num_tokens - req.kv_len), plan)
+                if item is None:
+                    break
+                plan.append(item)
+                budget -= item.num_tokens
+        if budget > 0 and self.waiting:
+            plan.extend(self._admit_waiting(budget, plan))
+        if not plan and self.running:
+            # nothing fits: free memory by preempting, then plan again (progress is guaranteed
+            # because a lone request always fits)
+            self._preempt(self.running[-1])
+            return self.schedule()
+        return plan
+
+    def _schedule_decodes(self) -> list[ScheduledReq]:
+        decoding = [r for r in self.running if r.prefill_done]
+        while decoding and not self.cache.can_extend(len(decoding)):
+            victim = decoding.pop()  # the newest
+            self._preempt(victim)
+        plan = []
+        for req in decoding:
+            start = req.kv_len
+            self.cache.extend(req, 1)
+            plan.append(ScheduledReq(req, start, 1))
+        return plan
+
+    def _extend(self, req: Req, n: int, plan: list[ScheduledReq]) -> ScheduledReq | None:
+        if n <= 0 or not self.cache.can_extend(n):
+            return None
+        start = req.kv_len
+        self.cache.extend(req, n)
+        return ScheduledReq(req, start, n)
+
+    def _admit_waiting(self, budget: int, plan: list[ScheduledReq]) -> list[ScheduledReq]:
+        admitted: list[ScheduledReq] = []
+        ordered = order_waiting(
+            list(self.waiting), lambda r: len(self.cache.match(r).slots), self.policy
+        )
+        for req in ordered:
+            if budget <= 0 or len(self.running) >= self.max_running or not self.cache.rows.num_free:
+                break
+            match = self.cache.match(req)
+            n = min(budget, req.num_tokens - len(match.slots))
+            self.cache.admit(req, match)
+            # keep one slot per running decode in reserve so admission does not force preemption
+            reserve = sum(1 for r in self.running if r.prefill_done)
+            if not self.cache.can_extend(n + reserve):
+                self.cache.release(req)
+                break
+            item = self._extend(req, n, plan)
+            if item is None:  # pragma: no cover - can_extend checked above
+                self.cache.release(req)
+                break
+            if req.num_preemptions == 0:
+                self.cache.record_first_admission(req)
+            self.waiting.remove(req)
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
+            admitted.append(item)
+            budget -= n
+        return admitted
+
+    def _preempt(self, req: Req) -> None:
+        self.running.remove(req)
+        self.cache.release(req)
+        req.status = ReqStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
