@@ -1,0 +1,410 @@
+"""Triton attention kernels against their plain-torch oracles in `kernels/attention_ref.py`.
+
+Without CUDA the kernels run on the CPU under TRITON_INTERPRET=1, which must be set before triton
+is first imported; sizes here are tiny for that reason. Tests marked `gpu` use real sizes on CUDA.
+
+Every batch is built to catch addressing mistakes: slots are shuffled and disjoint between requests
+(except a deliberately shared prefix), request rows are out of order, q and the pools are strided
+views, and every slot no request owns, as well as every req_to_token entry past a request's length,
+points at NaN keys and values.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from radixlm.kernels import triton_attention as ta  # noqa: E402
+from radixlm.kernels.attention_ref import (  # noqa: E402
+    decode_attention_ref,
+    extend_attention_ref,
+    store_kv_ref,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+gpu = pytest.mark.gpu
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# fp32 is exact up to summation order; half types are compared with an fp32 oracle
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+class Batch:
+    """Pools, slot table and packed queries for one ragged batch (see the module docstring)."""
+
+    def __init__(
+        self,
+        prefix_lens: list[int],
+        new_lens: list[int],
+        num_kv_heads: int,
+        group: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        *,
+        seed: int,
+        share_prefix: int = 0,
+        device: torch.device = DEVICE,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        batch = len(prefix_lens)
+        totals = [p + e for p, e in zip(prefix_lens, new_lens)]
+        num_rows = batch + 3
+        context = max(totals) + 7
+        owned = sum(totals)
+        num_slots = owned + 1 + 9  # slot 0 stays finite (the decode oracle reads it as padding)
+        order = torch.randperm(num_slots - 1, generator=gen) + 1
+        slots, spare = order[:owned], order[owned:]
+        poison = int(spare[0])
+
+        req_to_token = torch.full((num_rows, context), poison, dtype=torch.int32)
+        rows = torch.randperm(num_rows, generator=gen)[:batch]
+        start = 0
+        for i, (row, total) in enumerate(zip(rows.tolist(), totals)):
+            req_to_token[row, :total] = slots[start : start + total].int()
+            start += total
+            if i > 0 and share_prefix:  # a radix-shared prefix: same slots as request 0
+                shared = min(share_prefix, prefix_lens[0], prefix_lens[i])
+                req_to_token[row, :shared] = req_to_token[rows[0], :shared]
+
+        num_q_heads = num_kv_heads * group
+        # the pools are strided views of one (slots, 2 * Hkv, D) tensor, like per-layer views
+        kv = torch.randn(num_slots, 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+        kv[spare] = float("nan")
+        self.k_pool, self.v_pool = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+        # q is a strided view of a fused qkv projection output
+        num_tokens = sum(new_lens)
+        qkv = torch.randn(num_tokens, num_q_heads + 2, head_dim, generator=gen).to(dtype)
+        self.q = qkv[:, :num_q_heads]
+
+        self.req_to_token = req_to_token
+        self.req_pool_indices = rows
+        self.prefix_lens = torch.tensor(prefix_lens)
+        self.extend_lens = torch.tensor(new_lens)
+        self.seq_lens = self.prefix_lens + self.extend_lens
+        self.sm_scale = head_dim**-0.5
+        for name in ("k_pool", "v_pool", "q", "req_to_token", "req_pool_indices"):
+            setattr(self, name, getattr(self, name).to(device))
+        for name in ("prefix_lens", "extend_lens", "seq_lens"):
+            setattr(self, name, getattr(self, name).to(device))
+
+    def pools32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_pool.float(), self.v_pool.float()
+
+
+def expected_extend(b: Batch) -> torch.Tensor:
+    k32, v32 = b.pools32()
+    return extend_attention_ref(
+        b.q.float(),
+        k32,
+        v32,
+        b.req_to_token,
+        b.req_pool_indices,
+        b.prefix_lens,
+        b.extend_lens,
+        b.sm_scale,
+    )
+
+
+def expected_decode(b: Batch) -> torch.Tensor:
+    k32, v32 = b.pools32()
+    return decode_attention_ref(
+        b.q.float(), k32, v32, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale
+    )
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not actual.isnan().any(), "NaN in the output: a poisoned slot was read"
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def run_extend(b: Batch, **kwargs) -> torch.Tensor:
+    return ta.extend_attention(
+        b.q,
+        b.k_pool,
+        b.v_pool,
+        b.req_to_token,
+        b.req_pool_indices,
+        b.prefix_lens,
+        b.extend_lens,
+        b.sm_scale,
+        **kwargs,
+    )
+
+
+def run_decode(b: Batch, **kwargs) -> torch.Tensor:
+    return ta.decode_attention(
+        b.q,
+        b.k_pool,
+        b.v_pool,
+        b.req_to_token,
+        b.req_pool_indices,
+        b.seq_lens,
+        b.sm_scale,
+        **kwargs,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# extend
+
+EXTEND_CASES = [
+    # prefix_lens, extend_lens, num_kv_heads, group, head_dim
+    ([0], [1], 1, 1, 64),
+    ([0, 5, 17], [7, 1, 3], 2, 4, 64),
+    ([30, 0, 3, 12], [2, 33, 1, 9], 1, 8, 128),
+    ([40, 7], [20, 5], 2, 3, 64),
+    ([1, 0], [1, 40], 3, 1, 128),
+    ([9, 20], [6, 11], 2, 2, 80),  # a head dim that is not a power of two
+    ([230], [4], 1, 4, 64),  # a prefix several tiles long
+]
+
+
+@pytest.mark.parametrize("case", EXTEND_CASES, ids=lambda c: f"p{c[0]}-e{c[1]}-g{c[3]}-d{c[4]}")
+def test_extend_matches_reference_fp32(case) -> None:
+    prefix_lens, new_lens, num_kv_heads, group, head_dim = case
+    b = Batch(prefix_lens, new_lens, num_kv_heads, group, head_dim, torch.float32, seed=1)
+    assert_close(run_extend(b), expected_extend(b), torch.float32)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_extend_random_batches(seed: int) -> None:
+    gen = torch.Generator().manual_seed(100 + seed)
+    batch = int(torch.randint(1, 5, (1,), generator=gen))
+    prefix_lens = torch.randint(0, 41, (batch,), generator=gen).tolist()
+    new_lens = torch.randint(1, 25, (batch,), generator=gen).tolist()
+    group = [1, 3, 4, 8][seed % 4]
+    head_dim = [64, 128][seed % 2]
+    b = Batch(prefix_lens, new_lens, 2, group, head_dim, torch.float32, seed=seed, share_prefix=8)
+    assert_close(run_extend(b), expected_extend(b), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_extend_half_precision(dtype: torch.dtype) -> None:
+    b = Batch([12, 0, 25], [5, 17, 2], 2, 4, 64, dtype, seed=2)
+    out = run_extend(b)
+    assert out.dtype == dtype
+    assert_close(out, expected_extend(b), dtype)
+
+
+def test_extend_with_hints_and_strided_output() -> None:
+    b = Batch([3, 11], [9, 4], 2, 2, 64, torch.float32, seed=3)
+    starts = torch.cumsum(b.extend_lens, 0) - b.extend_lens
+    wide = torch.full((b.q.shape[0], b.q.shape[1] + 3, 64), float("nan"), device=DEVICE)
+    out = wide[:, 1 : 1 + b.q.shape[1]]
+    returned = run_extend(b, max_extend_len=16, extend_starts=starts, out=out)
+    assert returned.data_ptr() == out.data_ptr()
+    assert_close(out, expected_extend(b), torch.float32)
+    assert wide[:, 0].isnan().all() and wide[:, -2:].isnan().all(), "wrote outside `out`"
+
+
+def test_extend_rejects_mismatched_heads() -> None:
+    b = Batch([2], [3], 3, 1, 64, torch.float32, seed=4)
+    with pytest.raises(ValueError, match="multiple"):
+        ta.extend_attention(
+            b.q[:, :2],
+            b.k_pool,
+            b.v_pool,
+            b.req_to_token,
+            b.req_pool_indices,
+            b.prefix_lens,
+            b.extend_lens,
+            b.sm_scale,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+
+DECODE_CASES = [
+    # seq_lens, num_kv_heads, group, head_dim, num_kv_splits
+    ([1], 1, 1, 64, 1),
+    ([9, 1, 40], 2, 4, 64, 4),
+    ([33, 2, 17, 5], 1, 8, 128, 3),
+    ([60, 12], 4, 1, 128, 8),
+    ([7, 50, 21], 2, 3, 64, 2),
+    ([3, 26], 2, 2, 96, 4),  # a head dim that is not a power of two
+    ([250, 1], 1, 4, 64, 2),  # a split several tiles long
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"s{c[0]}-g{c[2]}-d{c[3]}-k{c[4]}")
+def test_decode_matches_reference_fp32(case) -> None:
+    seq_lens, num_kv_heads, group, head_dim, splits = case
+    prefix_lens = [s - 1 for s in seq_lens]
+    b = Batch(
+        prefix_lens, [1] * len(seq_lens), num_kv_heads, group, head_dim, torch.float32, seed=5
+    )
+    assert_close(run_decode(b, num_kv_splits=splits), expected_decode(b), torch.float32)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_random_batches(seed: int) -> None:
+    gen = torch.Generator().manual_seed(200 + seed)
+    batch = int(torch.randint(1, 6, (1,), generator=gen))
+    prefix_lens = torch.randint(0, 60, (batch,), generator=gen).tolist()
+    group = [1, 3, 4, 8][seed]
+    b = Batch(prefix_lens, [1] * batch, 2, group, [64, 128][seed % 2], torch.float32, seed=seed)
+    splits = [1, 2, 4, 5][seed]
+    assert_close(run_decode(b, num_kv_splits=splits), expected_decode(b), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_half_precision(dtype: torch.dtype) -> None:
+    b = Batch([8, 0, 44], [1, 1, 1], 2, 4, 128, dtype, seed=6)
+    out = run_decode(b, num_kv_splits=4)
+    assert out.dtype == dtype
+    assert_close(out, expected_decode(b), dtype)
+
+
+def test_decode_into_preallocated_buffers_for_a_smaller_batch() -> None:
+    b = Batch([5, 30], [1, 1], 2, 4, 64, torch.float32, seed=7)
+    scratch = ta.alloc_decode_scratch(6, b.q.shape[1], 64, 4, DEVICE)
+    out = torch.empty_like(b.q)
+    returned = run_decode(b, out=out, scratch=scratch)
+    assert returned.data_ptr() == out.data_ptr()
+    assert_close(out, expected_decode(b), torch.float32)
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        run_decode(b, scratch=scratch, num_kv_splits=2)
+
+
+def test_decode_padded_request_with_no_tokens_gives_zeros() -> None:
+    # a CUDA-graph batch is padded with requests of seq_len 0; they must not produce NaN
+    b = Batch([6, 0, 13], [1, 1, 1], 1, 4, 64, torch.float32, seed=8)
+    seq_lens = b.seq_lens.clone()
+    seq_lens[1] = 0
+    out = ta.decode_attention(
+        b.q,
+        b.k_pool,
+        b.v_pool,
+        b.req_to_token,
+        b.req_pool_indices,
+        seq_lens,
+        b.sm_scale,
+        num_kv_splits=3,
+    )
+    assert (out[1] == 0).all()
+    assert_close(out[[0, 2]], expected_decode(b)[[0, 2]], torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# store
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_reference(pool_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(9)
+    pools = [torch.randn(40, 2, 64, generator=gen).to(pool_dtype).to(DEVICE) for _ in range(2)]
+    expected = [p.clone() for p in pools]
+    loc = torch.randperm(40, generator=gen)[:11].int().to(DEVICE)
+    k, v = (torch.randn(11, 2, 64, generator=gen).to(DEVICE) for _ in range(2))
+    ta.store_kv(pools[0], pools[1], loc, k, v)
+    store_kv_ref(expected[0], expected[1], loc.long(), k.to(pool_dtype), v.to(pool_dtype))
+    assert torch.equal(pools[0], expected[0]) and torch.equal(pools[1], expected[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real sizes, bf16, CUDA graphs
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("group,head_dim", [(4, 128), (8, 128), (3, 64), (1, 64)])
+def test_gpu_extend_long_prefixes_bf16(group: int, head_dim: int) -> None:
+    b = Batch(
+        [0, 3000, 517, 1999, 4095],
+        [300, 1, 64, 129, 17],
+        8 if group < 8 else 4,
+        group,
+        head_dim,
+        torch.bfloat16,
+        seed=10,
+        share_prefix=400,
+    )
+    assert_close(run_extend(b), expected_extend(b), torch.bfloat16)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_extend_other_dtypes(dtype: torch.dtype) -> None:
+    b = Batch([1000, 0, 77], [200, 513, 1], 8, 4, 128, dtype, seed=11)
+    assert_close(run_extend(b), expected_extend(b), dtype)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize(
+    "group,head_dim,splits", [(4, 128, 8), (8, 128, 16), (1, 64, 4), (3, 96, 7)]
+)
+def test_gpu_decode_long_sequences_bf16(group: int, head_dim: int, splits: int) -> None:
+    gen = torch.Generator().manual_seed(12)
+    prefix_lens = torch.randint(0, 6000, (24,), generator=gen).tolist() + [0, 8191]
+    b = Batch(prefix_lens, [1] * 26, 8, group, head_dim, torch.bfloat16, seed=12)
+    assert_close(run_decode(b, num_kv_splits=splits), expected_decode(b), torch.bfloat16)
+    assert_close(run_decode(b), expected_decode(b), torch.bfloat16)  # default split count
+
+
+@gpu
+@requires_cuda
+def test_gpu_decode_replays_in_a_cuda_graph() -> None:
+    b = Batch([100, 2000, 37, 900], [1, 1, 1, 1], 8, 4, 128, torch.bfloat16, seed=13)
+    scratch = ta.alloc_decode_scratch(4, b.q.shape[1], 128, 8, DEVICE)
+    q = b.q.clone()
+    seq_lens = b.seq_lens.clone()
+    out = torch.empty_like(q)
+
+    def step() -> None:
+        ta.decode_attention(
+            q,
+            b.k_pool,
+            b.v_pool,
+            b.req_to_token,
+            b.req_pool_indices,
+            seq_lens,
+            b.sm_scale,
+            out=out,
+            scratch=scratch,
+        )
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # new inputs in the same buffers: shorter sequences and other queries
+    seq_lens.copy_(torch.tensor([50, 1999, 1, 901], device=DEVICE))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    b.q, b.seq_lens = q, seq_lens
+    assert_close(out, expected_decode(b), torch.bfloat16)
+
+
+@gpu
+@requires_cuda
+def test_gpu_extend_replays_in_a_cuda_graph_with_a_length_hint() -> None:
+    # speculative verification: a fixed number of query tokens per request
+    b = Batch([500, 1200, 3], [4, 4, 4], 8, 4, 128, torch.bfloat16, seed=14)
+    out = torch.empty_like(b.q)
+    starts = torch.cumsum(b.extend_lens, 0) - b.extend_lens
+
+    def step() -> None:
+        run_extend(b, max_extend_len=4, extend_starts=starts, out=out)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    b.prefix_lens.copy_(torch.tensor([499, 1000, 0], device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, expected_extend(b), torch.bfloat16)
