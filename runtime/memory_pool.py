@@ -27,6 +27,9 @@ class KVPool:
         self._buffer = torch.empty(
             (2, num_layers, num_slots, num_kv_heads, head_dim), dtype=dtype, device=device
         )
+        # slot 0 is padding that masked-out reads point at: it must hold finite values, since a
+        # NaN times a zero attention weight is still NaN
+        self._buffer[:, :, 0].zero_()
         self.k = list(self._buffer[0].unbind(0))
         self.v = list(self._buffer[1].unbind(0))
 

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Triton kernels run on the CPU through the interpreter when there is no GPU; this must be set
+# before triton is imported anywhere.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model_folder() -> str:
+    """The embedded default model as a Hugging Face folder (converted once from its GGUF)."""
+    from radixlm.runtime.config import default_cache_dir
+    from radixlm.runtime.model_loader import resolve_model_folder
+
+    return str(resolve_model_folder(None, default_cache_dir()))
+
+
+@pytest.fixture(scope="session")
+def engine(default_model_folder):
+    """The real default model with the default settings, shared by the tests that only read."""
+    import radixlm
+
+    with radixlm.Engine(default_model_folder) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="session")
+def tokenizer(engine):
+    return engine.tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_folder):
+    """Hugging Face transformers' own implementation of the same weights: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_folder, dtype=torch.float32)
+    return model.eval()
