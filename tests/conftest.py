@@ -52,3 +52,25 @@ def hf_model(default_model_folder):
 
     model = AutoModelForCausalLM.from_pretrained(default_model_folder, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory, default_model_folder) -> str:
+    """A tiny random Llama with the default model's tokenizer: for mechanics, not for quality."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=2, bos_token_id=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    out = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for f in Path(default_model_folder).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return str(out)

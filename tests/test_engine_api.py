@@ -1,0 +1,160 @@
+"""The offline Engine API on the real default model: shapes of results, streaming, stop strings,
+seeds, n, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import radixlm
+from radixlm.runtime.detokenizer import IncrementalDetokenizer
+
+PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "My favourite food is", "Water boils at"]
+
+
+def test_result_shape_and_meta_info(engine):
+    out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == len(out["output_ids"]) <= 8
+    assert meta["finish_reason"]["type"] in ("stop", "length") and meta["e2e_latency"] > 0
+    assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    assert "Paris" in out["text"]
+
+
+def test_list_in_list_out_and_input_ids(engine):
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    outs = engine.generate(PROMPTS, params)
+    assert isinstance(outs, list) and len(outs) == len(PROMPTS)
+    ids = [engine.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    by_ids = engine.generate(input_ids=ids, sampling_params=params)
+    assert [o["output_ids"] for o in by_ids] == [o["output_ids"] for o in outs]
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
+    params = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 0.9, "seed": 7, "ignore_eos": True}
+    alone = engine.generate(PROMPTS[0], params)["output_ids"]
+    noisy = engine.generate(
+        [PROMPTS[0], *PROMPTS[1:]] * 4, [params] + [{"max_new_tokens": 20, "temperature": 0.8}] * 15
+    )
+    assert noisy[0]["output_ids"] == alone
+    other_seed = engine.generate(PROMPTS[0], {**params, "seed": 8})["output_ids"]
+    assert other_seed != alone
+
+
+def test_n_samples_share_the_prompt_and_differ(engine):
+    outs = engine.generate(
+        PROMPTS[2],
+        {"max_new_tokens": 10, "temperature": 1.0, "n": 4, "seed": 3, "ignore_eos": True},
+    )
+    assert len(outs) == 4
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1
+    # sample k of n is the same as a single request seeded seed + k
+    single = engine.generate(
+        PROMPTS[2], {"max_new_tokens": 10, "temperature": 1.0, "seed": 5, "ignore_eos": True}
+    )
+    assert single["output_ids"] == outs[2]["output_ids"]
+
+
+def test_stop_string_is_trimmed_and_reported(engine):
+    out = engine.generate("1, 2, 3, 4,", {"max_new_tokens": 20, "temperature": 0, "stop": ["7"]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "7"}
+    assert out["text"].strip().endswith(",") and "7" not in out["text"]
+
+
+def test_stop_token_ids_and_min_new_tokens(engine):
+    free = engine.generate(
+        "1, 2, 3, 4,", {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    )
+    first = free["output_ids"][0]
+    out = engine.generate(
+        "1, 2, 3, 4,", {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [first]}
+    )
+    assert out["output_ids"] == [first] and out["meta_info"]["finish_reason"] == {
+        "type": "stop",
+        "matched": first,
+    }
+    held = engine.generate(
+        "1, 2, 3, 4,",
+        {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [first], "min_new_tokens": 2},
+    )
+    assert held["output_ids"][0] != first and len(held["output_ids"]) >= 2
+
+
+def test_streaming_is_cumulative_and_ends_with_the_full_result(engine):
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    chunks = list(engine.generate("Emoji test: 🙂🚀 are", params, stream=True))
+    full = engine.generate("Emoji test: 🙂🚀 are", params)
+    assert len(chunks) >= 2
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert chunks[-1]["text"] == full["text"] and chunks[-1]["output_ids"] == full["output_ids"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_async_generate_and_async_stream(engine):
+    async def main():
+        params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        outs = await asyncio.gather(*(engine.async_generate(p, params) for p in PROMPTS))
+        chunks = [c async for c in await engine.async_generate(PROMPTS[0], params, stream=True)]
+        return outs, chunks
+
+    outs, chunks = asyncio.run(main())
+    assert [o["output_ids"] for o in outs] == [
+        o["output_ids"]
+        for o in engine.generate(
+            PROMPTS, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        )
+    ]
+    assert chunks[-1]["output_ids"] == outs[0]["output_ids"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prompt": ""}, "empty"),
+        ({"prompt": "hi", "sampling_params": {"max_tokens": 3}}, "unknown sampling parameter"),
+        ({"prompt": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"prompt": "hi", "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"prompt": "hi", "sampling_params": {"max_new_tokens": -5}}, "max_new_tokens"),
+        ({"prompt": "hi", "sampling_params": {"n": 10_000}}, "n="),
+        ({"prompt": "hi", "sampling_params": {"stop": [""]}}, "stop"),
+        ({"prompt": "hi", "sampling_params": {"regex": "a", "json_schema": "{}"}}, "at most one"),
+        ({"input_ids": [1, 2, 10**9]}, "vocabulary"),
+        ({"prompt": "x " * 9000}, "context"),
+        ({"prompt": None}, "exactly one"),
+    ],
+)
+def test_bad_input_raises_a_clear_value_error(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(**kwargs)
+    # and the engine keeps serving
+    assert engine.generate("Hi", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
+
+
+def test_bad_engine_options_and_model_paths(tmp_path):
+    with pytest.raises(ValueError, match="unknown engine option"):
+        radixlm.Engine(batch_size=3)
+    with pytest.raises(ValueError, match="does not exist"):
+        radixlm.Engine(str(tmp_path / "nope"))
+    corrupt = tmp_path / "broken.gguf"
+    corrupt.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ValueError, match="GGUF"):
+        radixlm.Engine(str(corrupt), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="config.json"):
+        radixlm.Engine(str(tmp_path))
+
+
+def test_detokenizer_never_splits_a_character_and_finds_stops_across_chunks(tokenizer):
+    text = "naïve café 🙂 — 東京 ok STOP here"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=["STOP"])
+    seen = []
+    for t in ids:
+        detok.add([t])
+        seen.append(detok.stream_text)
+        assert "\ufffd" not in detok.stream_text
+    assert detok.matched_stop == "STOP"
+    assert detok.text == "naïve café 🙂 — 東京 ok "
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
