@@ -1,0 +1,275 @@
+"""The `radixlm` command.
+
+    radixlm serve [--model-path P] [--host 127.0.0.1] [--port 30000] [--api-key K] [engine options]
+    radixlm generate "The capital of France is" --max-new-tokens 32 [--chat] [--temperature T]
+
+Imports stay inside the commands, so `radixlm --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Any
+
+# Engine options: EngineConfig field -> help. Every field of EngineConfig becomes an option; one
+# missing here still gets an option, with a generic help line.
+_ENGINE_HELP = {
+    "model_path": "a Hugging Face model folder (config.json, *.safetensors, tokenizer) or a GGUF "
+    "file; default: the embedded SmolLM2-135M-Instruct",
+    "tokenizer_path": "a tokenizer folder, when it is not the model's",
+    "device": "cuda or cpu (default: cuda when available)",
+    "dtype": "weights and KV dtype: auto (bfloat16 on GPU, float32 on CPU), float32, float16, "
+    "bfloat16",
+    "context_length": "the longest sequence (prompt + output) in tokens (default: the model's)",
+    "mem_fraction_static": "the share of free memory given to the KV pool (default: 0.85 on GPU, "
+    "0.25 on CPU)",
+    "max_total_tokens": "the KV pool's size in tokens (overrides --mem-fraction-static)",
+    "max_running_requests": "requests decoded together at most",
+    "chunked_prefill_size": "prompt tokens computed in one step at most (long prompts are chunked)",
+    "max_prefill_tokens": "tokens of one step's batch at most (default: chunked prefill size + "
+    "running decodes)",
+    "schedule_policy": "the order of waiting requests: lpm (longest cached prefix first) or fcfs",
+    "disable_radix_cache": "do not reuse the KV of shared prefixes across requests",
+    "attention_backend": "auto, torch (the plain reference) or triton",
+    "random_seed": "the seed of the engine's own random choices (per-request seeds otherwise)",
+    "cache_dir": "where converted models are kept (default: $RADIXLM_CACHE or ~/.cache/radixlm)",
+    "trust_remote_code": "allow a model folder's own code (not needed for supported models)",
+}
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    from radixlm.runtime.config import EngineConfig
+
+    group = parser.add_argument_group("engine options")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help = _ENGINE_HELP.get(f.name, f"EngineConfig.{f.name}")
+        if f.default not in (None, dataclasses.MISSING, False) and "default" not in help:
+            help += f" (default: {f.default})"
+        kind = _field_kind(f)
+        if kind is bool:
+            group.add_argument(flag, dest=f.name, action="store_true", default=None, help=help)
+        else:
+            group.add_argument(flag, dest=f.name, type=kind, default=None, help=help)
+
+
+def _field_kind(f: dataclasses.Field) -> type:
+    text = str(f.type)
+    if text.startswith("bool"):
+        return bool
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from radixlm.runtime.config import EngineConfig
+
+    return {
+        name: getattr(args, name)
+        for name in EngineConfig.field_names()
+        if getattr(args, name, None) is not None
+    }
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows an option's default unless it is None, False, or already in the help text."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        if (
+            "default" not in help
+            and action.default not in (None, False, argparse.SUPPRESS)
+            and action.option_strings
+        ):
+            help += " (default: %(default)s)"
+        return help
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixlm",
+        description="Structured generation and agent serving over a RadixAttention prefix cache.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over HTTP (SGLang's native API and the OpenAI API)",
+        description="Serve a model over HTTP: POST /generate (SGLang's native API), "
+        "/v1/completions, /v1/chat/completions, /v1/models, /metrics, /health.",
+        formatter_class=_HelpFormatter,
+    )
+    net = serve.add_argument_group("server options")
+    net.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    net.add_argument("--port", type=int, default=30000, help="the port to listen on")
+    net.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $RADIXLM_API_KEY, else none)",
+    )
+    net.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id of the OpenAI API (default: the model's folder or file name)",
+    )
+    net.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logging level; at info, one line per request (id, route, status, tokens in/out, "
+        "cached tokens, latency)",
+    )
+    net.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let in-flight requests finish before they are aborted",
+    )
+    limits = serve.add_argument_group("limits")
+    limits.add_argument(
+        "--max-body-bytes", type=int, default=8 * 2**20, help="the largest request body (413 above)"
+    )
+    limits.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="the longest prompt in tokens (default: the model's context)",
+    )
+    limits.add_argument(
+        "--max-new-tokens-limit",
+        dest="max_new_tokens_limit",
+        type=int,
+        default=None,
+        help="the most tokens one completion may ask for (default: the model's context)",
+    )
+    limits.add_argument("--max-n", type=int, default=16, help="the most completions per prompt")
+    limits.add_argument(
+        "--max-batch-size", type=int, default=256, help="the most prompts in one request"
+    )
+    limits.add_argument(
+        "--rate-limit",
+        type=float,
+        default=None,
+        help="requests per minute per API key (per client address without a key); "
+        "429 with Retry-After above it (default: no limit)",
+    )
+    limits.add_argument(
+        "--rate-limit-burst",
+        type=int,
+        default=None,
+        help="requests allowed at once before the rate applies (default: a tenth of a minute's)",
+    )
+    _add_engine_options(serve)
+    serve.set_defaults(run=_serve)
+
+    gen = commands.add_parser(
+        "generate",
+        help="generate a completion for one prompt and print it",
+        description="Generate a completion for one prompt, printed as it is generated.",
+        formatter_class=_HelpFormatter,
+    )
+    gen.add_argument("prompt", help="the prompt (use '-' to read it from standard input)")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    gen.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message (chat template)"
+    )
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    _add_engine_options(gen)
+    gen.set_defaults(run=_generate)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    import radixlm
+    from radixlm.server.app import create_app
+    from radixlm.server.state import ServerLimits
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    limits = ServerLimits(
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=args.max_new_tokens_limit,
+        max_n=args.max_n,
+        max_batch_size=args.max_batch_size,
+        rate_limit_per_minute=args.rate_limit,
+        rate_limit_burst=args.rate_limit_burst,
+    )
+    engine = radixlm.Engine(**_engine_kwargs(args))
+    app = create_app(
+        engine,
+        api_key=args.api_key or os.environ.get("RADIXLM_API_KEY") or None,
+        served_model_name=args.served_model_name,
+        limits=limits,
+        owns_engine=True,
+        server_info={"host": args.host, "port": args.port},
+    )
+    # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish for the
+    # graceful timeout (then cancels them, which aborts their generations), and runs the app's
+    # shutdown, which stops the engine. Its access log is off: the app logs each request itself.
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=args.graceful_timeout,
+    )
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import radixlm
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+    }
+    if args.seed is not None:
+        params["seed"] = args.seed
+    with radixlm.Engine(**_engine_kwargs(args)) as engine:
+        if args.chat:
+            prompt = engine.apply_chat_template([{"role": "user", "content": prompt}])
+        shown = 0
+        for snapshot in engine.generate(prompt, params, stream=True):
+            text = snapshot["text"]
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = max(shown, len(text))
+        sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as e:  # bad options (EngineConfig, limits, prompt): say what, not a trace
+        print(f"radixlm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

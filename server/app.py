@@ -1,0 +1,108 @@
+"""The FastAPI application: native SGLang-compatible API, OpenAI API, metrics, protection.
+
+from radixlm.server.app import create_app
+app = create_app(radixlm.Engine(), api_key="secret")
+uvicorn.run(app, host="127.0.0.1", port=30000)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+
+from radixlm import __version__
+from radixlm.server.backend import GenerationBackend, LocalEngineBackend
+from radixlm.server.errors import APIError
+from radixlm.server.generation import ClientDisconnected
+from radixlm.server.guard import GuardMiddleware
+from radixlm.server.metrics import Metrics
+from radixlm.server.state import ServerLimits, ServerState
+
+logger = logging.getLogger("radixlm.server")
+
+
+def create_app(
+    engine: Any,
+    *,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    limits: ServerLimits | None = None,
+    owns_engine: bool = True,
+    server_info: dict[str, Any] | None = None,
+) -> FastAPI:
+    """Build the app over an engine (a `radixlm.Engine` or any `GenerationBackend`).
+
+    With `owns_engine`, the engine is shut down when the app shuts down (uvicorn on SIGTERM: it
+    stops accepting, lets in-flight requests finish for its graceful timeout, then runs this).
+    `served_model_name` is the model id of the OpenAI API (default: the model folder's name).
+    """
+    backend: GenerationBackend = (
+        engine if _is_backend(engine) else LocalEngineBackend(engine)
+    )  # fmt: skip
+    info = backend.model_info()
+    name = served_model_name or info.name
+    state = ServerState(
+        backend=backend,
+        served_model_name=name,
+        limits=limits or ServerLimits(),
+        metrics=Metrics(name),
+        api_key=api_key or None,
+        owns_engine=owns_engine,
+        extra_server_info=dict(server_info or {}),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        logger.info("serving %s (%s)", name, info.model_path)
+        yield
+        if state.owns_engine:
+            logger.info("shutting down the engine")
+            backend.shutdown()
+
+    app = FastAPI(
+        title="radixlm",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.server = state
+
+    from radixlm.server import native, openai_api
+
+    app.include_router(native.router)
+    app.include_router(openai_api.router)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            stats = await backend.stats()
+        except Exception:  # metrics must answer even when the engine does not
+            logger.exception("engine stats unavailable")
+            stats = None
+        return Response(
+            state.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        state.metrics.count_error(exc.type)
+        return exc.response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def disconnected(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    app.add_middleware(GuardMiddleware, state=state)
+    return app
+
+
+def _is_backend(engine: Any) -> bool:
+    return callable(getattr(engine, "model_info", None)) and callable(
+        getattr(engine, "stream", None)
+    )

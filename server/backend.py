@@ -1,0 +1,159 @@
+"""What the HTTP server needs from an engine, and its implementation over the in-process `Engine`.
+
+The server talks to the engine only through `GenerationBackend`, so that the engine core can move
+into its own process later (behind a msgspec channel) without the routes changing. The HTTP side
+owns tokenization and chat templating; the engine side owns scheduling and the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # a short default for the served model name
+    model_path: str
+    tokenizer_path: str
+    context_len: int
+    vocab_size: int
+    chat_template_has_tools: bool
+
+
+class GenerationBackend(Protocol):
+    """The engine as the server sees it.
+
+    `stream` validates its arguments when awaited (raising ValueError for bad input, before any
+    work is queued) and returns an async iterator of cumulative snapshots
+    `{"text", "output_ids", "meta_info"}`; the request starts when the iterator is first advanced
+    and is aborted if the iterator is closed before its last snapshot.
+    """
+
+    def model_info(self) -> ModelInfo: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def token_texts(self, ids: list[int]) -> list[str]: ...
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str: ...
+
+    async def stream(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        *,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+    ) -> AsyncIterator[dict[str, Any]]: ...
+
+    async def flush_cache(self) -> bool: ...
+
+    async def stats(self) -> dict[str, Any]: ...
+
+    def engine_config(self) -> dict[str, Any]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalEngineBackend:
+    """`GenerationBackend` over an in-process `radixlm.Engine` (whose core runs in a thread)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._token_text: dict[int, str] = {}
+        template = getattr(engine.tokenizer, "chat_template", None) or ""
+        config = engine.config
+        self._info = ModelInfo(
+            name=_model_name(config.model_path, engine.model_folder),
+            model_path=str(config.model_path or engine.model_folder),
+            tokenizer_path=str(config.tokenizer_path or config.model_path or engine.model_folder),
+            context_len=int(engine.context_len),
+            vocab_size=int(engine.model_config.vocab_size),
+            chat_template_has_tools=isinstance(template, str) and "tools" in template,
+        )
+
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    def tokenize(self, text: str) -> list[int]:
+        # as the engine does for a text prompt: special tokens written in the text (a chat
+        # template's markers) are recognised, none are added
+        return list(self._engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        out = []
+        for token in ids:
+            text = self._token_text.get(token)
+            if text is None:
+                text = self._engine.tokenizer.decode([token], skip_special_tokens=False)
+                self._token_text[token] = text
+            out.append(text)
+        return out
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        kwargs = {"tools": tools} if tools else {}
+        return self._engine.apply_chat_template(messages, **kwargs)
+
+    async def stream(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        *,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        return await self._engine.async_generate(
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            stream=True,
+        )
+
+    async def flush_cache(self) -> bool:
+        # the engine answers between two steps of its core thread: wait off the event loop
+        return await asyncio.to_thread(self._engine.flush_cache)
+
+    async def stats(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self._engine.get_stats)
+
+    def engine_config(self) -> dict[str, Any]:
+        config = self._engine.config
+        values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {}
+        values["device"] = str(self._engine.device)
+        values["dtype"] = str(self._engine.dtype).removeprefix("torch.")
+        values["context_length"] = self._info.context_len
+        return values
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+
+
+def _model_name(model_path: str | None, folder: Any) -> str:
+    """`Qwen2.5-0.5B-Instruct` for a folder or a GGUF file of that name; for the embedded default
+    model, its converted folder's name less the cache's hash suffix."""
+    path = PurePath(str(model_path or folder))
+    name = path.name
+    if path.suffix == ".gguf":
+        name = path.stem
+    elif model_path is None:
+        name = re.sub(r"-[0-9a-f]{16}$", "", name)
+    return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE) or str(path)

@@ -1,0 +1,123 @@
+"""OpenAI chat messages -> the model's prompt, through its chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixlm.server.backend import GenerationBackend
+from radixlm.server.errors import bad_request
+from radixlm.server.openai_protocol import ChatMessage
+from radixlm.server.tools import (
+    ToolPlan,
+    arguments_dict,
+    call_as_text,
+    result_as_text,
+    tools_system_prompt,
+)
+
+_ROLES = {"system", "user", "assistant", "tool"}
+
+
+def render_chat_prompt(
+    backend: GenerationBackend, messages: list[ChatMessage], plan: ToolPlan
+) -> str:
+    if not messages:
+        raise bad_request("messages must hold at least one message", "messages")
+    native_tools = backend.model_info().chat_template_has_tools
+    dicts = chat_messages(messages, native_tools)
+    tools = None
+    if plan.active:
+        if native_tools:
+            tools = plan.offered
+            if plan.constrained:
+                _add_to_system(dicts, plan.instructions())
+        else:
+            _add_to_system(dicts, tools_system_prompt(plan))
+    try:
+        return backend.render_chat(dicts, tools)
+    except Exception as e:  # a template that raises on these messages (e.g. role order)
+        raise bad_request(f"the model's chat template cannot render these messages: {e}") from e
+
+
+def chat_messages(messages: list[ChatMessage], native_tools: bool) -> list[dict[str, Any]]:
+    """Plain dicts for the template; tool calls and results as text where it lacks tools."""
+    out: list[dict[str, Any]] = []
+    call_names: dict[str, str] = {}  # tool_call_id -> function name, for the results
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role
+        if role not in _ROLES:
+            raise bad_request(
+                f"messages[{i}].role={m.role!r}; use system, developer, user, assistant or tool",
+                f"messages[{i}].role",
+            )
+        content = _text(m.content, i)
+        if role == "assistant" and m.tool_calls:
+            for call in m.tool_calls:
+                if call.id:
+                    call_names[call.id] = call.function.name
+            if native_tools:
+                out.append(
+                    {
+                        "role": "assistant",
+                        "content": content,
+                        "tool_calls": [
+                            {
+                                "id": c.id,
+                                "type": "function",
+                                "function": {
+                                    "name": c.function.name,
+                                    "arguments": arguments_dict(c.function.arguments),
+                                },
+                            }
+                            for c in m.tool_calls
+                        ],
+                    }
+                )
+            else:
+                calls = [call_as_text(c.function.name, c.function.arguments) for c in m.tool_calls]
+                out.append(
+                    {"role": "assistant", "content": "\n".join(filter(None, [content, *calls]))}
+                )
+            continue
+        if role == "tool":
+            name = m.name or call_names.get(m.tool_call_id or "")
+            if native_tools:
+                entry = {"role": "tool", "content": content, "tool_call_id": m.tool_call_id}
+                if name:
+                    entry["name"] = name
+                out.append(entry)
+            elif out and out[-1].get("_tool_results"):  # consecutive results: one user turn
+                out[-1]["content"] += "\n" + result_as_text(content)
+            else:
+                out.append(
+                    {"role": "user", "content": result_as_text(content), "_tool_results": True}
+                )
+            continue
+        out.append({"role": role, "content": content})
+    for entry in out:
+        entry.pop("_tool_results", None)
+    return out
+
+
+def _text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(
+                f"messages[{index}] has a {part.type!r} part; this model takes text only",
+                f"messages[{index}].content",
+            )
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+def _add_to_system(messages: list[dict[str, Any]], text: str) -> None:
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]["content"]
+        messages[0]["content"] = f"{first}\n\n{text}" if first else text
+    else:
+        messages.insert(0, {"role": "system", "content": text})

@@ -1,0 +1,246 @@
+"""Running generations for the routes: limits, fan-out of `n`, metrics, and cancellation.
+
+Every generation runs as an engine stream, also for a client that did not ask to stream: the server
+then sees each token arrive, which is what time-to-first-token and inter-token latency are measured
+from. A generation whose consumer goes away (a closed stream, a cancelled task) is aborted in the
+engine, so its KV slots are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fastapi import Request
+
+from radixlm.server.errors import APIError, bad_request, unavailable
+from radixlm.server.state import RequestUsage, ServerState
+
+
+@dataclass(frozen=True)
+class GenerationInput:
+    """One engine request: a tokenized prompt and sampling params with n = 1."""
+
+    input_ids: list[int]
+    params: dict[str, Any]
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection; its generations were aborted."""
+
+
+def fan_out(item: GenerationInput, n: int) -> list[GenerationInput]:
+    """n independent samples of one prompt; with a seed, sample k uses seed + k (as the engine)."""
+    if n == 1:
+        return [item]
+    seed = item.params.get("seed")
+    out = []
+    for k in range(n):
+        params = dict(item.params)
+        if seed is not None:
+            params["seed"] = seed + k
+        out.append(replace(item, params=params))
+    return out
+
+
+def check_prompt(state: ServerState, input_ids: list[int], param: str = "prompt") -> None:
+    if not input_ids:
+        raise bad_request("the prompt is empty; give at least one token of text", param)
+    info = state.backend.model_info()
+    limit = state.limits.max_prompt_tokens
+    if limit is not None and len(input_ids) > limit:
+        raise bad_request(
+            f"the prompt has {len(input_ids)} tokens; this server accepts at most {limit}",
+            param,
+            code="context_length_exceeded",
+        )
+    if len(input_ids) >= info.context_len:
+        raise bad_request(
+            f"the prompt has {len(input_ids)} tokens; the model's context is {info.context_len} "
+            "(the prompt and at least one new token must fit): shorten the prompt",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+def check_max_new_tokens(state: ServerState, value: Any, param: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{param} must be an integer, got {value!r}", param)
+    if value < 0:
+        raise bad_request(f"{param}={value} must be non-negative", param)
+    limit = state.limits.max_new_tokens
+    if limit is not None and value > limit:
+        raise bad_request(f"{param}={value} exceeds this server's limit of {limit}", param)
+
+
+def check_n(state: ServerState, n: Any, param: str = "n") -> int:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise bad_request(f"{param} must be an integer, got {n!r}", param)
+    if not 1 <= n <= state.limits.max_n:
+        raise bad_request(f"{param}={n} must be in [1, {state.limits.max_n}]", param)
+    return n
+
+
+def check_batch(state: ServerState, count: int, param: str) -> None:
+    if count > state.limits.max_batch_size:
+        raise bad_request(
+            f"{count} prompts in one request; this server accepts at most "
+            f"{state.limits.max_batch_size}",
+            param,
+        )
+
+
+async def start(
+    state: ServerState, items: list[GenerationInput], usage: RequestUsage | None
+) -> list[AsyncIterator[dict[str, Any]]]:
+    """Validate every item with the engine, then hand back their (not yet started) streams.
+
+    Nothing is queued until a stream is first advanced, so a bad item fails the whole request
+    before any work is done."""
+    streams = []
+    try:
+        for item in items:
+            streams.append(
+                await state.backend.stream(
+                    item.input_ids,
+                    item.params,
+                    return_logprob=item.return_logprob,
+                    logprob_start_len=item.logprob_start_len,
+                    top_logprobs_num=item.top_logprobs_num,
+                )
+            )
+    except (ValueError, TypeError) as e:
+        await _close_all(streams)
+        raise bad_request(str(e)) from e
+    except RuntimeError as e:  # the engine is shut down
+        await _close_all(streams)
+        raise unavailable(str(e)) from e
+    return [_observed(state, s, usage) for s in streams]
+
+
+async def _observed(
+    state: ServerState, stream: AsyncIterator[dict[str, Any]], usage: RequestUsage | None
+) -> AsyncIterator[dict[str, Any]]:
+    timer = state.metrics.timer()
+    finished = False
+    try:
+        async with contextlib.aclosing(stream):  # closing it aborts the engine request
+            async for snapshot in stream:
+                meta = snapshot["meta_info"]
+                if meta.get("finish_reason") is not None:
+                    finished = True
+                    timer.finish(meta)
+                    if usage is not None:
+                        usage.add(meta)
+                else:
+                    timer.update(int(meta.get("completion_tokens", 0)))
+                yield snapshot
+    finally:
+        if not finished:
+            timer.abandon()
+
+
+async def last(stream: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
+    """The final snapshot of a stream."""
+    final = None
+    async with contextlib.aclosing(stream):
+        async for snapshot in stream:
+            final = snapshot
+    if final is None:
+        raise APIError(500, "the engine ended a generation without a result", type="internal_error")
+    return final
+
+
+async def collect(streams: list[AsyncIterator[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The final snapshots of all streams, in order; if one fails, the others are cancelled."""
+    if len(streams) == 1:
+        return [await last(streams[0])]
+    tasks = [asyncio.ensure_future(last(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        await _cancel(tasks)
+
+
+async def merge(
+    streams: list[AsyncIterator[dict[str, Any]]],
+) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """(index, snapshot) from all streams as they come; closing this closes them all."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]):
+            async for snapshot in streams[0]:
+                yield 0, snapshot
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    end = object()
+
+    async def pump(index: int, stream: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for snapshot in stream:
+                    queue.put_nowait((index, snapshot))
+        except Exception as e:  # handed to the consumer, which raises it
+            queue.put_nowait((index, e))
+        finally:
+            queue.put_nowait((index, end))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        await _cancel(tasks)
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`; if the client disconnects first, cancel it (aborting its generations)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            await _cancel([task])
+        await _cancel([watcher])
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # the body has been read by now, so the next message can only be the disconnect
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _cancel(tasks: list[asyncio.Future[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close_all(streams: list[AsyncIterator[dict[str, Any]]]) -> None:
+    for stream in streams:
+        with contextlib.suppress(Exception):
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+def finish_error(meta_info: dict[str, Any]) -> str | None:
+    """The engine's error message when a generation failed inside the engine (not by the client)."""
+    error = meta_info.get("error")
+    return str(error) if error else None

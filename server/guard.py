@@ -1,0 +1,197 @@
+"""The ASGI middleware in front of every route: request log, API key, rate limit, body size, and a
+JSON 500 for anything unexpected (never a dropped connection)."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+from radixlm.server.errors import APIError
+from radixlm.server.state import RequestUsage, ServerState
+
+logger = logging.getLogger("radixlm.server")
+
+Scope = dict[str, Any]
+
+# routes open without an API key (a load balancer's liveness probe)
+_PUBLIC_PATHS = {"/health"}
+# routes not counted against the rate limit
+_UNLIMITED_PATHS = {"/health", "/metrics"}
+
+
+class RateLimiter:
+    """A token bucket per key: `per_minute` requests a minute on average, `burst` at once."""
+
+    _MAX_KEYS = 10_000
+
+    def __init__(self, per_minute: float, burst: int | None = None) -> None:
+        self.rate = per_minute / 60.0
+        self.burst = float(burst if burst is not None else max(1, math.ceil(per_minute / 10)))
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, time)
+
+    def acquire(self, key: str, now: float | None = None) -> float:
+        """0 if the request may go now, else the seconds until it may."""
+        now = time.monotonic() if now is None else now
+        tokens, then = self._buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate)
+        if tokens >= 1.0:
+            self._buckets[key] = (tokens - 1.0, now)
+            self._prune(now)
+            return 0.0
+        self._buckets[key] = (tokens, now)
+        return (1.0 - tokens) / self.rate
+
+    def _prune(self, now: float) -> None:
+        if len(self._buckets) > self._MAX_KEYS:  # forget keys whose buckets have refilled
+            full = [k for k, (t, s) in self._buckets.items() if t + (now - s) * self.rate >= 1]
+            for k in full:
+                del self._buckets[k]
+
+
+class GuardMiddleware:
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+        limits = state.limits
+        self.rate_limiter = (
+            RateLimiter(limits.rate_limit_per_minute, limits.rate_limit_burst)
+            if limits.rate_limit_per_minute
+            else None
+        )
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        request_id = uuid.uuid4().hex[:12]
+        usage = RequestUsage()
+        scope.setdefault("state", {})["usage"] = usage
+        status = {"code": 0, "sent": False}
+        metrics = self.state.metrics
+
+        async def send_logged(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                status["sent"] = True
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        metrics.in_flight += 1
+        try:
+            rejection = self._check_access(scope)
+            if rejection is None:
+                receive, rejection = await self._buffer_body(scope, receive)
+            if rejection is not None:
+                metrics.count_error(rejection.type)
+                await rejection.response()(scope, receive, send_logged)
+            else:
+                await self.app(scope, receive, send_logged)
+        except Exception as e:
+            logger.exception("request %s failed", request_id)
+            metrics.count_error("internal_error")
+            if not status["sent"]:
+                err = APIError(500, f"internal server error: {e}", type="internal_error")
+                await err.response()(scope, receive, send_logged)
+        finally:
+            metrics.in_flight -= 1
+            code = status["code"] or 499  # 499: the client went away before an answer
+            metrics.http_requests[f"{code // 100}xx"] += 1
+            path = scope.get("path", "")
+            if path not in _UNLIMITED_PATHS:
+                logger.info(
+                    "%s %s %s %d in=%d out=%d cached=%d %.3fs",
+                    request_id,
+                    scope.get("method", ""),
+                    path,
+                    code,
+                    usage.prompt_tokens,
+                    usage.completion_tokens,
+                    usage.cached_tokens,
+                    time.perf_counter() - started,
+                )
+
+    def _check_access(self, scope: Scope) -> APIError | None:
+        path = scope.get("path", "")
+        key = None
+        if self.state.api_key is not None and path not in _PUBLIC_PATHS:
+            key = _bearer_token(scope)
+            if key is None or not hmac.compare_digest(key.encode(), self.state.api_key.encode()):
+                return APIError(
+                    401,
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        if self.rate_limiter is not None and path not in _UNLIMITED_PATHS:
+            client = scope.get("client") or ("unknown", 0)
+            wait = self.rate_limiter.acquire(key or f"addr:{client[0]}")
+            if wait > 0:
+                return APIError(
+                    429,
+                    f"rate limit exceeded; retry in {math.ceil(wait)} s",
+                    type="rate_limit_error",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": str(math.ceil(wait))},
+                )
+        return None
+
+    async def _buffer_body(self, scope: Scope, receive: Any) -> tuple[Any, APIError | None]:
+        """Read the whole body (up to the limit) so that no route sees an oversized one."""
+        limit = self.state.limits.max_body_bytes
+        too_large = APIError(
+            413,
+            f"the request body exceeds this server's limit of {limit} bytes",
+            type="request_too_large",
+            code="request_too_large",
+        )
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    if int(value) > limit:
+                        return receive, too_large
+                except ValueError:
+                    return receive, APIError(400, "bad Content-Length header")
+        if scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            return receive, None
+        chunks = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return _replay([message], receive), None
+            body = message.get("body", b"")
+            size += len(body)
+            if size > limit:
+                return receive, too_large
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        return _replay([whole], receive), None
+
+
+def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:
+    pending = list(messages)
+
+    async def replayed() -> dict[str, Any]:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replayed
+
+
+def _bearer_token(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None

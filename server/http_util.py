@@ -1,0 +1,51 @@
+"""Small HTTP helpers shared by the routes: JSON bodies in and out, SSE framing."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+from fastapi import Request, Response
+
+from radixlm.server.errors import bad_request
+
+T = TypeVar("T")
+
+_encoder = msgspec.json.Encoder()
+
+
+def json_response(content: Any, status_code: int = 200) -> Response:
+    return Response(
+        _encoder.encode(content), status_code=status_code, media_type="application/json"
+    )
+
+
+def sse_event(content: Any) -> bytes:
+    return b"data: " + _encoder.encode(content) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def read_json(request: Request, type: type[T] | None = None) -> T | Any:
+    """The request body decoded as JSON (into `type`, when given); a 400 for anything malformed."""
+    body = await request.body()
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        if type is None:
+            return msgspec.json.decode(body)
+        return msgspec.json.decode(body, type=type)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"invalid request: {e}", _param_of(str(e))) from e
+    except msgspec.DecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from e
+
+
+def _param_of(message: str) -> str | None:
+    """The field a msgspec validation message points at: `$.a.b[0]` -> `a.b[0]`."""
+    if "unknown field `" in message:
+        return message.split("unknown field `", 1)[1].split("`", 1)[0]
+    if "at `$." in message:
+        return message.split("at `$.", 1)[1].split("`", 1)[0]
+    return None

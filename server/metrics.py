@@ -1,0 +1,262 @@
+"""Server metrics in the Prometheus text format (version 0.0.4), written by hand.
+
+One `Metrics` object per app (no module globals: two servers in one process must not mix their
+counts). Updated from the event loop only, so no locks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections import defaultdict
+from typing import Any
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+PREFIX = "radixlm_"
+
+
+class Histogram:
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...]) -> None:
+        self.name = name
+        self.help = help
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self, out: list[str]) -> None:
+        out.append(f"# HELP {self.name} {self.help}")
+        out.append(f"# TYPE {self.name} histogram")
+        cumulative = 0
+        for bound, n in zip((*self.buckets, math.inf), self.counts):
+            cumulative += n
+            out.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {cumulative}')
+        out.append(f"{self.name}_sum {_number(self.sum)}")
+        out.append(f"{self.name}_count {self.count}")
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from a request's arrival to its first output token.",
+            TTFT_BUCKETS,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between two consecutive output tokens of a request.",
+            ITL_BUCKETS,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from a generation's arrival to its last token.",
+            E2E_BUCKETS,
+        )
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.cached_tokens = 0
+        self.finished: dict[str, int] = defaultdict(int)  # by finish reason
+        self.errors: dict[str, int] = defaultdict(int)  # by kind
+        self.http_requests: dict[str, int] = defaultdict(int)  # by status class
+        self.in_flight = 0
+
+    def timer(self) -> GenerationTimer:
+        return GenerationTimer(self)
+
+    def count_error(self, kind: str) -> None:
+        self.errors[kind] += 1
+
+    def render(self, engine_stats: dict[str, Any] | None) -> str:
+        out: list[str] = []
+        for hist in (self.ttft, self.itl, self.e2e):
+            hist.render(out)
+        _counter(out, "prompt_tokens_total", "Prompt tokens processed.", self.prompt_tokens)
+        _counter(out, "generation_tokens_total", "Tokens generated.", self.generation_tokens)
+        _counter(
+            out,
+            "cached_tokens_total",
+            "Prompt tokens served from the prefix cache.",
+            self.cached_tokens,
+        )
+        _labelled(
+            out,
+            "requests_total",
+            "counter",
+            "Generations finished, by finish reason.",
+            "finish_reason",
+            self.finished,
+        )
+        _labelled(
+            out,
+            "errors_total",
+            "counter",
+            "Error responses and failed generations, by kind.",
+            "kind",
+            self.errors,
+        )
+        _labelled(
+            out,
+            "http_responses_total",
+            "counter",
+            "HTTP responses, by status class.",
+            "status",
+            self.http_requests,
+        )
+        _gauge(out, "http_requests_in_flight", "HTTP requests being served.", self.in_flight)
+        if engine_stats is not None:
+            _engine_metrics(out, engine_stats)
+        return "\n".join(out) + "\n"
+
+
+class GenerationTimer:
+    """Follows one generation's snapshots and records its latencies and token counts."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.start = self.last = time.perf_counter()
+        self.tokens = 0
+
+    def update(self, completion_tokens: int) -> None:
+        new = completion_tokens - self.tokens
+        if new <= 0:
+            return
+        now = time.perf_counter()
+        if self.tokens == 0:
+            self.metrics.ttft.observe(now - self.start)
+            new -= 1  # the first token's latency is the TTFT; the rest of this batch follow it
+            gap = 0.0
+        else:
+            gap = (now - self.last) / new
+        for _ in range(new):
+            self.metrics.itl.observe(gap)
+        self.tokens = completion_tokens
+        self.last = now
+
+    def finish(self, meta_info: dict[str, Any]) -> None:
+        self.update(int(meta_info.get("completion_tokens", 0)))
+        m = self.metrics
+        m.e2e.observe(time.perf_counter() - self.start)
+        m.prompt_tokens += int(meta_info.get("prompt_tokens", 0))
+        m.generation_tokens += int(meta_info.get("completion_tokens", 0))
+        m.cached_tokens += int(meta_info.get("cached_tokens", 0))
+        reason = meta_info.get("finish_reason") or {}
+        kind = reason.get("type", "unknown") if isinstance(reason, dict) else str(reason)
+        m.finished[kind] += 1
+        if meta_info.get("error"):
+            m.count_error("engine_error")
+
+    def abandon(self) -> None:
+        """The client went away (or the server stopped) before the generation finished."""
+        self.metrics.finished["abort"] += 1
+        self.metrics.count_error("client_disconnected")
+
+
+def _engine_metrics(out: list[str], stats: dict[str, Any]) -> None:
+    _gauge(
+        out, "num_running_reqs", "Requests in the running batch.", stats.get("num_running_reqs", 0)
+    )
+    _gauge(
+        out,
+        "num_waiting_reqs",
+        "Requests queued for admission.",
+        stats.get("num_waiting_reqs", 0),
+    )
+    capacity = stats.get("kv_pool_capacity_tokens") or 0
+    free = stats.get("kv_pool_free_tokens") or 0
+    _gauge(out, "kv_pool_capacity_tokens", "KV-pool slots in all.", capacity)
+    _gauge(
+        out,
+        "kv_cache_usage_ratio",
+        "Share of KV-pool slots in use (by requests or the prefix cache).",
+        (capacity - free) / capacity if capacity else 0.0,
+    )
+    _gauge(
+        out,
+        "cache_hit_rate",
+        "Share of prompt tokens served from the radix cache since start.",
+        stats.get("cache_hit_rate", 0.0),
+    )
+    _gauge(
+        out,
+        "radix_cache_tokens",
+        "Tokens held by the radix cache.",
+        stats.get("radix_cache_tokens"),
+    )
+    _counter(
+        out,
+        "preemptions_total",
+        "Requests preempted for lack of KV slots.",
+        stats.get("num_preemptions", 0),
+    )
+    _counter(out, "engine_steps_total", "Forward steps run by the engine.", stats.get("num_steps"))
+    # anything else the engine reports (e.g. grammar compile times, once it has them)
+    known = {
+        "num_running_reqs",
+        "num_waiting_reqs",
+        "kv_pool_capacity_tokens",
+        "kv_pool_free_tokens",
+        "cache_hit_rate",
+        "radix_cache_tokens",
+        "num_preemptions",
+        "num_steps",
+        "prompt_tokens",
+        "cached_tokens",
+        "generated_tokens",
+    }
+    for key, value in sorted(stats.items()):
+        if key not in known and _is_number(value):
+            _gauge(out, "engine_" + _metric_name(key), f"Engine statistic {key}.", value)
+
+
+def _counter(out: list[str], name: str, help: str, value: Any) -> None:
+    _single(out, name, "counter", help, value)
+
+
+def _gauge(out: list[str], name: str, help: str, value: Any) -> None:
+    _single(out, name, "gauge", help, value)
+
+
+def _single(out: list[str], name: str, kind: str, help: str, value: Any) -> None:
+    if not _is_number(value):
+        return
+    out.append(f"# HELP {PREFIX}{name} {help}")
+    out.append(f"# TYPE {PREFIX}{name} {kind}")
+    out.append(f"{PREFIX}{name} {_number(value)}")
+
+
+def _labelled(
+    out: list[str], name: str, kind: str, help: str, label: str, values: dict[str, int]
+) -> None:
+    out.append(f"# HELP {PREFIX}{name} {help}")
+    out.append(f"# TYPE {PREFIX}{name} {kind}")
+    for key, value in sorted(values.items()):
+        out.append(f'{PREFIX}{name}{{{label}="{_label_value(key)}"}} {_number(value)}')
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _number(value: float) -> str:
+    if value == math.inf:
+        return "+Inf"
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
+def _label_value(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _metric_name(key: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in key)

@@ -1,0 +1,417 @@
+"""The native API, compatible with SGLang's server and its frontend client (`RuntimeEndpoint`).
+
+POST /generate          text or input_ids, single or batch; sampling_params; stream (SSE)
+GET  /model_info        (and /get_model_info)
+GET  /server_info       (and /get_server_info)
+GET  /health            liveness, no engine work, no API key
+GET  /health_generate   generates one token
+POST /flush_cache       (GET too, as SGLang)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from radixlm import __version__
+from radixlm.server.errors import APIError, bad_request, internal_error, unavailable
+from radixlm.server.generation import (
+    GenerationInput,
+    cancel_on_disconnect,
+    check_batch,
+    check_max_new_tokens,
+    check_n,
+    check_prompt,
+    collect,
+    fan_out,
+    finish_error,
+    last,
+    merge,
+    start,
+)
+from radixlm.server.http_util import SSE_DONE, json_response, read_json, sse_event
+from radixlm.server.state import RequestUsage, ServerState
+
+logger = logging.getLogger("radixlm.server")
+
+router = APIRouter()
+
+# Top-level keys of SGLang's GenerateReqInput that this server accepts but does not act on, as long
+# as they are unset (null/false/empty): anything else in them asks for a feature we do not have.
+_INERT_REQUEST_KEYS = {
+    "image_data",
+    "video_data",
+    "audio_data",
+    "modalities",
+    "lora_path",
+    "lora_id",
+    "session_params",
+    "custom_logit_processor",
+    "token_ids_logprob",
+    "return_hidden_states",
+    "input_embeds",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "data_parallel_rank",
+}
+# keys accepted with any value and ignored: `rid` (request ids are the server's own),
+# `log_metrics` (metrics are always kept), `stream_options` (usage is in every meta_info)
+_IGNORED_REQUEST_KEYS = {"rid", "log_metrics", "stream_options", "background"}
+_GENERATE_KEYS = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+}
+
+# Sampling keys of SGLang's server that this engine lacks, accepted while unset.
+_INERT_SAMPLING_KEYS = {"stop_regex", "custom_params", "logit_bias", "structural_tag"}
+
+# SGLang's `dtype` constraint (older clients send it; newer ones turn it into `regex` themselves)
+_DTYPE_REGEX = {
+    "int": r"[-+]?[0-9]+[ \n]*",
+    "float": r"[-+]?[0-9]*\.?[0-9]+[ \n]*",
+    "bool": r"(True|False)",
+    "str": r"\"[\w\d\s]*\"",
+}
+
+
+@dataclass(frozen=True)
+class NativeSampling:
+    params: dict[str, Any]  # for the engine, n removed
+    n: int
+    no_stop_trim: bool
+
+
+def translate_sampling_params(state: ServerState, value: Any) -> NativeSampling:
+    """SGLang's sampling_params -> the engine's, handling the keys SGLang's client adds."""
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise bad_request("sampling_params must be a JSON object", "sampling_params")
+    params: dict[str, Any] = {}
+    no_stop_trim = False
+    dtype = None
+    for key, v in value.items():
+        if v is None:  # SGLang's client sends every unset parameter as null
+            continue
+        if key == "no_stop_trim":
+            if not isinstance(v, bool):
+                raise bad_request("sampling_params.no_stop_trim must be a boolean", key)
+            no_stop_trim = v
+        elif key == "dtype":
+            dtype = v
+        elif key in _INERT_SAMPLING_KEYS:
+            if v not in ([], {}, "", False):
+                raise bad_request(
+                    f"sampling_params.{key} is not supported by this server; leave it unset",
+                    f"sampling_params.{key}",
+                )
+        elif key == "sampling_seed":
+            params["seed"] = v
+        else:
+            params[key] = v
+    if dtype is not None:
+        regex = _DTYPE_REGEX.get(dtype)
+        if regex is None:
+            raise bad_request(
+                f"sampling_params.dtype={dtype!r}; use one of {sorted(_DTYPE_REGEX)}",
+                "sampling_params.dtype",
+            )
+        if params.get("regex") not in (None, regex):
+            raise bad_request(
+                "give sampling_params.dtype or sampling_params.regex, not both",
+                "sampling_params.regex",
+            )
+        params["regex"] = regex
+    n = check_n(state, params.pop("n", 1), "sampling_params.n")
+    if "max_new_tokens" in params:
+        check_max_new_tokens(state, params["max_new_tokens"], "sampling_params.max_new_tokens")
+    elif state.limits.max_new_tokens is not None:
+        params["max_new_tokens"] = min(128, state.limits.max_new_tokens)
+    return NativeSampling(params, n, no_stop_trim)
+
+
+@dataclass(frozen=True)
+class NativeRequest:
+    items: list[GenerationInput]  # after fan-out: prompt-major, n per prompt
+    samplings: list[NativeSampling]  # one per item
+    single: bool  # one prompt and n = 1: a dict back, not a list
+    stream: bool
+    return_text_in_logprobs: bool
+
+
+def parse_generate(state: ServerState, payload: Any) -> NativeRequest:
+    if not isinstance(payload, dict):
+        raise bad_request("the body of /generate must be a JSON object")
+    for key, value in payload.items():
+        if key in _GENERATE_KEYS or key in _IGNORED_REQUEST_KEYS:
+            continue
+        if key in _INERT_REQUEST_KEYS:
+            if value not in (None, [], {}, "", False):
+                raise bad_request(f"{key} is not supported by this server", key)
+            continue
+        raise bad_request(
+            f"unknown field {key!r} for /generate; known fields are "
+            f"{sorted(_GENERATE_KEYS | _IGNORED_REQUEST_KEYS)}",
+            key,
+        )
+    prompts, single = _prompts(state, payload.get("text"), payload.get("input_ids"))
+    check_batch(state, len(prompts), "text" if payload.get("text") is not None else "input_ids")
+    count = len(prompts)
+    sps = _per_prompt(payload.get("sampling_params"), count, "sampling_params", dict)
+    lps = _per_prompt(payload.get("return_logprob"), count, "return_logprob", bool)
+    starts = _per_prompt(payload.get("logprob_start_len"), count, "logprob_start_len", int)
+    tops = _per_prompt(payload.get("top_logprobs_num"), count, "top_logprobs_num", int)
+    stream = payload.get("stream", False)
+    text_in_lp = payload.get("return_text_in_logprobs", False)
+    for name, flag in (("stream", stream), ("return_text_in_logprobs", text_in_lp)):
+        if not isinstance(flag, bool) and flag is not None:
+            raise bad_request(f"{name} must be a boolean", name)
+
+    items: list[GenerationInput] = []
+    samplings: list[NativeSampling] = []
+    n_total = 0
+    for i, ids in enumerate(prompts):
+        check_prompt(state, ids, "text" if payload.get("text") is not None else "input_ids")
+        sampling = translate_sampling_params(state, sps[i])
+        item = GenerationInput(
+            input_ids=ids,
+            params=sampling.params,
+            return_logprob=bool(lps[i]),
+            logprob_start_len=starts[i],
+            top_logprobs_num=tops[i],
+        )
+        for copy in fan_out(item, sampling.n):
+            items.append(copy)
+            samplings.append(sampling)
+        n_total += sampling.n
+    check_batch(state, n_total, "sampling_params.n")
+    return NativeRequest(
+        items=items,
+        samplings=samplings,
+        single=single and n_total == 1,
+        stream=bool(stream),
+        return_text_in_logprobs=bool(text_in_lp),
+    )
+
+
+def _prompts(state: ServerState, text: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
+    if (text is None) == (input_ids is None):
+        raise bad_request("give exactly one of text and input_ids", "text")
+    if text is not None:
+        if isinstance(text, str):
+            texts, single = [text], True
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            texts, single = text, False
+        else:
+            raise bad_request("text must be a string or a non-empty list of strings", "text")
+        for t in texts:
+            if not t:
+                raise bad_request("the prompt text is empty; give at least one character", "text")
+        return [state.backend.tokenize(t) for t in texts], single
+    if _is_ids(input_ids):
+        return [list(input_ids)], True
+    if isinstance(input_ids, list) and input_ids and all(_is_ids(x) for x in input_ids):
+        return [list(x) for x in input_ids], False
+    raise bad_request(
+        "input_ids must be a non-empty list of token ids, or a non-empty list of such lists",
+        "input_ids",
+    )
+
+
+def _is_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def _per_prompt(value: Any, count: int, name: str, kind: type) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != count:
+            raise bad_request(f"{name} has {len(value)} entries for {count} prompts", name)
+        values = value
+    else:
+        values = [value] * count
+    for v in values:
+        if v is not None and (not isinstance(v, kind) or (kind is int and isinstance(v, bool))):
+            raise bad_request(f"{name} must be a {kind.__name__} or a list of them", name)
+    return values
+
+
+def native_output(
+    state: ServerState,
+    snapshot: dict[str, Any],
+    sampling: NativeSampling,
+    return_text_in_logprobs: bool,
+    index: int | None = None,
+) -> dict[str, Any]:
+    meta = dict(snapshot["meta_info"])
+    text = snapshot["text"]
+    reason = meta.get("finish_reason")
+    if (
+        sampling.no_stop_trim
+        and isinstance(reason, dict)
+        and reason.get("type") == "stop"
+        and isinstance(reason.get("matched"), str)
+    ):
+        text += reason["matched"]
+    if return_text_in_logprobs:
+        _fill_logprob_texts(state, meta)
+    out: dict[str, Any] = {"text": text, "output_ids": snapshot["output_ids"], "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+def _fill_logprob_texts(state: ServerState, meta: dict[str, Any]) -> None:
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        if meta.get(key) is not None:
+            meta[key] = _with_texts(state, meta[key])
+    for key in ("input_top_logprobs", "output_top_logprobs"):
+        if meta.get(key) is not None:
+            meta[key] = [None if e is None else _with_texts(state, e) for e in meta[key]]
+
+
+def _with_texts(state: ServerState, entries: list[Any]) -> list[tuple[Any, int, str]]:
+    texts = state.backend.token_texts([e[1] for e in entries])
+    return [(e[0], e[1], t) for e, t in zip(entries, texts)]
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _usage(request: Request) -> RequestUsage | None:
+    return getattr(request.state, "usage", None)
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    state = _state(request)
+    req = parse_generate(state, await read_json(request))
+    streams = await start(state, req.items, _usage(request))
+    if req.stream:
+        from fastapi.responses import StreamingResponse
+
+        return StreamingResponse(
+            _sse(state, req, streams),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    finals = await cancel_on_disconnect(request, collect(streams))
+    for final in finals:
+        error = finish_error(final["meta_info"])
+        if error is not None:
+            raise internal_error(f"generation failed: {error}")
+    outputs = [
+        native_output(state, f, s, req.return_text_in_logprobs)
+        for f, s in zip(finals, req.samplings)
+    ]
+    return json_response(outputs[0] if req.single else outputs)
+
+
+async def _sse(
+    state: ServerState, req: NativeRequest, streams: list[AsyncIterator[dict[str, Any]]]
+) -> AsyncIterator[bytes]:
+    many = len(streams) > 1
+    try:
+        async for index, snapshot in merge(streams):
+            out = native_output(
+                state,
+                snapshot,
+                req.samplings[index],
+                req.return_text_in_logprobs,
+                index if many else None,
+            )
+            yield sse_event(out)
+    except APIError as e:
+        yield sse_event(e.body())
+    except Exception as e:  # the stream has begun: report in-band, never hang
+        logger.exception("stream failed")
+        state.metrics.count_error("internal_error")
+        yield sse_event(internal_error(f"generation failed: {e}").body())
+    yield SSE_DONE
+
+
+def _model_info(state: ServerState) -> dict[str, Any]:
+    info = state.backend.model_info()
+    return {
+        "model_path": info.model_path,
+        "tokenizer_path": info.tokenizer_path,
+        "is_generation": True,
+        "served_model_name": state.served_model_name,
+        "context_length": info.context_len,
+        "vocab_size": info.vocab_size,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+    }
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def model_info(request: Request) -> Response:
+    return json_response(_model_info(_state(request)))
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(request: Request) -> Response:
+    state = _state(request)
+    stats = await state.backend.stats()
+    info = {
+        **state.backend.engine_config(),
+        **state.extra_server_info,
+        "served_model_name": state.served_model_name,
+        "version": __version__,
+        "limits": asdict(state.limits),
+        "api_key_required": state.api_key is not None,
+        "model_info": _model_info(state),
+        "internal_states": [stats],
+    }
+    return json_response(info)
+
+
+@router.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+HEALTH_GENERATE_TIMEOUT_S = 60.0
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    state = _state(request)
+    ids = state.backend.tokenize("Hi")
+    item = GenerationInput(ids, {"max_new_tokens": 1, "temperature": 0.0})
+    try:
+        (stream,) = await start(state, [item], None)
+        final = await asyncio.wait_for(last(stream), HEALTH_GENERATE_TIMEOUT_S)
+    except (TimeoutError, asyncio.TimeoutError) as e:
+        raise unavailable("the engine did not generate a token in time") from e
+    error = finish_error(final["meta_info"])
+    if error is not None:
+        raise unavailable(f"the engine failed to generate: {error}")
+    return Response(status_code=200)
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    flushed = await _state(request).backend.flush_cache()
+    if not flushed:
+        # as SGLang: a 400 while requests run (their prefixes are in use)
+        raise bad_request("cache not flushed: requests are running; retry when the server is idle")
+    return Response("Cache flushed.\n", status_code=200, media_type="text/plain")

@@ -1,0 +1,604 @@
+"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from radixlm.server.chat import render_chat_prompt
+from radixlm.server.errors import APIError, bad_request, internal_error, not_found
+from radixlm.server.generation import (
+    GenerationInput,
+    cancel_on_disconnect,
+    check_batch,
+    check_max_new_tokens,
+    check_n,
+    check_prompt,
+    collect,
+    fan_out,
+    finish_error,
+    merge,
+    start,
+)
+from radixlm.server.http_util import SSE_DONE, json_response, read_json, sse_event
+from radixlm.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormat,
+)
+from radixlm.server.state import ServerState
+from radixlm.server.tools import ContentFilter, ToolPlan, parse_output, plan_tools
+
+logger = logging.getLogger("radixlm.server")
+
+router = APIRouter()
+
+MAX_TOP_LOGPROBS = 20
+# any JSON object: what response_format {"type": "json_object"} asks for
+JSON_OBJECT_SCHEMA = {"type": "object"}
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if not state.accepts_model(model):
+        raise not_found(
+            f"the model {model!r} does not exist; this server serves {state.served_model_name!r}",
+            "model",
+            code="model_not_found",
+        )
+
+
+# ---- models --------------------------------------------------------------------------------
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    info = state.backend.model_info()
+    return {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": int(state.started_at),
+        "owned_by": "radixlm",
+        "root": info.model_path,
+        "max_model_len": info.context_len,
+    }
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    return json_response({"object": "list", "data": [_model_card(_state(request))]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(request: Request, model_id: str) -> Response:
+    state = _state(request)
+    _check_model(state, model_id)
+    return json_response(_model_card(state))
+
+
+# ---- shared request handling ---------------------------------------------------------------
+
+
+def _sampling_params(
+    state: ServerState,
+    req: Any,
+    max_tokens: int | None,
+    max_tokens_param: str,
+    prompt_len: int,
+) -> dict[str, Any]:
+    """The engine's sampling params from the fields both endpoints share."""
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", "logit_bias")
+    info = state.backend.model_info()
+    if max_tokens is None:
+        max_tokens = info.context_len - prompt_len
+        if state.limits.max_new_tokens is not None:
+            max_tokens = min(max_tokens, state.limits.max_new_tokens)
+    else:
+        check_max_new_tokens(state, max_tokens, max_tokens_param)
+    params: dict[str, Any] = {"max_new_tokens": max_tokens}
+    for name, engine_name in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("seed", "seed"),
+        ("frequency_penalty", "frequency_penalty"),
+        ("presence_penalty", "presence_penalty"),
+        ("top_k", "top_k"),
+        ("min_p", "min_p"),
+        ("repetition_penalty", "repetition_penalty"),
+        ("min_tokens", "min_new_tokens"),
+        ("stop_token_ids", "stop_token_ids"),
+        ("ignore_eos", "ignore_eos"),
+        ("skip_special_tokens", "skip_special_tokens"),
+        ("regex", "regex"),
+        ("ebnf", "ebnf"),
+    ):
+        value = getattr(req, name)
+        if value is not None:
+            params[engine_name] = value
+    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+        raise bad_request(f"temperature={req.temperature} must be in [0, 2]", "temperature")
+    if req.stop is not None:
+        params["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    return params
+
+
+def _apply_response_format(params: dict[str, Any], fmt: ResponseFormat | None) -> None:
+    if fmt is None or fmt.type == "text":
+        return
+    if fmt.type == "json_object":
+        schema: Any = JSON_OBJECT_SCHEMA
+    elif fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise bad_request(
+                "response_format of type 'json_schema' needs json_schema.schema",
+                "response_format",
+            )
+        schema = fmt.json_schema.schema
+    else:
+        raise bad_request(
+            f"response_format.type={fmt.type!r}; use 'text', 'json_object' or 'json_schema'",
+            "response_format",
+        )
+    _set_constraint(params, "json_schema", json.dumps(schema), "response_format")
+
+
+def _set_constraint(params: dict[str, Any], kind: str, value: str, param: str) -> None:
+    others = [k for k in ("regex", "json_schema", "ebnf") if k in params]
+    if others:
+        raise bad_request(f"{param} cannot be combined with {others[0]}", param)
+    params[kind] = value
+
+
+def _finish_reason(meta: dict[str, Any]) -> str | None:
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None
+    kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+    return "length" if kind == "length" else "stop" if kind == "stop" else str(kind)
+
+
+def _raise_if_failed(finals: list[dict[str, Any]]) -> None:
+    for final in finals:
+        error = finish_error(final["meta_info"])
+        if error is not None:
+            raise internal_error(f"generation failed: {error}")
+
+
+def _usage(finals: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (its first sample), completion tokens per sample."""
+    prompt = sum(f["meta_info"]["prompt_tokens"] for f in finals[::n])
+    cached = sum(f["meta_info"]["cached_tokens"] for f in finals[::n])
+    completion = sum(f["meta_info"]["completion_tokens"] for f in finals)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(
+        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+async def _guarded(state: ServerState, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An SSE body that reports a failure in-band and always ends with [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as e:
+        state.metrics.count_error(e.type)
+        yield sse_event(e.body())
+    except Exception as e:
+        logger.exception("stream failed")
+        state.metrics.count_error("internal_error")
+        yield sse_event(internal_error(f"generation failed: {e}").body())
+    yield SSE_DONE
+
+
+# ---- /v1/completions -----------------------------------------------------------------------
+
+
+@dataclass
+class _Prompt:
+    ids: list[int]
+    text: str
+
+
+def _completion_prompts(state: ServerState, prompt: Any) -> list[_Prompt]:
+    backend = state.backend
+
+    def is_ids(x: Any) -> bool:
+        return isinstance(x, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in x
+        )
+
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        items = prompt
+    elif isinstance(prompt, list) and prompt and is_ids(prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
+        items = prompt
+    else:
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids, or a list of "
+            "lists of token ids (non-empty)",
+            "prompt",
+        )
+    check_batch(state, len(items), "prompt")
+    out = []
+    vocab = backend.model_info().vocab_size
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise bad_request("the prompt is empty; give at least one character", "prompt")
+            out.append(_Prompt(backend.tokenize(item), item))
+        else:
+            bad = [t for t in item if not 0 <= t < vocab]
+            if bad:
+                raise bad_request(
+                    f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab})", "prompt"
+                )
+            out.append(_Prompt(list(item), backend.decode(item) if item else ""))
+    for p in out:
+        check_prompt(state, p.ids)
+    return out
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = _state(request)
+    req = await read_json(request, CompletionRequest)
+    _check_model(state, req.model)
+    if req.prompt is None:
+        raise bad_request("prompt is required", "prompt")
+    if req.suffix:
+        raise bad_request("suffix is not supported by this server", "suffix")
+    n = check_n(state, req.n)
+    if req.best_of is not None and req.best_of not in (1, n):
+        raise bad_request("best_of other than n is not supported by this server", "best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"logprobs={req.logprobs} must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
+    prompts = _completion_prompts(state, req.prompt)
+    check_batch(state, len(prompts) * n, "n")
+    items = []
+    for p in prompts:
+        params = _sampling_params(state, req, req.max_tokens, "max_tokens", len(p.ids))
+        if req.json_schema is not None:
+            schema = req.json_schema
+            _set_constraint(
+                params,
+                "json_schema",
+                schema if isinstance(schema, str) else json.dumps(schema),
+                "json_schema",
+            )
+        _apply_response_format(params, req.response_format)
+        want_lp = req.logprobs is not None
+        item = GenerationInput(
+            input_ids=p.ids,
+            params=params,
+            return_logprob=want_lp,
+            logprob_start_len=0 if (want_lp and req.echo) else None,
+            top_logprobs_num=req.logprobs or 0,
+        )
+        items.extend(fan_out(item, n))
+    usage_log = getattr(request.state, "usage", None)
+    streams = await start(state, items, usage_log)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if req.stream:
+        events = _completion_events(state, req, prompts, n, streams, rid, created)
+        return _sse_response(_guarded(state, events))
+    finals = await cancel_on_disconnect(request, collect(streams))
+    _raise_if_failed(finals)
+    choices = []
+    for i, final in enumerate(finals):
+        prompt = prompts[i // n]
+        text = (prompt.text if req.echo else "") + final["text"]
+        choice = {
+            "index": i,
+            "text": text,
+            "logprobs": _completion_logprobs(state, final["meta_info"], req.echo, 0)[0]
+            if req.logprobs is not None
+            else None,
+            "finish_reason": _finish_reason(final["meta_info"]),
+        }
+        choices.append(choice)
+    return json_response(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": state.served_model_name,
+            "choices": choices,
+            "usage": _usage(finals, n),
+        }
+    )
+
+
+def _completion_logprobs(
+    state: ServerState, meta: dict[str, Any], echo: bool, skip: int, offset: int = 0
+) -> tuple[dict[str, Any], int]:
+    """OpenAI's legacy logprobs object for the tokens after the first `skip` (the prompt's tokens
+    first, with echo), and the text offset after them."""
+    entries = list(meta.get("output_token_logprobs") or [])
+    tops = list(meta.get("output_top_logprobs") or [None] * len(entries))
+    if echo:
+        prompt_entries = list(meta.get("input_token_logprobs") or [])
+        prompt_tops = meta.get("input_top_logprobs") or [None] * len(prompt_entries)
+        entries = prompt_entries + entries
+        tops = list(prompt_tops) + tops
+    entries, tops = entries[skip:], tops[skip:]
+    texts = state.backend.token_texts([e[1] for e in entries])
+    offsets = []
+    for t in texts:
+        offsets.append(offset)
+        offset += len(t)
+    logprobs = {
+        "tokens": texts,
+        "token_logprobs": [e[0] for e in entries],
+        "top_logprobs": [_top_dict(state, top) for top in tops],
+        "text_offset": offsets,
+    }
+    return logprobs, offset
+
+
+def _top_dict(state: ServerState, top: list[Any] | None) -> dict[str, float] | None:
+    if top is None:
+        return None
+    texts = state.backend.token_texts([e[1] for e in top])
+    return {t: e[0] for t, e in zip(texts, top)}
+
+
+async def _completion_events(
+    state: ServerState,
+    req: CompletionRequest,
+    prompts: list[_Prompt],
+    n: int,
+    streams: list[AsyncIterator[dict[str, Any]]],
+    rid: str,
+    created: int,
+) -> AsyncIterator[bytes]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    sent_text: dict[int, int] = {}
+    sent_lp: dict[int, int] = {}
+    offsets: dict[int, int] = {}
+    finals: dict[int, dict[str, Any]] = {}
+
+    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+        body: dict[str, Any] = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": state.served_model_name,
+            "choices": choices,
+        }
+        if include_usage:
+            body["usage"] = usage
+        return sse_event(body)
+
+    async for index, snap in merge(streams):
+        meta = snap["meta_info"]
+        first = index not in sent_text
+        text = snap["text"]
+        start_at = sent_text.get(index, 0)
+        delta = text[start_at:] if text.startswith(text[:start_at]) else ""
+        if first and req.echo:
+            delta = prompts[index // n].text + delta
+        sent_text[index] = max(start_at, len(text))
+        logprobs = None
+        if req.logprobs is not None:
+            # the prompt's logprobs (with echo) are all in the first snapshot
+            logprobs, offsets[index] = _completion_logprobs(
+                state, meta, req.echo, sent_lp.get(index, 0), offsets.get(index, 0)
+            )
+            sent_lp[index] = sent_lp.get(index, 0) + len(logprobs["tokens"])
+        reason = _finish_reason(meta)
+        if reason is not None:
+            error = finish_error(meta)
+            if error is not None:
+                raise internal_error(f"generation failed: {error}")
+            finals[index] = snap
+        if delta or reason is not None or (logprobs and logprobs["tokens"]):
+            yield chunk(
+                [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}]
+            )
+    if include_usage:
+        ordered = [finals[i] for i in sorted(finals)]
+        yield chunk([], _usage(ordered, n))
+
+
+# ---- /v1/chat/completions ------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    req = await read_json(request, ChatCompletionRequest)
+    _check_model(state, req.model)
+    n = check_n(state, req.n)
+    if req.modalities not in (None, ["text"]):
+        raise bad_request("this model produces text only", "modalities")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs={req.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]",
+                "top_logprobs",
+            )
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    prompt = render_chat_prompt(state.backend, req.messages, plan)
+    ids = state.backend.tokenize(prompt)
+    check_prompt(state, ids, "messages")
+    max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, max_param = req.max_tokens, "max_tokens"
+    params = _sampling_params(state, req, max_tokens, max_param, len(ids))
+    _apply_response_format(params, req.response_format)
+    schema = plan.output_schema()
+    if schema is not None:
+        _set_constraint(params, "json_schema", json.dumps(schema), "tool_choice")
+    item = GenerationInput(
+        input_ids=ids,
+        params=params,
+        return_logprob=req.logprobs,
+        top_logprobs_num=req.top_logprobs or 0,
+    )
+    streams = await start(state, fan_out(item, n), getattr(request.state, "usage", None))
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if req.stream:
+        events = _chat_events(state, req, plan, n, streams, rid, created)
+        return _sse_response(_guarded(state, events))
+    finals = await cancel_on_disconnect(request, collect(streams))
+    _raise_if_failed(finals)
+    choices = [_chat_choice(state, req, plan, i, f) for i, f in enumerate(finals)]
+    return json_response(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": state.served_model_name,
+            "choices": choices,
+            "usage": _usage(finals, n),
+        }
+    )
+
+
+def _chat_choice(
+    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan, index: int, final: dict
+) -> dict[str, Any]:
+    meta = final["meta_info"]
+    parsed = parse_output(final["text"], plan)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    reason = _finish_reason(meta)
+    if parsed.tool_calls:
+        message["tool_calls"] = parsed.tool_calls
+        reason = "tool_calls"
+    logprobs = None
+    if req.logprobs:
+        logprobs = {"content": _chat_logprobs(state, meta, 0)}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _chat_logprobs(state: ServerState, meta: dict[str, Any], skip: int) -> list[dict[str, Any]]:
+    entries = (meta.get("output_token_logprobs") or [])[skip:]
+    tops = (meta.get("output_top_logprobs") or [None] * (skip + len(entries)))[skip:]
+    texts = state.backend.token_texts([e[1] for e in entries])
+    out = []
+    for entry, text, top in zip(entries, texts, tops):
+        top_entries = []
+        if top:
+            top_texts = state.backend.token_texts([t[1] for t in top])
+            top_entries = [
+                {"token": tt, "logprob": t[0], "bytes": list(tt.encode())}
+                for t, tt in zip(top, top_texts)
+            ]
+        out.append(
+            {
+                "token": text,
+                "logprob": entry[0],
+                "bytes": list(text.encode()),
+                "top_logprobs": top_entries,
+            }
+        )
+    return out
+
+
+@dataclass
+class _ChoiceProgress:
+    filter: ContentFilter
+    text_sent: int = 0  # characters of the output shown (no tools)
+    tokens_sent: int = 0  # output tokens whose logprobs were sent
+    started: bool = False
+    final: dict[str, Any] | None = None
+
+
+async def _chat_events(
+    state: ServerState,
+    req: ChatCompletionRequest,
+    plan: ToolPlan,
+    n: int,
+    streams: list[AsyncIterator[dict[str, Any]]],
+    rid: str,
+    created: int,
+) -> AsyncIterator[bytes]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    progress = [_ChoiceProgress(ContentFilter(plan)) for _ in streams]
+
+    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+        body: dict[str, Any] = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.served_model_name,
+            "choices": choices,
+        }
+        if include_usage:
+            body["usage"] = usage
+        return sse_event(body)
+
+    def choice(index: int, delta: dict[str, Any], logprobs: Any = None, reason: Any = None):
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    async for index, snap in merge(streams):
+        p = progress[index]
+        meta = snap["meta_info"]
+        if not p.started:
+            p.started = True
+            yield chunk([choice(index, {"role": "assistant", "content": ""})])
+        text = snap["text"]
+        finished = meta.get("finish_reason") is not None
+        if finished:
+            error = finish_error(meta)
+            if error is not None:
+                raise internal_error(f"generation failed: {error}")
+        if plan.active:
+            content = p.filter.visible(text)
+        else:
+            content = text[p.text_sent :]
+            p.text_sent = max(p.text_sent, len(text))
+        logprobs = None
+        if req.logprobs and not plan.constrained:
+            entries = _chat_logprobs(state, meta, p.tokens_sent)
+            p.tokens_sent += len(entries)
+            if entries:
+                logprobs = {"content": entries}
+        if content or logprobs:
+            yield chunk([choice(index, {"content": content}, logprobs)])
+        if not finished:
+            continue
+        p.final = snap
+        reason = _finish_reason(meta)
+        parsed = parse_output(text, plan)
+        if parsed.tool_calls:
+            deltas = [
+                {"index": k, **call}  # id, type and the whole function (name, arguments)
+                for k, call in enumerate(parsed.tool_calls)
+            ]
+            yield chunk([choice(index, {"tool_calls": deltas})])
+            reason = "tool_calls"
+        elif plan.active:
+            rest = p.filter.rest(text)
+            if rest:
+                yield chunk([choice(index, {"content": rest})])
+        yield chunk([choice(index, {}, None, reason)])
+    if include_usage:
+        finals = [p.final for p in progress if p.final is not None]
+        yield chunk([], _usage(finals, n))

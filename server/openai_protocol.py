@@ -1,0 +1,142 @@
+"""Request bodies of the OpenAI API, as msgspec structs (decoding is validation).
+
+Unknown fields are refused, as OpenAI does. Fields OpenAI defines that change nothing here (`user`,
+`metadata`, `store`, `service_tier`, ...) are accepted and ignored. A few SGLang extensions are
+accepted too (`top_k`, `min_p`, `repetition_penalty`, `regex`, `ebnf`, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+class _Lenient(msgspec.Struct, omit_defaults=True):
+    pass
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class FunctionDef(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    function: FunctionDef
+    type: str = "function"
+
+
+class ToolChoiceFunction(_Lenient):
+    name: str
+
+
+class ToolChoiceNamed(_Lenient):
+    function: ToolChoiceFunction
+    type: str = "function"
+
+
+class ToolCallFunction(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Lenient):
+    function: ToolCallFunction
+    id: str | None = None
+    type: str = "function"
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    reasoning_content: str | None = None
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # SGLang extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    # a string, a list of strings, a list of token ids or a list of lists (checked by hand:
+    # msgspec unions hold one array type at most)
+    prompt: Any = None
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    json_schema: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = msgspec.field(default_factory=list)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | ToolChoiceNamed | None = None
+    parallel_tool_calls: bool = True
+    # accepted, no effect here
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None  # a hint only

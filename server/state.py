@@ -1,0 +1,68 @@
+"""The server's settings and per-app state (no module globals: two apps in one process are apart)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixlm.server.backend import GenerationBackend
+from radixlm.server.metrics import Metrics
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask for. None means "no limit but the model's own"."""
+
+    max_body_bytes: int = 8 * 2**20
+    max_prompt_tokens: int | None = None  # also bounded by the model's context
+    max_new_tokens: int | None = None  # also bounded by the model's context
+    max_n: int = 16  # completions per prompt
+    max_batch_size: int = 256  # prompts in one request
+    rate_limit_per_minute: float | None = None  # requests per API key (or client address)
+    rate_limit_burst: int | None = None  # default: a tenth of a minute's allowance, at least 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_n", "max_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServerLimits.{name} must be at least 1")
+        for name in ("max_prompt_tokens", "max_new_tokens", "rate_limit_burst"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"ServerLimits.{name} must be at least 1 (or None)")
+        if self.rate_limit_per_minute is not None and self.rate_limit_per_minute <= 0:
+            raise ValueError("ServerLimits.rate_limit_per_minute must be positive (or None)")
+
+
+@dataclass
+class RequestUsage:
+    """Token counts of one HTTP request, filled in as its generations run (for the request log)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    generations: int = 0
+
+    def add(self, meta_info: dict[str, Any]) -> None:
+        self.prompt_tokens += int(meta_info.get("prompt_tokens", 0))
+        self.completion_tokens += int(meta_info.get("completion_tokens", 0))
+        self.cached_tokens += int(meta_info.get("cached_tokens", 0))
+        self.generations += 1
+
+
+@dataclass
+class ServerState:
+    backend: GenerationBackend
+    served_model_name: str
+    limits: ServerLimits
+    metrics: Metrics
+    api_key: str | None = None
+    owns_engine: bool = True
+    extra_server_info: dict[str, Any] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+
+    def accepts_model(self, name: str | None) -> bool:
+        return name is None or name in (
+            self.served_model_name,
+            self.backend.model_info().model_path,
+        )

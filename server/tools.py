@@ -1,0 +1,290 @@
+"""OpenAI tool calling over a chat model: prompts, output grammars, and parsing of the calls.
+
+Calls are JSON objects `{"name": ..., "arguments": {...}}`. With `tool_choice` "required" or a
+named tool, the whole output is constrained by a JSON schema built from the tools' parameter
+schemas (an array of calls when parallel calls are allowed). With "auto", the model writes calls in
+`<tool_call>...</tool_call>` blocks (the Hermes/Qwen convention), or as its whole answer.
+
+Tools reach the model through the chat template when the template knows about tools; otherwise
+they are described in the system prompt, and earlier calls and their results are written into
+the conversation as the same tagged blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixlm.server.errors import bad_request
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What the request asks of tools: mode none | auto | required | named."""
+
+    mode: str = "none"
+    tools: list[dict[str, Any]] = field(default_factory=list)  # {"type": "function", "function"}
+    name: str | None = None  # the named tool
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def constrained(self) -> bool:
+        return self.mode in ("required", "named")
+
+    @property
+    def offered(self) -> list[dict[str, Any]]:
+        """The tools shown to the model."""
+        if self.mode == "named":
+            return [t for t in self.tools if t["function"]["name"] == self.name]
+        return self.tools if self.active else []
+
+    def names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.offered}
+
+    def output_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the whole output must follow, for the constrained modes."""
+        if not self.constrained:
+            return None
+        calls = [_call_schema(t["function"]) for t in self.offered]
+        if self.mode == "named":
+            return calls[0]
+        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        if self.parallel:
+            return {"type": "array", "items": one, "minItems": 1}
+        return one
+
+    def instructions(self) -> str:
+        """How to call, for the system prompt."""
+        if self.mode == "named":
+            return (
+                f'Call the function "{self.name}" now. Reply with only a JSON object of the form '
+                f'{{"name": "{self.name}", "arguments": {{...}}}}, the arguments following the '
+                "function's parameter schema."
+            )
+        if self.mode == "required":
+            if self.parallel:
+                return (
+                    "Call one or more of these functions now. Reply with only a JSON array of "
+                    'calls, each of the form {"name": "<function name>", "arguments": {...}}, '
+                    "the arguments following the function's parameter schema."
+                )
+            return (
+                "Call one of these functions now. Reply with only a JSON object of the form "
+                '{"name": "<function name>", "arguments": {...}}, the arguments following the '
+                "function's parameter schema."
+            )
+        return (
+            "To call a function, reply with one block per call:\n"
+            f'{CALL_OPEN}\n{{"name": "<function name>", "arguments": {{...}}}}\n{CALL_CLOSE}\n'
+            "the arguments following the function's parameter schema. If no function helps, "
+            "answer directly."
+        )
+
+
+def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> ToolPlan:
+    """Validate `tools` / `tool_choice` (msgspec structs) into a plan; 400 for contradictions."""
+    specs: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(tools or []):
+        if tool.type != "function":
+            raise bad_request(
+                f"tools[{i}].type={tool.type!r}; only 'function' is supported", "tools"
+            )
+        fn = tool.function
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", fn.name):
+            raise bad_request(
+                f"tools[{i}].function.name={fn.name!r}: use 1 to 64 letters, digits, _ . -",
+                "tools",
+            )
+        if fn.name in seen:
+            raise bad_request(f"two tools are named {fn.name!r}", "tools")
+        seen.add(fn.name)
+        parameters = fn.parameters if fn.parameters is not None else {"type": "object"}
+        function: dict[str, Any] = {"name": fn.name, "parameters": parameters}
+        if fn.description:
+            function["description"] = fn.description
+        specs.append({"type": "function", "function": function})
+
+    if tool_choice is None:
+        mode, name = ("auto" if specs else "none"), None
+    elif isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise bad_request(
+                f"tool_choice={tool_choice!r}; use 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
+        mode, name = tool_choice, None
+    else:
+        if tool_choice.type != "function":
+            raise bad_request("tool_choice.type must be 'function'", "tool_choice")
+        mode, name = "named", tool_choice.function.name
+        if name not in seen:
+            raise bad_request(
+                f"tool_choice names {name!r}, which is not among the tools {sorted(seen)}",
+                "tool_choice",
+            )
+    if mode in ("auto", "required") and not specs:
+        if mode == "required":
+            raise bad_request("tool_choice='required' needs at least one tool", "tool_choice")
+        mode = "none"
+    return ToolPlan(mode=mode, tools=specs, name=name, parallel=parallel)
+
+
+def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"const": function["name"]},
+            "arguments": function["parameters"],
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def tools_system_prompt(plan: ToolPlan) -> str:
+    """The tools and how to call them, for a model whose chat template has no tool support."""
+    lines = ["# Tools", "", "You can call these functions (JSON schemas of their signatures):"]
+    lines.append("<tools>")
+    lines.extend(json.dumps(t, ensure_ascii=False) for t in plan.offered)
+    lines.append("</tools>")
+    lines.append("")
+    lines.append(plan.instructions())
+    return "\n".join(lines)
+
+
+def call_as_text(name: str, arguments: Any) -> str:
+    """An earlier call, written back into the conversation as the model writes calls."""
+    body = json.dumps({"name": name, "arguments": _arguments_value(arguments)}, ensure_ascii=False)
+    return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
+
+
+def result_as_text(content: str) -> str:
+    return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def _arguments_value(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def arguments_dict(arguments: Any) -> Any:
+    """Arguments as a value (what chat templates expect), from the JSON text OpenAI sends."""
+    return _arguments_value(arguments)
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[dict[str, Any]]  # OpenAI's message.tool_calls entries
+
+
+def parse_output(text: str, plan: ToolPlan) -> ParsedOutput:
+    """Split a finished output into content and tool calls (none found: all of it is content)."""
+    if not plan.active:
+        return ParsedOutput(text, [])
+    names = plan.names()
+    calls: list[dict[str, Any]] = []
+    content = text
+    if CALL_OPEN in text:
+        for block in _CALL_BLOCK.findall(text):
+            calls.extend(_calls_from_json(block, names) or [])
+        content = _CALL_BLOCK.sub("", text).strip()
+    else:
+        whole = _calls_from_json(text.strip(), names)
+        if whole:
+            calls, content = whole, ""
+    if not calls:
+        return ParsedOutput(text, [])
+    return ParsedOutput(content or None, [_openai_call(c) for c in calls])
+
+
+def _calls_from_json(text: str, names: set[str]) -> list[dict[str, Any]] | None:
+    """The calls in a JSON object or array of objects; None unless every one names a tool."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, ValueError):
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("name") not in names:
+            return None
+        arguments = item.get("arguments", item.get("parameters", {}))
+        arguments = _arguments_value(arguments)
+        if not isinstance(arguments, dict):
+            return None
+        calls.append({"name": item["name"], "arguments": arguments})
+    return calls or None
+
+
+def _openai_call(call: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {
+            "name": call["name"],
+            "arguments": json.dumps(call["arguments"], ensure_ascii=False),
+        },
+    }
+
+
+class ContentFilter:
+    """While streaming with tool_choice=auto: which text is content to show now.
+
+    Text stops being shown where a call opens; a suffix that may be the start of `<tool_call>`
+    is held back, and so is an output that starts like a bare JSON call, until it is decided."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.shown = 0
+        self.in_call = False
+
+    def visible(self, text: str) -> str:
+        """The new content to show, given the output so far."""
+        if self.plan.constrained or self.in_call:
+            return ""
+        if self.shown == 0:
+            head = text.lstrip()
+            if not head or head[0] in "{[":
+                return ""  # maybe a bare JSON call: decided when the output is finished
+        pos = text.find(CALL_OPEN, self.shown)
+        if pos != -1:
+            self.in_call = True
+            end = pos
+        else:
+            end = len(text) - _partial_suffix(text, CALL_OPEN)
+        if end <= self.shown:
+            return ""
+        delta = text[self.shown : end]
+        self.shown = end
+        return delta
+
+    def rest(self, text: str) -> str:
+        """At the end, when no call was found: everything not shown yet."""
+        delta = text[self.shown :]
+        self.shown = len(text)
+        return delta
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
