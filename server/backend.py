@@ -75,7 +75,7 @@ class LocalEngineBackend:
         template = getattr(engine.tokenizer, "chat_template", None) or ""
         config = engine.config
         self._info = ModelInfo(
-            name=_model_name(config.model_path, engine.model_folder),
+            name=_model_name(config.model_path, engine.model_folder, config.cache_dir),
             model_path=str(config.model_path or engine.model_folder),
             tokenizer_path=str(config.tokenizer_path or config.model_path or engine.model_folder),
             context_len=int(engine.context_len),
@@ -147,13 +147,14 @@ class LocalEngineBackend:
         self._engine.shutdown()
 
 
-def _model_name(model_path: str | None, folder: Any) -> str:
-    """`Qwen2.5-0.5B-Instruct` for a folder or a GGUF file of that name; for the embedded default
-    model, its converted folder's name less the cache's hash suffix."""
+def _model_name(model_path: str | None, folder: Any, cache_dir: str | None) -> str:
+    """`Qwen2.5-0.5B-Instruct` for a folder or a GGUF file of that name; for a model converted
+    into the cache (the embedded default, a GGUF), its folder's name less the quantization and
+    the cache's hash suffix."""
     path = PurePath(str(model_path or folder))
     name = path.name
     if path.suffix == ".gguf":
         name = path.stem
-    elif model_path is None:
+    elif cache_dir and PurePath(str(folder)).parent == PurePath(cache_dir):
         name = re.sub(r"-[0-9a-f]{16}$", "", name)
     return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE) or str(path)

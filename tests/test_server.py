@@ -1,0 +1,480 @@
+"""The HTTP server over the real default model, through FastAPI's TestClient (no network)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+from radixlm.server.app import create_app
+from radixlm.server.state import ServerLimits
+
+PROMPT = "The capital of France is"
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with TestClient(create_app(engine, owns_engine=False)) as c:
+        yield c
+
+
+def sse_payloads(response) -> list:
+    """The `data:` payloads of an SSE body, decoded, with the final [DONE] kept as a string."""
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# ---- native API ----------------------------------------------------------------------------
+
+
+def test_generate_greedy_matches_the_engine(client, engine):
+    expected = engine.generate(PROMPT, {"max_new_tokens": 6, **GREEDY})
+    r = client.post(
+        "/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 6, **GREEDY}}
+    )
+    assert r.status_code == 200
+    out = r.json()
+    assert out["text"] == expected["text"]
+    assert out["output_ids"] == expected["output_ids"]
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == expected["meta_info"]["prompt_tokens"]
+    assert meta["completion_tokens"] == 6
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["e2e_latency"] > 0
+    assert meta["cached_tokens"] >= 0
+
+
+def test_generate_input_ids_and_batch_with_n(client, engine):
+    ids = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    single = client.post(
+        "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 3, **GREEDY}}
+    ).json()
+    batch = client.post(
+        "/generate",
+        json={
+            "text": [PROMPT, "One, two,"],
+            "sampling_params": {"max_new_tokens": 3, "n": 2, **GREEDY},
+        },
+    )
+    assert batch.status_code == 200
+    outs = batch.json()
+    assert isinstance(outs, list) and len(outs) == 4  # prompt-major, n per prompt
+    assert outs[0]["output_ids"] == outs[1]["output_ids"] == single["output_ids"]
+    assert outs[2]["output_ids"] == outs[3]["output_ids"]
+    assert outs[2]["meta_info"]["prompt_tokens"] != outs[0]["meta_info"]["prompt_tokens"]
+
+
+def test_generate_logprobs_with_token_texts(client, engine):
+    r = client.post(
+        "/generate",
+        json={
+            "text": PROMPT,
+            "sampling_params": {"max_new_tokens": 2, **GREEDY},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 2,
+            "return_text_in_logprobs": True,
+        },
+    )
+    assert r.status_code == 200
+    meta = r.json()["meta_info"]
+    prompt_ids = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    inputs = meta["input_token_logprobs"]
+    assert [e[1] for e in inputs] == prompt_ids
+    assert inputs[0][0] is None  # the first token has no context to be scored from
+    assert all(e[0] < 0 for e in inputs[1:])
+    assert [e[2] for e in inputs] == [engine.tokenizer.decode([t]) for t in prompt_ids]
+    outputs = meta["output_token_logprobs"]
+    assert [e[1] for e in outputs] == r.json()["output_ids"]
+    for entry, top in zip(outputs, meta["output_top_logprobs"]):
+        assert len(top) == 2
+        assert top[0][1] == entry[1]  # greedy: the chosen token is the most likely
+        assert math.isclose(top[0][0], entry[0], rel_tol=1e-5)
+        assert isinstance(top[1][2], str)
+
+
+def test_generate_stream_is_cumulative_and_ends_with_done(client):
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 5, **GREEDY}}
+    whole = client.post("/generate", json=body).json()
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_payloads(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) == 5
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert chunks[-1]["text"] == whole["text"]
+    assert chunks[-1]["output_ids"] == whole["output_ids"]
+    assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * 4
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_generate_stream_of_a_batch_is_indexed(client):
+    body = {"text": ["Hi", "Yes"], "sampling_params": {"max_new_tokens": 2}, "stream": True}
+    with client.stream("POST", "/generate", json=body) as r:
+        events = sse_payloads(r)
+    assert events[-1] == "[DONE]"
+    finals = [e for e in events[:-1] if e["meta_info"]["finish_reason"] is not None]
+    assert sorted(e["index"] for e in finals) == [0, 1]
+
+
+def test_generate_accepts_what_sglangs_client_sends(client):
+    """RuntimeEndpoint.generate: every SglSamplingParams key, unset ones as null, plus the
+    special-token flags; select() scores choices with max_new_tokens=0 and text in logprobs."""
+    params = {
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "max_new_tokens": 3,
+        "min_new_tokens": 0,
+        "n": 1,
+        "stop": [],
+        "stop_token_ids": [],
+        "stop_regex": None,
+        "temperature": 0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "ignore_eos": False,
+        "regex": None,
+        "json_schema": None,
+    }
+    r = client.post("/generate", json={"text": PROMPT, "sampling_params": params})
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 3
+
+    r = client.post(
+        "/generate",
+        json={
+            "text": [PROMPT + " Paris", PROMPT + " London"],
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+            "logprob_start_len": 3,
+        },
+    )
+    assert r.status_code == 200, r.text
+    paris, london = r.json()
+    for out in (paris, london):
+        assert out["output_ids"] == []
+        assert out["meta_info"]["output_token_logprobs"] == []
+    score = {
+        name: sum(e[0] for e in out["meta_info"]["input_token_logprobs"])
+        for name, out in (("paris", paris), ("london", london))
+    }
+    assert score["paris"] > score["london"]
+    assert paris["meta_info"]["input_token_logprobs"][-1][2] == " Paris"
+
+
+def test_no_stop_trim_keeps_the_stop_string(client):
+    base = {"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "stop": ".", **GREEDY}}
+    trimmed = client.post("/generate", json=base).json()
+    base["sampling_params"]["no_stop_trim"] = True
+    kept = client.post("/generate", json=base).json()
+    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": "."}
+    assert not trimmed["text"].endswith(".")
+    assert kept["text"] == trimmed["text"] + "."
+
+
+def test_model_and_server_info(client, engine):
+    for path in ("/model_info", "/get_model_info"):
+        info = client.get(path).json()
+        assert info["is_generation"] is True
+        assert info["model_path"] and info["tokenizer_path"]
+        assert info["context_length"] == engine.context_len
+    for path in ("/server_info", "/get_server_info"):
+        info = client.get(path).json()
+        assert info["context_length"] == engine.context_len
+        assert "num_running_reqs" in info["internal_states"][0]
+        assert info["limits"]["max_n"] >= 1
+
+
+def test_health_health_generate_and_flush_cache(client):
+    assert client.get("/health").status_code == 200
+    assert client.get("/health_generate").status_code == 200
+    r = client.post("/flush_cache", json={"empty_cache": True})
+    assert r.status_code == 200
+    assert client.get("/server_info").json()["internal_states"][0]["radix_cache_tokens"] == 0
+
+
+# ---- OpenAI API ----------------------------------------------------------------------------
+
+
+def test_models_list(client):
+    data = client.get("/v1/models").json()
+    assert data["object"] == "list"
+    (card,) = data["data"]
+    assert card["id"] == "SmolLM2-135M-Instruct"
+    assert client.get(f"/v1/models/{card['id']}").status_code == 200
+    assert client.get("/v1/models/gpt-4").status_code == 404
+
+
+def test_completion_usage_and_cached_tokens(client):
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 3, **GREEDY}
+    first = client.post("/v1/completions", json=body).json()
+    second = client.post("/v1/completions", json=body).json()
+    assert first["object"] == "text_completion"
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert first["choices"][0]["finish_reason"] == "length"
+    usage = second["usage"]
+    assert usage["completion_tokens"] == 3
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 3
+    # the second request finds the prompt in the radix cache (all but the last token)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+
+
+def test_completion_echo_logprobs_and_stream(client):
+    body = {"prompt": "1, 2, 3,", "max_tokens": 3, "logprobs": 1, "echo": True, **GREEDY}
+    out = client.post("/v1/completions", json=body).json()
+    choice = out["choices"][0]
+    assert choice["text"].startswith("1, 2, 3,")
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["token_logprobs"][0] is None
+    assert len(lp["tokens"]) == out["usage"]["prompt_tokens"] + 3
+    assert lp["text_offset"][1] == len(lp["tokens"][0])
+
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        events = sse_payloads(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]
+    streamed_tokens = [
+        t for c in chunks if c["choices"] for t in c["choices"][0]["logprobs"]["tokens"]
+    ]
+    assert streamed_tokens == lp["tokens"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_chat_completion_and_its_stream_agree(client):
+    body = {
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_completion_tokens": 6,
+        **GREEDY,
+    }
+    out = client.post("/v1/chat/completions", json=body).json()
+    assert out["object"] == "chat.completion"
+    message = out["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"]
+    assert out["choices"][0]["finish_reason"] in ("stop", "length")
+    assert out["usage"]["completion_tokens"] <= 6
+    assert out["usage"]["prompt_tokens"] > 10  # the chat template's markers are counted
+
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
+        events = sse_payloads(r)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert content == message["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == out["choices"][0]["finish_reason"]
+    assert events[-2]["usage"]["completion_tokens"] == out["usage"]["completion_tokens"]
+
+
+def test_chat_logprobs_and_n(client):
+    body = {
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 3,
+        "n": 2,
+        "seed": 7,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    out = client.post("/v1/chat/completions", json=body).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    for choice in out["choices"]:
+        content = choice["logprobs"]["content"]
+        assert len(content) == 3
+        for entry in content:
+            assert entry["logprob"] <= 0
+            assert len(entry["top_logprobs"]) == 2
+            assert entry["bytes"] == list(entry["token"].encode())
+    assert out["usage"]["completion_tokens"] == 6
+    again = client.post("/v1/chat/completions", json=body).json()
+    assert [c["message"] for c in again["choices"]] == [c["message"] for c in out["choices"]]
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "needle"),
+    [
+        ("/generate", {"text": PROMPT, "sampling_params": {"tempreature": 0}}, "tempreature"),
+        ("/generate", {"text": ""}, "empty"),
+        (
+            "/generate",
+            {"text": PROMPT, "sampling_params": {"max_new_tokens": -1}},
+            "max_new_tokens",
+        ),
+        ("/generate", {"text": PROMPT, "sampling_params": {"n": 10_000}}, "n=10000"),
+        ("/generate", {"text": PROMPT, "input_ids": [1]}, "exactly one"),
+        ("/generate", {"input_ids": [10**9]}, "vocabulary"),
+        ("/generate", {"text": PROMPT, "image_data": "x.png"}, "image_data"),
+        ("/generate", {"text": PROMPT, "sampling_params": {"stop_regex": "a+"}}, "stop_regex"),
+        ("/v1/completions", {"prompt": "", "max_tokens": 2}, "empty"),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": -5}, "max_tokens"),
+        ("/v1/completions", {"prompt": PROMPT, "n": 100_000}, "n=100000"),
+        ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "wizard"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "frobnicate": 1},
+            "frobnicate",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+            "logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+            "tool",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+            "response_format",
+        ),
+    ],
+)
+def test_bad_input_is_a_400_with_a_message(client, path, body, needle):
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] + str(error["param"])
+    assert error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_unknown_model_and_too_long_prompt(client, engine):
+    r = client.post(
+        "/v1/chat/completions",
+        content=b'{"messages": [',
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = client.post("/generate", json={"input_ids": [42] * (engine.context_len + 1)})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    # and the server still generates for everyone else
+    assert client.get("/health_generate").status_code == 200
+
+
+# ---- protection ----------------------------------------------------------------------------
+
+
+def test_api_key_guards_every_route_but_health(engine):
+    app = create_app(engine, api_key="sesame", owns_engine=False)
+    with TestClient(app) as c:
+        assert c.get("/health").status_code == 200
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/generate")):
+            r = c.request(method, path, json={"text": "x"})
+            assert r.status_code == 401, path
+            assert r.json()["error"]["type"] == "authentication_error"
+        r = c.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        r = c.get("/v1/models", headers={"Authorization": "Bearer sesame"})
+        assert r.status_code == 200
+
+
+def test_rate_limit_answers_429_with_retry_after(engine):
+    limits = ServerLimits(rate_limit_per_minute=6, rate_limit_burst=2)
+    app = create_app(engine, api_key="k", limits=limits, owns_engine=False)
+    with TestClient(app) as c:
+        auth = {"Authorization": "Bearer k"}
+        assert c.get("/v1/models", headers=auth).status_code == 200
+        assert c.get("/v1/models", headers=auth).status_code == 200
+        r = c.get("/v1/models", headers=auth)
+        assert r.status_code == 429
+        assert 1 <= int(r.headers["Retry-After"]) <= 10
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert c.get("/health").status_code == 200  # probes are not limited
+
+
+def test_limits_on_body_size_prompt_length_n_and_max_tokens(engine):
+    limits = ServerLimits(max_body_bytes=2000, max_prompt_tokens=8, max_n=2, max_new_tokens=4)
+    with TestClient(create_app(engine, limits=limits, owns_engine=False)) as c:
+        r = c.post("/v1/completions", json={"prompt": "x" * 5000})
+        assert r.status_code == 413 and "2000 bytes" in r.json()["error"]["message"]
+        r = c.post(
+            "/v1/completions", json={"prompt": "one two three four five six seven eight nine"}
+        )
+        assert r.status_code == 400 and "at most 8" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": "Hi", "n": 3})
+        assert r.status_code == 400 and "n=3" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5})
+        assert r.status_code == 400 and "limit of 4" in r.json()["error"]["message"]
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 400  # the chat template alone is longer than 8 tokens
+        r = c.post("/generate", json={"text": "Hi"})  # no max_new_tokens: the limit applies
+        assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] <= 4
+
+
+# ---- metrics -------------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_]+="[^"]*",?)*\})? (\S+)$')
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    samples = {}
+    types = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            types[name] = kind
+        elif line.startswith("# HELP "):
+            assert len(line.split(" ", 3)) == 4
+        else:
+            m = _SAMPLE.match(line)
+            assert m, f"not a Prometheus sample line: {line!r}"
+            name = line.rsplit(" ", 1)[0]
+            samples[name] = float(m.group(4))
+    assert types, "no metric declared"
+    return samples
+
+
+def test_metrics_are_prometheus_text(client):
+    client.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 3}})
+    client.post("/generate", json={"text": ""})  # an error, counted by kind
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    s = parse_prometheus(r.text)
+    for hist in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        name = f"radixlm_{hist}_seconds"
+        buckets = [v for k, v in s.items() if k.startswith(name + "_bucket")]
+        assert buckets == sorted(buckets), "buckets are cumulative"
+        assert s[f'{name}_bucket{{le="+Inf"}}'] == s[name + "_count"] > 0
+        assert s[name + "_sum"] > 0
+    assert s["radixlm_generation_tokens_total"] >= 3
+    assert s["radixlm_prompt_tokens_total"] >= 5
+    assert "radixlm_cached_tokens_total" in s
+    assert s['radixlm_errors_total{kind="invalid_request_error"}'] >= 1
+    assert s["radixlm_num_running_reqs"] == 0
+    assert 0 <= s["radixlm_kv_cache_usage_ratio"] <= 1
+    assert 0 <= s["radixlm_cache_hit_rate"] <= 1

@@ -1,0 +1,389 @@
+"""OpenAI tool calling: plans and output schemas, parsing calls out of text, streaming tool-call
+deltas, and prompts with tools and tool results (real chat template), end to end where the model
+allows it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jsonschema
+import msgspec
+import pytest
+from fastapi.testclient import TestClient
+
+from radixlm.server.app import create_app
+from radixlm.server.backend import ModelInfo
+from radixlm.server.chat import render_chat_prompt
+from radixlm.server.errors import APIError
+from radixlm.server.openai_protocol import ChatCompletionRequest
+from radixlm.server.tools import ContentFilter, parse_output, plan_tools
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string"}},
+            "required": ["timezone"],
+        },
+    },
+}
+
+
+def chat_request(**fields: Any) -> ChatCompletionRequest:
+    fields.setdefault("messages", [{"role": "user", "content": "Weather in Paris?"}])
+    return msgspec.convert(fields, ChatCompletionRequest)
+
+
+def plan_of(**fields: Any):
+    req = chat_request(**fields)
+    return plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+
+
+# ---- plans and schemas ---------------------------------------------------------------------
+
+
+def test_tool_choice_modes():
+    assert plan_of().mode == "none"
+    assert plan_of(tools=[WEATHER]).mode == "auto"
+    assert plan_of(tools=[WEATHER], tool_choice="none").mode == "none"
+    assert plan_of(tools=[WEATHER], tool_choice="required").mode == "required"
+    named = plan_of(
+        tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}
+    )
+    assert named.mode == "named" and named.names() == {"get_time"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"tool_choice": "required"}, "at least one tool"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "sometimes"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "nope",
+        ),
+        ({"tools": [WEATHER, WEATHER]}, "two tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "bad name!"),
+    ],
+)
+def test_contradictory_tools_are_refused(fields, needle):
+    with pytest.raises(APIError) as info:
+        plan_of(**fields)
+    assert info.value.status == 400 and needle in info.value.message
+
+
+def test_named_schema_admits_exactly_calls_of_that_tool():
+    plan = plan_of(
+        tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
+    schema = plan.output_schema()
+    validator = jsonschema.Draft202012Validator(schema)
+    assert validator.is_valid({"name": "get_weather", "arguments": {"city": "Paris"}})
+    assert not validator.is_valid({"name": "get_time", "arguments": {"timezone": "UTC"}})
+    assert not validator.is_valid({"name": "get_weather", "arguments": {}})  # city required
+    assert not validator.is_valid({"name": "get_weather", "arguments": {"city": "P", "x": 1}})
+
+
+def test_required_schema_is_an_array_of_calls_when_parallel():
+    parallel = jsonschema.Draft202012Validator(
+        plan_of(tools=[WEATHER, TIME], tool_choice="required").output_schema()
+    )
+    calls = [
+        {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}},
+        {"name": "get_time", "arguments": {"timezone": "Europe/Paris"}},
+    ]
+    assert parallel.is_valid(calls)
+    assert not parallel.is_valid([])
+    assert not parallel.is_valid([{"name": "get_weather", "arguments": {"city": 3}}])
+    single = jsonschema.Draft202012Validator(
+        plan_of(
+            tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False
+        ).output_schema()
+    )
+    assert single.is_valid(calls[1]) and not single.is_valid(calls)
+    assert plan_of(tools=[WEATHER]).output_schema() is None  # auto: unconstrained
+
+
+# ---- parsing -------------------------------------------------------------------------------
+
+
+def test_parse_tagged_calls_with_content():
+    plan = plan_of(tools=[WEATHER, TIME])
+    text = (
+        "Let me check.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": "{\\"timezone\\": \\"UTC\\"}"}</tool_call>'
+    )
+    parsed = parse_output(text, plan)
+    assert parsed.content == "Let me check."
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["get_weather", "get_time"]
+    assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert json.loads(parsed.tool_calls[1]["function"]["arguments"]) == {"timezone": "UTC"}
+    ids = [c["id"] for c in parsed.tool_calls]
+    assert all(i.startswith("call_") for i in ids) and len(set(ids)) == 2
+
+
+def test_parse_bare_json_calls_and_refuse_the_rest():
+    plan = plan_of(tools=[WEATHER], tool_choice="required")
+    parsed = parse_output('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', plan)
+    assert parsed.content is None and len(parsed.tool_calls) == 1
+    parsed = parse_output('{"name": "get_weather", "arguments": {"city": "Oslo"}}', plan)
+    assert len(parsed.tool_calls) == 1
+    for text in (
+        '{"name": "launch_rockets", "arguments": {}}',  # not a tool
+        '{"name": "get_weather", "arguments": {"city": "Os',  # cut off by max_tokens
+        "It is sunny in Oslo.",
+    ):
+        parsed = parse_output(text, plan)
+        assert parsed.tool_calls == [] and parsed.content == text
+    assert parse_output('{"name": "get_weather"}', plan_of()).tool_calls == []  # no tools
+
+
+def test_content_filter_holds_back_what_may_open_a_call():
+    f = ContentFilter(plan_of(tools=[WEATHER]))
+    assert f.visible("Sure") == "Sure"
+    assert f.visible("Sure. <tool") == ". "  # "<tool" may begin a call
+    assert f.visible("Sure. <tool_call>{") == ""
+    assert f.visible('Sure. <tool_call>{"name"') == ""
+    bare = ContentFilter(plan_of(tools=[WEATHER]))
+    assert bare.visible('  {"na') == ""  # maybe a bare JSON call: held to the end
+    assert bare.rest('  {"nah": 1}') == '  {"nah": 1}'
+    forced = ContentFilter(plan_of(tools=[WEATHER], tool_choice="required"))
+    assert forced.visible("anything") == ""
+
+
+# ---- prompts (the real chat template, which has no tool support) ---------------------------
+
+
+def test_tools_and_results_are_rendered_into_the_prompt(engine):
+    from radixlm.server.backend import LocalEngineBackend
+
+    backend = LocalEngineBackend(engine)
+    assert backend.model_info().chat_template_has_tools is False
+    req = chat_request(
+        tools=[WEATHER],
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+        ],
+    )
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    prompt = render_chat_prompt(backend, req.messages, plan)
+    assert prompt.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert json.dumps(WEATHER["function"]["parameters"]) in prompt
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        in prompt
+    )
+    assert '<|im_start|>user\n<tool_response>\n{"temperature": 21}\n</tool_response>' in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+# ---- through the app, with a scripted backend ----------------------------------------------
+
+
+class ScriptedBackend:
+    """A GenerationBackend whose every generation writes `script`, a few characters a step."""
+
+    def __init__(self, script: str) -> None:
+        self.script = script
+        self.calls: list[dict[str, Any]] = []
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo("scripted", "scripted", "scripted", 4096, 256, False)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [min(ord(c), 255) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return [chr(i) for i in ids]
+
+    def render_chat(self, messages, tools=None) -> str:
+        return json.dumps(messages)
+
+    async def stream(self, input_ids, sampling_params, **logprob_options):
+        self.calls.append(dict(sampling_params))
+        return self._run(len(input_ids))
+
+    async def _run(self, prompt_tokens: int) -> AsyncIterator[dict[str, Any]]:
+        pieces = [self.script[i : i + 4] for i in range(0, len(self.script), 4)]
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            ids.extend(self.tokenize(piece))
+            last = k == len(pieces) - 1
+            yield {
+                "text": "".join(pieces[: k + 1]),
+                "output_ids": list(ids),
+                "meta_info": {
+                    "id": "scripted",
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": len(ids),
+                    "cached_tokens": 0,
+                    "finish_reason": {"type": "stop", "matched": 0} if last else None,
+                    "e2e_latency": 0.0,
+                },
+            }
+
+    async def flush_cache(self) -> bool:
+        return True
+
+    async def stats(self) -> dict[str, Any]:
+        return {}
+
+    def engine_config(self) -> dict[str, Any]:
+        return {}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def sse_payloads(response) -> list:
+    return [
+        json.loads(line[6:])
+        for line in response.iter_lines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+
+
+def test_named_tool_choice_constrains_and_returns_tool_calls():
+    backend = ScriptedBackend('{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    with TestClient(create_app(backend)) as c:
+        body = {
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [WEATHER, TIME],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        }
+        out = c.post("/v1/chat/completions", json=body).json()
+    schema = json.loads(backend.calls[0]["json_schema"])
+    assert schema["properties"]["name"] == {"const": "get_weather"}
+    assert schema["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+    jsonschema.validate(
+        json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"]
+    )
+
+
+def test_auto_tool_calls_stream_as_deltas_after_content():
+    script = (
+        'Checking.<tool_call>{"name": "get_time", "arguments": {"timezone": "UTC"}}</tool_call>'
+    )
+    backend = ScriptedBackend(script)
+    with TestClient(create_app(backend)) as c:
+        body = {
+            "messages": [{"role": "user", "content": "Time?"}],
+            "tools": [WEATHER, TIME],
+            "stream": True,
+        }
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            chunks = sse_payloads(r)
+    assert "json_schema" not in backend.calls[0]  # auto: the model decides
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert content == "Checking."
+    calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert len(calls) == 1
+    assert calls[0]["index"] == 0 and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"]["name"] == "get_time"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"timezone": "UTC"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tool_choice_none_leaves_text_alone():
+    backend = ScriptedBackend('{"name": "get_time", "arguments": {"timezone": "UTC"}}')
+    with TestClient(create_app(backend)) as c:
+        body = {
+            "messages": [{"role": "user", "content": "Time?"}],
+            "tools": [TIME],
+            "tool_choice": "none",
+        }
+        out = c.post("/v1/chat/completions", json=body).json()
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["message"]["content"] == backend.script
+    assert "tool_calls" not in out["choices"][0]["message"]
+
+
+# ---- with the real model -------------------------------------------------------------------
+
+
+def test_two_turn_tool_loop_with_the_real_model(engine):
+    """A named call, its result sent back, and the model's answer. The call's arguments are
+    checked against the schema only where the engine enforces JSON schemas."""
+    with TestClient(create_app(engine, owns_engine=False)) as c:
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        first = c.post(
+            "/v1/chat/completions",
+            json={
+                "messages": messages,
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                "max_tokens": 24,
+                "temperature": 0,
+            },
+        )
+        assert first.status_code == 200, first.text
+        message = first.json()["choices"][0]["message"]
+        enforced = engine_enforces_constraints(engine)
+        if enforced:
+            (call,) = message["tool_calls"]
+            jsonschema.validate(
+                json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"]
+            )
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": '{"temperature_c": 21}'},
+        ]
+        second = c.post(
+            "/v1/chat/completions",
+            json={"messages": messages, "tools": [WEATHER], "max_tokens": 8, "temperature": 0},
+        )
+        assert second.status_code == 200, second.text
+        assert second.json()["usage"]["prompt_tokens"] > first.json()["usage"]["prompt_tokens"]
+
+
+def engine_enforces_constraints(engine) -> bool:
+    out = engine.generate("Say something:", {"max_new_tokens": 4, "temperature": 0, "regex": "zzz"})
+    return out["text"] == "zzz"
