@@ -31,6 +31,8 @@ class InsertResult(NamedTuple):
 
 
 class PrefixCache(ABC):
+    enabled = True  # False for the null cache, which keeps nothing
+
     @abstractmethod
     def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
         """Return the longest cached prefix of `tokens` and its node.
@@ -86,6 +88,7 @@ class NoPrefixCache(PrefixCache):
     `insert` reports the whole sequence as already held, so the caller frees every slot itself.
     """
 
+    enabled = False
     _EMPTY = torch.empty(0, dtype=torch.int64)
 
     def match_prefix(self, tokens: Sequence[int]) -> MatchResult:

@@ -97,6 +97,21 @@ class CacheManager:
         self.rows.free(req.pool_row)
         req.pool_row, req.locked_node, req.locked_len, req.kv_len = None, None, 0, 0
 
+    def cache_prefix(self, req: Req) -> None:
+        """Mid-prefill: hand the tokens computed so far to the prefix cache, so that requests sharing
+        this prompt reuse them at once. The request keeps them locked and continues."""
+        if not self.prefix_cache.enabled or req.kv_len <= req.locked_len:
+            return
+        tokens = req.all_ids[: req.kv_len]
+        slots = self.rows.read(req.pool_row, req.kv_len)
+        inserted = self.prefix_cache.insert(tokens, slots)
+        self.allocator.free(slots[req.locked_len : inserted.prefix_len])
+        match = self.prefix_cache.match_prefix(tokens)
+        self.rows.write(req.pool_row, 0, match.slots)
+        self.prefix_cache.lock(match.node)
+        self.prefix_cache.unlock(req.locked_node)
+        req.locked_node, req.locked_len = match.node, req.kv_len
+
     def flush(self) -> bool:
         """Empty the prefix cache; False (and nothing done) while any of it is in use."""
         if self.prefix_cache.protected_size:

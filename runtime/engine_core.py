@@ -105,6 +105,8 @@ class EngineCore:
             self.num_steps += 1
             for item, result in zip(plan, results):
                 self._apply(item.req, result)
+                if item.num_tokens > 1 and not item.req.is_finished:
+                    self.cache.cache_prefix(item.req)  # share the prompt before it finishes
         for req in list(self._reqs.values()):
             self._fail(req, "the engine shut down before the request finished")
 

@@ -112,10 +112,15 @@ class Scheduler:
         ordered = order_waiting(
             list(self.waiting), lambda r: len(self.cache.match(r).slots), self.policy
         )
+        fresh: list[list[int]] = []  # prompts admitted this step
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.max_running or not self.cache.rows.num_free:
                 break
             match = self.cache.match(req)
+            if self.policy == "lpm" and _shares_uncached_prefix(
+                req.all_ids, len(match.slots), fresh
+            ):
+                continue  # computed by a request admitted this step; it hits the cache next step
             n = min(budget, req.num_tokens - len(match.slots))
             self.cache.admit(req, match)
             # keep one slot per running decode in reserve so admission does not force preemption
@@ -129,6 +134,7 @@ class Scheduler:
                 break
             if req.num_preemptions == 0:
                 self.cache.record_first_admission(req)
+            fresh.append(req.all_ids)
             self.waiting.remove(req)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
@@ -143,3 +149,14 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+
+# Waiting for another request to compute a shared prefix pays only when the prefix is long.
+_MIN_SHARED_PREFIX = 32
+
+
+def _shares_uncached_prefix(tokens: list[int], cached: int, fresh: list[list[int]]) -> bool:
+    """True when a request admitted this step computes at least _MIN_SHARED_PREFIX tokens that
+    `tokens` also starts with, beyond its cached part."""
+    end = cached + _MIN_SHARED_PREFIX
+    return len(tokens) > end and any(len(o) >= end and o[:end] == tokens[:end] for o in fresh)
