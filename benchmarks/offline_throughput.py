@@ -85,7 +85,7 @@ def main() -> None:
     single = random_prompts(1, 32, 32, vocab, seed=1)
     ours = time_ours(engine, single, args.decode_tokens)
     theirs = time_hf(hf, single, args.decode_tokens, pad)
-    rows.append(("batch 1, 32 in / %d out" % args.decode_tokens, args.decode_tokens, ours, theirs))
+    rows.append((f"batch 1, 32 in / {args.decode_tokens} out", args.decode_tokens, ours, theirs))
 
     mixed = random_prompts(args.batch, args.min_len, args.max_len, vocab, seed=2)
     ours = time_ours(engine, mixed, args.new_tokens)
@@ -94,7 +94,7 @@ def main() -> None:
     rows.append((label, args.batch * args.new_tokens, ours, theirs))
     engine.shutdown()
 
-    print(f"\n| workload | radixlm out tok/s | transformers out tok/s | ratio |\n|---|---|---|---|")
+    print("\n| workload | radixlm out tok/s | transformers out tok/s | ratio |\n|---|---|---|---|")
     for label, tokens, ours, theirs in rows:
         print(f"| {label} | {tokens / ours:.1f} | {tokens / theirs:.1f} | {theirs / ours:.2f}x |")
 

@@ -1,0 +1,50 @@
+"""Constrained decoding: grammars (regex, JSON schema, choices, non-recursive EBNF) compiled into
+token-level automata over a tokenizer's vocabulary, packed token bitmasks, jump-forward.
+
+    compiler = GrammarCompiler(tokenizer, vocab_size=logits_width)
+    grammar = compiler.compile("json_schema", schema_text)   # cached; GrammarError if refused
+    matcher = grammar.matcher()                             # one per request
+    matcher.fill_next_token_bitmask(bitmask[i])             # then apply_token_bitmask_(logits, bitmask)
+    matcher.accept_token(token)                             # False if the grammar forbids it
+
+Regexes and JSON schemas go through outlines-core's Index; the JSON schema converter is our own
+and refuses, naming keyword and location, whatever it cannot enforce exactly.
+"""
+
+from __future__ import annotations
+
+from radixlm.constrained.bitmask import (
+    allocate_token_bitmask,
+    apply_token_bitmask_,
+    bitmask_from_ids,
+    ids_from_bitmask,
+)
+from radixlm.constrained.compiler import KINDS, GrammarCompiler
+from radixlm.constrained.errors import GrammarError
+from radixlm.constrained.grammar import CompiledGrammar, GrammarMatcher
+from radixlm.constrained.json_schema import (
+    JsonSchemaOptions,
+    dump_json_for_schema,
+    json_schema_to_regex,
+    schema_validator,
+    validate_json_output,
+)
+from radixlm.constrained.vocab import TokenVocabulary
+
+__all__ = [
+    "KINDS",
+    "CompiledGrammar",
+    "GrammarCompiler",
+    "GrammarError",
+    "GrammarMatcher",
+    "JsonSchemaOptions",
+    "TokenVocabulary",
+    "allocate_token_bitmask",
+    "apply_token_bitmask_",
+    "bitmask_from_ids",
+    "dump_json_for_schema",
+    "ids_from_bitmask",
+    "json_schema_to_regex",
+    "schema_validator",
+    "validate_json_output",
+]

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlm import __version__
 from radixlm.server.backend import GenerationBackend, LocalEngineBackend
@@ -93,6 +94,14 @@ def create_app(
     async def api_error(request: Request, exc: APIError) -> Response:
         state.metrics.count_error(exc.type)
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # unknown routes and methods, in the same error shape as everything else
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        err = APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
+        state.metrics.count_error(err.type)
+        return err.response()
 
     @app.exception_handler(ClientDisconnected)
     async def disconnected(request: Request, exc: ClientDisconnected) -> Response:

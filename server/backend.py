@@ -24,6 +24,7 @@ class ModelInfo:
     context_len: int
     vocab_size: int
     chat_template_has_tools: bool
+    kv_capacity_tokens: int | None = None  # the most tokens one request can hold in the KV pool
 
 
 class GenerationBackend(Protocol):
@@ -81,6 +82,7 @@ class LocalEngineBackend:
             context_len=int(engine.context_len),
             vocab_size=int(engine.model_config.vocab_size),
             chat_template_has_tools=isinstance(template, str) and "tools" in template,
+            kv_capacity_tokens=engine.get_stats().get("kv_pool_capacity_tokens"),
         )
 
     def model_info(self) -> ModelInfo:

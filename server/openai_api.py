@@ -100,8 +100,11 @@ def _sampling_params(
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
     info = state.backend.model_info()
-    if max_tokens is None:
-        max_tokens = info.context_len - prompt_len
+    if max_tokens is None:  # as much as the context (and the KV pool) leaves
+        room = info.context_len
+        if info.kv_capacity_tokens is not None:
+            room = min(room, info.kv_capacity_tokens)
+        max_tokens = max(0, room - prompt_len)
         if state.limits.max_new_tokens is not None:
             max_tokens = min(max_tokens, state.limits.max_new_tokens)
     else:
@@ -575,7 +578,7 @@ async def _chat_events(
             content = text[p.text_sent :]
             p.text_sent = max(p.text_sent, len(text))
         logprobs = None
-        if req.logprobs and not plan.constrained:
+        if req.logprobs:
             entries = _chat_logprobs(state, meta, p.tokens_sent)
             p.tokens_sent += len(entries)
             if entries:

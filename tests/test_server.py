@@ -381,6 +381,10 @@ def test_malformed_json_unknown_model_and_too_long_prompt(client, engine):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = client.post("/generate", json={"input_ids": [42] * (engine.context_len + 1)})
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    r = client.get("/v2/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = client.get("/generate")
+    assert r.status_code == 405 and "error" in r.json()
     # and the server still generates for everyone else
     assert client.get("/health_generate").status_code == 200
 

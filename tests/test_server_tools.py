@@ -217,12 +217,13 @@ def test_tools_and_results_are_rendered_into_the_prompt(engine):
 class ScriptedBackend:
     """A GenerationBackend whose every generation writes `script`, a few characters a step."""
 
-    def __init__(self, script: str) -> None:
+    def __init__(self, script: str, kv_capacity: int | None = None) -> None:
         self.script = script
+        self.kv_capacity = kv_capacity
         self.calls: list[dict[str, Any]] = []
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo("scripted", "scripted", "scripted", 4096, 256, False)
+        return ModelInfo("scripted", "scripted", "scripted", 4096, 256, False, self.kv_capacity)
 
     def tokenize(self, text: str) -> list[int]:
         return [min(ord(c), 255) for c in text]
@@ -339,6 +340,15 @@ def test_tool_choice_none_leaves_text_alone():
     assert out["choices"][0]["finish_reason"] == "stop"
     assert out["choices"][0]["message"]["content"] == backend.script
     assert "tool_calls" not in out["choices"][0]["message"]
+
+
+def test_chat_without_max_tokens_gets_the_room_the_kv_pool_leaves():
+    backend = ScriptedBackend("ok", kv_capacity=1000)
+    with TestClient(create_app(backend)) as c:
+        out = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert out.status_code == 200
+    prompt_tokens = out.json()["usage"]["prompt_tokens"]
+    assert backend.calls[0]["max_new_tokens"] == 1000 - prompt_tokens
 
 
 # ---- with the real model -------------------------------------------------------------------
