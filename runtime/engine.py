@@ -46,7 +46,6 @@ class Engine:
         self.config = config = EngineConfig(model_path=model_path, **kwargs)
         t0 = time.perf_counter()
         from radixlm.runtime import model_loader
-        from radixlm.runtime.attention import create_backend
         from radixlm.runtime.models.llama import LlamaForCausalLM
 
         self.device = torch.device(
@@ -77,11 +76,10 @@ class Engine:
         kv_pool = KVPool(
             num_slots + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
-        backend = create_backend(config.attention_backend, kv_pool, None, self.device)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
-        self._core = EngineCore(config, mc, model, kv_pool, backend, self.context_len, self.device)
+        self._core = EngineCore(config, mc, model, kv_pool, self.context_len, self.device)
         self._rng = random.Random(config.random_seed)
         self._ids = itertools.count()
         self._closed = False

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from radixlm.radix_cache.base import NoPrefixCache
+from radixlm.runtime.attention import create_backend
 from radixlm.runtime.cache_manager import CacheManager
 from radixlm.runtime.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from radixlm.runtime.model_runner import ModelRunner, ReqStepResult
@@ -30,13 +31,16 @@ Sink = Callable[[Req, bool], None]  # (request, finished) -> None
 
 class EngineCore:
     def __init__(
-        self, config, model_config, model, kv_pool: KVPool, backend, context_len: int, device
+        self, config, model_config, model, kv_pool: KVPool, context_len: int, device
     ) -> None:
         self.config = config
         self.context_len = context_len
         self.kv_pool = kv_pool
         self.rows = ReqToTokenPool(config.max_running_requests + 1, context_len + 1, device)
-        backend.req_to_token = self.rows.table
+        backend = create_backend(
+            config.attention_backend, kv_pool, self.rows.table, device,
+            max_batch=config.max_running_requests + 1, num_q_heads=model_config.num_heads,
+        )  # fmt: skip
         self.allocator = SlotAllocator(kv_pool.num_slots)
         if config.disable_radix_cache:
             prefix_cache = NoPrefixCache()
