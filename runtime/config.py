@@ -40,7 +40,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     random_seed: int = 0
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
-    trust_remote_code: bool = False
+    # auto: the checkpoint's weights; dummy: random weights of the config's shape (benchmarks)
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -60,6 +61,8 @@ class EngineConfig:
             bad(f"schedule_policy={self.schedule_policy!r}; use 'lpm' or 'fcfs'")
         if self.attention_backend not in ("auto", "torch", "triton"):
             bad(f"attention_backend={self.attention_backend!r}; use auto, torch or triton")
+        if self.load_format not in ("auto", "dummy"):
+            bad(f"load_format={self.load_format!r}; use 'auto' or 'dummy'")
         if self.context_length is not None and self.context_length < 2:
             bad("context_length must be at least 2")
 

@@ -57,7 +57,10 @@ class Engine:
             else ("bfloat16" if self.device.type == "cuda" else "float32")
         )
         self.dtype = _DTYPES[dtype_name]
-        folder = model_loader.resolve_model_folder(config.model_path, config.cache_dir)
+        dummy = config.load_format == "dummy"
+        folder = model_loader.resolve_model_folder(
+            config.model_path, config.cache_dir, need_weights=not dummy
+        )
         self.model_folder = folder
         self.tokenizer = model_loader.load_tokenizer(config.tokenizer_path or folder)
         hf_config = model_loader.load_hf_config(folder)
@@ -67,7 +70,11 @@ class Engine:
         with torch.device("meta"):
             model = LlamaForCausalLM(mc, self.context_len + 1)
         model = model.to(self.dtype).to_empty(device=self.device)
-        model.load_weights(model_loader.iter_safetensors(folder))
+        if dummy:
+            model.tie_weights_if_needed()
+            model_loader.init_dummy_weights(model, config.random_seed)
+        else:
+            model.load_weights(model_loader.iter_safetensors(folder))
         model.rope.build_tables(self.device)
         model.eval()
         self.model = model

@@ -118,10 +118,13 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face named tensors into this model; every parameter must be covered."""
+    def tie_weights_if_needed(self) -> None:
         if self.cfg.tie_word_embeddings:  # moving off the meta device unties them
             self.lm_head.weight = self.embed_tokens.weight
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face named tensors into this model; every parameter must be covered."""
+        self.tie_weights_if_needed()
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:

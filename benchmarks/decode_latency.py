@@ -1,0 +1,138 @@
+"""Batch-1 decode speed on the GPU: radixlm against transformers (eager), random weights of real
+model shapes, bf16, in one run; with the achieved weight-read bandwidth against the measured copy
+bandwidth (at batch 1 every step reads all weights once, so bytes / bandwidth is the floor).
+
+    python -m benchmarks.decode_latency [--shapes smollm2-135m,llama-3.1-8b] [--new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import commit, device_line
+
+SHAPES = {
+    "smollm2-135m": dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+    ),
+    "llama-3.1-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+    ),
+}  # fmt: skip
+
+
+def shape_folder(name: str, tokenizer_folder: Path) -> Path:
+    """A folder with config.json and a tokenizer: enough for load_format='dummy'."""
+    out = Path(tempfile.mkdtemp(prefix=f"radixlm-{name}-"))
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
+           "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2, **SHAPES[name]}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in tokenizer_folder.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 20 / (time.perf_counter() - t)
+
+
+@torch.inference_mode()
+def hf_eager_tok_s(folder: Path, prompt: list[int], new_tokens: int) -> tuple[float, int]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config).eval()
+    torch.set_default_dtype(torch.float32)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.tensor([prompt], device="cuda")
+    kw = {
+        "do_sample": False,
+        "min_new_tokens": new_tokens,
+        "max_new_tokens": new_tokens,
+        "eos_token_id": None,
+        "pad_token_id": 0,
+    }
+    model.generate(ids, **{**kw, "min_new_tokens": 8, "max_new_tokens": 8})
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    model.generate(ids, **kw)
+    torch.cuda.synchronize()
+    rate = new_tokens / (time.perf_counter() - t)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rate, weight_bytes
+
+
+def ours_tok_s(folder: Path, prompt: list[int], new_tokens: int) -> float:
+    import radixlm
+
+    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    with radixlm.Engine(str(folder), load_format="dummy", max_running_requests=64) as eng:
+        eng.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 8})
+        t = time.perf_counter()
+        eng.generate(input_ids=prompt, sampling_params=params)
+        rate = new_tokens / (time.perf_counter() - t)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--shapes", default="smollm2-135m,llama-3.1-8b")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_latency measures GPU decode speed: no CUDA device here")
+    from radixlm.runtime.config import default_cache_dir
+    from radixlm.runtime.model_loader import resolve_model_folder
+
+    tok_folder = resolve_model_folder(None, default_cache_dir())
+    bw = copy_bandwidth()
+    print(f"device: {device_line()}  commit: {commit()}  copy bandwidth: {bw / 1e12:.2f} TB/s")
+    prompt = list(range(1000, 1032))
+    rows = []
+    for name in args.shapes.split(","):
+        folder = shape_folder(name, tok_folder)
+        hf, weight_bytes = hf_eager_tok_s(folder, prompt, args.new_tokens)
+        ours = ours_tok_s(folder, prompt, args.new_tokens)
+        floor = bw / weight_bytes  # tokens/s if each step only read the weights at copy speed
+        rows.append((name, ours, hf, floor, weight_bytes))
+    print(
+        "\n| shape | radixlm tok/s | HF eager tok/s | ratio | weights GB | bandwidth floor tok/s | radixlm of floor |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, ours, hf, floor, wb in rows:
+        print(
+            f"| {name} | {ours:.1f} | {hf:.1f} | {ours / hf:.2f}x | {wb / 1e9:.2f} | {floor:.0f} | {ours / floor:.1%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
