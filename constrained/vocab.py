@@ -1,0 +1,170 @@
+"""A tokenizer's vocabulary as the byte strings a grammar matches tokens against."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from radixlm.constrained.errors import GrammarError
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte <-> printable character table used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs], strict=True))
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+class TokenVocabulary:
+    """Token id -> the bytes it decodes to (None for tokens a grammar never allows).
+
+    `size` is the width of the logits (may exceed the tokenizer: the extra ids are never
+    allowed); `eos_token_ids` end a grammar-constrained generation in an accepting state.
+    """
+
+    def __init__(
+        self,
+        token_bytes: Sequence[bytes | None],
+        eos_token_ids: Iterable[int],
+        size: int | None = None,
+    ) -> None:
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        if not self.eos_token_ids:
+            raise GrammarError("the vocabulary needs an end-of-sequence token id")
+        self.size = (
+            int(size) if size is not None else max(len(token_bytes), max(self.eos_token_ids) + 1)
+        )
+        self.token_bytes: list[bytes | None] = [
+            (b if b else None) if i < self.size else None for i, b in enumerate(token_bytes)
+        ]
+        self.token_bytes += [None] * max(0, self.size - len(self.token_bytes))
+        for e in self.eos_token_ids:
+            if e >= self.size:
+                raise GrammarError(f"EOS id {e} is outside the vocabulary of {self.size} tokens")
+            self.token_bytes[e] = None
+
+    @classmethod
+    def from_tokenizer(
+        cls,
+        tokenizer: Any,
+        vocab_size: int | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+    ) -> TokenVocabulary:
+        """Read a Hugging Face tokenizer (or any object with `get_vocab()` and `eos_token_id`).
+
+        Byte-level BPE tokens (GPT-2 style, `Ġ` for space) are mapped back to their bytes,
+        SentencePiece tokens (`▁` for space, `<0x0A>` byte fallback) likewise; added tokens are
+        their literal text; special tokens are never allowed.
+        """
+        vocab: dict[str, int] = tokenizer.get_vocab()
+        if eos_token_ids is None:
+            eos = getattr(tokenizer, "eos_token_id", None)
+            if eos is None:
+                raise GrammarError("the tokenizer has no eos_token_id; pass eos_token_ids")
+            eos_token_ids = [eos]
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        added: dict[int, Any] = dict(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        for i, tok in added.items():
+            if getattr(tok, "special", False):
+                special.add(int(i))
+        n = max(vocab.values(), default=-1) + 1
+        table: list[bytes | None] = [None] * n
+        mode = _decoding_mode(tokenizer, vocab)
+        for text, i in vocab.items():
+            if i in special:
+                continue
+            table[i] = text.encode("utf-8") if i in added else _token_bytes(text, mode)
+        return cls(table, eos_token_ids, vocab_size if vocab_size is not None else n)
+
+    @cached_property
+    def first_byte(self) -> np.ndarray:
+        """(size,) int16: each token's first byte, -1 for tokens never allowed."""
+        out = np.full(self.size, -1, dtype=np.int16)
+        for i, b in enumerate(self.token_bytes):
+            if b:
+                out[i] = b[0]
+        return out
+
+    @cached_property
+    def token_of_bytes(self) -> dict[bytes, int]:
+        """Bytes -> the lowest token id spelling exactly them."""
+        out: dict[bytes, int] = {}
+        for i, b in enumerate(self.token_bytes):
+            if b and b not in out:
+                out[b] = i
+        return out
+
+    @cached_property
+    def max_token_len(self) -> int:
+        return max((len(b) for b in self.token_bytes if b), default=1)
+
+    def outlines_vocabulary(self) -> Any:
+        """The outlines-core Vocabulary of the allowed tokens (built once per vocabulary)."""
+        return self._outlines
+
+    @cached_property
+    def _outlines(self) -> Any:
+        from outlines_core import Vocabulary
+
+        grouped: dict[bytes, list[int]] = {}
+        for i, b in enumerate(self.token_bytes):
+            if b:
+                grouped.setdefault(b, []).append(i)
+        if not grouped:
+            raise GrammarError("the vocabulary has no usable tokens")
+        return Vocabulary(self.eos_token_ids[0], grouped)
+
+    @cached_property
+    def outlines_words(self) -> int:
+        """How many int32 words outlines-core writes a mask into (it sizes by the largest id)."""
+        largest = max(max(i for i, b in enumerate(self.token_bytes) if b), self.eos_token_ids[0])
+        return (largest + 1 + 31) // 32
+
+
+def _decoding_mode(tokenizer: Any, vocab: dict[str, int]) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        try:
+            spec = json.loads(backend.to_str())
+        except Exception:
+            spec = {}
+        text = json.dumps(spec.get("decoder") or {}) + json.dumps(spec.get("pre_tokenizer") or {})
+        if '"ByteLevel"' in text:
+            return "byte_level"
+        if '"ByteFallback"' in text or "\u2581" in text or "Metaspace" in text:
+            return "sentencepiece"
+    if any("\u0120" in t or "\u010a" in t for t in vocab):  # Ġ (space), Ċ (newline)
+        return "byte_level"
+    if any(t.startswith("\u2581") for t in vocab):
+        return "sentencepiece"
+    return "plain"
+
+
+def _token_bytes(text: str, mode: str) -> bytes | None:
+    if mode == "byte_level":
+        try:
+            return bytes(_BYTE_DECODER[c] for c in text)
+        except KeyError:
+            return text.encode("utf-8")
+    if mode == "sentencepiece":
+        if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            try:
+                return bytes([int(text[3:5], 16)])
+            except ValueError:
+                pass
+        return text.replace("\u2581", " ").encode("utf-8")
+    return text.encode("utf-8")
