@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import radixlm
 from tests.prompts import varied_prompts
@@ -31,24 +30,44 @@ def hundred_prompts() -> list[str]:
     return (varied_prompts() + chats + plain)[:100]
 
 
-def test_gpu_greedy_matches_cpu_float32_on_95_of_100_prompts(default_model_folder):
-    prompts = hundred_prompts()
-    assert len(prompts) == 100
+@pytest.fixture(scope="module")
+def cpu_reference(default_model_folder):
     params = {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
     with radixlm.Engine(default_model_folder, device="cpu", dtype="float32") as cpu:
-        expected = [o["output_ids"] for o in cpu.generate(prompts, params)]
-    with radixlm.Engine(default_model_folder, device="cuda") as gpu:
-        assert gpu.dtype == torch.bfloat16
-        got = [o["output_ids"] for o in gpu.generate(prompts, params)]
-        alone = [gpu.generate(p, params)["output_ids"] for p in prompts[:10]]
-    same = sum(a == b for a, b in zip(expected, got))
-    diverged = [
-        (i, next(j for j, (x, y) in enumerate(zip(a, b)) if x != y))
-        for i, (a, b) in enumerate(zip(expected, got))
-        if a != b
+        outs = cpu.generate(hundred_prompts(), params, return_logprob=True, top_logprobs_num=2)
+    return [
+        (o["output_ids"], [t[0][0] - t[1][0] for t in o["meta_info"]["output_top_logprobs"]])
+        for o in outs
     ]
-    print(
-        f"GPU bf16 equals CPU float32 for all {TOKENS} tokens on {same}/100 prompts; first divergence (prompt, token): {diverged}"
-    )
-    assert same >= 95
-    assert sum(a == b for a, b in zip(alone, got[:10])) >= 9
+
+
+def gpu_outputs(folder: str, dtype: str) -> list[list[int]]:
+    params = {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+    with radixlm.Engine(folder, device="cuda", dtype=dtype) as gpu:
+        return [o["output_ids"] for o in gpu.generate(hundred_prompts(), params)]
+
+
+def test_gpu_float32_path_equals_cpu_float32(default_model_folder, cpu_reference):
+    # same precision, different kernels (Triton attention, cuBLAS): only true near-ties may flip
+    got = gpu_outputs(default_model_folder, "float32")
+    same = sum(ids == g for (ids, _), g in zip(cpu_reference, got))
+    assert same >= 98, same
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_half_precision_diverges_only_where_cpu_was_unsure(
+    default_model_folder, cpu_reference, dtype
+):
+    """Half-precision weights change the model slightly: a divergence from the float32 path is
+    rounding only where float32's top-2 log-probabilities were close; a wide margin is a bug."""
+    got = gpu_outputs(default_model_folder, dtype)
+    same, margins = 0, []
+    for (ids, margin), g in zip(cpu_reference, got):
+        if ids == g:
+            same += 1
+            continue
+        j = next(j for j, (x, y) in enumerate(zip(ids, g)) if x != y)
+        margins.append(margin[j])
+    print(f"{dtype}: {same}/100 prompts equal the CPU float32 path for {TOKENS} tokens; "
+          f"divergences at top-2 margins up to {max(margins, default=0):.3f}")  # fmt: skip
+    assert max(margins, default=0.0) < 0.25, margins
