@@ -15,6 +15,11 @@ from radixlm.kernels import attention_ref as ref
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.memory_pool import KVPool
 
+# Temporaries above glibc's mmap threshold (32 MiB at most) are mapped and zero-filled afresh on
+# every call; on the CPU that page-faulting, not arithmetic, dominated long-context attention. The
+# torch backend therefore works in pieces whose gathered K/V and score matrices stay under this.
+_CPU_PIECE_BYTES = 8 << 20
+
 
 class TorchAttentionBackend:
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
@@ -32,20 +37,40 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:  # (T, Hq, D)
         k_pool, v_pool = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
         ref.store_kv_ref(k_pool, v_pool, batch.out_cache_loc, k, v)
-        m = batch.num_multi
-        split = sum(batch.extend_lens_cpu[:m])  # packed tokens of the multi-token requests
         out = torch.empty_like(q)
-        if m:
-            out[:split] = ref.extend_attention_ref(
-                q[:split], k_pool, v_pool, self.req_to_token,
-                batch.req_pool_indices[:m], batch.prefix_lens[:m], batch.extend_lens[:m], sm_scale,
-            )  # fmt: skip
-        if m < batch.batch_size:
-            out[split:] = ref.decode_attention_ref(
-                q[split:], k_pool, v_pool, self.req_to_token,
-                batch.req_pool_indices[m:], batch.seq_lens[m:], sm_scale,
-            )  # fmt: skip
+        start = 0
+        for i in range(batch.num_multi):  # prefill chunks, one request at a time
+            p, e = batch.prefix_lens_cpu[i], batch.extend_lens_cpu[i]
+            self._extend_one(q, out, start, i, p, e, k_pool, v_pool, batch, sm_scale)
+            start += e
+        if batch.num_multi < batch.batch_size:  # decodes, batched in pieces
+            self._decode(q[start:], out[start:], k_pool, v_pool, batch, sm_scale)
         return out
+
+    def _extend_one(self, q, out, start, i, p, e, k_pool, v_pool, batch, sm_scale) -> None:
+        row_bytes = (p + e) * q.shape[1] * q.element_size()  # one query's scores over all heads
+        block = max(16, _CPU_PIECE_BYTES // max(row_bytes, 1))
+        rows = batch.req_pool_indices[i : i + 1]
+        for j in range(0, e, block):
+            n = min(block, e - j)
+            # queries j..j+n of the new tokens see the prefix and the new tokens up to themselves
+            out[start + j : start + j + n] = ref.extend_attention_ref(
+                q[start + j : start + j + n], k_pool, v_pool, self.req_to_token, rows,
+                torch.tensor([p + j]), torch.tensor([n]), sm_scale,
+            )  # fmt: skip
+
+    def _decode(self, q, out, k_pool, v_pool, batch, sm_scale) -> None:
+        m = batch.num_multi
+        seq_lens = batch.seq_lens[m:]
+        max_len = max(batch.prefix_lens_cpu[m:]) + 1
+        per_req = max_len * k_pool.shape[1] * k_pool.shape[2] * k_pool.element_size()
+        piece = max(1, _CPU_PIECE_BYTES // per_req)
+        for j in range(0, q.shape[0], piece):
+            sl = slice(j, j + piece)
+            out[sl] = ref.decode_attention_ref(
+                q[sl], k_pool, v_pool, self.req_to_token,
+                batch.req_pool_indices[m:][sl], seq_lens[sl], sm_scale,
+            )  # fmt: skip
 
 
 class TritonAttentionBackend:
