@@ -36,7 +36,8 @@ _ENGINE_HELP = {
     "attention_backend": "auto, torch (the plain reference) or triton",
     "random_seed": "the seed of the engine's own random choices (per-request seeds otherwise)",
     "cache_dir": "where converted models are kept (default: $RADIXLM_CACHE or ~/.cache/radixlm)",
-    "trust_remote_code": "allow a model folder's own code (not needed for supported models)",
+    "load_format": "auto (the checkpoint's weights) or dummy (random weights of the config's shape, "
+    "for benchmarks)",
 }
 
 
