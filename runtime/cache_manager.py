@@ -81,6 +81,13 @@ class CacheManager:
         self.rows.write(req.pool_row, req.kv_len, slots)
         req.kv_len += num_tokens
 
+    def truncate(self, req: Req, length: int) -> None:
+        """Forget the K/V of positions `length..kv_len` of `req` (its own slots, not the cache's)."""
+        if length < req.locked_len:
+            raise ValueError(f"cannot truncate below the cached prefix ({req.locked_len} tokens)")
+        self.allocator.free(self.rows.read(req.pool_row, req.kv_len)[length:])
+        req.kv_len = min(req.kv_len, length)
+
     def release(self, req: Req) -> None:
         """Hand the request's computed tokens to the prefix cache and free what it does not keep.
 

@@ -39,6 +39,10 @@ class EngineConfig:
     disable_radix_cache: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
     random_seed: int = 0
+    # constrained decoding
+    grammar_compile_timeout: float = 30.0  # seconds; a slower grammar fails its own request
+    json_whitespace: str = "compact"  # compact: no whitespace between JSON tokens; flexible
+    enable_jump_forward: bool = True  # append text the grammar forces without decoding it
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
     # auto: the checkpoint's weights; dummy: random weights of the config's shape (benchmarks)
     load_format: str = "auto"
@@ -61,6 +65,10 @@ class EngineConfig:
             bad(f"schedule_policy={self.schedule_policy!r}; use 'lpm' or 'fcfs'")
         if self.attention_backend not in ("auto", "torch", "triton"):
             bad(f"attention_backend={self.attention_backend!r}; use auto, torch or triton")
+        if self.json_whitespace not in ("compact", "flexible"):
+            bad(f"json_whitespace={self.json_whitespace!r}; use 'compact' or 'flexible'")
+        if self.grammar_compile_timeout <= 0:
+            bad("grammar_compile_timeout must be positive")
         if self.load_format not in ("auto", "dummy"):
             bad(f"load_format={self.load_format!r}; use 'auto' or 'dummy'")
         if self.context_length is not None and self.context_length < 2:

@@ -47,6 +47,12 @@ class IncrementalDetokenizer:
         self.text += delta
         self._find_stop(search_from)
 
+    def reset(self, token_ids: list[int]) -> None:
+        """Start over from these tokens (after earlier tokens were replaced)."""
+        self.text, self.matched_stop = "", None
+        self._ids, self._prefix_offset, self._read_offset = [], 0, 0
+        self.add(list(token_ids))
+
     def flush(self) -> None:
         """At the end of generation: release any bytes still held (as replacement characters)."""
         if self.matched_stop is None and self._read_offset < len(self._ids):

@@ -87,6 +87,7 @@ class Engine:
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
         self._core = EngineCore(config, mc, model, kv_pool, self.context_len, self.device)
+        self._grammar_compiler = None  # built on the first constrained request
         self._rng = random.Random(config.random_seed)
         self._ids = itertools.count()
         self._closed = False
@@ -138,9 +139,11 @@ class Engine:
         stream: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """Like `generate`, from a coroutine; with stream=True it returns an async iterator."""
-        reqs, single = self._make_requests(
-            prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num
-        )
+        # tokenizing and compiling a grammar can take a while: keep them off the event loop
+        reqs, single = await asyncio.to_thread(
+            self._make_requests,
+            prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+        )  # fmt: skip
         loop = asyncio.get_running_loop()
         if stream:
             self._check_streamable(reqs)
@@ -222,10 +225,32 @@ class Engine:
             params = SamplingParams.from_dict(params_list[i])
             logprob = self._logprob_request(lp_list[i], start_list[i], top_list[i], len(ids))
             self._check_fits(ids, params)
+            grammar = self._compile_grammar(params)
             base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
             for k in range(params.n):
-                reqs.append(self._new_req(ids, params, base_seed + k, logprob))
+                req = self._new_req(ids, params, base_seed + k, logprob)
+                req.grammar = grammar.matcher() if grammar is not None else None
+                reqs.append(req)
         return reqs, single
+
+    def _compile_grammar(self, params: SamplingParams):
+        """Compile the request's regex / JSON schema / EBNF (cached by text) in the caller's thread,
+        so the engine core never waits on a compile; a refused grammar raises GrammarError
+        (a ValueError) naming what to fix."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        if self._grammar_compiler is None:
+            from radixlm.constrained import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer,
+                vocab_size=self.model_config.vocab_size,
+                whitespace=self.config.json_whitespace,
+                compile_timeout=self.config.grammar_compile_timeout,
+                eos_token_ids=sorted(self.eos_token_ids),
+            )
+        return self._grammar_compiler.compile(*constraint)
 
     def _tokenize(self, item: Any) -> list[int]:
         if isinstance(item, str):

@@ -62,6 +62,7 @@ class EngineCore:
         self._stop = threading.Event()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.num_jump_forward_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="radixlm-core", daemon=True)
         self._thread.start()
 
@@ -109,7 +110,7 @@ class EngineCore:
             self.num_steps += 1
             for item, result in zip(plan, results):
                 self._apply(item.req, result)
-                if item.num_tokens > 1 and not item.req.is_finished:
+                if item.start < len(item.req.input_ids) and not item.req.is_finished:
                     self.cache.cache_prefix(item.req)  # share the prompt before it finishes
         for req in list(self._reqs.values()):
             self._fail(req, "the engine shut down before the request finished")
@@ -162,7 +163,12 @@ class EngineCore:
         if req.logprob.return_logprob:
             req.output_token_logprobs.append((result.logprob, token))
             req.output_top_logprobs.append(result.top_logprobs)
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            self._fail(req, f"internal error: the grammar refused the sampled token {token}")
+            return
         self._check_finished(req, token)
+        if not req.is_finished and req.grammar is not None and self.config.enable_jump_forward:
+            self._jump_forward(req)
         if req.is_finished:
             self._finish(req)
         else:
@@ -170,14 +176,57 @@ class EngineCore:
 
     def _check_finished(self, req: Req, token: int) -> None:
         p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids):
+        # a grammar that accepted EOS is complete, whatever ignore_eos says
+        eos_ends = not p.ignore_eos or req.grammar is not None
+        if token in p.stop_token_ids or (eos_ends and token in req.eos_token_ids):
             req.finish({"type": "stop", "matched": token})
             return
         req.detokenizer.add([token])
+        self._check_stop_or_length(req)
+
+    def _check_stop_or_length(self, req: Req) -> None:
+        p = req.params
         if req.detokenizer.matched_stop is not None:
             req.finish({"type": "stop", "matched": req.detokenizer.matched_stop})
         elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.context_len:
             req.finish({"type": "length", "length": len(req.output_ids)})
+
+    def _jump_forward(self, req: Req) -> None:
+        """Append the text the grammar forces next, tokenized the way the tokenizer tokenizes the
+        whole output, so the next step computes it in one forward instead of a token a step.
+
+        Where the forced text changes how the end of the output tokenizes (the model wrote `{` and
+        `"` where the tokenizer has `{"`), those last tokens are rolled back (grammar state and KV)
+        and replaced by the canonical ones. Skipped with log-probabilities on: forced tokens have
+        none."""
+        if req.logprob.return_logprob:
+            return
+        text = req.grammar.jump_forward_string()
+        if not text:
+            return
+        tokenizer = req.detokenizer.tokenizer
+        ids = req.output_ids
+        full = tokenizer.encode(tokenizer.decode(ids) + text, add_special_tokens=False)
+        keep = _common_prefix_len(full, ids)
+        dropped = ids[keep:]
+        full = full[: req.params.max_new_tokens]
+        if len(full) <= len(ids) or len(req.input_ids) + keep < req.locked_len:
+            return  # nothing gained, or the tokens to replace belong to the prefix cache
+        req.grammar.rollback(len(dropped))
+        accepted = req.grammar.accept_tokens(full[keep:])
+        if accepted < len(full) - keep:  # restore the state the model's own tokens gave
+            req.grammar.rollback(accepted)
+            req.grammar.accept_tokens(dropped)
+            return
+        if dropped:
+            self.cache.truncate(req, min(req.kv_len, len(req.input_ids) + keep))
+            del ids[keep:]
+            req.detokenizer.reset(ids)
+        self.num_jump_forward_tokens += len(full) - len(ids)
+        extra = full[len(ids) :]
+        ids.extend(extra)
+        req.detokenizer.add(extra)
+        self._check_stop_or_length(req)
 
     def _finish(self, req: Req) -> None:
         self.scheduler.remove(req)
@@ -210,6 +259,7 @@ class EngineCore:
             "generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
+            "jump_forward_tokens": self.num_jump_forward_tokens,
         }
 
 
@@ -250,3 +300,12 @@ def _available_host_memory() -> int:
     import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

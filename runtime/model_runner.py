@@ -147,7 +147,7 @@ class _SampleSlot:
 def _sampling_row(req) -> SamplingRow:
     p = req.params
     banned: tuple[int, ...] = ()
-    if len(req.output_ids) < p.min_new_tokens:
+    if len(req.output_ids) < p.min_new_tokens and req.grammar is None:  # the grammar decides EOS
         banned = tuple(sorted(set(req.eos_token_ids) | set(p.stop_token_ids)))
     return SamplingRow(
         params=p,
@@ -158,4 +158,5 @@ def _sampling_row(req) -> SamplingRow:
         banned_ids=banned,
         want_logprob=req.logprob.return_logprob,
         top_logprobs_num=req.logprob.top_logprobs_num if req.logprob.return_logprob else 0,
+        grammar=req.grammar,
     )

@@ -8,6 +8,7 @@ its own generator seeded by (request seed, output position), and picks argmax(p 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,6 +27,7 @@ class SamplingRow:
     banned_ids: tuple[int, ...] = ()  # e.g. EOS while min_new_tokens is not reached
     want_logprob: bool = False
     top_logprobs_num: int = 0
+    grammar: Any = None  # a constrained.GrammarMatcher: its allowed tokens mask the logits
 
 
 @dataclass
@@ -53,7 +55,6 @@ class Sampler:
         self,
         logits: torch.Tensor,  # (B, V) float32
         rows: list[SamplingRow],
-        token_mask: torch.Tensor | None = None,  # (B, V) bool: True = allowed (grammar)
     ) -> SampleOutput:
         raw_logprobs = None
         if any(r.want_logprob for r in rows):
@@ -63,8 +64,9 @@ class Sampler:
             _apply_penalties(logits[i], r)
             if r.banned_ids:
                 logits[i, list(r.banned_ids)] = float("-inf")
-        if token_mask is not None:
-            logits.masked_fill_(~token_mask, float("-inf"))
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:
+            _apply_grammar_masks(logits, rows, constrained)
 
         token_ids = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -127,3 +129,15 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
             filtered[order] = vals
             probs[j] = filtered
     return probs
+
+
+def _apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
+    from radixlm.constrained import allocate_token_bitmask, apply_token_bitmask_
+
+    bitmask = allocate_token_bitmask(len(which), logits.shape[-1])
+    for j, i in enumerate(which):
+        rows[i].grammar.fill_next_token_bitmask(bitmask, j)
+    idx = torch.tensor(which, device=logits.device)
+    masked = logits[idx]
+    apply_token_bitmask_(masked, bitmask.to(logits.device, non_blocking=True))
+    logits[idx] = masked

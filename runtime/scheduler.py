@@ -89,15 +89,18 @@ class Scheduler:
         return plan
 
     def _schedule_decodes(self) -> list[ScheduledReq]:
+        # a decoding request computes its newest token, or several when jump-forward appended text
         decoding = [r for r in self.running if r.prefill_done]
-        while decoding and not self.cache.can_extend(len(decoding)):
+        while decoding and not self.cache.can_extend(
+            sum(r.num_tokens - r.kv_len for r in decoding)
+        ):
             victim = decoding.pop()  # the newest
             self._preempt(victim)
         plan = []
         for req in decoding:
-            start = req.kv_len
-            self.cache.extend(req, 1)
-            plan.append(ScheduledReq(req, start, 1))
+            start, n = req.kv_len, req.num_tokens - req.kv_len
+            self.cache.extend(req, n)
+            plan.append(ScheduledReq(req, start, n))
         return plan
 
     def _extend(self, req: Req, n: int, plan: list[ScheduledReq]) -> ScheduledReq | None:
