@@ -1,0 +1,155 @@
+"""Constrained decoding through the engine with the real default model: every output matches its
+regex or validates against its schema; bad grammars fail their own request with a clear error."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+import radixlm
+
+REGEXES = {
+    "date": r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])",
+    "email": r"[a-z]{2,10}@[a-z]{2,10}\.(com|org|net)",
+    "ipv4": r"((25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(25[0-5]|2[0-4]\d|1?\d?\d)",
+    "phone": r"\(\d{3}\) \d{3}-\d{4}",
+    "enum": r"(red|green|blue)",
+}
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "email": {"type": ["string", "null"]},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 12},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "role": {"enum": ["admin", "user", "guest"]},
+        "kind": {"const": "person"},
+        "address": {"$ref": "#/$defs/address"},
+        "id": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 8}]},
+    },
+    "required": ["name", "age", "email", "tags", "role", "kind", "address", "id"],
+    "additionalProperties": False,
+    "$defs": {
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        }
+    },
+}
+
+
+def chat(engine, text: str) -> str:
+    return engine.apply_chat_template([{"role": "user", "content": text}])
+
+
+@pytest.mark.parametrize("name", sorted(REGEXES))
+def test_regex_outputs_full_match(engine, name):
+    pattern = REGEXES[name]
+    prompt = chat(engine, f"Give an example {name}.")
+    outs = engine.generate(
+        [prompt] * 4, {"max_new_tokens": 40, "temperature": 0.8, "seed": 11, "regex": pattern}
+    )
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        assert re.fullmatch(pattern, out["text"]), out["text"]
+
+
+def test_json_schema_outputs_validate_in_a_mixed_batch(engine):
+    prompt = chat(engine, "Describe a made-up user as JSON.")
+    constrained = {"max_new_tokens": 160, "temperature": 0.7, "seed": 1, "json_schema": PERSON}
+    free = {"max_new_tokens": 24, "temperature": 0}
+    outs = engine.generate([prompt] * 6, [constrained, free] * 3)
+    for out in outs[::2]:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        jsonschema.validate(json.loads(out["text"]), PERSON)
+    plain = engine.generate(prompt, free)
+    assert all(o["output_ids"] == plain["output_ids"] for o in outs[1::2])
+
+
+def test_pydantic_model_as_schema(engine):
+    pydantic = pytest.importorskip("pydantic")
+
+    class City(pydantic.BaseModel):
+        name: str
+        population: int
+        capital: bool
+
+    out = engine.generate(
+        chat(engine, "Paris as JSON."),
+        {"max_new_tokens": 60, "temperature": 0, "json_schema": City},
+    )
+    City.model_validate_json(out["text"])
+
+
+def test_running_out_of_tokens_mid_object_is_length_not_a_result(engine):
+    out = engine.generate(
+        chat(engine, "A user as JSON."), {"max_new_tokens": 5, "json_schema": PERSON}
+    )
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"regex": "(unclosed"}, "regex"),
+        ({"json_schema": "{not json"}, "JSON"),
+        (
+            {"json_schema": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+            "uniqueItems",
+        ),
+    ],
+)
+def test_bad_grammars_raise_before_reaching_the_engine(engine, params, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate("Hi", {"max_new_tokens": 4, **params})
+    assert engine.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_jump_forward_saves_steps_and_keeps_outputs_valid(default_model_folder):
+    schema = {
+        "type": "object",
+        "properties": {
+            "customer_full_name": {"type": "string", "maxLength": 20},
+            "customer_account_status": {"enum": ["active", "closed"]},
+            "customer_loyalty_points": {"type": "integer", "maximum": 100000},
+        },
+        "required": ["customer_full_name", "customer_account_status", "customer_loyalty_points"],
+        "additionalProperties": False,
+    }
+    params = {"max_new_tokens": 80, "temperature": 0, "json_schema": schema}
+    results = {}
+    for jump in (False, True):
+        with radixlm.Engine(default_model_folder, enable_jump_forward=jump) as eng:
+            prompts = [
+                chat(eng, f"Customer {n} as JSON.") for n in ("Ann Lee", "Bo Chan", "Cy Diaz")
+            ]
+            outs = [eng.generate(p, params) for p in prompts]
+            stats = eng.get_stats()
+            canonical = [
+                eng.tokenizer.encode(o["text"], add_special_tokens=False) == o["output_ids"][:-1]
+                for o in outs
+            ]
+        for o in outs:
+            jsonschema.validate(json.loads(o["text"]), schema)
+        results[jump] = (outs, stats, canonical)
+    (off, stats_off, canonical_off), (on, stats_on, _) = results[False], results[True]
+    assert stats_on["jump_forward_tokens"] > 0
+    assert stats_on["num_steps"] < stats_off["num_steps"]
+    # where the model's own tokens were the canonical ones, jumping changes nothing
+    for was_canonical, a, b in zip(canonical_off, off, on):
+        if was_canonical:
+            assert a["text"] == b["text"]
