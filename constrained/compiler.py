@@ -17,6 +17,7 @@ from radixlm.constrained.ebnf import ebnf_to_regex
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.grammar import CompiledGrammar, MaskCache
 from radixlm.constrained.json_schema import JsonSchemaOptions, json_schema_regex
+from radixlm.constrained.pattern import PatternError, translate_regex
 from radixlm.constrained.vocab import TokenVocabulary
 
 KINDS = ("regex", "json_schema", "choice", "ebnf")
@@ -181,7 +182,13 @@ class GrammarCompiler:
     def _build(self, kind: str, spec: str) -> CompiledGrammar:
         try:
             regex, notes = self.to_regex(kind, spec)
-            return self._index(kind, spec, regex, notes)
+            sentinel = True
+            if kind == "regex":
+                try:
+                    regex = translate_regex(regex)
+                except PatternError:
+                    sentinel = False  # read by outlines-core as written; see _index
+            return self._index(kind, spec, regex, notes, sentinel)
         except GrammarError:
             raise
         except Exception as e:  # anything else is still this request's problem, never the engine's
@@ -196,6 +203,8 @@ class GrammarCompiler:
             return regex, tuple(notes)
         if kind == "choice":
             choices = json.loads(spec)
+            if not all(rt.generable(c) for c in choices):
+                raise GrammarError("choices may not contain lone surrogates or plane-16 characters")
             regex = rt.alt(rt.lit(c) for c in choices)
             if regex is None:
                 raise GrammarError("choice needs at least one option")
@@ -204,15 +213,27 @@ class GrammarCompiler:
             return ebnf_to_regex(spec), ()
         raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
 
-    def _index(self, kind: str, spec: str, regex: str, notes: tuple[str, ...]) -> CompiledGrammar:
+    def _index(
+        self, kind: str, spec: str, regex: str, notes: tuple[str, ...], sentinel: bool
+    ) -> CompiledGrammar:
+        """Build the token automaton.
+
+        outlines-core 0.2.14 drops, from an accepting state, every token that leads to a
+        non-accepting one (`a(bc)?` never allows "b" after "a"). So the regex gets a sentinel
+        character appended, spelled by one fake token: no state of the user's language is
+        accepting any more, and "EOS allowed" reads "the sentinel may follow". Regexes we cannot
+        re-read in our dialect go in unchanged (a narrower language, still sound).
+        """
         from outlines_core import Index
 
+        if sentinel:
+            regex = f"(?:{regex}){rt.escape_char(ord(rt.SENTINEL))}"
         try:
             index = Index(regex, self.vocab.outlines_vocabulary())
         except Exception as e:
             what = "regex" if kind == "regex" else f"regex built from the {kind}"
             raise GrammarError(f"invalid {what}: {str(e).splitlines()[0][:500]}") from None
-        return CompiledGrammar(kind, spec, regex, index, self.vocab, self.masks, notes)
+        return CompiledGrammar(kind, spec, regex, index, self.vocab, self.masks, notes, sentinel)
 
 
 def _spec_key(kind: str, spec: Any) -> str:

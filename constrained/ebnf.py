@@ -145,7 +145,10 @@ def _quantified(p: _Parser, ref) -> rt.Regex:
 def _atom(p: _Parser, ref) -> rt.Regex:
     c = p.peek()
     if c in ('"', "'"):
-        return rt.lit(_string(p, c))
+        text = _string(p, c)
+        if not rt.generable(text):
+            raise p.error("string literals may not contain surrogates or plane-16 characters")
+        return rt.lit(text)
     if c == "[":
         return rt.class_regex(_char_class(p))
     if c == "(":

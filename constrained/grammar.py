@@ -70,6 +70,7 @@ class CompiledGrammar:
         vocab: TokenVocabulary,
         masks: MaskCache,
         notes: tuple[str, ...] = (),
+        sentinel: bool = True,
     ) -> None:
         self.kind = kind
         self.spec = spec
@@ -80,7 +81,11 @@ class CompiledGrammar:
         self._masks = masks
         self._owner = masks.new_owner()
         self._words = bitmask_words(vocab.size)
+        # With the sentinel (see compiler.py) a state accepts iff the sentinel token may follow;
+        # without it, outlines-core's own final states.
+        self._sentinel = vocab.sentinel_id if sentinel else None
         self._final_states = frozenset(index.get_final_states())
+        self._accepting: dict[int, bool] = {}
         self._forced: dict[int, tuple[int, int] | None] = {}
         self._dead_end: dict[int, bool] = {}
         eos_only = np.zeros(self._words, dtype=np.int32)
@@ -96,15 +101,27 @@ class CompiledGrammar:
         return GrammarMatcher(self, max_rollback=max_rollback)
 
     def is_final(self, state: int) -> bool:
-        return state in self._final_states
+        """Whether the text so far is a complete match (EOS allowed)."""
+        if self._sentinel is None:
+            return state in self._final_states
+        out = self._accepting.get(state)
+        if out is None:
+            out = self._accepting[state] = (
+                self.index.get_next_state(state, self._sentinel) is not None
+            )
+        return out
 
     def state_mask(self, state: int, guide: Any) -> np.ndarray:
         """The (W,) int32 mask of `state`; `guide` must stand at `state` (used on a cache miss)."""
         key = (self._owner, state)
         mask = self._masks.get(key)
         if mask is None:
-            mask = np.zeros(self._words, dtype=np.int32)
-            guide.write_mask_into(mask.__array_interface__["data"][0], self.vocab.outlines_words, 4)
+            scratch = np.zeros(self.vocab.outlines_words, dtype=np.int32)
+            guide.write_mask_into(scratch.__array_interface__["data"][0], scratch.shape[0], 4)
+            mask = scratch[: self._words].copy()
+            tail = self.vocab.size % 32
+            if tail:  # ids past the logits (the sentinel among them) are never sampled
+                mask.view(np.uint32)[-1] &= np.uint32((1 << tail) - 1)
             _set_bits(mask, self.vocab.eos_token_ids, False)  # EOS is ours to decide
             if self.is_final(state):
                 _set_bits(mask, self.vocab.eos_token_ids, True)
@@ -113,8 +130,8 @@ class CompiledGrammar:
 
     def allowed_tokens(self, state: int) -> list[int]:
         """Allowed non-EOS token ids at `state` (the plain path: outlines' own list)."""
-        eos = set(self.vocab.eos_token_ids)
-        return [t for t in self.index.get_allowed_tokens(state) if t not in eos]
+        skip = {*self.vocab.eos_token_ids, self.vocab.sentinel_id}
+        return [t for t in self.index.get_allowed_tokens(state) if t not in skip]
 
     def is_dead_end(self, state: int) -> bool:
         """A final state from which no token but EOS can follow."""

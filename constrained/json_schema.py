@@ -16,6 +16,7 @@ which makes them exact whatever other keywords sit beside them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -36,7 +37,9 @@ L = rt.lit
 # How JSON whitespace may appear between tokens in "flexible" mode: bounded, so that a model
 # cannot spin on whitespace forever (20 covers a newline and deep indentation).
 FLEXIBLE_WHITESPACE = "[\\x20\\x09\\x0a\\x0d]{0,20}"
-MAX_REGEX_CHARS = 4_000_000
+MAX_REGEX_CHARS = 1_000_000
+_PROPERTY_LIST_BUDGET = 200_000
+_COUNT_BUDGET = 12_000  # regex chars a bounded repetition may copy
 
 ANNOTATIONS = frozenset(
     {
@@ -89,6 +92,8 @@ class JsonSchemaOptions:
     any_depth: nesting depth generated for values the schema leaves unconstrained.
     allow_unlisted_properties: let objects that list `properties` but say nothing about
         `additionalProperties` carry extra keys (off: only the listed keys are generated).
+    max_counted: bounded repetitions (maxLength, maxItems) above this many are narrowed to it
+        when they would make the automaton large (a sound narrowing).
     """
 
     whitespace: str = "compact"
@@ -96,6 +101,7 @@ class JsonSchemaOptions:
     max_ref_depth: int = 3
     any_depth: int = 2
     allow_unlisted_properties: bool = False
+    max_counted: int = 32
 
 
 def schema_validator(schema: Any):
@@ -157,21 +163,40 @@ def json_schema_regex(
             raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("a JSON schema must be an object or a boolean")
-    compiler = _SchemaCompiler(schema, options or JsonSchemaOptions())
-    try:
-        regex = compiler.value(compiler.root_loc())
-    except RecursionError:
-        raise GrammarError("the JSON schema is nested too deeply") from None
-    if regex is None:
+    options = options or JsonSchemaOptions()
+    # Recursion and free-form values are unrolled; when that makes the regex too large, unroll
+    # less (a narrower language is still sound) before giving up.
+    ladder = [(options.max_ref_depth, options.any_depth)]
+    for ref_depth, any_depth in ((2, 1), (1, 1), (1, 0)):
+        if ref_depth <= options.max_ref_depth and any_depth <= options.any_depth:
+            ladder.append((ref_depth, any_depth))
+    too_large = False
+    for ref_depth, any_depth in dict.fromkeys(ladder):
+        step = dataclasses.replace(options, max_ref_depth=ref_depth, any_depth=any_depth)
+        compiler = _SchemaCompiler(schema, step)
+        try:
+            regex = compiler.value(compiler.root_loc())
+        except _TooLarge:
+            too_large = True
+            continue
+        except RecursionError:
+            raise GrammarError("the JSON schema is nested too deeply") from None
+        if regex is not None:
+            return regex, compiler.skipped
+        if not too_large:
+            break
+    if not too_large:
         raise GrammarError(
             "no JSON value satisfies this schema within the supported recursion depth "
-            f"(max_ref_depth={compiler.options.max_ref_depth})"
+            f"(max_ref_depth={options.max_ref_depth})"
         )
-    if len(regex) > MAX_REGEX_CHARS:
-        raise GrammarError(
-            f"the JSON schema expands to a regex of {len(regex)} characters; simplify it"
-        )
-    return regex, compiler.skipped
+    raise GrammarError(
+        f"the JSON schema expands to a regex of more than {MAX_REGEX_CHARS} characters; simplify it"
+    )
+
+
+class _TooLarge(Exception):
+    pass
 
 
 def dump_json_for_schema(schema: Any, value: Any) -> str:
@@ -577,6 +602,12 @@ class _SchemaCompiler:
         return self.emit(self.flat(sub))
 
     def emit(self, f: Flat) -> rt.Regex:
+        r = self._emit(f)
+        if r is not None and len(r) > MAX_REGEX_CHARS:
+            raise _TooLarge
+        return r
+
+    def _emit(self, f: Flat) -> rt.Regex:
         if f.false:
             return None
         if "enum" in f.kw:
@@ -755,7 +786,10 @@ class _SchemaCompiler:
                 lang = pattern_language(p)
             except PatternError as e:
                 self._refuse("pattern", at.get("pattern", "#"), str(e))
-                return rt.json_string(rt.ANY_JSON_UNIT, lo, hi)
+                return rt.json_string(
+                    rt.ANY_JSON_UNIT, lo, self._counted(lo, hi, len(rt.ANY_JSON_UNIT))
+                )
+
             if lo <= lang.min_len and (
                 hi is None or (lang.max_len is not None and lang.max_len <= hi)
             ):
@@ -768,8 +802,10 @@ class _SchemaCompiler:
                     if lang.max_len is None
                     else min(hi, lang.max_len)
                 )
+                units = rt.json_units(lang.repeated_set)
+                new_lo = max(lo, lang.min_len)
                 return rt.json_string(
-                    rt.json_units(lang.repeated_set), max(lo, lang.min_len), new_hi
+                    units, new_lo, self._counted(new_lo, new_hi, len(units or ""))
                 )
             self._refuse(
                 "maxLength" if hi is not None else "minLength",
@@ -787,7 +823,19 @@ class _SchemaCompiler:
                 f"together with format {formats[0]!r}",
             )
             return rt.seq(rt.QUOTE, regex, rt.QUOTE)
-        return rt.json_string(rt.ANY_JSON_UNIT, lo, hi)
+        return rt.json_string(rt.ANY_JSON_UNIT, lo, self._counted(lo, hi, len(rt.ANY_JSON_UNIT)))
+
+    def _counted(self, lo: int, hi: int | None, unit_chars: int) -> int | None:
+        """The upper count actually generated for a bounded repetition.
+
+        outlines-core builds every automaton state eagerly, and a bound of n copies the unit n
+        times: a large bound is narrowed (soundly: fewer repetitions are still valid) to what
+        fits a budget, never below `lo`.
+        """
+        if hi is None or hi <= lo:
+            return hi
+        room = max(self.options.max_counted, _COUNT_BUDGET // max(unit_chars, 1))
+        return min(hi, lo + room) if hi - lo > room else hi
 
     def _bounds(self, f: Flat) -> tuple[Any, bool, Any, bool]:
         kw = f.kw
@@ -887,6 +935,9 @@ class _SchemaCompiler:
         rest_regex = None if rest is False else self.value(rest)
         if rest_regex is None:
             hi = len(prefix) if hi is None else min(hi, len(prefix))
+        elif hi is not None and hi > max(lo, len(prefix)):
+            start = max(lo, len(prefix))
+            hi = start + (self._counted(start, hi, len(rest_regex)) or hi) - start
         if hi is not None and hi < lo:
             return None
         sep = self._item_sep()
@@ -1131,35 +1182,52 @@ class _SchemaCompiler:
         if extra_key is not None:
             ev = self.value(extra_value)
             extra = rt.seq(extra_key, kv_sep, ev) if ev is not None else None
-        sep = self._item_sep()
-        memo: dict[tuple[int, bool], rt.Regex] = {}
-
-        def build(i: int, first: bool) -> rt.Regex:
-            key = (i, first)
-            if key in memo:
-                return memo[key]
-            if i == len(kvs):
-                if extra is None:
-                    r = None if (first and nonempty) else ""
-                elif first:
-                    r = rt.seq(extra, rt.star(rt.seq(sep, extra)))
-                    r = r if nonempty else rt.alt([r, ""])
-                else:
-                    r = rt.star(rt.seq(sep, extra))
-            else:
-                key_regex, v, is_required = kvs[i]
-                kv = rt.seq(key_regex, kv_sep, v)
-                if is_required:
-                    r = rt.seq("" if first else sep, kv, build(i + 1, False))
-                elif first:
-                    r = rt.alt([rt.seq(kv, build(i + 1, False)), build(i + 1, True)])
-                else:  # factored, so that the text stays linear in the number of properties
-                    r = rt.seq(rt.opt(rt.seq(sep, kv)), build(i + 1, False))
-            memo[key] = r
-            return r
-
-        body = build(0, True)
+        items = [(rt.seq(key_regex, kv_sep, v), req) for key_regex, v, req in kvs]
+        body = self._property_list(items, extra, nonempty)
         return rt.seq(L("{"), self.ws, body, self.ws, L("}"))
+
+    def _property_list(
+        self, items: list[tuple[rt.Regex, bool]], extra: rt.Regex, nonempty: bool
+    ) -> rt.Regex:
+        """Comma-separated properties in order (required ones always, optional ones maybe),
+        then any number of extra properties.
+
+        With a required property the text is linear: items before the last required one carry
+        a trailing comma, items after it a leading one. With none, the first written item has
+        no comma and every later one has, and regex text cannot share the tail that follows
+        each possible first item: the text (and the automaton) grows quadratically. Past a
+        budget only the first K optional properties may open the object; a sound narrowing.
+        """
+        sep = self._item_sep()
+        extra_tail = rt.star(rt.seq(sep, extra)) if extra is not None else ""
+        last_required = max((i for i, (_, req) in enumerate(items) if req), default=-1)
+        if last_required >= 0:
+            parts: list[rt.Regex] = []
+            for i, (kv, req) in enumerate(items):
+                if i < last_required:
+                    parts.append(rt.seq(kv, sep) if req else rt.opt(rt.seq(kv, sep)))
+                elif i == last_required:
+                    parts.append(kv)
+                else:
+                    parts.append(rt.opt(rt.seq(sep, kv)))
+            return rt.seq(*parts, extra_tail)
+
+        def chain(j: int) -> rt.Regex:  # items j.. once something was written
+            return rt.seq(*[rt.opt(rt.seq(sep, kv)) for kv, _ in items[j:]], extra_tail)
+
+        if extra is not None:
+            x: rt.Regex = rt.seq(extra, extra_tail)
+            x = x if nonempty else rt.alt([x, ""])
+        else:
+            x = None if nonempty else ""
+        sizes = [len(kv or "") + len(sep) + 8 for kv, _ in items]
+        total = sum(sizes) + len(extra_tail)
+        k = 0
+        while k < len(items) and (k == 0 or (k + 1) * total <= _PROPERTY_LIST_BUDGET):
+            k += 1
+        for i in reversed(range(k)):
+            x = rt.alt([rt.seq(items[i][0], chain(i + 1)), x])
+        return x
 
     def _name_allowed(self, name: str, names_schema: Any) -> bool:
         if isinstance(names_schema, bool):

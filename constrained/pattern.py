@@ -15,6 +15,8 @@ to exactly the text the pattern was checked on.
 from __future__ import annotations
 
 import re
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixlm.constrained import regex_text as rt
@@ -45,6 +47,9 @@ _ENDS = (_sre_c.AT_END, _sre_c.AT_END_STRING)
 _NAMED_GROUP = re.compile(r"\(\?<(?![=!])")
 
 
+Units = Callable[[rt.CharSet], rt.Regex]  # a decoded character set -> its regex
+
+
 class PatternError(GrammarError):
     pass
 
@@ -68,17 +73,36 @@ class _Part:
     hi: int | None
 
 
-def pattern_language(pattern: str) -> PatternLanguage:
-    """Translate a schema `pattern`; raise PatternError naming the construct we cannot enforce."""
+def _parse(pattern: str):
     source = _NAMED_GROUP.sub("(?P<", pattern)
     try:
-        parsed = _sre_parse.parse(source)
-    except (re.error, RecursionError, OverflowError) as e:
+        with warnings.catch_warnings():
+            # Python warns where other dialects read a class differently ([[:alpha:]], &&, --)
+            warnings.simplefilter("error")
+            parsed = _sre_parse.parse(source)
+    except (re.error, RecursionError, OverflowError, FutureWarning, DeprecationWarning) as e:
         raise PatternError(f"invalid pattern {pattern!r}: {e}") from None
     flags = parsed.state.flags & ~(re.UNICODE | re.ASCII)
     if flags:
         raise PatternError(f"pattern {pattern!r}: inline flags are not supported")
-    variants = _sequence(list(parsed), True, True, pattern)
+    return parsed
+
+
+def translate_regex(regex: str) -> str:
+    """A user regex (full-match semantics, raw text) in our dialect, with every character class
+    read as in `pattern_language`; PatternError for what cannot be read the same way."""
+    parsed = _parse(regex)
+    variants = _sequence(list(parsed), True, True, regex, rt.class_regex)
+    out = rt.alt(part.regex for _, part, _ in variants)
+    if out is None:
+        raise PatternError(f"regex {regex!r} matches nothing")
+    return out
+
+
+def pattern_language(pattern: str) -> PatternLanguage:
+    """Translate a schema `pattern`; raise PatternError naming the construct we cannot enforce."""
+    parsed = _parse(pattern)
+    variants = _sequence(list(parsed), True, True, pattern, rt.json_units)
     any_string = rt.star(rt.ANY_JSON_UNIT)
     branches, lo, hi = [], None, 0
     for anchored_start, part, anchored_end in variants:
@@ -149,7 +173,7 @@ def _class(items) -> rt.CharSet:
 
 
 def _sequence(
-    items: list, at_start: bool, at_end: bool, pattern: str
+    items: list, at_start: bool, at_end: bool, pattern: str, units: Units
 ) -> list[tuple[bool, _Part, bool]]:
     """Variants (anchored at start, language, anchored at end) of a sequence of parsed items.
 
@@ -171,7 +195,7 @@ def _sequence(
         # Only the first item may hold a '^' of its own, only the last one a '$'.
         first = i == 0 and at_start and not anchored_start
         last = i == n - 1 and at_end and not anchored_end
-        item_variants = _item(item, first, last, pattern)
+        item_variants = _item(item, first, last, pattern, units)
         variants = [
             (
                 vs or is_,
@@ -192,25 +216,27 @@ def _add(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else a + b
 
 
-def _item(item, at_start: bool, at_end: bool, pattern: str) -> list[tuple[bool, _Part, bool]]:
+def _item(
+    item, at_start: bool, at_end: bool, pattern: str, units: Units
+) -> list[tuple[bool, _Part, bool]]:
     op, av = item
     cs = _charset_of(item)
     if cs is not None:
-        return [(False, _Part(rt.json_units(cs), 1, 1), False)]
+        return [(False, _Part(units(cs), 1, 1), False)]
     if op == _sre_c.SUBPATTERN:
         _group, add_flags, del_flags, sub = av
         if add_flags or del_flags:
             raise PatternError(f"pattern {pattern!r}: inline flags are not supported")
-        return _sequence(list(sub), at_start, at_end, pattern)
+        return _sequence(list(sub), at_start, at_end, pattern, units)
     if op == _sre_c.BRANCH:
         out = []
         for sub in av[1]:
-            out.extend(_sequence(list(sub), at_start, at_end, pattern))
+            out.extend(_sequence(list(sub), at_start, at_end, pattern, units))
         return out
     if op in (_sre_c.MAX_REPEAT, _sre_c.MIN_REPEAT):
         lo, hi, sub = av
         hi = None if hi == _MAXREPEAT else hi
-        inner = [v[1] for v in _sequence(list(sub), False, False, pattern)]
+        inner = [v[1] for v in _sequence(list(sub), False, False, pattern, units)]
         his = [p.hi for p in inner]
         part = _Part(
             rt.alt(p.regex for p in inner),

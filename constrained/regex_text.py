@@ -15,7 +15,11 @@ from collections.abc import Iterable, Sequence
 
 Regex = str | None  # None: the empty language
 
-MAX_CODE_POINT = 0x10FFFF
+# Generated text never uses plane 16 (U+100000..U+10FFFF, private use): its last code point is
+# the end-of-match sentinel appended to every grammar (see compiler.py), and keeping the whole
+# plane out means no real token can ever start the sentinel.
+MAX_CODE_POINT = 0xFFFFF
+SENTINEL = "\U0010ffff"
 SURROGATES = (0xD800, 0xDFFF)
 
 # A set of code points: sorted, disjoint, non-adjacent inclusive ranges.
@@ -31,6 +35,13 @@ def escape_char(cp: int) -> str:
     if cp < 0x10000:
         return f"\\u{cp:04x}"
     return f"\\U{cp:08x}"
+
+
+def generable(text: str) -> bool:
+    """Whether every character of `text` may appear in generated text."""
+    return all(
+        ord(c) <= MAX_CODE_POINT and not SURROGATES[0] <= ord(c) <= SURROGATES[1] for c in text
+    )
 
 
 def lit(text: str) -> str:
@@ -217,8 +228,8 @@ def size(s: CharSet) -> int:
 
 
 def class_regex(s: CharSet) -> Regex:
-    """A character class for the code points in `s` (surrogates dropped)."""
-    s = subtract(s, (SURROGATES,))
+    """A character class for the code points in `s` (surrogates and plane 16 dropped)."""
+    s = subtract(s, (SURROGATES, (MAX_CODE_POINT + 1, 0x10FFFF)))
     if not s:
         return None
     if len(s) == 1 and s[0][0] == s[0][1]:
@@ -294,8 +305,8 @@ def json_string(units: Regex, lo: int = 0, hi: int | None = None) -> Regex:
 def literal_json(value: object) -> Regex:
     """The regex of one JSON value's compact canonical serialization (None if unencodable)."""
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    if any(SURROGATES[0] <= ord(c) <= SURROGATES[1] for c in text):
-        return None  # a lone surrogate cannot be written as UTF-8
+    if not generable(text):
+        return None  # a lone surrogate cannot be written as UTF-8; plane 16 is reserved
     return lit(text)
 
 

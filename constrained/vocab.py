@@ -27,6 +27,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+SENTINEL_BYTES = "\U0010ffff".encode()
 
 
 class TokenVocabulary:
@@ -116,23 +117,30 @@ class TokenVocabulary:
         """The outlines-core Vocabulary of the allowed tokens (built once per vocabulary)."""
         return self._outlines
 
+    @property
+    def sentinel_id(self) -> int:
+        """The id of the fake token spelling the end-of-match sentinel (just past the logits)."""
+        return self.size
+
     @cached_property
     def _outlines(self) -> Any:
         from outlines_core import Vocabulary
 
         grouped: dict[bytes, list[int]] = {}
         for i, b in enumerate(self.token_bytes):
-            if b:
+            # Byte 0xF4 only starts plane-16 characters, which grammars never generate: leaving
+            # those tokens out guarantees that only the fake sentinel token can end a match.
+            if b and 0xF4 not in b:
                 grouped.setdefault(b, []).append(i)
         if not grouped:
             raise GrammarError("the vocabulary has no usable tokens")
+        grouped.setdefault(SENTINEL_BYTES, []).append(self.sentinel_id)
         return Vocabulary(self.eos_token_ids[0], grouped)
 
     @cached_property
     def outlines_words(self) -> int:
         """How many int32 words outlines-core writes a mask into (it sizes by the largest id)."""
-        largest = max(max(i for i, b in enumerate(self.token_bytes) if b), self.eos_token_ids[0])
-        return (largest + 1 + 31) // 32
+        return (max(self.sentinel_id, self.eos_token_ids[0]) + 1 + 31) // 32
 
 
 def _decoding_mode(tokenizer: Any, vocab: dict[str, int]) -> str:

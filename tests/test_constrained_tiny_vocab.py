@@ -1,0 +1,246 @@
+"""The grammar machinery step by step over a hand-built vocabulary of a few tokens."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from radixlm.constrained import (
+    GrammarCompiler,
+    GrammarError,
+    TokenVocabulary,
+    allocate_token_bitmask,
+    apply_token_bitmask_,
+    bitmask_from_ids,
+    ids_from_bitmask,
+)
+
+TOKENS = [
+    "<eos>",
+    "a",
+    "b",
+    "c",
+    "ab",
+    "abc",
+    "{",
+    "}",
+    '"',
+    ":",
+    ",",
+    "1",
+    "2",
+    "12",
+    "x",
+    "y",
+    " ",
+    "-",
+    '{"',
+    '":',
+]
+EOS = 0
+VOCAB = {t: i for i, t in enumerate(TOKENS)}
+
+
+class FakeTokenizer:
+    """The slice of a Hugging Face tokenizer the grammar compiler reads."""
+
+    eos_token_id = EOS
+    all_special_ids = [EOS]
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(VOCAB)
+
+
+def ids(*tokens: str) -> list[int]:
+    return [VOCAB[t] for t in tokens]
+
+
+def texts(token_ids: list[int]) -> set[str]:
+    return {TOKENS[i] for i in token_ids}
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    # logits wider than the tokenizer: the extra ids must never be allowed
+    return GrammarCompiler(FakeTokenizer(), vocab_size=40, compile_timeout=10)
+
+
+def test_vocabulary_reads_the_tokenizer():
+    v = TokenVocabulary.from_tokenizer(FakeTokenizer(), vocab_size=40)
+    assert v.size == 40
+    assert v.eos_token_ids == (EOS,)
+    assert v.token_bytes[VOCAB["ab"]] == b"ab"
+    assert v.token_bytes[EOS] is None and v.token_bytes[39] is None
+
+
+def test_regex_walk_allows_exactly_the_continuations(compiler):
+    matcher = compiler.compile("regex", "ab?c").matcher()
+    # start: "a" and every token that is a prefix-consistent spelling
+    assert texts(matcher.allowed_token_ids()) == {"a", "ab", "abc"}
+    assert not matcher.accept_token(VOCAB["b"])  # refused, state unchanged
+    assert texts(matcher.allowed_token_ids()) == {"a", "ab", "abc"}
+    assert matcher.accept_token(VOCAB["a"])
+    assert texts(matcher.allowed_token_ids()) == {"b", "c"}  # no EOS: not accepting yet
+    assert not matcher.is_accepting()
+    assert matcher.accept_token(VOCAB["c"])
+    assert matcher.allowed_token_ids() == [EOS]  # only EOS once complete
+    assert matcher.is_terminated()  # complete and nothing but EOS can follow
+    assert matcher.accept_token(EOS)
+    assert not matcher.accept_token(VOCAB["a"])
+
+
+def test_eos_only_in_accepting_states(compiler):
+    matcher = compiler.compile("regex", "12?").matcher()
+    assert not matcher.accept_token(EOS)
+    assert matcher.accept_token(VOCAB["1"])
+    assert set(matcher.allowed_token_ids()) == {EOS, VOCAB["2"]}
+    assert matcher.is_accepting() and not matcher.is_terminated()
+    assert matcher.accept_token(EOS)
+    assert matcher.is_terminated()
+
+
+def test_bitmask_row_matches_the_allowed_ids(compiler):
+    matcher = compiler.compile("regex", "(x|y)+").matcher()
+    bitmask = allocate_token_bitmask(2, compiler.vocab_size)
+    assert bitmask.shape == (2, 2) and bitmask.dtype == torch.int32
+    assert (bitmask == -1).all()
+    matcher.fill_next_token_bitmask(bitmask[1])
+    assert ids_from_bitmask(bitmask[1]) == sorted(ids("x", "y"))
+    assert (bitmask[0] == -1).all()  # other rows untouched
+    matcher.fill_next_token_bitmask(bitmask, index=0)
+    assert torch.equal(bitmask[0], bitmask[1])
+    assert (bitmask[1].numpy() == bitmask_from_ids(ids("x", "y"), 40)).all()
+
+
+def test_apply_token_bitmask_matches_the_naive_loop():
+    torch.manual_seed(0)
+    vocab = 70
+    logits = torch.randn(3, vocab)
+    allowed = [[0, 5, 31, 32, 69], [], list(range(vocab))]
+    bitmask = allocate_token_bitmask(3, vocab)
+    for row, a in enumerate(allowed):
+        bitmask[row] = torch.from_numpy(bitmask_from_ids(a, vocab))
+    expected = logits.clone()
+    for row, a in enumerate(allowed):
+        for t in range(vocab):
+            if t not in a:
+                expected[row, t] = float("-inf")
+    apply_token_bitmask_(logits, bitmask)
+    assert torch.equal(logits, expected)
+
+
+def test_apply_token_bitmask_rejects_bad_shapes():
+    with pytest.raises(ValueError):
+        apply_token_bitmask_(torch.zeros(2, 40), allocate_token_bitmask(3, 40))
+    with pytest.raises(ValueError):
+        apply_token_bitmask_(torch.zeros(2, 40), allocate_token_bitmask(2, 40).to(torch.int64))
+
+
+def test_jump_forward_returns_only_forced_text(compiler):
+    matcher = compiler.compile("regex", r'\{"ab":(1|2)\}').matcher()
+    assert matcher.jump_forward_string() == '{"ab":'
+    assert matcher.accept_string('{"ab":')
+    assert matcher.jump_forward_string() is None  # 1 or 2: a real choice
+    assert matcher.accept_token(VOCAB["2"])
+    assert matcher.jump_forward_string() == "}"
+    assert matcher.accept_string("}")
+    assert matcher.jump_forward_string() is None  # accepting: ending is a choice too
+    assert matcher.accept_token(EOS)
+
+
+def test_jump_forward_stops_where_the_grammar_may_end(compiler):
+    matcher = compiler.compile("regex", "abc(ab)?").matcher()
+    assert matcher.jump_forward_string() == "abc"
+    assert matcher.accept_string("abc")
+    assert matcher.jump_forward_string() is None
+
+
+def test_accept_string_is_all_or_nothing(compiler):
+    matcher = compiler.compile("regex", "abcx").matcher()
+    before = matcher.state
+    assert not matcher.accept_string("abcy")
+    assert matcher.state == before
+    assert matcher.accept_string("abcx")
+    assert matcher.accept_token(EOS)
+
+
+def test_rollback_restores_states(compiler):
+    matcher = compiler.compile("regex", "a(b|c)12").matcher()
+    states = [matcher.state]
+    for t in ["a", "c", "1"]:
+        assert matcher.accept_token(VOCAB[t])
+        states.append(matcher.state)
+    matcher.rollback(2)
+    assert matcher.state == states[1]
+    assert texts(matcher.allowed_token_ids()) == {"b", "c"}
+    with pytest.raises(GrammarError):
+        matcher.rollback(5)
+    assert matcher.accept_token(VOCAB["b"]) and matcher.accept_token(VOCAB["12"])
+    assert matcher.accept_token(EOS)
+    matcher.rollback(1)  # undo EOS: it can be accepted again
+    assert matcher.is_accepting() and matcher.accept_token(EOS)
+
+
+def test_choice_and_ebnf(compiler):
+    m = compiler.compile("choice", ["abc", "xy"]).matcher()
+    assert texts(m.allowed_token_ids()) == {"a", "ab", "abc", "x"}
+    ebnf = 'root ::= item ("," item)*\nitem ::= "a" | num  # a comment\nnum ::= [12]+'
+    m = compiler.compile("ebnf", ebnf).matcher()
+    assert m.accept_string("a,12,1")
+    assert m.accept_token(EOS)
+
+
+def test_recursive_ebnf_is_refused_clearly(compiler):
+    with pytest.raises(GrammarError, match="recursive.*not supported yet.*regex or a json_schema"):
+        compiler.compile("ebnf", 'root ::= "{" root "}" | "x"')
+    with pytest.raises(GrammarError, match="never defined"):
+        compiler.compile("ebnf", "root ::= missing")
+
+
+def test_errors_are_grammar_errors(compiler):
+    with pytest.raises(GrammarError, match="invalid regex"):
+        compiler.compile("regex", "(a")
+    with pytest.raises(GrammarError, match="unknown grammar kind"):
+        compiler.compile("yaml", "a: b")
+    with pytest.raises(GrammarError, match="not valid JSON"):
+        compiler.compile("json_schema", "{")
+    future = compiler.compile_async("regex", "(b")
+    with pytest.raises(GrammarError):
+        future.result(timeout=10)
+
+
+def test_compile_is_cached_and_async(compiler):
+    g1 = compiler.compile("regex", "x+y")
+    assert compiler.compile("regex", "x+y") is g1
+    fut = compiler.compile_async("regex", "y+x")
+    g2 = fut.result(timeout=10)
+    assert compiler.compile("regex", "y+x") is g2
+    m = g2.matcher()
+    assert m.accept_string("yyx") and m.accept_token(EOS)
+
+
+def test_compile_timeout_is_a_grammar_error():
+    slow = GrammarCompiler(FakeTokenizer(), vocab_size=40, compile_timeout=0.05)
+    big = "(" + "|".join(f"a{{{n}}}b" for n in range(200, 400)) + ")"
+    start = time.perf_counter()
+    with pytest.raises(GrammarError, match="took longer than"):
+        slow.compile("regex", big)
+    assert time.perf_counter() - start < 5
+
+
+def test_json_schema_on_tiny_vocab(compiler):
+    grammar = compiler.compile(
+        "json_schema",
+        {"type": "object", "properties": {"ab": {"enum": [1, 12]}}, "required": ["ab"]},
+    )
+    m = grammar.matcher()
+    assert m.jump_forward_string() == '{"ab":1'
+    assert (
+        m.accept_token(VOCAB['{"']) and m.accept_token(VOCAB["ab"]) and m.accept_token(VOCAB['":'])
+    )
+    assert texts(m.allowed_token_ids()) == {"1", "12"}
+    assert m.accept_token(VOCAB["1"])
+    assert texts(m.allowed_token_ids()) == {"2", "}"}
+    assert m.accept_token(VOCAB["}"]) and m.accept_token(EOS)
