@@ -28,21 +28,22 @@ def extend_attention_ref(
 ) -> torch.Tensor:  # (T, Hq, D)
     """One request at a time: gather its keys and values, then masked SDPA."""
     out = torch.empty_like(q)
-    num_q_heads, num_kv_heads = q.shape[1], k_pool.shape[1]
-    group = num_q_heads // num_kv_heads
     start = 0
     for r, p, e in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
         slots = req_to_token[r, : p + e].long()
-        k = k_pool[slots].transpose(0, 1)  # (Hkv, L, D)
-        v = v_pool[slots].transpose(0, 1)
-        qi = q[start : start + e].transpose(0, 1)  # (Hq, e, D)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=0)
-            v = v.repeat_interleave(group, dim=0)
-        # query j (absolute position p + j) sees keys at positions <= p + j
-        mask = torch.ones(e, p + e, dtype=torch.bool, device=q.device).tril(diagonal=p)
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=sm_scale)
-        out[start : start + e] = o.transpose(0, 1)
+        k = k_pool[slots].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
+        v = v_pool[slots].transpose(0, 1).unsqueeze(0)
+        qi = q[start : start + e].transpose(0, 1).unsqueeze(0)  # (1, Hq, e, D)
+        # query j (absolute position p + j) sees keys at positions <= p + j; an additive mask
+        # takes torch's fused CPU kernel, a boolean one a path several times slower
+        visible = torch.ones(e, p + e, dtype=torch.bool, device=q.device).tril(diagonal=p)
+        bias = torch.zeros(e, p + e, dtype=q.dtype, device=q.device).masked_fill_(
+            ~visible, float("-inf")
+        )
+        o = F.scaled_dot_product_attention(
+            qi, k, v, attn_mask=bias, scale=sm_scale, enable_gqa=True
+        )
+        out[start : start + e] = o[0].transpose(0, 1)
         start += e
     return out
 
@@ -71,8 +72,12 @@ def decode_attention_ref(
     qg = q.view(batch, num_kv_heads, group, 1, head_dim)
     k = k.permute(0, 2, 1, 3).unsqueeze(2)
     v = v.permute(0, 2, 1, 3).unsqueeze(2)
-    mask = valid[:, None, None, None, :]
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=sm_scale)
+    bias = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        ~valid, float("-inf")
+    )
+    o = F.scaled_dot_product_attention(
+        qg, k, v, attn_mask=bias[:, None, None, None, :], scale=sm_scale
+    )
     return o.reshape(batch, num_q_heads, head_dim)
 
 
