@@ -21,10 +21,9 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
+        # in float32, then back to x's dtype before the weight, as Hugging Face Llama does
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        out = self.weight * h
         return out if residual is None else (out, residual)
 
 
@@ -62,10 +61,14 @@ class RotaryEmbedding(nn.Module):
         self.cos = (freqs.cos() * attention_factor).float().to(device)
         self.sin = (freqs.sin() * attention_factor).float().to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the positions, (T, 1, head_dim / 2) each: once a step, shared by all layers."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
         # q: (T, Hq, D), k: (T, Hkv, D)
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, D/2)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -17,7 +17,7 @@ from radixlm.runtime.model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -35,11 +35,14 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.rope = rope
         self.scale = self.head_dim**-0.5
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, backend
+        self,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        backend,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (T, q + 2 kv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -48,7 +51,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
         o = backend.forward(q, k, v, self.layer_id, batch, self.scale)  # (T, Hq, D)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -64,20 +67,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id, rope)
+        self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions, x, residual, batch, backend):
+    def forward(self, cos_sin, x, residual, batch, backend):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, batch, backend)
+        x = self.self_attn(cos_sin, x, batch, backend)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -86,23 +89,23 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
-        # one rope table shared by all layers (kept out of the state dict)
-        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # one rope table, looked up once a step for all layers (kept out of the state dict)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope = rope
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
         """Logits (L, vocab) in float32 for the rows `batch.logits_indices`."""
         x = self.embed_tokens(batch.input_ids)
+        cos_sin = self.rope.lookup(batch.positions)
         residual = None
         for layer in self.layers:
-            x, residual = layer(batch.positions, x, residual, batch, backend)
+            x, residual = layer(cos_sin, x, residual, batch, backend)
         x, _ = self.norm(x, residual)
         x = x[batch.logits_indices]
         return self.lm_head(x).float()
