@@ -30,7 +30,7 @@ from radixlm.constrained import regex_text as rt
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.formats import FORMATS, UNSUPPORTED_FORMATS
 from radixlm.constrained.numeric import JSON_NUMBER, decimal_range, int_range
-from radixlm.constrained.pattern import PatternError, pattern_language
+from radixlm.constrained.pattern import PatternError, pattern_language, pattern_with_length
 
 L = rt.lit
 
@@ -187,8 +187,8 @@ def json_schema_regex(
             break
     if not too_large:
         raise GrammarError(
-            "no JSON value satisfies this schema within the supported recursion depth "
-            f"(max_ref_depth={options.max_ref_depth})"
+            "no JSON value satisfies this schema (recursive references are unrolled "
+            f"{options.max_ref_depth} levels deep)"
         )
     raise GrammarError(
         f"the JSON schema expands to a regex of more than {MAX_REGEX_CHARS} characters; simplify it"
@@ -721,14 +721,19 @@ class _SchemaCompiler:
                     a, b = self.flat(mine_props[name]), self.flat(s)
                     if "enum" in a.kw and "enum" in b.kw and self._excludes(a, b):
                         return True
-            extras = (
-                produced.kw.get("additionalProperties") not in (None, False)
-                or "patternProperties" in produced.kw
-            )
+            extras = self._extras_allowed(produced) or "patternProperties" in produced.kw
             if not extras:
                 for name in other.kw.get("required", []):
                     if name not in mine_props:
                         return True
+            # a property we always write that the other schema does not allow
+            if (
+                other.kw.get("additionalProperties") is False
+                and "patternProperties" not in other.kw
+            ):
+                allowed = other.kw.get("properties", {})
+                if any(name not in allowed for name in required):
+                    return True
         return False
 
     def _apply_nots(self, f: Flat, types: set[str]) -> set[str] | None:
@@ -807,12 +812,18 @@ class _SchemaCompiler:
                 return rt.json_string(
                     units, new_lo, self._counted(new_lo, new_hi, len(units or ""))
                 )
-            self._refuse(
-                "maxLength" if hi is not None else "minLength",
-                at.get("minLength" if "minLength" in kw else "maxLength", "#"),
-                "together with 'pattern'",
-            )
-            return rt.seq(rt.QUOTE, lang.regex, rt.QUOTE)
+            try:
+                limited = pattern_with_length(
+                    p, lo, hi, lambda a, b: self._counted(a, b, len(rt.ANY_JSON_UNIT))
+                )
+            except PatternError as e:
+                self._refuse(
+                    "maxLength" if hi is not None else "minLength",
+                    at.get("minLength" if "minLength" in kw else "maxLength", "#"),
+                    f"together with 'pattern': {e}",
+                )
+                return rt.seq(rt.QUOTE, lang.regex, rt.QUOTE)
+            return rt.seq(rt.QUOTE, limited, rt.QUOTE)
         if formats:
             regex, fmin, fmax = FORMATS[formats[0]]
             if lo <= fmin and (hi is None or (fmax is not None and fmax <= hi)):

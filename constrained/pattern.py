@@ -273,3 +273,126 @@ def _item(
     }
     what = names.get(op, f"the construct {op}")
     raise PatternError(f"pattern {pattern!r}: {what} are not supported")
+
+
+_LENGTH_SPLIT_CAP = 32  # patterns of variable length are split by length up to this maxLength
+
+
+def pattern_with_length(
+    pattern: str, lo: int, hi: int | None, counted: Callable[[int, int | None], int | None]
+) -> rt.Regex:
+    """A pattern together with minLength/maxLength, as JSON string content.
+
+    Each anchored/unanchored variant is split by the length of its core (exactly when the core
+    has one length, or by enumerating lengths up to a small maxLength); the free text before
+    or after the core then gets the remaining length. An unanchored core with much room around
+    it is placed at the start or the end only (a sound narrowing). `counted` narrows large
+    repetition bounds like everywhere else.
+    """
+    parsed = _parse(pattern)
+    items = list(parsed)
+    variants = _sequence(items, True, True, pattern, rt.json_units)
+    any_unit = rt.ANY_JSON_UNIT
+
+    def free(n_lo: int, n_hi: int | None) -> rt.Regex:
+        return rt.repeat(any_unit, n_lo, counted(n_lo, n_hi))
+
+    pieces: list[rt.Regex] = []
+    for anchored_start, part, anchored_end in variants:
+        if part.hi is not None and part.lo == part.hi:
+            by_length = {part.lo: part.regex}
+        elif hi is not None and hi <= _LENGTH_SPLIT_CAP and len(variants) == 1:
+            core = [
+                it
+                for i, it in enumerate(items)
+                if not (
+                    it[0] == _sre_c.AT
+                    and ((i == 0 and it[1] in _STARTS) or (i == len(items) - 1 and it[1] in _ENDS))
+                )
+            ]
+            by_length = _by_length(core, hi, pattern)
+        else:
+            raise PatternError(
+                f"pattern {pattern!r} together with minLength/maxLength: lengths too varied to split"
+            )
+        for n, core_regex in sorted(by_length.items()):
+            room = None if hi is None else hi - n
+            need = max(0, lo - n)
+            if room is not None and room < need:
+                continue
+            if anchored_start and anchored_end:
+                if need == 0:
+                    pieces.append(core_regex)
+            elif anchored_start:
+                pieces.append(rt.seq(core_regex, free(need, room)))
+            elif anchored_end:
+                pieces.append(rt.seq(free(need, room), core_regex))
+            elif room is not None and room <= 8:
+                for before in range(room + 1):
+                    after_lo = max(0, need - before)
+                    pieces.append(
+                        rt.seq(free(before, before), core_regex, free(after_lo, room - before))
+                    )
+            else:
+                pieces.append(rt.seq(core_regex, free(need, room)))
+                pieces.append(rt.seq(free(need, room), core_regex))
+    return rt.alt(pieces)
+
+
+def _by_length(items: list, cap: int, pattern: str) -> dict[int, rt.Regex]:
+    """The language of a parsed sequence, split by decoded length (lengths up to cap)."""
+    out: dict[int, rt.Regex] = {0: ""}
+    for item in items:
+        out = _concat(out, _item_by_length(item, cap, pattern), cap)
+        if not out:
+            break
+    return out
+
+
+def _concat(a: dict[int, rt.Regex], b: dict[int, rt.Regex], cap: int) -> dict[int, rt.Regex]:
+    out: dict[int, list[rt.Regex]] = {}
+    for la, ra in a.items():
+        for lb, rb in b.items():
+            if la + lb <= cap:
+                out.setdefault(la + lb, []).append(rt.seq(ra, rb))
+    merged = {n: rt.alt(rs) for n, rs in out.items()}
+    if sum(len(r or "") for r in merged.values()) > 200_000:
+        raise PatternError("pattern too large to split by length")
+    return {n: r for n, r in merged.items() if r is not None}
+
+
+def _item_by_length(item, cap: int, pattern: str) -> dict[int, rt.Regex]:
+    op, av = item
+    cs = _charset_of(item)
+    if cs is not None:
+        r = rt.json_units(cs)
+        return {1: r} if r is not None else {}
+    if op == _sre_c.SUBPATTERN:
+        if av[1] or av[2]:
+            raise PatternError(f"pattern {pattern!r}: inline flags are not supported")
+        return _by_length(list(av[3]), cap, pattern)
+    if op == _sre_c.BRANCH:
+        out: dict[int, list[rt.Regex]] = {}
+        for sub in av[1]:
+            for n, r in _by_length(list(sub), cap, pattern).items():
+                out.setdefault(n, []).append(r)
+        return {n: r for n, rs in out.items() if (r := rt.alt(rs)) is not None}
+    if op in (_sre_c.MAX_REPEAT, _sre_c.MIN_REPEAT):
+        lo, hi, sub = av
+        hi = cap if hi == _MAXREPEAT else min(hi, cap)
+        once = _by_length(list(sub), cap, pattern)
+        acc: dict[int, rt.Regex] = {0: ""}
+        result: dict[int, list[rt.Regex]] = {}
+        for k in range(hi + 1):
+            if k >= lo:
+                for n, r in acc.items():
+                    result.setdefault(n, []).append(r)
+            if k == hi:
+                break
+            acc = _concat(acc, once, cap)
+            if not acc:
+                break
+        return {n: r for n, rs in result.items() if (r := rt.alt(rs)) is not None}
+    raise PatternError(
+        f"pattern {pattern!r}: cannot combine this construct with minLength/maxLength"
+    )

@@ -130,6 +130,12 @@ def test_patterns_use_search_semantics_and_json_escaping():
     check({"type": "string", "pattern": '^a"b$'}, ['a"b'])
     check({"type": "string", "pattern": r"^\d{3}$"}, ["123"], ["12", "1234", "١٢٣"])
     check({"type": "string", "pattern": "^[a-z]*$", "maxLength": 3}, ["", "abc"], ["abcd"])
+    # a pattern of varied length, split by length to meet min/maxLength
+    check(
+        {"type": "string", "pattern": r"\d{2}-?\d{0,4}", "minLength": 2, "maxLength": 6},
+        ["12", "12-345", "x12-3", "123456"],
+        ["1", "1234567", "12-3456"],
+    )
 
 
 def test_pattern_translation_refuses_what_it_cannot_enforce():
@@ -328,7 +334,7 @@ def test_refusals_name_keyword_and_path():
     refused(
         {
             "type": "object",
-            "properties": {"s": {"type": "string", "pattern": "^a.c$", "maxLength": 2}},
+            "properties": {"s": {"type": "string", "pattern": "^a+b*$", "maxLength": 100}},
         },
         "maxLength",
     )
