@@ -1104,6 +1104,9 @@ class _SchemaCompiler:
         uneval = kw.get("unevaluatedProperties")
         patterns: dict[str, Any] = kw.get("patternProperties", {})
         names_schema = kw.get("propertyNames")
+        names_flat = None if names_schema is None else self.flat(names_schema)
+        if names_flat is not None and not names_flat.false and self._all_strings(names_flat):
+            names_schema = names_flat = None  # every key is a string: no constraint
         lo, hi = kw.get("minProperties", 0), kw.get("maxProperties")
         if any(r in forbidden for r in required):
             return None
@@ -1164,8 +1167,15 @@ class _SchemaCompiler:
                         break
                 if keys:
                     extra_key, extra_value = rt.alt(keys), next(iter(patterns.values()))
-        elif self._extras_allowed(f) and names_schema is None and hi is None:
-            extra_key = rt.string_not_in(list(props) + sorted(forbidden))
+        elif (
+            self._extras_allowed(f)
+            and hi is None
+            and (names_schema is None or not (props or forbidden))
+        ):
+            if names_flat is None:
+                extra_key = rt.string_not_in(list(props) + sorted(forbidden))
+            else:  # a pure map: keys are the strings propertyNames accepts
+                extra_key = self.emit(self._merge(names_flat, Flat(kw={"type": {"string"}})))
             extra_value = _conj(
                 addl if addl is not None else True, uneval if uneval is not None else True
             )
@@ -1239,6 +1249,13 @@ class _SchemaCompiler:
         for i in reversed(range(k)):
             x = rt.alt([rt.seq(items[i][0], chain(i + 1)), x])
         return x
+
+    def _all_strings(self, f: Flat) -> bool:
+        """Whether a flattened schema accepts every string (it says nothing about strings)."""
+        if f.anyof or f.nots or f.unsupported or "enum" in f.kw:
+            return False
+        string_keywords = set(f.kw) & (_STRING_KW | {"type"})
+        return string_keywords <= {"type"} and ("type" not in f.kw or "string" in f.kw["type"])
 
     def _name_allowed(self, name: str, names_schema: Any) -> bool:
         if isinstance(names_schema, bool):

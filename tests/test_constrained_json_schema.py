@@ -121,7 +121,7 @@ def test_string_lengths_count_characters_not_bytes():
         ["a", "abcd"],
     )
     # escapes count as one character each
-    check({"type": "string", "maxLength": 2}, ["RAW:" + '"\\u00e9\\n"'], ["RAW:" + '"\\u00e9\\nx"'])
+    check({"type": "string", "maxLength": 2}, ["RAW:" + '"\\"\\n"'], ["RAW:" + '"\\"\\nx"'])
 
 
 def test_patterns_use_search_semantics_and_json_escaping():
@@ -206,6 +206,21 @@ def test_pattern_properties_map():
         "additionalProperties": False,
     }
     check(schema, [{}, {"ab": 1, "c": 2}], ["RAW:" + '{"A":1}', "RAW:" + '{"ab":"x"}'])
+
+
+def test_property_names_on_maps():
+    schema = {
+        "type": "object",
+        "additionalProperties": {"type": "integer"},
+        "propertyNames": {"pattern": "^[a-z]+$", "maxLength": 3},
+    }
+    check(schema, [{}, {"ab": 1, "c": 2}], ["RAW:" + '{"abcd":1}', "RAW:" + '{"A":1}'])
+    listed = {
+        "type": "object",
+        "properties": {"Ok": {"type": "integer"}, "no": {"type": "integer"}},
+        "propertyNames": {"pattern": "^[A-Z]"},
+    }
+    check(listed, [{"Ok": 1}], ["RAW:" + '{"no":1}'])
 
 
 def test_dependent_required():
