@@ -252,6 +252,21 @@ def test_pydantic_model(compiler):
         schema_validator(schema).validate(json.loads(text))
 
 
+def test_flexible_whitespace_accepts_pretty_printed_json(tokenizer):
+    flexible = GrammarCompiler(tokenizer, whitespace="flexible")
+    schema = SCHEMAS["nested"]
+    value = {"name": "Bo", "address": {"city": "Oslo", "zip": "01234"}}
+    grammar = flexible.compile("json_schema", json.dumps(schema))
+    for text in [
+        json.dumps(value, indent=2),
+        json.dumps(value),
+        json.dumps(value, separators=(",", ":")),
+    ]:
+        assert accepts(grammar, tokenizer.encode(text, add_special_tokens=False)), text
+    for text in walks(grammar, 5):
+        schema_validator(schema).validate(json.loads(text))
+
+
 def test_jump_forward_gives_the_forced_keys(compiler):
     schema = SCHEMAS["nested"]
     m = compiler.compile("json_schema", json.dumps(schema)).matcher()
