@@ -97,7 +97,9 @@ class RadixEngine:
             self.name = "radixlm (unlisted keys allowed)"
         self.compiler.vocab.outlines_vocabulary()  # built before forking
         _ = self.compiler.vocab.first_byte, self.compiler.vocab.token_of_bytes
-        self.walk(self.compile('{"type":"string"}'), [])  # warm the lazy imports of a first mask
+        # warm what a long-running engine has loaded already (jsonschema for enum filtering, the
+        # lazy imports of a first mask), so each forked child measures the compile itself
+        self.walk(self.compile('{"enum":["a",1],"type":"string","maxLength":3}'), [])
 
     def compile(self, schema_text: str):
         return self.compiler.compile("json_schema", schema_text)

@@ -1214,10 +1214,9 @@ class _SchemaCompiler:
         then any number of extra properties.
 
         With a required property the text is linear: items before the last required one carry
-        a trailing comma, items after it a leading one. With none, the first written item has
-        no comma and every later one has, and regex text cannot share the tail that follows
-        each possible first item: the text (and the automaton) grows quadratically. Past a
-        budget only the first K optional properties may open the object; a sound narrowing.
+        a trailing comma, items after it a leading one. With none, where the commas go depends
+        on which items are written, and regex text cannot share the part that follows: see
+        below.
         """
         sep = self._item_sep()
         extra_tail = rt.star(rt.seq(sep, extra)) if extra is not None else ""
@@ -1233,6 +1232,24 @@ class _SchemaCompiler:
                     parts.append(rt.opt(rt.seq(sep, kv)))
             return rt.seq(*parts, extra_tail)
 
+        sizes = [len(kv or "") + len(sep) + 8 for kv, _ in items]
+        n = len(items)
+        # Alternatives by the *last* item written, every earlier one optional with a trailing
+        # comma: the text is quadratic but the alternatives share their prefixes, so the
+        # automaton built from it stays linear in the number of properties.
+        if sum(sizes) * (n + 1) // 2 <= 2 * _PROPERTY_LIST_BUDGET:
+            alts: list[rt.Regex] = []
+            prefix: list[rt.Regex] = []
+            for kv, _ in items:
+                alts.append(rt.seq(*prefix, kv, extra_tail))
+                prefix.append(rt.opt(rt.seq(kv, sep)))
+            if extra is not None:
+                alts.append(rt.seq(*prefix, extra, extra_tail))
+            if not nonempty:
+                alts.append("")
+            return rt.alt(alts)
+
+        # Too large: only the first K properties may open the object (a sound narrowing).
         def chain(j: int) -> rt.Regex:  # items j.. once something was written
             return rt.seq(*[rt.opt(rt.seq(sep, kv)) for kv, _ in items[j:]], extra_tail)
 
@@ -1241,10 +1258,9 @@ class _SchemaCompiler:
             x = x if nonempty else rt.alt([x, ""])
         else:
             x = None if nonempty else ""
-        sizes = [len(kv or "") + len(sep) + 8 for kv, _ in items]
         total = sum(sizes) + len(extra_tail)
         k = 0
-        while k < len(items) and (k == 0 or (k + 1) * total <= _PROPERTY_LIST_BUDGET):
+        while k < n and (k == 0 or (k + 1) * total <= _PROPERTY_LIST_BUDGET):
             k += 1
         for i in reversed(range(k)):
             x = rt.alt([rt.seq(items[i][0], chain(i + 1)), x])
