@@ -38,7 +38,6 @@ L = rt.lit
 # cannot spin on whitespace forever (20 covers a newline and deep indentation).
 FLEXIBLE_WHITESPACE = "[\\x20\\x09\\x0a\\x0d]{0,20}"
 MAX_REGEX_CHARS = 1_000_000
-_PROPERTY_LIST_BUDGET = 200_000
 _COUNT_BUDGET = 12_000  # regex chars a bounded repetition may copy
 
 ANNOTATIONS = frozenset(
@@ -995,23 +994,7 @@ class _SchemaCompiler:
 
     def _ordered_subset(self, items: list[rt.Regex], nonempty: bool) -> rt.Regex:
         """Items in the given order, each optional, comma-separated."""
-        sep = self._item_sep()
-        memo: dict[tuple[int, bool], rt.Regex] = {}
-
-        def build(i: int, first: bool) -> rt.Regex:
-            key = (i, first)
-            if key not in memo:
-                if i == len(items):
-                    memo[key] = None if (first and nonempty) else ""
-                else:
-                    if first:
-                        with_i = rt.seq(items[i], build(i + 1, False))
-                        memo[key] = rt.alt([with_i, build(i + 1, True)])
-                    else:  # factored, so that the text stays linear in the number of items
-                        memo[key] = rt.seq(rt.opt(rt.seq(sep, items[i])), build(i + 1, False))
-            return memo[key]
-
-        return build(0, True)
+        return self._property_list([(item, False) for item in items], None, nonempty)
 
     def _object(self, f: Flat) -> rt.Regex:
         kw = f.kw
@@ -1213,10 +1196,8 @@ class _SchemaCompiler:
         """Comma-separated properties in order (required ones always, optional ones maybe),
         then any number of extra properties.
 
-        With a required property the text is linear: items before the last required one carry
-        a trailing comma, items after it a leading one. With none, where the commas go depends
-        on which items are written, and regex text cannot share the part that follows: see
-        below.
+        With a required property: items before the last required one carry a trailing comma,
+        items after it a leading one.
         """
         sep = self._item_sep()
         extra_tail = rt.star(rt.seq(sep, extra)) if extra is not None else ""
@@ -1232,39 +1213,13 @@ class _SchemaCompiler:
                     parts.append(rt.opt(rt.seq(sep, kv)))
             return rt.seq(*parts, extra_tail)
 
-        sizes = [len(kv or "") + len(sep) + 8 for kv, _ in items]
-        n = len(items)
-        # Alternatives by the *last* item written, every earlier one optional with a trailing
-        # comma: the text is quadratic but the alternatives share their prefixes, so the
-        # automaton built from it stays linear in the number of properties.
-        if sum(sizes) * (n + 1) // 2 <= 2 * _PROPERTY_LIST_BUDGET:
-            alts: list[rt.Regex] = []
-            prefix: list[rt.Regex] = []
-            for kv, _ in items:
-                alts.append(rt.seq(*prefix, kv, extra_tail))
-                prefix.append(rt.opt(rt.seq(kv, sep)))
-            if extra is not None:
-                alts.append(rt.seq(*prefix, extra, extra_tail))
-            if not nonempty:
-                alts.append("")
-            return rt.alt(alts)
-
-        # Too large: only the first K properties may open the object (a sound narrowing).
-        def chain(j: int) -> rt.Regex:  # items j.. once something was written
-            return rt.seq(*[rt.opt(rt.seq(sep, kv)) for kv, _ in items[j:]], extra_tail)
-
-        if extra is not None:
-            x: rt.Regex = rt.seq(extra, extra_tail)
-            x = x if nonempty else rt.alt([x, ""])
-        else:
-            x = None if nonempty else ""
-        total = sum(sizes) + len(extra_tail)
-        k = 0
-        while k < n and (k == 0 or (k + 1) * total <= _PROPERTY_LIST_BUDGET):
-            k += 1
-        for i in reversed(range(k)):
-            x = rt.alt([rt.seq(items[i][0], chain(i + 1)), x])
-        return x
+        # No required property: choose the last item written; every earlier one is optional and
+        # followed by a comma. Written right to left, Y_i = KV_i | (KV_i ",")? Y_{i+1}, the text
+        # stays linear, and the automaton too (both readings of KV_i advance together).
+        y: rt.Regex = rt.seq(extra, extra_tail) if extra is not None else None
+        for kv, _ in reversed(items):
+            y = rt.alt([rt.seq(kv, extra_tail), rt.seq(rt.opt(rt.seq(kv, sep)), y)])
+        return y if nonempty else rt.alt([y, ""])
 
     def _all_strings(self, f: Flat) -> bool:
         """Whether a flattened schema accepts every string (it says nothing about strings)."""
