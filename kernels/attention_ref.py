@@ -68,16 +68,15 @@ def decode_attention_ref(
     slots = torch.where(valid, slots, torch.zeros_like(slots))
     k = k_pool[slots]  # (B, L, Hkv, D)
     v = v_pool[slots]
-    # (B, Hkv, group, 1, D) x (B, Hkv, 1, L, D): grouped query heads share their kv head
-    qg = q.view(batch, num_kv_heads, group, 1, head_dim)
-    k = k.permute(0, 2, 1, 3).unsqueeze(2)
-    v = v.permute(0, 2, 1, 3).unsqueeze(2)
+    # a kv head's group of query heads acts as `group` queries against that head's keys: 4-D
+    # attention with no broadcast copies of K/V
+    qg = q.view(batch, num_kv_heads, group, head_dim)
+    k = k.permute(0, 2, 1, 3)  # (B, Hkv, L, D)
+    v = v.permute(0, 2, 1, 3)
     bias = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(
         ~valid, float("-inf")
     )
-    o = F.scaled_dot_product_attention(
-        qg, k, v, attn_mask=bias[:, None, None, None, :], scale=sm_scale
-    )
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias[:, None, None, :], scale=sm_scale)
     return o.reshape(batch, num_q_heads, head_dim)
 
 
