@@ -232,7 +232,12 @@ class GrammarCompiler:
             index = Index(regex, self.vocab.outlines_vocabulary())
         except Exception as e:
             what = "regex" if kind == "regex" else f"regex built from the {kind}"
-            raise GrammarError(f"invalid {what}: {str(e).splitlines()[0][:500]}") from None
+            detail = str(e).splitlines()[0][:500]
+            if "building NFA" in detail or "too big" in detail.lower():
+                raise GrammarError(
+                    f"the {what} is too large for the automaton builder ({detail}); simplify it"
+                ) from None
+            raise GrammarError(f"invalid {what}: {detail}") from None
         return CompiledGrammar(kind, spec, regex, index, self.vocab, self.masks, notes, sentinel)
 
 
