@@ -29,8 +29,6 @@ _ENGINE_HELP = {
     "max_total_tokens": "the KV pool's size in tokens (overrides --mem-fraction-static)",
     "max_running_requests": "requests decoded together at most",
     "chunked_prefill_size": "prompt tokens computed in one step at most (long prompts are chunked)",
-    "max_prefill_tokens": "tokens of one step's batch at most (default: chunked prefill size + "
-    "running decodes)",
     "schedule_policy": "the order of waiting requests: lpm (longest cached prefix first) or fcfs",
     "disable_radix_cache": "do not reuse the KV of shared prefixes across requests",
     "attention_backend": "auto, torch (the plain reference) or triton",
