@@ -32,9 +32,6 @@ class EngineConfig:
     max_total_tokens: int | None = None
     max_running_requests: int = 256
     chunked_prefill_size: int = 2048  # tokens of prompt computed in one step, at most
-    max_prefill_tokens: int | None = (
-        None  # tokens of a step's batch in all (default: chunked_prefill_size + running decodes)
-    )
     schedule_policy: str = "lpm"  # lpm: longest cached prefix first; fcfs: arrival order
     disable_radix_cache: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
