@@ -313,9 +313,10 @@ def main(argv: list[str] | None = None) -> None:
     _STATE["tokenizer"] = tokenizer
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     for e in engines:
-        _STATE[e] = {"radixlm": RadixEngine, "outlines-core": OutlinesEngine}[e](
-            tokenizer, args.timeout
-        )
+        if e == "radixlm":
+            _STATE[e] = RadixEngine(tokenizer, args.timeout, args.allow_unlisted)
+        else:
+            _STATE[e] = OutlinesEngine(tokenizer, args.timeout)
 
     all_results: dict[str, list[Result]] = {e: [] for e in engines}
     t0 = time.time()
