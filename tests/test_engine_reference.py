@@ -74,9 +74,19 @@ def test_greedy_one_at_a_time_matches_transformers(engine, prompt_ids, reference
     assert len(ties) <= 1, ties
 
 
-def test_greedy_batched_matches_transformers(engine, prompt_ids, reference):
-    outputs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
-    ties = check_against_reference(outputs, reference)
+def test_greedy_in_a_mixed_batch_of_32_matches_transformers(engine, prompt_ids, reference):
+    # the 24 greedy prompts share their batch with 8 sampled, penalized, longer requests
+    noise = {
+        "max_new_tokens": 24,
+        "temperature": 0.9,
+        "top_k": 40,
+        "frequency_penalty": 0.5,
+        "seed": 3,
+    }
+    outputs = engine.generate(
+        input_ids=prompt_ids + prompt_ids[:8], sampling_params=[GREEDY] * 24 + [noise] * 8
+    )
+    ties = check_against_reference(outputs[:24], reference)
     assert len(ties) <= 1, ties
 
 
