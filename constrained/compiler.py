@@ -182,13 +182,13 @@ class GrammarCompiler:
     def _build(self, kind: str, spec: str) -> CompiledGrammar:
         try:
             regex, notes = self.to_regex(kind, spec)
-            sentinel = True
+            sentinel, parse_error = True, ""
             if kind == "regex":
                 try:
                     regex = translate_regex(regex)
-                except PatternError:
-                    sentinel = False  # read by outlines-core as written; see _index
-            return self._index(kind, spec, regex, notes, sentinel)
+                except PatternError as e:
+                    sentinel, parse_error = False, str(e)  # outlines-core reads it as written
+            return self._index(kind, spec, regex, notes, sentinel, parse_error)
         except GrammarError:
             raise
         except Exception as e:  # anything else is still this request's problem, never the engine's
@@ -214,7 +214,13 @@ class GrammarCompiler:
         raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
 
     def _index(
-        self, kind: str, spec: str, regex: str, notes: tuple[str, ...], sentinel: bool
+        self,
+        kind: str,
+        spec: str,
+        regex: str,
+        notes: tuple[str, ...],
+        sentinel: bool,
+        parse_error: str = "",
     ) -> CompiledGrammar:
         """Build the token automaton.
 
@@ -231,13 +237,13 @@ class GrammarCompiler:
         try:
             index = Index(regex, self.vocab.outlines_vocabulary())
         except Exception as e:
-            what = "regex" if kind == "regex" else f"regex built from the {kind}"
             detail = str(e).splitlines()[0][:500]
-            if "building NFA" in detail or "too big" in detail.lower():
-                raise GrammarError(
-                    f"the {what} is too large for the automaton builder ({detail}); simplify it"
-                ) from None
-            raise GrammarError(f"invalid {what}: {detail}") from None
+            if kind == "regex":  # a user's regex: most likely its syntax
+                raise GrammarError(f"invalid regex: {parse_error or detail}") from None
+            raise GrammarError(
+                f"the regex built from the {kind} is too large for the automaton builder "
+                f"({detail}); simplify it"
+            ) from None
         return CompiledGrammar(kind, spec, regex, index, self.vocab, self.masks, notes, sentinel)
 
 
