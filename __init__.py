@@ -16,6 +16,16 @@ _LAZY = {
     "EngineConfig": "radixlm.runtime.config",
     "SamplingParams": "radixlm.runtime.sampling_params",
 }
+# the program language (radixlm.lang, torch-free): `import radixlm as sgl` runs SGLang programs
+_LANG_NAMES = (
+    "function", "gen", "gen_int", "gen_string", "select", "image", "video",
+    "system", "user", "assistant", "system_begin", "system_end", "user_begin", "user_end",
+    "assistant_begin", "assistant_end", "set_default_backend", "get_default_backend",
+    "flush_cache", "get_server_info", "RuntimeEndpoint", "OpenAI", "EngineBackend",
+    "ProgramState", "ProgramError", "BackendError", "ChatTemplate", "ChoicesSamplingMethod",
+    "token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized",
+)  # fmt: skip
+_LAZY.update(dict.fromkeys(_LANG_NAMES, "radixlm.lang"))
 
 if TYPE_CHECKING:
     from radixlm.runtime.config import EngineConfig
@@ -34,4 +44,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "__version__"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "__version__", *_LANG_NAMES]

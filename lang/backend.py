@@ -1,0 +1,204 @@
+"""What the interpreter needs from a backend, and the scoring of `select` shared by backends.
+
+A backend turns the state's text into completions (`generate`, `generate_stream`), scores the
+choices of a `select`, and warms the prefix cache before a fork (`cache_prefix`). Backends:
+`EngineBackend` (an in-process `radixlm.Engine`), `RuntimeEndpoint` (a radixlm or SGLang server's
+native API), `OpenAI` (any `/v1/chat/completions` server).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from radixlm.lang.chat_template import ChatTemplate
+from radixlm.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprobs
+from radixlm.lang.ir import GenParams
+
+if TYPE_CHECKING:
+    from radixlm.lang.interpreter import StreamExecutor
+
+
+class BackendError(RuntimeError):
+    """The backend could not serve a call (a server error, a failed generation)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Backend:
+    is_chat_model = False
+
+    def __init__(self) -> None:
+        self.chat_template: ChatTemplate
+
+    def get_chat_template(self) -> ChatTemplate:
+        return self.chat_template
+
+    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[Any, dict[str, Any]]:
+        """Complete the state's text: (text, meta_info), or (list of texts, list of meta_info)
+        when params.n > 1."""
+        raise NotImplementedError
+
+    def generate_stream(
+        self, s: StreamExecutor, params: GenParams
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Complete the state's text, yielding (new text, meta_info so far)."""
+        raise NotImplementedError
+
+    def select(
+        self,
+        s: StreamExecutor,
+        choices: list[str],
+        temperature: float,
+        choices_method: Any,
+        rng: random.Random,
+    ) -> ChoicesDecision:
+        conditional, unconditional, meta = self.score_choices(
+            s.text_, choices, _needs_unconditional(choices_method)
+        )
+        return decide(choices_method, choices, conditional, unconditional, temperature, rng, meta)
+
+    def score_choices(
+        self, prefix: str, choices: list[str], unconditional: bool
+    ) -> tuple[list[TokenLogprobs], list[TokenLogprobs] | None, dict[str, Any]]:
+        """Per choice the log-probabilities of its tokens after `prefix` (and, when asked, of
+        the same tokens alone), plus meta info about the scoring call."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score the choices of select")
+
+    def cache_prefix(self, prefix: str) -> None:
+        """Put the prefix's KV into the server's prefix cache (no-op where there is none)."""
+
+    def commit_lazy_operations(self, s: StreamExecutor) -> None:
+        if s.text_:
+            self.cache_prefix(s.text_)
+
+    def end_program(self, s: StreamExecutor) -> None:
+        pass
+
+    def flush_cache(self) -> bool:
+        return False
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _needs_unconditional(method: Any) -> bool:
+    return bool(getattr(method, "requires_unconditional_logprobs", False))
+
+
+def decide(
+    method: Any,
+    choices: list[str],
+    conditional: list[TokenLogprobs],
+    unconditional: list[TokenLogprobs] | None,
+    temperature: float,
+    rng: random.Random,
+    meta: dict[str, Any],
+) -> ChoicesDecision:
+    if isinstance(method, ChoicesSamplingMethod):
+        return method(
+            choices=choices,
+            input_token_logprobs=conditional,
+            unconditional_token_logprobs=unconditional,
+            temperature=temperature,
+            rng=rng,
+            meta_info=meta,
+        )
+    # a method written for SGLang's interface (a callable taking these keywords)
+    from radixlm.lang.choices import mean_logprob
+
+    if temperature > 0:
+        raise ValueError("select with temperature > 0 needs one of radixlm's choices methods")
+    decision = method(
+        choices=choices,
+        normalized_prompt_logprobs=[mean_logprob(e) for e in conditional],
+        input_token_logprobs=conditional,
+        output_token_logprobs=[[] for _ in choices],
+        unconditional_token_logprobs=unconditional,
+    )
+    return ChoicesDecision(decision.decision, {**(decision.meta_info or {}), **meta})
+
+
+def pad_logprobs(entries: list[Any], ids: list[int]) -> TokenLogprobs:
+    """The (logprob, id, text) entries of a prompt's tail `ids`, as tuples. A prompt scored from
+    its first token has no logprob for it: missing leading entries get None."""
+    got = [tuple(e) + (None,) * (3 - len(e)) for e in entries]
+    missing = len(ids) - len(got)
+    return [(None, t, None) for t in ids[:missing]] + got  # type: ignore[misc]
+
+
+def choice_tokens(prefix_ids: list[int], full_ids: list[int]) -> int:
+    """Where a choice's tokens start in the tokens of prefix + choice: after the longest common
+    prefix with the prefix's own tokens (the last prefix token may merge with the choice)."""
+    n = 0
+    limit = min(len(prefix_ids), len(full_ids))
+    while n < limit and prefix_ids[n] == full_ids[n]:
+        n += 1
+    return n
+
+
+# ---- the default backend --------------------------------------------------------------------
+
+# SGLang's `set_default_backend` makes this one process-wide setting; everything else takes an
+# explicit `backend=`.
+_default: list[Backend] = []
+_engine_backends: weakref.WeakKeyDictionary[Any, Backend] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def set_default_backend(backend: Any) -> None:
+    """The backend `run` / `run_batch` use when given none: a `radixlm.Engine`, a
+    `RuntimeEndpoint` or an `OpenAI` backend."""
+    resolved = resolve_backend(backend)
+    with _lock:
+        _default[:] = [resolved]
+
+
+def get_default_backend() -> Backend | None:
+    with _lock:
+        return _default[0] if _default else None
+
+
+def resolve_backend(backend: Any) -> Backend:
+    """A backend object from what a user passes: a Backend, an Engine (wrapped once per engine),
+    or an object with an `endpoint` (SGLang's `Runtime`)."""
+    if backend is None:
+        default = get_default_backend()
+        if default is None:
+            raise RuntimeError(
+                "no backend: call radixlm.set_default_backend(radixlm.Engine()) (or a "
+                "radixlm.RuntimeEndpoint(url)), or pass backend= to run()"
+            )
+        return default
+    if isinstance(backend, Backend):
+        return backend
+    if isinstance(getattr(backend, "endpoint", None), Backend):
+        return backend.endpoint
+    if _is_engine(backend):
+        with _lock:
+            wrapped = _engine_backends.get(backend)
+        if wrapped is None:
+            from radixlm.lang.engine_backend import EngineBackend
+
+            wrapped = EngineBackend(backend)
+            with _lock:
+                wrapped = _engine_backends.setdefault(backend, wrapped)
+        return wrapped
+    raise TypeError(
+        f"unknown backend {backend!r}: use a radixlm.Engine, radixlm.RuntimeEndpoint(url) or "
+        "radixlm.OpenAI(...)"
+    )
+
+
+def _is_engine(obj: Any) -> bool:
+    return all(
+        callable(getattr(obj, name, None)) for name in ("generate", "apply_chat_template")
+    ) and hasattr(obj, "tokenizer")

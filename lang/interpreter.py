@@ -1,0 +1,640 @@
+"""The interpreter: a program state executes its expressions in a worker thread of its own.
+
+`s += gen(...)` queues the expression and returns at once; reading a variable (`s["x"]`) waits for
+it, `s.text()` waits for everything queued. So forks run side by side and their generations are
+batched by the engine, and a streamed run shows text as it is generated.
+
+A failure inside an expression (a bad regex, a server error) is kept on the state
+(`state.error()`); the expressions queued after it are skipped, and reading a variable that was
+never set raises `ProgramError` naming the cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import multiprocessing
+import queue
+import random
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from radixlm.lang.backend import Backend
+from radixlm.lang.chat_template import ChatTemplate
+from radixlm.lang.ir import (
+    CommitLazy,
+    ConcatenateAndAppend,
+    ConstantText,
+    Expr,
+    ExprList,
+    Gen,
+    GenParams,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    VarScopeBegin,
+    VarScopeEnd,
+    as_expr,
+)
+
+if TYPE_CHECKING:
+    from radixlm.lang.program import Function
+
+logger = logging.getLogger(__name__)
+
+_END = object()  # the worker's stop sentinel
+
+
+class ProgramError(RuntimeError):
+    """A program's variable was never set because an earlier step failed."""
+
+
+class StreamExecutor:
+    """Executes one state's expressions in order, in its own thread."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        arguments: dict[str, Any],
+        default_params: GenParams,
+        chat_template: ChatTemplate | None,
+        stream: bool,
+    ) -> None:
+        self.sid = uuid.uuid4().hex
+        self.backend = backend
+        self.arguments = arguments
+        self.default_params = default_params
+        self.stream = stream
+        self.chat_template = chat_template or backend.get_chat_template()
+
+        self.text_ = ""
+        self.messages_: list[dict[str, Any]] = []
+        self.cur_role: str | None = None
+        self.cur_role_begin_pos: int | None = None
+        self.fork_start_text_pos: int | None = None
+        self.variables: dict[str, Any] = {}
+        self.meta_info: dict[str, Any] = {}
+        self.variable_event: dict[str, threading.Event] = {}
+        self.error_: BaseException | None = None
+        self.is_finished = False
+        self.rng = random.Random()
+
+        self._scopes: dict[str, int] = {}
+        self._changed = threading.Condition()
+        self._ended = False
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._worker = threading.Thread(
+            target=self._work, name=f"radixlm-program-{self.sid[:8]}", daemon=True
+        )
+        self._worker.start()
+
+    # ---- the caller's side ----------------------------------------------------------------
+
+    def submit(self, expr: Any) -> None:
+        expr = as_expr(expr)
+        if self._ended:
+            raise RuntimeError("this program state has ended (its fork was joined)")
+        self._init_var_events(expr)
+        self._queue.put(expr)
+
+    def sync(self) -> None:
+        self._queue.join()
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._queue.put(_END)
+
+    def get_var(self, name: str) -> Any:
+        event = self.variable_event.get(name)
+        if event is not None:
+            event.wait()
+        if name in self.variables:
+            return self.variables[name]
+        if self.error_ is not None:
+            raise ProgramError(
+                f"variable {name!r} was not set: the program failed: {self.error_!r}"
+            ) from self.error_
+        raise KeyError(f"no variable {name!r}; the state has {sorted(self.variables)}")
+
+    def set_var(self, name: str, value: Any) -> None:
+        self.variables[name] = value
+        self._notify()
+
+    def get_meta_info(self, name: str, timeout: float | None = None) -> Any:
+        event = self.variable_event.get(name)
+        if event is not None and not event.wait(timeout):
+            raise TimeoutError(f"timed out waiting for {name!r}")
+        return self.meta_info.get(name)
+
+    def fork(self, size: int) -> list[StreamExecutor]:
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"fork(size={size!r}): size must be a positive integer")
+        self.sync()
+        if size > 1 and self.text_ and self.error_ is None:
+            # the shared prefix is computed once, before the forks ask for it together
+            self.submit(CommitLazy())
+            self.sync()
+        children = []
+        for _ in range(size):
+            child = StreamExecutor(
+                self.backend, self.arguments, self.default_params, self.chat_template, self.stream
+            )
+            child.variables = dict(self.variables)
+            child.meta_info = dict(self.meta_info)
+            child.text_ = self.text_
+            child.messages_ = list(self.messages_)
+            child.cur_role = self.cur_role
+            child.cur_role_begin_pos = self.cur_role_begin_pos
+            child.fork_start_text_pos = len(self.text_)
+            child.error_ = self.error_
+            children.append(child)
+        return children
+
+    def wait_chunk(self, var_name: str | None, pos: int) -> tuple[str, bool]:
+        """Block until the text (or variable) grows past `pos` or is final: (new text, final)."""
+        with self._changed:
+            while True:
+                if var_name is None:
+                    current, done = self.text_, self.is_finished
+                else:
+                    value = self.variables.get(var_name)
+                    current = value if isinstance(value, str) else ""
+                    event = self.variable_event.get(var_name)
+                    done = self.is_finished or (event is not None and event.is_set())
+                if len(current) > pos or done:
+                    return current[pos:], done
+                self._changed.wait()
+
+    # ---- the worker's side ----------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            expr = self._queue.get()
+            if expr is _END:
+                self._finish()
+                self._queue.task_done()
+                return
+            try:
+                if self.error_ is None:
+                    self._execute(expr)
+            except Exception as e:
+                logger.warning("program step %r failed: %s", expr, e)
+                logger.debug("program step failure", exc_info=True)
+                self.error_ = e
+            finally:
+                if self.error_ is not None:
+                    self._release_events()  # waiters on skipped variables must not hang
+                self._notify()
+                self._queue.task_done()
+
+    def _finish(self) -> None:
+        self._release_events()
+        self.is_finished = True
+        self._notify()
+
+    def _release_events(self) -> None:
+        for event in list(self.variable_event.values()):
+            event.set()
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _init_var_events(self, expr: Expr) -> None:
+        if isinstance(expr, (Gen, Select, VarScopeBegin)) and expr.name is not None:
+            self.variable_event[expr.name] = threading.Event()
+        elif isinstance(expr, ExprList):
+            for e in expr.exprs:
+                self._init_var_events(e)
+
+    def _execute(self, expr: Expr) -> None:
+        if isinstance(expr, ConstantText):
+            self._fill(expr.value)
+        elif isinstance(expr, ExprList):
+            for e in expr.exprs:
+                self._execute(e)
+        elif isinstance(expr, Gen):
+            self._gen(expr)
+        elif isinstance(expr, Select):
+            self._select(expr)
+        elif isinstance(expr, RoleBegin):
+            self._role_begin(expr.role)
+        elif isinstance(expr, RoleEnd):
+            self._role_end(expr.role)
+        elif isinstance(expr, VarScopeBegin):
+            self._scopes[expr.name] = len(self.text_)
+        elif isinstance(expr, VarScopeEnd):
+            self._set(expr.name, self.text_[self._scopes.pop(expr.name, len(self.text_)) :])
+        elif isinstance(expr, CommitLazy):
+            self.backend.commit_lazy_operations(self)
+        elif isinstance(expr, ConcatenateAndAppend):
+            added = ""
+            for state in expr.states:
+                child = state.stream_executor
+                child.sync()
+                added += child.text_[child.fork_start_text_pos or 0 :]
+            self._fill(added)
+        else:
+            raise TypeError(f"cannot execute {expr!r}")
+
+    def _fill(self, value: str) -> None:
+        self.text_ += str(value)
+        self._notify()
+
+    def _set(self, name: str | None, value: Any, meta: Any = None) -> None:
+        if name is None:
+            return
+        self.variables[name] = value
+        self.meta_info[name] = meta
+        event = self.variable_event.setdefault(name, threading.Event())
+        event.set()
+        self._notify()
+
+    def _params(self, gen: Gen) -> GenParams:
+        return self.default_params.merged(gen.params).resolved(self.chat_template.stop_str)
+
+    def _gen(self, gen: Gen) -> None:
+        params = self._params(gen)
+        if self.stream and (params.n or 1) == 1:
+            self._gen_stream(gen.name, params)
+            return
+        comp, meta = self.backend.generate(self, params)
+        self._fill(comp[0] if isinstance(comp, list) else comp)
+        self._set(gen.name, comp, meta)
+
+    def _gen_stream(self, name: str | None, params: GenParams) -> None:
+        key = name if name is not None else f"__gen_{uuid.uuid4().hex}"
+        self.variables[key] = ""
+        meta: dict[str, Any] | None = None
+        for chunk, meta in self.backend.generate_stream(self, params):
+            self.variables[key] += chunk
+            self.meta_info[key] = meta
+            self._fill(chunk)
+        if name is None:
+            self.variables.pop(key, None)
+            self.meta_info.pop(key, None)
+        else:
+            self._set(name, self.variables[name], meta)
+
+    def _select(self, select: Select) -> None:
+        decision = self.backend.select(
+            self, select.choices, select.temperature, select.choices_method, self.rng
+        )
+        self._fill(decision.decision)
+        self._set(select.name, decision.decision, decision.meta_info)
+
+    def _role_begin(self, role: str) -> None:
+        if self.cur_role is not None:
+            raise ValueError(
+                f"cannot begin a {role} message inside the {self.cur_role} message: "
+                "roles do not nest; end the current one first"
+            )
+        if not self.messages_ and role != "system":
+            default = self.chat_template.default_system_prompt
+            if default:
+                self._role_begin("system")
+                self._fill(default)
+                self._role_end("system")
+        prefix, _ = self.chat_template.get_prefix_and_suffix(role, self.messages_)
+        self.cur_role = role
+        self._fill(prefix)
+        self.cur_role_begin_pos = len(self.text_)
+
+    def _role_end(self, role: str) -> None:
+        if self.cur_role != role:
+            raise ValueError(
+                f"{role}_end() without a matching {role}_begin() (the open role is "
+                f"{self.cur_role!r})"
+            )
+        content = self.text_[self.cur_role_begin_pos or 0 :].lstrip()
+        _, suffix = self.chat_template.get_prefix_and_suffix(role, self.messages_)
+        self.cur_role = None
+        self._fill(suffix)
+        self.messages_.append({"role": role, "content": content})
+
+
+class ProgramState:
+    """What a program's `s` is, and what `run` returns: its text, variables and messages."""
+
+    def __init__(self, stream_executor: StreamExecutor) -> None:
+        self.stream_executor = stream_executor
+        self.ret_value: Any = None
+
+    # ---- building ---------------------------------------------------------------------------
+
+    def __iadd__(self, other: Any) -> ProgramState:
+        self.stream_executor.submit(other)
+        return self
+
+    def _role(self, role: str, expr: Any = None) -> Any:
+        if expr is not None:
+            self.stream_executor.submit(ExprList([RoleBegin(role), as_expr(expr), RoleEnd(role)]))
+            return None
+
+        @contextlib.contextmanager
+        def scope() -> Iterator[None]:
+            self.stream_executor.submit(RoleBegin(role))
+            yield
+            self.stream_executor.submit(RoleEnd(role))
+
+        return scope()
+
+    def system(self, expr: Any = None) -> Any:
+        return self._role("system", expr)
+
+    def user(self, expr: Any = None) -> Any:
+        return self._role("user", expr)
+
+    def assistant(self, expr: Any = None) -> Any:
+        return self._role("assistant", expr)
+
+    @contextlib.contextmanager
+    def var_scope(self, name: str) -> Iterator[None]:
+        """Everything appended inside the block becomes the variable `name`."""
+        self.stream_executor.submit(VarScopeBegin(name))
+        yield
+        self.stream_executor.submit(VarScopeEnd(name))
+
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
+        """`size` copies of this state that continue independently (and in parallel); the
+        prefix they share is computed once and reused from the prefix cache."""
+        children = self.stream_executor.fork(size)
+        return ProgramStateGroup([ProgramState(c) for c in children], self)
+
+    @contextlib.contextmanager
+    def copy(self) -> Iterator[ProgramState]:
+        group = self.fork(1)
+        try:
+            yield group[0]
+        finally:
+            group.join()
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def text(self) -> str:
+        self.stream_executor.sync()
+        return self.stream_executor.text_
+
+    def messages(self) -> list[dict[str, Any]]:
+        self.stream_executor.sync()
+        return self.stream_executor.messages_
+
+    def sync(self) -> None:
+        self.stream_executor.sync()
+
+    def error(self) -> BaseException | None:
+        self.stream_executor.sync()
+        return self.stream_executor.error_
+
+    def get_var(self, name: str) -> Any:
+        return self.stream_executor.get_var(name)
+
+    def set_var(self, name: str, value: Any) -> None:
+        self.stream_executor.set_var(name, value)
+
+    def get_meta_info(self, name: str) -> Any:
+        return self.stream_executor.get_meta_info(name)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.get_var(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.set_var(name, value)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.stream_executor.variables
+
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """The text (or one variable) piece by piece as it is generated, with `stream=True`;
+        without streaming, the whole of it once it is there."""
+        ex = self.stream_executor
+        if not ex.stream:
+            yield self.text() if var_name is None else self.get_var(var_name)
+            return
+        pos = 0
+        while True:
+            chunk, done = ex.wait_chunk(var_name, pos)
+            pos += len(chunk)
+            if chunk:
+                yield chunk
+            if done:
+                return
+
+    async def text_async_iter(
+        self, var_name: str | None = None, return_meta_data: bool = False
+    ) -> AsyncIterator[Any]:
+        """`text_iter` for coroutines (waits off the event loop); with `return_meta_data` it
+        yields (text, meta_info) pairs."""
+        ex = self.stream_executor
+        if not ex.stream:
+            if var_name is None:
+                value = await asyncio.to_thread(self.text)
+            else:
+                value = await asyncio.to_thread(self.get_var, var_name)
+            meta = self.get_meta_info(var_name) if var_name is not None else None
+            yield (value, meta) if return_meta_data else value
+            return
+        pos = 0
+        while True:
+            chunk, done = await asyncio.to_thread(ex.wait_chunk, var_name, pos)
+            pos += len(chunk)
+            if chunk:
+                if return_meta_data:
+                    yield chunk, ex.meta_info.get(var_name) if var_name else None
+                else:
+                    yield chunk
+            if done:
+                return
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stream_executor.end()
+
+    def __repr__(self) -> str:
+        return f"ProgramState({self.text()!r})"
+
+
+class ProgramStateGroup:
+    """The states `fork` makes. `join()` ends them and gathers their new variables as lists on
+    the parent (`s["idea"] == [idea of fork 0, idea of fork 1, ...]`)."""
+
+    def __init__(self, states: list[ProgramState], src_state: ProgramState) -> None:
+        self.states = states
+        self.src_state = src_state
+
+    def join(self, mode: str = "gather_variable") -> None:
+        if mode == "gather_variable":
+            parent = self.src_state.stream_executor
+            known = set(parent.variables)
+            for state in self.states:
+                child = state.stream_executor
+                child.sync()
+                for name in child.variables.keys() - known:
+                    parent.variables.setdefault(name, []).append(child.variables[name])
+                    parent.meta_info.setdefault(name, []).append(child.meta_info.get(name))
+                if child.error_ is not None and parent.error_ is None:
+                    parent.error_ = child.error_
+        elif mode == "concate_and_append":
+            self.src_state += ConcatenateAndAppend(self.states)
+            self.src_state.stream_executor.sync()
+        else:
+            raise ValueError(f"join(mode={mode!r}): use 'gather_variable' or 'concate_and_append'")
+        for state in self.states:
+            state.stream_executor.end()
+
+    def __getitem__(self, i: int) -> ProgramState:
+        return self.states[i]
+
+    def __iter__(self) -> Iterator[ProgramState]:
+        return iter(self.states)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __iadd__(self, other: Any) -> ProgramStateGroup:
+        if callable(other) and not isinstance(other, Expr):
+            for i, state in enumerate(self.states):
+                state += other(i)
+        elif isinstance(other, (list, tuple)):
+            if len(other) != len(self.states):
+                raise ValueError(f"{len(other)} expressions for {len(self.states)} forks")
+            for state, expr in zip(self.states, other):
+                state += expr
+        else:
+            for state in self.states:
+                state += other
+        return self
+
+
+# ---- running programs -----------------------------------------------------------------------
+
+
+def run_program(
+    program: Function,
+    backend: Backend,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    default_params: GenParams,
+    stream: bool,
+    sync: bool = False,
+) -> ProgramState:
+    arguments = program.arguments(args, kwargs)
+    state = ProgramState(StreamExecutor(backend, arguments[1], default_params, None, stream))
+    if stream:
+        thread = threading.Thread(
+            target=_run_body, args=(state, program, arguments, False, True), daemon=True
+        )
+        thread.start()
+        return state
+    _run_body(state, program, arguments, sync, False)
+    return state
+
+
+def _run_body(
+    state: ProgramState,
+    program: Function,
+    arguments: tuple[tuple[Any, ...], dict[str, Any]],
+    sync: bool,
+    keep_errors: bool,
+) -> None:
+    """Run the function body; with `keep_errors`, an exception it raises goes to the state."""
+    executor = state.stream_executor
+    try:
+        args, kwargs = arguments
+        state.ret_value = program.func(state, *args, **kwargs)
+    except Exception as e:
+        if not keep_errors:
+            raise
+        logger.warning("program %s failed: %s", program.name, e)
+        logger.debug("program failure", exc_info=True)
+        executor.sync()
+        if executor.error_ is None:
+            executor.error_ = e
+    finally:
+        executor.end()
+    if sync:
+        executor.sync()
+
+
+def run_program_batch(
+    program: Function,
+    backend: Backend,
+    batch_arguments: list[dict[str, Any]],
+    default_params: GenParams,
+    num_threads: int | str,
+    progress_bar: bool,
+) -> list[ProgramState]:
+    if num_threads == "auto":
+        num_threads = max(96, multiprocessing.cpu_count() * 16)
+    if not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"num_threads={num_threads!r}: give a positive integer or 'auto'")
+    num_threads = min(num_threads, len(batch_arguments))
+
+    def run_one(kwargs: dict[str, Any]) -> ProgramState:
+        try:
+            arguments = program.arguments((), kwargs)
+        except TypeError as e:  # a bad argument list fails its own program only
+            state = ProgramState(StreamExecutor(backend, {}, default_params, None, False))
+            state.stream_executor.error_ = e
+            state.stream_executor.end()
+            return state
+        state = ProgramState(StreamExecutor(backend, arguments[1], default_params, None, False))
+        _run_body(state, program, arguments, True, True)
+        return state
+
+    bar = _progress(len(batch_arguments)) if progress_bar else None
+    try:
+        with ThreadPoolExecutor(num_threads, thread_name_prefix="radixlm-batch") as pool:
+            futures = [pool.submit(run_one, kwargs) for kwargs in batch_arguments]
+            if bar is not None:
+                for f in futures:
+                    f.add_done_callback(lambda _: bar.update(1))
+            return [f.result() for f in futures]
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _progress(total: int) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _PlainProgress(total)
+    return tqdm(total=total)
+
+
+class _PlainProgress:
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+        self._lock = threading.Lock()
+
+    def update(self, n: int) -> None:
+        import sys
+
+        with self._lock:
+            self.done += n
+            print(f"\r{self.done}/{self.total}", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        import sys
+
+        print(file=sys.stderr)
+
+
+def bind_arguments(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The program's (args, kwargs) after `s`, or a TypeError naming the problem."""
+    signature = inspect.signature(func)
+    try:
+        bound = signature.bind(None, *args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{func.__name__}{signature}: {e}") from None
+    bound.apply_defaults()
+    return tuple(bound.args[1:]), dict(bound.kwargs)
