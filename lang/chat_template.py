@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,6 @@ class ChatTemplate:
     default_system_prompt: str | None = None
     stop_str: tuple[str, ...] = ()
     begin: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def get_prefix_and_suffix(
         self, role: str, hist_messages: list[dict[str, Any]]
@@ -102,20 +101,21 @@ def derive_chat_template(
     the new text is `prefix + content + suffix`. Raises ValueError when the template does not
     render conversations incrementally (each message's text appended after the previous ones).
     """
-    s = [_SENTINEL.format(i) for i in range(3)]
+    s = [_SENTINEL.format(i) for i in range(4)]
     system_ok = _renders(render, [{"role": "system", "content": s[0]}])
     history: list[dict[str, Any]] = [{"role": "system", "content": s[0]}] if system_ok else []
 
     roles: dict[str, tuple[str, str]] = {}
-    user_prefix, user_suffix = _appended(render, history, "user", s[1])
-    roles["user"] = (user_prefix, user_suffix)
     after_user = [*history, {"role": "user", "content": s[1]}]
     assistant_prefix, assistant_suffix = _appended(render, after_user, "assistant", s[2])
     generation_prompt = _generation_prompt(render, after_user)
     # the text the model generates after is what matters: prefer the generation prompt
     roles["assistant"] = (generation_prompt or assistant_prefix, assistant_suffix)
+    # a user message in mid-conversation: its markers without whatever opens a conversation
+    after_turn = [*after_user, {"role": "assistant", "content": s[2]}]
+    user_prefix, user_suffix = _appended(render, after_turn, "user", s[3])
+    roles["user"] = (user_prefix, user_suffix)
 
-    begin = ""
     if system_ok:
         first = render([{"role": "system", "content": s[0]}], False)
         head, _, tail = first.partition(s[0])
@@ -128,7 +128,7 @@ def derive_chat_template(
 
     default_system = None
     if system_ok:
-        default_system = _default_system(render, roles, begin, s[1])
+        default_system = _default_system(render, roles, begin, s[3])
     stop = assistant_suffix.strip()
     return ChatTemplate(
         name=name,

@@ -569,7 +569,8 @@ def run_program_batch(
     default_params: GenParams,
     num_threads: int | str,
     progress_bar: bool,
-) -> list[ProgramState]:
+    generator_style: bool = False,
+) -> list[ProgramState] | Iterator[ProgramState]:
     if num_threads == "auto":
         num_threads = max(96, multiprocessing.cpu_count() * 16)
     if not isinstance(num_threads, int) or num_threads < 1:
@@ -588,6 +589,17 @@ def run_program_batch(
         _run_body(state, program, arguments, True, True)
         return state
 
+    states = _in_pool(run_one, batch_arguments, num_threads, progress_bar)
+    return states if generator_style else list(states)
+
+
+def _in_pool(
+    run_one: Callable[[dict[str, Any]], ProgramState],
+    batch_arguments: list[dict[str, Any]],
+    num_threads: int,
+    progress_bar: bool,
+) -> Iterator[ProgramState]:
+    """The programs' states in order, each as soon as it and those before it are done."""
     bar = _progress(len(batch_arguments)) if progress_bar else None
     try:
         with ThreadPoolExecutor(num_threads, thread_name_prefix="radixlm-batch") as pool:
@@ -595,7 +607,8 @@ def run_program_batch(
             if bar is not None:
                 for f in futures:
                     f.add_done_callback(lambda _: bar.update(1))
-            return [f.result() for f in futures]
+            for f in futures:
+                yield f.result()
     finally:
         if bar is not None:
             bar.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from radixlm.lang.backend import resolve_backend
@@ -116,9 +116,11 @@ class Function:
         backend: Any = None,
         num_threads: int | str = "auto",
         progress_bar: bool = False,
-    ) -> list[ProgramState]:
+        generator_style: bool = False,
+    ) -> list[ProgramState] | Iterator[ProgramState]:
         """Run the program once per argument dict (or tuple), concurrently. A program that fails
-        keeps its error on its own state (`state.error()`); the others are not affected."""
+        keeps its error on its own state (`state.error()`); the others are not affected. With
+        `generator_style`, the states are yielded in order as they finish."""
         if not isinstance(batch_kwargs, (list, tuple)):
             raise TypeError("run_batch takes a list of argument dicts (or of argument tuples)")
         if not batch_kwargs:
@@ -133,7 +135,13 @@ class Function:
             return_text_in_logprobs=return_text_in_logprobs,
         )  # fmt: skip
         return run_program_batch(
-            self, resolve_backend(backend), batch, params, num_threads, progress_bar
+            self,
+            resolve_backend(backend),
+            batch,
+            params,
+            num_threads,
+            progress_bar,
+            generator_style,
         )
 
     def _as_kwargs(self, item: Any) -> dict[str, Any]:

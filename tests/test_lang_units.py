@@ -1,0 +1,367 @@
+"""The program language's parts that need no model: choices methods, chat-template markers,
+expressions and parameters, the interpreter over a scripted backend, and clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import radixlm as sgl
+from radixlm.lang import backend as backend_module
+from radixlm.lang.backend import Backend, choice_tokens, pad_logprobs, resolve_backend
+from radixlm.lang.chat_template import (
+    ChatTemplate,
+    derive_chat_template,
+    get_chat_template,
+    jinja_renderer,
+)
+from radixlm.lang.choices import (
+    greedy_token_selection,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+)
+from radixlm.lang.interpreter import ProgramError
+from radixlm.lang.ir import REGEX_INT, GenParams, default_params
+
+# ---- choices methods: SGLang's meanings on hand-made log-probabilities ------------------------
+
+CHOICES = ["organ", "organism", "antidisestablishmentarianism"]
+LOGPROBS = [
+    [(-0.1, 1, None)],
+    [(-0.1, 1, None), (-0.3, 2, None)],
+    [(-0.4, 3, None), (-0.25, 4, None), (-0.1, 5, None), (-0.05, 6, None)],
+]
+UNCONDITIONAL = [
+    [(None, 1, None)],
+    [(None, 1, None), (-0.4, 2, None)],
+    [(None, 3, None), (-2.0, 4, None), (-2.0, 5, None), (-2.0, 6, None)],
+]
+
+
+def test_token_length_normalized_takes_the_best_mean():
+    d = token_length_normalized(choices=CHOICES, input_token_logprobs=LOGPROBS)
+    assert d.decision == "organ"  # -0.1 beats -0.2 and -0.2
+    assert d.meta_info["normalized_prompt_logprobs"] == pytest.approx([-0.1, -0.2, -0.2])
+
+
+def test_greedy_token_selection_compares_token_by_token_padding_with_the_mean():
+    # organ and organism tie on the first token; organ is padded with its mean (-0.1) > -0.3
+    d = greedy_token_selection(choices=CHOICES, input_token_logprobs=LOGPROBS)
+    assert d.decision == "organ"
+    assert d.meta_info["greedy_logprob_matrix"][0] == pytest.approx([-0.1, -0.1, -0.1, -0.1])
+    flipped = [LOGPROBS[0], [(-0.1, 1, None), (-0.01, 2, None)], LOGPROBS[2]]
+    assert greedy_token_selection(choices=CHOICES, input_token_logprobs=flipped).decision == (
+        "organism"
+    )
+
+
+def test_unconditional_likelihood_normalized_subtracts_the_unconditional_logprobs():
+    d = unconditional_likelihood_normalized(
+        choices=CHOICES, input_token_logprobs=LOGPROBS, unconditional_token_logprobs=UNCONDITIONAL
+    )
+    # the long word: (-0.4 - 0 + 1.75 + 1.9 + 1.95) / 4 = 1.3, far above the others
+    assert d.decision == "antidisestablishmentarianism"
+    scores = d.meta_info["normalized_unconditional_prompt_logprobs"]
+    assert scores == pytest.approx([-0.1, (-0.1 + 0.1) / 2, 1.3])
+    with pytest.raises(ValueError, match="unconditional"):
+        unconditional_likelihood_normalized(choices=CHOICES, input_token_logprobs=LOGPROBS)
+
+
+def test_select_with_a_temperature_samples_by_the_scores():
+    import random
+
+    rng = random.Random(0)
+    picks = [
+        token_length_normalized(
+            choices=["a", "b"],
+            input_token_logprobs=[[(-0.1, 1, None)], [(-0.2, 2, None)]],
+            temperature=1.0,
+            rng=rng,
+        ).decision
+        for _ in range(200)
+    ]
+    assert 70 < picks.count("b") < 130  # e^-0.1 vs e^-0.2: close to even, not always "a"
+
+
+def test_choice_tokens_start_where_prefix_and_prefix_plus_choice_tokens_differ():
+    assert choice_tokens([5, 6, 7], [5, 6, 7, 8, 9]) == 3
+    assert choice_tokens([5, 6, 7], [5, 6, 70, 8]) == 2  # the last prefix token merged
+    assert pad_logprobs([[-0.5, 8, "x"]], [7, 8]) == [(None, 7, None), (-0.5, 8, "x")]
+
+
+# ---- chat templates: markers computed from the Jinja text ---------------------------------
+
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}"
+)
+GEMMA = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' "
+    "else message['role'] %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + "
+    "'<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}"
+    "{% endif %}"
+)
+
+
+def test_chatml_markers_and_default_system_prompt():
+    t = derive_chat_template(jinja_renderer(CHATML))
+    assert t.role_prefix_and_suffix == {
+        "system": ("<|im_start|>system\n", "<|im_end|>\n"),
+        "user": ("<|im_start|>user\n", "<|im_end|>\n"),
+        "assistant": ("<|im_start|>assistant\n", "<|im_end|>\n"),
+    }
+    assert t.default_system_prompt == "You are helpful."
+    assert t.stop_str == ("<|im_end|>",)
+    assert t.begin == ""
+    assert t.role_prefix_and_suffix == get_chat_template("chatml").role_prefix_and_suffix
+
+
+def test_llama3_markers_keep_the_bos_token_for_the_first_message_only():
+    render = jinja_renderer(LLAMA3, {"bos_token": "<|begin_of_text|>"})
+    t = derive_chat_template(render, bos_token="<|begin_of_text|>")
+    assert t.begin == "<|begin_of_text|>"
+    assert t.role_prefix_and_suffix["user"] == (
+        "<|start_header_id|>user<|end_header_id|>\n\n",
+        "<|eot_id|>",
+    )
+    assert t.stop_str == ("<|eot_id|>",)
+    assert t.default_system_prompt is None
+    assert t.get_prefix_and_suffix("system", [])[0].startswith("<|begin_of_text|><|start_header")
+    assert not t.get_prefix_and_suffix("user", [{"role": "system"}])[0].startswith("<|begin")
+
+
+def test_template_without_a_system_role():
+    t = derive_chat_template(jinja_renderer(GEMMA, {"bos_token": "<bos>"}), bos_token="<bos>")
+    assert "system" not in t.role_prefix_and_suffix
+    assert t.begin == "<bos>"
+    assert t.role_prefix_and_suffix["assistant"] == ("<start_of_turn>model\n", "<end_of_turn>\n")
+    with pytest.raises(ValueError, match="role 'system' is not in the chat template"):
+        t.get_prefix_and_suffix("system", [])
+
+
+def test_template_that_rewrites_earlier_text_is_refused():
+    rewriting = "{% for m in messages|reverse %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="give a chat template explicitly"):
+        derive_chat_template(jinja_renderer(rewriting))
+
+
+# ---- expressions and parameters ----------------------------------------------------------
+
+
+def test_gen_params_merge_over_run_defaults_and_dtype_becomes_a_regex():
+    defaults = default_params(max_new_tokens=64, temperature=0.0, stop=["\n\n"])
+    gen = sgl.gen("x", max_tokens=5, dtype=int)
+    params = defaults.merged(gen.params).resolved(("<|im_end|>",))
+    sp = params.sampling_params()
+    assert sp["max_new_tokens"] == 5 and sp["temperature"] == 0.0
+    assert sp["regex"] == REGEX_INT
+    assert sp["stop"] == ["\n\n", " ", "\n", "<|im_end|>"]
+    assert "dtype" not in sp
+    assert GenParams(return_logprob=True, top_logprobs_num=2).logprob_options() == {
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
+
+
+def test_gen_with_choices_is_a_select_and_json_schema_forms_are_normalized():
+    from pydantic import BaseModel
+
+    class Point(BaseModel):
+        x: int
+
+    sel = sgl.gen("c", choices=["a", "b"])
+    assert type(sel).__name__ == "Select" and sel.temperature == 0.0
+    texts = {
+        sgl.gen("p", json_schema=Point).params.json_schema,
+        sgl.gen("p", json_schema=Point.model_json_schema()).params.json_schema,
+    }
+    assert len(texts) == 1
+    expr = "Q: " + sgl.gen("a") + "\n"
+    assert [type(e).__name__ for e in expr.exprs] == ["ConstantText", "Gen", "ConstantText"]
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: sgl.select("x", choices=[]), ValueError, "non-empty list"),
+        (lambda: sgl.select("x", choices=["a", ""]), ValueError, "non-empty string"),
+        (lambda: sgl.gen("x", dtype=list), ValueError, "use one of int, float, bool, str"),
+        (lambda: sgl.gen("x", regex="("), ValueError, "does not compile"),
+        (lambda: sgl.gen("x", json_schema=3), TypeError, "pydantic model class"),
+        (lambda: sgl.gen("x", json_schema="{bad"), ValueError, "not valid JSON"),
+        (lambda: sgl.gen("x", regex="a", dtype=int), ValueError, "one of dtype, regex"),
+        (lambda: sgl.gen("x", stop_regex="a+"), ValueError, "stop_regex"),
+        (lambda: sgl.function(lambda: None), TypeError, "first argument is the state"),
+    ],
+)
+def test_bad_arguments_fail_at_the_call_with_a_clear_error(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_unknown_or_missing_backend_is_a_clear_error(monkeypatch):
+    with pytest.raises(TypeError, match="unknown backend"):
+        resolve_backend(object())
+    monkeypatch.setattr(backend_module, "_default", [])
+
+    @sgl.function
+    def prog(s):
+        s += "hi"
+
+    with pytest.raises(RuntimeError, match="set_default_backend"):
+        prog.run()
+    with pytest.raises(Exception, match="cannot reach"):
+        sgl.RuntimeEndpoint("http://127.0.0.1:9")  # nothing listens on the discard port
+
+
+# ---- the interpreter over a scripted backend ---------------------------------------------
+
+
+class ScriptedBackend(Backend):
+    """Answers gen with the text of its `answers` (or echoes the call count); records calls."""
+
+    def __init__(self, answers=None):
+        super().__init__()
+        self.gates = [threading.Event(), threading.Event()]
+        self.chat_template = get_chat_template("chatml")
+        self.answers = answers or {}
+        self.calls: list[str] = []
+        self.lock = threading.Lock()
+
+    def generate(self, s, params):
+        with self.lock:
+            self.calls.append(s.text_)
+            n = len(self.calls)
+        return self.answers.get(s.text_.rsplit("\n", 1)[-1], f"gen{n}"), {"params": params}
+
+    def generate_stream(self, s, params):
+        # each piece waits until the test has read the previous one: chunks cannot coalesce
+        for i, piece in enumerate(("one ", "two ", "three")):
+            if i:
+                assert self.gates[i - 1].wait(10)
+            yield piece, {}
+
+    def score_choices(self, prefix, choices, unconditional):
+        scores = [[(-float(len(c)), 1, c)] for c in choices]  # the shortest choice wins
+        return scores, (scores if unconditional else None), {}
+
+
+def test_roles_fork_join_and_variables_over_a_scripted_backend():
+    backend = ScriptedBackend()
+
+    @sgl.function
+    def prog(s, topic):
+        s += sgl.system("sys")
+        with s.user():
+            s += "Tell me about " + topic
+        s += sgl.assistant(sgl.gen("first"))
+        forks = s.fork(3)
+        forks += lambda i: f"branch {i}: " + sgl.gen("idea")
+        forks.join()
+        s += sgl.user_begin() + "pick" + sgl.user_end()
+        s += sgl.assistant(sgl.select("pick", choices=["long choice", "short"]))
+        with s.var_scope("tail"):
+            s += "end"
+
+    state = prog.run("cats", backend=backend)
+    assert state["first"] == "gen1"
+    assert sorted(state["idea"]) == ["gen2", "gen3", "gen4"]  # gathered from the forks
+    assert state["pick"] == "short"
+    assert state["tail"] == "end"
+    assert state.messages() == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "Tell me about cats"},
+        {"role": "assistant", "content": "gen1"},
+        {"role": "user", "content": "pick"},
+        {"role": "assistant", "content": "short"},
+    ]
+    assert state.text().startswith("<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\n")
+    assert state.error() is None
+
+
+def test_a_failed_step_is_kept_on_the_state_and_later_reads_name_it():
+    @sgl.function
+    def nested(s):
+        s += sgl.user_begin()
+        s += sgl.assistant("oops")  # roles do not nest
+        s += sgl.gen("never")
+
+    state = nested.run(backend=ScriptedBackend())
+    assert isinstance(state.error(), ValueError)
+    assert "do not nest" in str(state.error())
+    with pytest.raises(ProgramError, match="roles do not nest"):
+        state["never"]
+
+
+def test_program_arguments_are_checked_and_bind_fixes_some():
+    @sgl.function
+    def prog(s, a, b="B"):
+        s += a + b + sgl.gen("x")
+
+    backend = ScriptedBackend()
+    with pytest.raises(TypeError, match=r"prog\(s, a, b='B'\)"):
+        prog.run(backend=backend, c=1)
+    assert prog.bind(b="Z").run("A", backend=backend).text().startswith("AZ")
+    with pytest.raises(TypeError, match="no argument"):
+        prog.bind(zzz=1)
+    with pytest.raises(ValueError, match="positive integer"):
+        prog.run("A", backend=backend).fork(0)
+
+
+def test_run_batch_with_positional_arguments_and_generator_style():
+    @sgl.function
+    def prog(s, a, b="B"):
+        s += a + b
+
+    backend = ScriptedBackend()
+    states = prog.run_batch([("x",), ("y", "Z"), {"a": "w"}], backend=backend, num_threads=2)
+    assert [s.text() for s in states] == ["xB", "yZ", "wB"]
+    gen = prog.run_batch([("x",), ("y",)], backend=backend, generator_style=True)
+    assert [s.text() for s in gen] == ["xB", "yB"]
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        prog.run_batch([("x", "y", "z")], backend=backend)
+    failed = prog.run_batch([{"nope": 1}, {"a": "ok"}], backend=backend)
+    assert isinstance(failed[0].error(), TypeError) and failed[1].text() == "okB"
+
+
+def test_stream_without_a_model():
+    @sgl.function
+    def prog(s):
+        s += "Count: " + sgl.gen("n")
+
+    backend = ScriptedBackend()
+    state = prog.run(backend=backend, stream=True)
+    chunks = state.text_iter("n")
+    assert next(chunks) == "one "
+    backend.gates[0].set()
+    assert next(chunks) == "two "
+    backend.gates[1].set()
+    assert list(chunks) == ["three"]
+    assert state.text() == "Count: one two three"
+
+
+def test_import_radixlm_and_the_language_stay_free_of_torch():
+    code = (
+        "import sys, radixlm as sgl\n"
+        "sgl.function, sgl.gen, sgl.select, sgl.RuntimeEndpoint, sgl.OpenAI\n"
+        "import radixlm.lang.engine_backend\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_chat_template_type_is_exported():
+    assert sgl.ChatTemplate is ChatTemplate
