@@ -26,6 +26,8 @@ class TorchAttentionBackend:
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
+        self._keys_for: ForwardBatch | None = None
+        self._keys: slice | torch.Tensor = slice(0)
 
     def forward(
         self,
@@ -60,6 +62,20 @@ class TorchAttentionBackend:
                 torch.tensor([p + j]), torch.tensor([n]), sm_scale,
             )  # fmt: skip
 
+    def _single_request_keys(self, batch: ForwardBatch, i: int, length: int):
+        """The slots of request i: a slice when they are consecutive (usual for a lone request,
+        whose slots were allocated in runs), so each layer reads a view instead of gathering.
+        Worked out once a step and reused by every layer."""
+        if self._keys_for is not batch:
+            slots = self.req_to_token[batch.req_pool_indices[i], :length].long()
+            first = int(slots[0])
+            consecutive = bool((slots == torch.arange(first, first + length)).all())
+            self._keys_for, self._keys = (
+                batch,
+                slice(first, first + length) if consecutive else slots,
+            )
+        return self._keys
+
     def _decode(self, q, out, k_pool, v_pool, batch, sm_scale) -> None:
         m = batch.num_multi
         seq_lens = batch.seq_lens[m:]
@@ -67,9 +83,9 @@ class TorchAttentionBackend:
         per_req = max_len * k_pool.shape[1] * k_pool.shape[2] * k_pool.element_size()
         piece = max(1, _CPU_PIECE_BYTES // per_req)
         if q.shape[0] == 1:  # nothing to mask: torch's fused CPU kernel, several times faster
-            slots = self.req_to_token[batch.req_pool_indices[m], :max_len].long()
-            k = k_pool[slots].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
-            v = v_pool[slots].transpose(0, 1).unsqueeze(0)
+            keys = self._single_request_keys(batch, m, max_len)
+            k = k_pool[keys].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
+            v = v_pool[keys].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(2), k, v, scale=sm_scale, enable_gqa=True
             )
