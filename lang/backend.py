@@ -39,7 +39,7 @@ class Backend:
     def get_chat_template(self) -> ChatTemplate:
         return self.chat_template
 
-    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[Any, dict[str, Any]]:
+    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[Any, Any]:
         """Complete the state's text: (text, meta_info), or (list of texts, list of meta_info)
         when params.n > 1."""
         raise NotImplementedError
@@ -76,9 +76,6 @@ class Backend:
     def commit_lazy_operations(self, s: StreamExecutor) -> None:
         if s.text_:
             self.cache_prefix(s.text_)
-
-    def end_program(self, s: StreamExecutor) -> None:
-        pass
 
     def flush_cache(self) -> bool:
         return False

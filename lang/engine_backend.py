@@ -34,7 +34,7 @@ class EngineBackend(Backend):
 
     # ---- generation ----------------------------------------------------------------------
 
-    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[Any, dict[str, Any]]:
+    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[Any, Any]:
         out = self.engine.generate(s.text_, params.sampling_params(), **params.logprob_options())
         outs = out if isinstance(out, list) else [out]
         for o in outs:

@@ -124,7 +124,7 @@ class OpenAI(Backend):
             return (choice.get("message") or {}).get("content") or ""
         return choice.get("text") or ""
 
-    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[Any, dict[str, Any]]:
+    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[Any, Any]:
         out = self._http.post(self._path(), self._body(s, params))
         choices = out.get("choices") or []
         metas = [
@@ -136,7 +136,7 @@ class OpenAI(Backend):
             for c in choices
         ]
         if (params.n or 1) > 1:
-            return [self._text(c) for c in choices], metas  # type: ignore[return-value]
+            return [self._text(c) for c in choices], metas
         return self._text(choices[0]), metas[0]
 
     def generate_stream(

@@ -47,7 +47,7 @@ class RuntimeEndpoint(Backend):
         self,
         base_url: str,
         api_key: str | None = None,
-        verify: Any = None,
+        verify: Any = None,  # SGLang's TLS option: accepted, the system's CA store is used
         chat_template_name: str | None = None,
         chat_template: ChatTemplate | str | None = None,
         timeout: float | None = None,
@@ -70,7 +70,7 @@ class RuntimeEndpoint(Backend):
             payload["return_text_in_logprobs"] = True
         return payload
 
-    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[Any, dict[str, Any]]:
+    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[Any, Any]:
         out = self._http.post("/generate", self._payload(s, params))
         if isinstance(out, list):
             if (params.n or 1) > 1:
