@@ -75,7 +75,12 @@ class ModelRunner:
             rows.append(req.pool_row)
             if req.wants_input_logprobs:
                 entries = self._input_logprob_positions(it)
-                if entries:
+                first_token_pending = (
+                    req.logprob.logprob_start_len == 0
+                    and not req.input_token_logprobs
+                    and it.start == 0
+                )
+                if entries or first_token_pending:
                     input_lp_rows[i] = []
                     for pos, token_index in entries:
                         input_lp_rows[i].append((len(logits_rows), token_index))
@@ -126,7 +131,7 @@ class ModelRunner:
     def _input_logprobs(self, logits, it: ScheduledReq, entries, result: ReqStepResult) -> None:
         req = it.req
         k = req.logprob.top_logprobs_num
-        idx = torch.tensor([row for row, _ in entries])
+        idx = torch.tensor([row for row, _ in entries], dtype=torch.long)
         lp = torch.log_softmax(logits[idx], dim=-1)
         if req.logprob.logprob_start_len == 0 and not req.input_token_logprobs:
             # the first prompt token has no context to be scored from

@@ -24,6 +24,7 @@ class ModelInfo:
     context_len: int
     vocab_size: int
     chat_template_has_tools: bool
+    chat_template: str | None = None  # the tokenizer's Jinja template, for remote program clients
     kv_capacity_tokens: int | None = None  # the most tokens one request can hold in the KV pool
 
 
@@ -82,6 +83,7 @@ class LocalEngineBackend:
             context_len=int(engine.context_len),
             vocab_size=int(engine.model_config.vocab_size),
             chat_template_has_tools=isinstance(template, str) and "tools" in template,
+            chat_template=template if isinstance(template, str) else None,
             kv_capacity_tokens=engine.get_stats().get("kv_pool_capacity_tokens"),
         )
 

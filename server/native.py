@@ -356,6 +356,7 @@ def _model_info(state: ServerState) -> dict[str, Any]:
         "context_length": info.context_len,
         "vocab_size": info.vocab_size,
         "preferred_sampling_params": None,
+        "chat_template": info.chat_template,
         "weight_version": "default",
     }
 

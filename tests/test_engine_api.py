@@ -158,3 +158,13 @@ def test_detokenizer_never_splits_a_character_and_finds_stops_across_chunks(toke
     assert detok.matched_stop == "STOP"
     assert detok.text == "naïve café 🙂 — 東京 ok "
     assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
+
+
+def test_input_logprobs_of_a_one_token_prompt(engine):
+    out = engine.generate(
+        input_ids=[504],
+        sampling_params={"max_new_tokens": 1},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    assert out["meta_info"]["input_token_logprobs"] == [(None, 504, None)]
