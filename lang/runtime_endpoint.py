@@ -165,9 +165,6 @@ class RuntimeEndpoint(Backend):
             if given in NAMED_TEMPLATES:
                 return get_chat_template(given)
             return derive_chat_template(jinja_renderer(given), "custom")
-        served = self.model_info.get("chat_template")
-        if isinstance(served, str) and served:
-            return derive_chat_template(jinja_renderer(served), "served")
         for key in ("tokenizer_path", "model_path"):
             path = self.model_info.get(key)
             if not isinstance(path, str) or not path:
@@ -179,6 +176,10 @@ class RuntimeEndpoint(Backend):
                 continue
             if template is not None:
                 return template
+        # a remote server: the template it serves (without the tokenizer's special-token values)
+        served = self.model_info.get("chat_template")
+        if isinstance(served, str) and served:
+            return derive_chat_template(jinja_renderer(served), "served")
         logger.warning(
             "the server's chat template is not readable from here (model %s): roles use plain "
             "'User:' labels; pass chat_template='chatml' or the template text to match the model",

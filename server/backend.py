@@ -24,8 +24,8 @@ class ModelInfo:
     context_len: int
     vocab_size: int
     chat_template_has_tools: bool
-    chat_template: str | None = None  # the tokenizer's Jinja template, for remote program clients
     kv_capacity_tokens: int | None = None  # the most tokens one request can hold in the KV pool
+    chat_template: str | None = None  # the tokenizer's Jinja template, for remote program clients
 
 
 class GenerationBackend(Protocol):
