@@ -62,20 +62,19 @@ class RotaryEmbedding(nn.Module):
         self.sin = (freqs.sin() * attention_factor).float().to(device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the positions, (T, 1, head_dim / 2) each: once a step, shared by all layers."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """(cos, cos) and (-sin, sin) of the positions, (T, 1, head_dim) each: looked up once a
+        step and shared by all layers."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
     @staticmethod
-    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-        # q: (T, Hq, D), k: (T, Hkv, D)
+    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Rotate x (T, H, head_dim): with halves x1, x2 it gives (x1 cos - x2 sin, x2 cos + x1 sin),
+        computed as x * (cos, cos) + (x2, x1) * (-sin, sin)."""
         cos, sin = cos_sin
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        h = x.float()
+        out = h * cos + torch.roll(h, x.shape[-1] // 2, dims=-1) * sin
+        return out.to(x.dtype)
 
 
 def _scale_inv_freq(

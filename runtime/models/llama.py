@@ -45,13 +45,14 @@ class Attention(nn.Module):
         backend,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (T, q + 2 kv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(cos_sin, q, k)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # q and k heads rotate together: one rope for both
+        q, k = RotaryEmbedding.apply(cos_sin, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         o = backend.forward(q, k, v, self.layer_id, batch, self.scale)  # (T, Hq, D)
         return self.o_proj(o.reshape(-1, self.q_size))
 
