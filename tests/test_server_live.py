@@ -168,11 +168,15 @@ def test_a_closed_stream_aborts_its_generation(base_url, engine):
         client.stream("POST", base_url + "/generate", json=body, headers=AUTH) as r,
     ):
         assert r.status_code == 200
-        for line in r.iter_lines():
+        # keep the line iterator referenced: a dropped one is closed at once, and httpx then
+        # closes the connection, which would abort the request before the check below
+        lines = r.iter_lines()
+        for line in lines:
             if line.startswith("data: "):
                 assert json.loads(line[6:])["meta_info"]["completion_tokens"] >= 1
                 break
         assert engine.get_stats()["num_running_reqs"] == 1
+        lines.close()
     stats = wait_idle(engine)  # aborted long before its 2000 tokens
     assert stats["generated_tokens"] > 0
     metrics = httpx.get(base_url + "/metrics", headers=AUTH).text
