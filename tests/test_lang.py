@@ -7,10 +7,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import socket
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from radixlm.lang import backend as backend_module
 from radixlm.lang.backend import BackendError, resolve_backend
 from radixlm.lang.engine_backend import EngineBackend
 from radixlm.lang.interpreter import ProgramError
+from tests.live_server import serve_in_thread
 
 API_KEY = "lang-test-key"
 FRANCE = "What is the capital of France?"
@@ -344,25 +343,8 @@ def test_set_default_backend_bind_and_positional_batches(engine, monkeypatch):
 
 @pytest.fixture(scope="module")
 def server_url(engine):
-    import uvicorn
-
-    from radixlm.server.app import create_app
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    app = create_app(engine, api_key=API_KEY, owns_engine=False)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_thread(engine, API_KEY) as url:
+        yield url
 
 
 @sgl.function

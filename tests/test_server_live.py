@@ -6,43 +6,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
 
-from radixlm.server.app import create_app
+from tests.live_server import free_port, serve_in_thread
 
 API_KEY = "test-key"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url(engine):
-    import uvicorn
-
-    port = free_port()
-    app = create_app(engine, api_key=API_KEY, owns_engine=False)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_thread(engine, API_KEY) as url:
+        yield url
 
 
 def wait_idle(engine, timeout: float = 10.0) -> dict:

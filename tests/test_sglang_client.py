@@ -16,16 +16,13 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from radixlm.server.app import create_app
+from tests.live_server import serve_in_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 SGLANG_PYTHON = Path(
@@ -43,29 +40,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url(engine):
-    import uvicorn
-
-    port = free_port()
-    app = create_app(engine, api_key=API_KEY, owns_engine=False)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_thread(engine, API_KEY) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
