@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import commit, device_line
+from radixlm.runtime.model_loader import copy_tokenizer_files
 
 SHAPES = {
     "smollm2-135m": dict(
@@ -37,9 +37,7 @@ def shape_folder(name: str, tokenizer_folder: Path) -> Path:
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
            "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2, **SHAPES[name]}  # fmt: skip
     (out / "config.json").write_text(json.dumps(cfg))
-    for f in tokenizer_folder.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out / f.name)
+    copy_tokenizer_files(tokenizer_folder, out)
     return out
 
 

@@ -5,12 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_type
 
 
 @dataclass(frozen=True)
@@ -63,9 +58,6 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             eos_token_ids=eos_ids,
         )
-
-    def kv_bytes_per_token(self, dtype_size: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
 
 
 def _rope_settings(hf: Any) -> tuple[float, dict[str, Any] | None]:

@@ -145,3 +145,11 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
+    """Copy a model folder's tokenizer files into another folder (for a random-weight model of a
+    different shape that should speak the same tokens)."""
+    for f in Path(src).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, Path(dst) / f.name)

@@ -74,13 +74,13 @@ class Scheduler:
             if budget <= 0:
                 break
             if not req.prefill_done:
-                item = self._extend(req, min(budget, req.num_tokens - req.kv_len), plan)
+                item = self._extend(req, min(budget, req.num_tokens - req.kv_len))
                 if item is None:
                     break
                 plan.append(item)
                 budget -= item.num_tokens
         if budget > 0 and self.waiting:
-            plan.extend(self._admit_waiting(budget, plan))
+            plan.extend(self._admit_waiting(budget))
         if not plan and self.running:
             # nothing fits: free memory by preempting, then plan again (progress is guaranteed
             # because a lone request always fits)
@@ -103,14 +103,14 @@ class Scheduler:
             plan.append(ScheduledReq(req, start, n))
         return plan
 
-    def _extend(self, req: Req, n: int, plan: list[ScheduledReq]) -> ScheduledReq | None:
+    def _extend(self, req: Req, n: int) -> ScheduledReq | None:
         if n <= 0 or not self.cache.can_extend(n):
             return None
         start = req.kv_len
         self.cache.extend(req, n)
         return ScheduledReq(req, start, n)
 
-    def _admit_waiting(self, budget: int, plan: list[ScheduledReq]) -> list[ScheduledReq]:
+    def _admit_waiting(self, budget: int) -> list[ScheduledReq]:
         admitted: list[ScheduledReq] = []
         ordered = order_waiting(
             list(self.waiting), lambda r: len(self.cache.match(r).slots), self.policy
@@ -131,17 +131,15 @@ class Scheduler:
             if not self.cache.can_extend(n + reserve):
                 self.cache.release(req)
                 break
-            item = self._extend(req, n, plan)
-            if item is None:  # pragma: no cover - can_extend checked above
-                self.cache.release(req)
-                break
+            start = req.kv_len
+            self.cache.extend(req, n)
             if req.num_preemptions == 0:
                 self.cache.record_first_admission(req)
             fresh.append(req.all_ids)
             self.waiting.remove(req)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
-            admitted.append(item)
+            admitted.append(ScheduledReq(req, start, n))
             budget -= n
         return admitted
 

@@ -57,10 +57,9 @@ def hf_model(default_model_folder):
 @pytest.fixture(scope="session")
 def tiny_model_folder(tmp_path_factory, default_model_folder) -> str:
     """A tiny random Llama with the default model's tokenizer: for mechanics, not for quality."""
-    import shutil
-    from pathlib import Path
-
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from radixlm.runtime.model_loader import copy_tokenizer_files
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -70,7 +69,5 @@ def tiny_model_folder(tmp_path_factory, default_model_folder) -> str:
     )  # fmt: skip
     out = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(cfg).save_pretrained(out)
-    for f in Path(default_model_folder).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out / f.name)
+    copy_tokenizer_files(default_model_folder, out)
     return str(out)

@@ -3,13 +3,11 @@ prompt log-probabilities (prefill) and output log-probabilities (decode, teacher
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
 import radixlm
+from radixlm.runtime.model_loader import copy_tokenizer_files
 
 FAMILIES = {
     "llama": ("LlamaConfig", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -43,9 +41,7 @@ def family_folder(request, tmp_path_factory, default_model_folder):
                     proj.bias.normal_(0, 0.5)
     out = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(out)
-    for f in Path(default_model_folder).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out / f.name)
+    copy_tokenizer_files(default_model_folder, out)
     return request.param, str(out), model.eval()
 
 
