@@ -100,22 +100,34 @@ class TorchAttentionBackend:
 
 
 class TritonAttentionBackend:
-    """The GPU path: Triton kernels over the same pool layout (kernels/triton_attention.py)."""
+    """The GPU path: Triton kernels over the same pool layout (kernels/triton_attention.py).
 
-    def __init__(
-        self, kv_pool: KVPool, req_to_token: torch.Tensor, max_batch: int, num_q_heads: int
-    ) -> None:
+    Decode splits each sequence into as many pieces as keep the GPU busy at that batch size, so
+    the split count and its scratch buffers are kept per power-of-two batch size; they are made on
+    first use (for a CUDA graph, in its warm-up before capture) and reused afterwards.
+    """
+
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, num_q_heads: int) -> None:
         from radixlm.kernels import triton_attention as ta
 
         self.ta = ta
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
-        device = kv_pool.k[0].device
-        head_dim = kv_pool.k[0].shape[-1]
-        self.num_kv_splits = ta.default_num_kv_splits(max_batch, kv_pool.k[0].shape[1], device)
-        self.scratch = ta.alloc_decode_scratch(
-            max_batch, num_q_heads, head_dim, self.num_kv_splits, device
-        )
+        self.num_q_heads = num_q_heads
+        self._scratch: dict[int, object] = {}
+
+    def _decode_scratch(self, batch_size: int):
+        ta = self.ta
+        key = 1 << max(0, batch_size - 1).bit_length()  # the next power of two
+        scratch = self._scratch.get(key)
+        if scratch is None:
+            k_pool = self.kv_pool.k[0]
+            splits = ta.default_num_kv_splits(key, k_pool.shape[1], k_pool.device)
+            scratch = ta.alloc_decode_scratch(
+                key, self.num_q_heads, k_pool.shape[-1], splits, k_pool.device
+            )
+            self._scratch[key] = scratch
+        return scratch
 
     def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, sm_scale: float) -> torch.Tensor:
         ta = self.ta
@@ -124,7 +136,7 @@ class TritonAttentionBackend:
         if batch.is_decode:
             return ta.decode_attention(
                 q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.seq_lens, sm_scale,
-                scratch=self.scratch,
+                scratch=self._decode_scratch(batch.batch_size),
             )  # fmt: skip
         # one launch for the whole ragged batch; single-token requests are extends of length 1
         return ta.extend_attention(
@@ -134,7 +146,7 @@ class TritonAttentionBackend:
 
 
 def create_backend(
-    name: str, kv_pool: KVPool, req_to_token, device: torch.device, max_batch: int, num_q_heads: int
+    name: str, kv_pool: KVPool, req_to_token, device: torch.device, num_q_heads: int
 ):
     """`auto` takes Triton on a CUDA device and the torch oracle elsewhere."""
     if name == "auto":
@@ -146,5 +158,5 @@ def create_backend(
             raise ValueError(
                 "the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)"
             )
-        return TritonAttentionBackend(kv_pool, req_to_token, max_batch, num_q_heads)
+        return TritonAttentionBackend(kv_pool, req_to_token, num_q_heads)
     raise ValueError(f"attention backend {name!r} is not available; use auto, torch or triton")

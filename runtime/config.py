@@ -35,6 +35,10 @@ class EngineConfig:
     schedule_policy: str = "lpm"  # lpm: longest cached prefix first; fcfs: arrival order
     disable_radix_cache: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
+    # CUDA graphs replay decode steps of up to this many requests (default: max_running_requests,
+    # at most 256); larger decode batches and prefill run eagerly. GPU with Triton attention only.
+    cuda_graph_max_bs: int | None = None
+    disable_cuda_graph: bool = False
     random_seed: int = 0
     # constrained decoding
     grammar_compile_timeout: float = 30.0  # seconds; a slower grammar fails its own request
@@ -56,6 +60,8 @@ class EngineConfig:
             bad(f"max_total_tokens={self.max_total_tokens}; the KV pool needs at least 16 slots")
         if self.max_running_requests < 1:
             bad("max_running_requests must be at least 1")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            bad("cuda_graph_max_bs must be at least 1")
         if self.chunked_prefill_size < 1:
             bad("chunked_prefill_size must be at least 1")
         if self.schedule_policy not in ("lpm", "fcfs"):

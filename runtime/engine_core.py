@@ -29,6 +29,16 @@ logger = logging.getLogger(__name__)
 Sink = Callable[[Req, bool], None]  # (request, finished) -> None
 
 
+def use_cuda_graphs(config, device, backend) -> bool:
+    from radixlm.runtime.attention import TritonAttentionBackend
+
+    return (
+        not config.disable_cuda_graph
+        and device.type == "cuda"
+        and isinstance(backend, TritonAttentionBackend)
+    )
+
+
 class EngineCore:
     def __init__(
         self, config, model_config, model, kv_pool: KVPool, context_len: int, device
@@ -39,7 +49,7 @@ class EngineCore:
         self.rows = ReqToTokenPool(config.max_running_requests + 1, context_len + 1, device)
         backend = create_backend(
             config.attention_backend, kv_pool, self.rows.table, device,
-            max_batch=config.max_running_requests + 1, num_q_heads=model_config.num_heads,
+            num_q_heads=model_config.num_heads,
         )  # fmt: skip
         self.allocator = SlotAllocator(kv_pool.num_slots)
         if config.disable_radix_cache:
@@ -55,7 +65,13 @@ class EngineCore:
             chunked_prefill_size=config.chunked_prefill_size,
             schedule_policy=config.schedule_policy,
         )
-        self.runner = ModelRunner(model, backend, self.rows.table, device)
+        graphs = None
+        if use_cuda_graphs(config, device, backend):
+            from radixlm.runtime.cuda_graph import DecodeGraphs
+
+            max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 256)
+            graphs = DecodeGraphs(model, backend, self.rows.table, max_bs)
+        self.runner = ModelRunner(model, backend, self.rows.table, device, graphs)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
         self._reqs: dict[str, Req] = {}

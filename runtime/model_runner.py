@@ -25,25 +25,41 @@ class ReqStepResult:
 
 
 class ModelRunner:
-    def __init__(self, model, backend, req_to_token: torch.Tensor, device: torch.device) -> None:
+    def __init__(
+        self, model, backend, req_to_token: torch.Tensor, device: torch.device, graphs=None
+    ) -> None:
         self.model = model
         self.backend = backend
         self.req_to_token = req_to_token
         self.device = device
+        self.graphs = graphs  # a cuda_graph.DecodeGraphs, or None
         self.sampler = Sampler()
 
     def step(self, plan: list[ScheduledReq]) -> list[ReqStepResult]:
         """Run one step; results come in the order of `plan`."""
         order = sorted(range(len(plan)), key=lambda i: plan[i].num_tokens == 1)  # multi-token first
         items = [plan[i] for i in order]
-        batch, sample_rows, input_lp_rows = self._build_batch(items)
-        logits = self.model(batch, self.backend)  # (L, V)
+        if self._graphable(items):
+            logits = self.graphs.run(
+                [it.req.all_ids[it.start] for it in items],
+                [it.req.pool_row for it in items],
+                [it.start + 1 for it in items],
+            )
+            sample_rows = {
+                i: _SampleSlot(i, _sampling_row(it.req)) for i, it in enumerate(items) if it.samples
+            }
+            input_lp_rows: dict[int, list[tuple[int, int]]] = {}
+        else:
+            batch, sample_rows, input_lp_rows = self._build_batch(items)
+            logits = self.model(batch, self.backend)  # (L, V)
 
         results = [ReqStepResult() for _ in items]
-        rows = [sample_rows[i] for i in range(len(items)) if i in sample_rows]
-        if rows:
-            which = [i for i in range(len(items)) if i in sample_rows]
-            row_logits = logits[torch.tensor([sample_rows[i].logit_row for i in which])]
+        if sample_rows:
+            which = list(sample_rows)
+            logit_rows = [sample_rows[i].logit_row for i in which]
+            row_logits = logits
+            if logit_rows != list(range(logits.shape[0])):
+                row_logits = logits[torch.tensor(logit_rows, device=logits.device)]
             out = self.sampler(row_logits, [sample_rows[i].row for i in which])
             for j, i in enumerate(which):
                 results[i].next_token = out.token_ids[j]
@@ -56,6 +72,15 @@ class ModelRunner:
         for pos, i in enumerate(order):
             unsorted[i] = results[pos]
         return unsorted
+
+    def _graphable(self, items: list[ScheduledReq]) -> bool:
+        """A step of single-token decodes only, small enough for a captured graph."""
+        return (
+            self.graphs is not None
+            and self.graphs.can_run(len(items))
+            and items[0].num_tokens == 1  # multi-token items sort first
+            and not any(it.req.wants_input_logprobs for it in items)
+        )
 
     # ---- batch ----------------------------------------------------------------------------
 

@@ -1,8 +1,11 @@
 """From logits to tokens: penalties, masks, temperature, top-k / top-p / min-p, seeded sampling.
 
-Sampling is reproducible per request whatever else is in the batch: each row draws its noise from
-its own generator seeded by (request seed, output position), and picks argmax(p / q) with q ~ Exp(1)
-(the exponential race, equivalent to sampling from p), so no row's choice depends on another row.
+Sampling is reproducible per request whatever else is in the batch: each row picks argmax(p / q)
+with q ~ Exp(1) (the exponential race, equivalent to sampling from p), and its noise is a pure
+function of (request seed, output position, token id), a counter-based hash computed for the whole
+batch at once, so no row's choice depends on another row and no per-row generator or host sync is
+needed. Every step is a batched tensor operation; only penalties loop over the rows that use them.
+Greedy rows are an argmax, and a batch of plain greedy rows is nothing else.
 """
 
 from __future__ import annotations
@@ -29,6 +32,17 @@ class SamplingRow:
     top_logprobs_num: int = 0
     grammar: Any = None  # a constrained.GrammarMatcher: its allowed tokens mask the logits
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        p = self.params
+        return (
+            p.is_greedy
+            and not self.banned_ids
+            and self.grammar is None
+            and not self.want_logprob
+            and not _has_penalties(p)
+        )
+
 
 @dataclass
 class SampleOutput:
@@ -38,11 +52,37 @@ class SampleOutput:
 
 
 def row_seed(seed: int, step: int) -> int:
-    """Mix a request seed and a position into a 63-bit generator seed (splitmix64)."""
+    """Mix a request seed and a position into a 63-bit seed (splitmix64)."""
     z = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = (
+    _signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+)
+
+
+def _shr(z: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+def exponential_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, vocab) float32 Exp(1) noise; row b is splitmix64 of (seeds[b], token id) (int64 arithmetic
+    wraps modulo 2**64 on every torch device, so the CPU and the GPU draw the same numbers)."""
+    ids = torch.arange(1, vocab + 1, dtype=torch.int64, device=seeds.device)
+    z = seeds.unsqueeze(1) + ids * _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    u = (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+    return -torch.log(u)
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
@@ -53,17 +93,23 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
 class Sampler:
     def __call__(
         self,
-        logits: torch.Tensor,  # (B, V) float32
+        logits: torch.Tensor,  # (B, V) float32; not modified
         rows: list[SamplingRow],
     ) -> SampleOutput:
+        n = len(rows)
+        if all(r.is_plain_greedy for r in rows):
+            return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * n, [None] * n)
         raw_logprobs = None
         if any(r.want_logprob for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = logits.clone()
         for i, r in enumerate(rows):
-            _apply_penalties(logits[i], r)
-            if r.banned_ids:
-                logits[i, list(r.banned_ids)] = float("-inf")
+            if _has_penalties(r.params):
+                _apply_penalties(logits[i], r)
+        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
+        if banned:
+            rows_idx, tokens = zip(*banned)
+            logits[list(rows_idx), list(tokens)] = float("-inf")
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:
             _apply_grammar_masks(logits, rows, constrained)
@@ -71,17 +117,17 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled:
-            idx = torch.tensor(sampled)
+            dev = logits.device
+            idx = torch.tensor(sampled, device=dev)
             probs = _filtered_probs(logits[idx], [rows[i].params for i in sampled])
-            for j, i in enumerate(sampled):
-                gen = torch.Generator(device=logits.device)
-                gen.manual_seed(row_seed(rows[i].seed, rows[i].step))
-                noise = torch.empty_like(probs[j]).exponential_(generator=gen)
-                token_ids[i] = (probs[j] / noise).argmax()
+            seeds = torch.tensor(
+                [row_seed(rows[i].seed, rows[i].step) for i in sampled], device=dev
+            )
+            token_ids[idx] = (probs / exponential_noise(seeds, probs.shape[-1])).argmax(dim=-1)
 
         ids = token_ids.tolist()
-        chosen: list[float | None] = [None] * len(rows)
-        tops: list[list[tuple[float, int]] | None] = [None] * len(rows)
+        chosen: list[float | None] = [None] * n
+        tops: list[list[tuple[float, int]] | None] = [None] * n
         if raw_logprobs is not None:
             for i, r in enumerate(rows):
                 if r.want_logprob:
@@ -91,17 +137,23 @@ class Sampler:
         return SampleOutput(ids, chosen, tops)
 
 
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+
 def _apply_penalties(logits: torch.Tensor, r: SamplingRow) -> None:
     p = r.params
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(r.input_ids) | set(r.output_ids)), dtype=torch.long)
+        seen = torch.tensor(
+            sorted(set(r.input_ids) | set(r.output_ids)), dtype=torch.long, device=logits.device
+        )
         if len(seen):
             vals = logits[seen]
             logits[seen] = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
             )
     if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
-        out = torch.tensor(r.output_ids, dtype=torch.long)
+        out = torch.tensor(r.output_ids, dtype=torch.long, device=logits.device)
         counts = torch.bincount(out, minlength=logits.shape[-1])[: logits.shape[-1]].to(
             logits.dtype
         )
@@ -109,26 +161,31 @@ def _apply_penalties(logits: torch.Tensor, r: SamplingRow) -> None:
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax at each row's temperature, with top-k, top-p and min-p applied (renormalization is
-    not needed: the exponential race samples proportionally to whatever mass is left)."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    """Softmax at each row's temperature, then min-p, top-k and top-p, for all rows at once
+    (renormalization is not needed: the exponential race samples in proportion to what is left)."""
+    dev, dtype = logits.device, logits.dtype
+    temps = torch.tensor([p.temperature for p in params], dtype=dtype, device=dev).unsqueeze(1)
     probs = torch.softmax(logits / temps, dim=-1)
-    for j, p in enumerate(params):
-        if p.min_p > 0:
-            row = probs[j]
-            row[row < p.min_p * row.max()] = 0.0
-        if p.top_k > 0 or p.top_p < 1.0:
-            row = probs[j]
-            k = p.top_k if p.top_k > 0 else row.numel()
-            vals, order = row.topk(min(k, row.numel()))
-            if p.top_p < 1.0:
-                # keep the smallest set of top tokens whose mass reaches top_p
-                before = vals.cumsum(0) - vals
-                vals = torch.where(before < p.top_p * row.sum(), vals, torch.zeros_like(vals))
-            filtered = torch.zeros_like(row)
-            filtered[order] = vals
-            probs[j] = filtered
-    return probs
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=dtype, device=dev).unsqueeze(1)
+        probs = torch.where(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0, probs)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    if not use_top_p and not any(p.top_k > 0 for p in params):
+        return probs
+    vocab = probs.shape[-1]
+    ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+    # the top-p set is cut from the sorted row; top-k alone needs only the k largest
+    width = vocab if use_top_p else min(max(ks), vocab)
+    vals, order = probs.topk(width, dim=-1)  # sorted, largest first
+    rank = torch.arange(width, device=dev)
+    keep = rank < torch.tensor(ks, device=dev).unsqueeze(1)
+    if use_top_p:
+        # the smallest set of top tokens whose mass reaches top_p (of the row's mass after min-p)
+        top_p = torch.tensor([p.top_p for p in params], dtype=dtype, device=dev).unsqueeze(1)
+        before = vals.cumsum(dim=-1) - vals
+        # (rows without top-p keep everything: rounding in the cumulative sum must not cut them)
+        keep &= (before < top_p * probs.sum(dim=-1, keepdim=True)) | (top_p >= 1.0)
+    return torch.zeros_like(probs).scatter_(-1, order, torch.where(keep, vals, 0.0))
 
 
 def _apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:

@@ -1,0 +1,100 @@
+"""The sampler alone: its batched filters against a row-by-row reference, the counter-based noise,
+and sampled frequencies against the distribution they sample from."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from radixlm.runtime.sampler import Sampler, SamplingRow, _filtered_probs, exponential_noise
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams.from_dict({"max_new_tokens": 4, **kw})
+
+
+def row(p: SamplingParams, seed: int = 0, step: int = 0, **kw) -> SamplingRow:
+    return SamplingRow(params=p, seed=seed, step=step, input_ids=[1], output_ids=[], **kw)
+
+
+def reference_filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row, the textbook way: softmax at temperature, min-p, then top-k, then top-p."""
+    probs = torch.softmax(logits / p.temperature, dim=-1)
+    if p.min_p > 0:
+        probs = torch.where(probs < p.min_p * probs.max(), 0.0, probs)
+    total = probs.sum()
+    vals, order = probs.sort(descending=True)
+    out = torch.zeros_like(probs)
+    mass = 0.0
+    for rank, (v, i) in enumerate(zip(vals.tolist(), order.tolist())):
+        if p.top_k > 0 and rank >= p.top_k:
+            break
+        if p.top_p < 1.0 and mass >= p.top_p * float(total):
+            break
+        out[i] = v
+        mass += v
+    return out
+
+
+def test_batched_filters_match_the_row_by_row_reference():
+    gen = torch.Generator().manual_seed(0)
+    settings = [
+        dict(temperature=0.7),
+        dict(temperature=1.0, top_k=5),
+        dict(temperature=1.3, top_p=0.8),
+        dict(temperature=0.9, min_p=0.05),
+        dict(temperature=1.0, top_k=20, top_p=0.5, min_p=0.01),
+        dict(temperature=2.0, top_p=0.99),
+    ]
+    ps = [params(**s) for s in settings]
+    logits = torch.randn(len(ps), 300, generator=gen) * 3
+    got = _filtered_probs(logits, ps)
+    for i, p in enumerate(ps):
+        want = reference_filtered(logits[i], p)
+        assert torch.equal(got[i] > 0, want > 0), settings[i]
+        torch.testing.assert_close(got[i], want)
+
+
+def test_noise_is_exponential_and_a_function_of_seed_and_token():
+    seeds = torch.tensor([1, 2, 3, 1], dtype=torch.int64)
+    q = exponential_noise(seeds, 50_000)
+    assert torch.equal(q[0], q[3]) and not torch.equal(q[0], q[1])
+    assert (q > 0).all() and torch.isfinite(q).all()
+    assert abs(float(q.mean()) - 1.0) < 0.01  # mean of Exp(1); sd of the mean ~0.0022
+    assert abs(float((q < math.log(2)).float().mean()) - 0.5) < 0.005  # the median is ln 2
+    # neighbouring tokens are not correlated
+    corr = torch.corrcoef(torch.stack([q[0, :-1], q[0, 1:]]))[0, 1]
+    assert abs(float(corr)) < 0.02
+
+
+def test_sampled_frequencies_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    logits = probs.log().expand(4000, -1).contiguous()
+    p = params(temperature=1.0)
+    rows = [row(p, seed=s) for s in range(4000)]
+    counts = torch.bincount(torch.tensor(Sampler()(logits, rows).token_ids), minlength=5)
+    expected = probs * 4000
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 18.5, (counts.tolist(), chi2)  # p = 0.001 for 4 degrees of freedom
+
+
+def test_sampling_is_the_same_whatever_else_is_in_the_batch():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 1000, generator=gen)
+    p_sample, p_greedy = params(temperature=0.8, top_p=0.9), params(temperature=0)
+    rows = [row(p_sample if i % 2 else p_greedy, seed=10 + i, step=3) for i in range(6)]
+    together = Sampler()(logits, rows).token_ids
+    alone = [Sampler()(logits[i : i + 1], [rows[i]]).token_ids[0] for i in range(6)]
+    assert together == alone
+    assert together[0] == int(logits[0].argmax())
+
+
+def test_banned_tokens_and_plain_greedy():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 1.0, 2.0]])
+    greedy = params(temperature=0)
+    assert Sampler()(logits, [row(greedy), row(greedy)]).token_ids == [1, 0]
+    out = Sampler()(logits, [row(greedy, banned_ids=(1,)), row(greedy, banned_ids=(0, 2))])
+    assert out.token_ids == [2, 1]
+    assert logits[0, 1] == 5.0  # the caller's logits are not modified
