@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import random
 import subprocess
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -28,3 +31,28 @@ def random_prompts(count: int, low: int, high: int, vocab: int, seed: int = 0) -
     return [
         [rng.randrange(100, vocab) for _ in range(rng.randint(low, high))] for _ in range(count)
     ]
+
+
+# Real model shapes for random-weight (load_format='dummy') GPU benchmarks.
+SHAPES = {
+    "smollm2-135m": dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+    ),
+    "llama-3.1-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+    ),
+}  # fmt: skip
+
+
+def shape_folder(name: str, tokenizer_folder: Path) -> Path:
+    """A folder with config.json and a tokenizer: enough for load_format='dummy'."""
+    out = Path(tempfile.mkdtemp(prefix=f"radixlm-{name}-"))
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
+           "max_position_embeddings": 16384, "bos_token_id": 1, "eos_token_id": 2, **SHAPES[name]}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(cfg))
+    from radixlm.runtime.model_loader import copy_tokenizer_files
+
+    copy_tokenizer_files(tokenizer_folder, out)
+    return out

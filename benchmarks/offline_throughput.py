@@ -2,10 +2,16 @@
 prompts, same machine, one run.
 
     python -m benchmarks.offline_throughput [--model-path P] [--batch 64] [--new-tokens 64]
+    python -m benchmarks.offline_throughput --shape smollm2-135m   # GPU: random weights, bf16
 
-Two workloads: batch 1 (decode speed: a short prompt, many new tokens) and a batch of prompts of
+On the CPU, two workloads: batch 1 (decode speed: a short prompt, many new tokens) and a batch of prompts of
 mixed lengths generated all at once (transformers pads them to the longest; radixlm batches them
 continuously without padding). EOS is ignored so both produce exactly the same number of tokens.
+
+With --shape (a GPU and random weights of a real model's shape): 1,000 requests with prompts of
+100-400 tokens and 100-300 new tokens each, submitted at once, against transformers'
+continuous-batching `generate_batch` on the same prompts (a subset, --hf-requests, since it is much
+slower; its rate is output tokens per second of that subset).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import time
 import torch
 
 import radixlm
-from benchmarks.common import commit, device_line, random_prompts
+from benchmarks.common import commit, device_line, random_prompts, shape_folder
 
 
 def time_ours(engine, prompts, new_tokens):
@@ -65,7 +71,12 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--shape", default=None, help="GPU workload on random weights of this shape")
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--hf-requests", type=int, default=100)
     args = ap.parse_args()
+    if args.shape:
+        return gpu_workload(args)
 
     from transformers import AutoModelForCausalLM
 
@@ -97,6 +108,67 @@ def main() -> None:
     print("\n| workload | radixlm out tok/s | transformers out tok/s | ratio |\n|---|---|---|---|")
     for label, tokens, ours, theirs in rows:
         print(f"| {label} | {tokens / ours:.1f} | {tokens / theirs:.1f} | {theirs / ours:.2f}x |")
+
+
+def gpu_workload(args) -> None:
+    import random
+
+    from radixlm.runtime.config import default_cache_dir
+    from radixlm.runtime.model_loader import resolve_model_folder
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--shape measures the GPU: no CUDA device here")
+    folder = shape_folder(args.shape, resolve_model_folder(None, default_cache_dir()))
+    rng = random.Random(0)
+    prompts = random_prompts(args.requests, 100, 400, 32000, seed=3)
+    outs = [rng.randint(100, 300) for _ in prompts]
+    print(f"device: {device_line()}  commit: {commit()}  shape: {args.shape}")
+
+    with radixlm.Engine(str(folder), load_format="dummy", disable_radix_cache=True) as eng:
+        params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in outs]
+        eng.generate(input_ids=prompts[:64], sampling_params=params[:64])  # warm-up
+        t = time.perf_counter()
+        results = eng.generate(input_ids=prompts, sampling_params=params)
+        wall = time.perf_counter() - t
+        produced = sum(len(r["output_ids"]) for r in results)
+        assert produced == sum(outs)
+        stats = eng.get_stats()
+    ours = produced / wall
+    print(f"radixlm: {len(prompts)} requests, {produced} output tokens in {wall:.1f}s")
+    print(
+        f"  = {ours:.0f} output tok/s, {(produced + sum(map(len, prompts))) / wall:.0f} total tok/s"
+    )
+    print(f"  engine stats: {stats}")
+    torch.cuda.empty_cache()
+
+    theirs = hf_generate_batch(folder, prompts[: args.hf_requests], outs[: args.hf_requests])
+    print("\n| workload | radixlm out tok/s | transformers generate_batch out tok/s | ratio |")
+    print("|---|---|---|---|")
+    label = f"{args.shape}, {args.requests} req, 100-400 in / 100-300 out"
+    print(f"| {label} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.1f}x |")
+
+
+@torch.inference_mode()
+def hf_generate_batch(folder, prompts, outs) -> float:
+    """transformers' continuous batching on the same weights' shape (bf16, random weights); every
+    request gets the mean output length, EOS off. Output tokens per second."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config).eval()
+    torch.set_default_dtype(torch.float32)
+    n = round(sum(outs) / len(outs))
+    gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)  # fmt: skip
+    model.generate_batch(inputs=prompts[:8], generation_config=gen, progress_bar=False)
+    t = time.perf_counter()
+    res = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+    wall = time.perf_counter() - t
+    produced = sum(len(r.generated_tokens) for r in res.values())
+    print(f"transformers generate_batch: {len(prompts)} requests, {produced} tokens in {wall:.1f}s")
+    return produced / wall
 
 
 if __name__ == "__main__":

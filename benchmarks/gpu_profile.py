@@ -1,0 +1,116 @@
+"""Prefill compute efficiency and GPU busy time, on the GPU with random weights of real shapes.
+
+    python -m benchmarks.gpu_profile [--prefill-shape llama-3.1-8b] [--busy-shape smollm2-135m]
+
+- Prefill: one 8,192-token prompt in one forward (chunked_prefill_size 8192), time to the first
+  token, FLOPs counted (2 x parameters x tokens for the matmuls, 2 x layers x hidden x tokens^2 for
+  causal attention) against the bf16 matmul rate measured in the same run; and the time to first
+  token of a 1,024-token prompt.
+- Busy: a decode-heavy batch of 64 requests (32-token prompts, 256 new tokens each) under the
+  torch profiler; the union of GPU kernel and copy intervals over the wall time of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import radixlm
+from benchmarks.common import SHAPES, commit, device_line, random_prompts, shape_folder
+
+
+def matmul_rate() -> float:
+    """bf16 FLOP/s of a large matmul (the ceiling prefill is compared with)."""
+    import triton.testing
+
+    a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=200)
+    return 2 * 8192 * 4096 * 14336 / (ms / 1e3)
+
+
+def prefill(shape: str, tok_folder) -> list[str]:
+    folder = shape_folder(shape, tok_folder)
+    s = SHAPES[shape]
+    lines = []
+    with radixlm.Engine(
+        str(folder), load_format="dummy", disable_radix_cache=True, chunked_prefill_size=8192
+    ) as eng:
+        params = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+        n_params = sum(p.numel() for p in eng.model.parameters())
+        n_params -= eng.model.embed_tokens.weight.numel() if not s["tie_word_embeddings"] else 0
+        peak = matmul_rate()
+        for length in (1024, 8192):
+            prompts = random_prompts(4, length, length, 32000, seed=length)
+            eng.generate(input_ids=prompts[0], sampling_params=params)  # warm-up
+            times = []
+            for p in prompts[1:]:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                eng.generate(input_ids=p, sampling_params=params)
+                times.append(time.perf_counter() - t)
+            best = min(times)
+            flops = 2 * n_params * length + 2 * s["num_hidden_layers"] * s["hidden_size"] * length**2
+            lines.append(
+                f"| {shape} | {length} | {best * 1e3:.1f} ms | {flops / best / 1e12:.0f} TFLOP/s | "
+                f"{peak / 1e12:.0f} TFLOP/s | {flops / best / peak:.1%} |"
+            )
+    return lines
+
+
+def busy(shape: str, tok_folder) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    folder = shape_folder(shape, tok_folder)
+    prompts = random_prompts(64, 32, 32, 32000, seed=5)
+    params = {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True}
+    with radixlm.Engine(str(folder), load_format="dummy", disable_radix_cache=True) as eng:
+        eng.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 8})
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            eng.generate(input_ids=prompts, sampling_params=params)
+            wall = time.perf_counter() - t0
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    covered, end = 0.0, float("-inf")
+    for a, b in intervals:
+        if b > end:
+            covered += b - max(a, end)
+            end = b
+    share = covered / 1e6 / wall
+    tokens = 64 * 256
+    return (
+        f"| {shape} | 64 x 256 tokens | {wall:.2f} s | {tokens / wall:.0f} tok/s | "
+        f"{covered / 1e6:.2f} s | {share:.1%} |"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--prefill-shape", default="llama-3.1-8b")
+    ap.add_argument("--busy-shape", default="smollm2-135m")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_profile measures the GPU: no CUDA device here")
+    from radixlm.runtime.config import default_cache_dir
+    from radixlm.runtime.model_loader import resolve_model_folder
+
+    tok_folder = resolve_model_folder(None, default_cache_dir())
+    print(f"device: {device_line()}  commit: {commit()}")
+    print("\n| shape | prompt tokens | time to first token | achieved | bf16 matmul | share |")
+    print("|---|---|---|---|---|---|")
+    for line in prefill(args.prefill_shape, tok_folder):
+        print(line, flush=True)
+    print("\n| shape | decode batch | wall | rate | GPU busy | busy share |\n|---|---|---|---|---|---|")
+    print(busy(args.busy_shape, tok_folder), flush=True)
+
+
+if __name__ == "__main__":
+    main()
