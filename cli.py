@@ -127,6 +127,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "cached tokens, latency)",
     )
     net.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine in the server's process (a thread) instead of a process of its own; "
+        "the HTTP work and the engine then share one GIL",
+    )
+    net.add_argument(
         "--graceful-timeout",
         type=float,
         default=30.0,
@@ -211,7 +217,12 @@ def _serve(args: argparse.Namespace) -> int:
         rate_limit_per_minute=args.rate_limit,
         rate_limit_burst=args.rate_limit_burst,
     )
-    engine = radixlm.Engine(**_engine_kwargs(args))
+    if args.engine_in_process:
+        engine: Any = radixlm.Engine(**_engine_kwargs(args))
+    else:
+        from radixlm.server.engine_process import EngineProcessBackend
+
+        engine = EngineProcessBackend(_engine_kwargs(args), log_level=args.log_level)
     app = create_app(
         engine,
         api_key=args.api_key or os.environ.get("RADIXLM_API_KEY") or None,
@@ -222,7 +233,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish for the
     # graceful timeout (then cancels them, which aborts their generations), and runs the app's
-    # shutdown, which stops the engine. Its access log is off: the app logs each request itself.
+    # shutdown, which stops the engine (and its process, which ignores those signals itself). Its access log is off: the app logs each request itself.
     uvicorn.run(
         app,
         host=args.host,

@@ -11,8 +11,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import random
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -31,6 +33,8 @@ from radixlm.runtime.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class Engine:
@@ -88,6 +92,8 @@ class Engine:
         )
         self._core = EngineCore(config, mc, model, kv_pool, self.context_len, self.device)
         self._grammar_compiler = None  # built on the first constrained request
+        self._grammar_times = _Histogram(GRAMMAR_COMPILE_BUCKETS)
+        self._profiler: Any = None
         self._rng = random.Random(config.random_seed)
         self._ids = itertools.count()
         self._closed = False
@@ -167,7 +173,48 @@ class Engine:
         return self._core.call(flush)
 
     def get_stats(self) -> dict[str, Any]:
-        return self._core.call(self._core.stats)
+        """The core's counters, and `grammar_compile_seconds` (bucket counts, sum, count) of the
+        time each constrained request waited for its grammar (a compile or a cache hit)."""
+        stats = self._core.call(self._core.stats)
+        stats["grammar_compile_seconds"] = self._grammar_times.snapshot()
+        return stats
+
+    def start_profile(self, output_dir: str) -> None:
+        """Start torch.profiler on the engine core's thread (CPU, and CUDA when on a GPU); the
+        trace is written into `output_dir` by `stop_profile`."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        os.makedirs(output_dir, exist_ok=True)
+
+        def begin() -> None:
+            if self._profiler is not None:
+                raise ValueError("the profiler is already running; stop it first")
+            prof = profile(activities=activities, record_shapes=True, with_stack=False)
+            prof.start()
+            self._profiler = (prof, output_dir)
+
+        self._core.call(begin)
+
+    def stop_profile(self) -> str:
+        """Stop the profiler and write its Chrome trace; returns the trace file's path."""
+
+        def end() -> tuple[Any, str]:
+            if self._profiler is None:
+                raise ValueError("the profiler is not running; start it first")
+            prof, output_dir = self._profiler
+            self._profiler = None
+            prof.stop()
+            return prof, output_dir
+
+        prof, output_dir = self._core.call(end)
+        path = os.path.join(
+            output_dir, f"radixlm-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.trace.json"
+        )
+        prof.export_chrome_trace(path)
+        return path
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
@@ -250,7 +297,11 @@ class Engine:
                 compile_timeout=self.config.grammar_compile_timeout,
                 eos_token_ids=sorted(self.eos_token_ids),
             )
-        return self._grammar_compiler.compile(*constraint)
+        t0 = time.perf_counter()
+        try:
+            return self._grammar_compiler.compile(*constraint)
+        finally:
+            self._grammar_times.observe(time.perf_counter() - t0)
 
     def _tokenize(self, item: Any) -> list[int]:
         if isinstance(item, str):
@@ -394,6 +445,27 @@ def _resolver(loop, fut):
         loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(out))
 
     return deliver
+
+
+class _Histogram:
+    """Bucket counts of a duration, observed from any thread."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self._counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        index = next((i for i, b in enumerate(self.buckets) if seconds <= b), len(self.buckets))
+        with self._lock:
+            self._counts[index] += 1
+            self._sum += seconds
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        return {"buckets": list(self.buckets), "counts": counts, "sum": total, "count": sum(counts)}
 
 
 def _broadcast(value: Any, count: int, name: str) -> list[Any]:

@@ -83,6 +83,9 @@ def create_app(
     async def metrics() -> Response:
         try:
             stats = await backend.stats()
+        except APIError as e:  # the engine process is gone: /health says so too
+            logger.warning("engine stats unavailable: %s", e.message)
+            stats = None
         except Exception:  # metrics must answer even when the engine does not
             logger.exception("engine stats unavailable")
             stats = None

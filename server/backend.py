@@ -1,8 +1,9 @@
 """What the HTTP server needs from an engine, and its implementation over the in-process `Engine`.
 
-The server talks to the engine only through `GenerationBackend`, so that the engine core can move
-into its own process later (behind a msgspec channel) without the routes changing. The HTTP side
-owns tokenization and chat templating; the engine side owns scheduling and the model.
+The server talks to the engine only through `GenerationBackend`: `LocalEngineBackend` runs the
+engine in this process (its core in a thread), `EngineProcessBackend` (engine_process.py) in a
+process of its own behind a msgspec channel. The HTTP side owns tokenization and chat templating;
+the engine side owns scheduling, the model and grammar compilation.
 """
 
 from __future__ import annotations
@@ -63,17 +64,58 @@ class GenerationBackend(Protocol):
 
     async def stats(self) -> dict[str, Any]: ...
 
+    async def start_profile(self, output_dir: str) -> None: ...
+
+    async def stop_profile(self) -> str: ...
+
     def engine_config(self) -> dict[str, Any]: ...
+
+    def is_alive(self) -> bool: ...
 
     def shutdown(self) -> None: ...
 
 
-class LocalEngineBackend:
+class TokenizerSide:
+    """The text work of the HTTP side over a Hugging Face tokenizer: tokenizing prompts,
+    rendering chats, decoding token ids for logprob texts and tool-call parsing."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._token_text: dict[int, str] = {}
+
+    def tokenize(self, text: str) -> list[int]:
+        # as the engine does for a text prompt: special tokens written in the text (a chat
+        # template's markers) are recognised, none are added
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        out = []
+        for token in ids:
+            text = self._token_text.get(token)
+            if text is None:
+                text = self._tokenizer.decode([token], skip_special_tokens=False)
+                self._token_text[token] = text
+            out.append(text)
+        return out
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        kwargs = {"tools": tools} if tools else {}
+        return self._tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+
+
+class LocalEngineBackend(TokenizerSide):
     """`GenerationBackend` over an in-process `radixlm.Engine` (whose core runs in a thread)."""
 
     def __init__(self, engine: Any) -> None:
+        super().__init__(engine.tokenizer)
         self._engine = engine
-        self._token_text: dict[int, str] = {}
         template = getattr(engine.tokenizer, "chat_template", None) or ""
         config = engine.config
         self._info = ModelInfo(
@@ -89,30 +131,6 @@ class LocalEngineBackend:
 
     def model_info(self) -> ModelInfo:
         return self._info
-
-    def tokenize(self, text: str) -> list[int]:
-        # as the engine does for a text prompt: special tokens written in the text (a chat
-        # template's markers) are recognised, none are added
-        return list(self._engine.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: list[int]) -> str:
-        return self._engine.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def token_texts(self, ids: list[int]) -> list[str]:
-        out = []
-        for token in ids:
-            text = self._token_text.get(token)
-            if text is None:
-                text = self._engine.tokenizer.decode([token], skip_special_tokens=False)
-                self._token_text[token] = text
-            out.append(text)
-        return out
-
-    def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> str:
-        kwargs = {"tools": tools} if tools else {}
-        return self._engine.apply_chat_template(messages, **kwargs)
 
     async def stream(
         self,
@@ -139,6 +157,12 @@ class LocalEngineBackend:
     async def stats(self) -> dict[str, Any]:
         return await asyncio.to_thread(self._engine.get_stats)
 
+    async def start_profile(self, output_dir: str) -> None:
+        await asyncio.to_thread(self._engine.start_profile, output_dir)
+
+    async def stop_profile(self) -> str:
+        return await asyncio.to_thread(self._engine.stop_profile)
+
     def engine_config(self) -> dict[str, Any]:
         config = self._engine.config
         values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {}
@@ -146,6 +170,9 @@ class LocalEngineBackend:
         values["dtype"] = str(self._engine.dtype).removeprefix("torch.")
         values["context_length"] = self._info.context_len
         return values
+
+    def is_alive(self) -> bool:
+        return True  # it lives as long as this process
 
     def shutdown(self) -> None:
         self._engine.shutdown()

@@ -198,6 +198,14 @@ def _engine_metrics(out: list[str], stats: dict[str, Any]) -> None:
         stats.get("num_preemptions", 0),
     )
     _counter(out, "engine_steps_total", "Forward steps run by the engine.", stats.get("num_steps"))
+    grammar = stats.get("grammar_compile_seconds")
+    if isinstance(grammar, dict):
+        _engine_histogram(
+            out,
+            PREFIX + "grammar_compile_seconds",
+            "Time a constrained request waited for its grammar (a compile, or a cache hit).",
+            grammar,
+        )
     # anything else the engine reports (e.g. grammar compile times, once it has them)
     known = {
         "num_running_reqs",
@@ -215,6 +223,22 @@ def _engine_metrics(out: list[str], stats: dict[str, Any]) -> None:
     for key, value in sorted(stats.items()):
         if key not in known and _is_number(value):
             _gauge(out, "engine_" + _metric_name(key), f"Engine statistic {key}.", value)
+
+
+def _engine_histogram(out: list[str], name: str, help: str, data: dict[str, Any]) -> None:
+    """A histogram the engine keeps (bucket bounds, per-bucket counts with +Inf last, sum)."""
+    try:
+        hist = Histogram(name, help, tuple(float(b) for b in data["buckets"]))
+        counts = [int(c) for c in data["counts"]]
+        total = float(data["sum"])
+    except (KeyError, TypeError, ValueError):
+        return
+    if len(counts) != len(hist.counts):
+        return
+    hist.counts = counts
+    hist.sum = total
+    hist.count = sum(counts)
+    hist.render(out)
 
 
 def _counter(out: list[str], name: str, help: str, value: Any) -> None:

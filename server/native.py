@@ -3,15 +3,19 @@
 POST /generate          text or input_ids, single or batch; sampling_params; stream (SSE)
 GET  /model_info        (and /get_model_info)
 GET  /server_info       (and /get_server_info)
-GET  /health            liveness, no engine work, no API key
+GET  /health            liveness (503 once the engine process is gone), no engine work, no API key
 GET  /health_generate   generates one token
 POST /flush_cache       (GET too, as SGLang)
+POST /start_profile     torch.profiler on the engine's core thread; {"output_dir"} optional
+POST /stop_profile      writes the Chrome trace, answers {"trace_file"}
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -386,7 +390,9 @@ async def server_info(request: Request) -> Response:
 
 
 @router.get("/health")
-async def health() -> Response:
+async def health(request: Request) -> Response:
+    if not _state(request).backend.is_alive():
+        raise unavailable("the engine is not running")
     return Response(status_code=200)
 
 
@@ -416,3 +422,37 @@ async def flush_cache(request: Request) -> Response:
         # as SGLang: a 400 while requests run (their prefixes are in use)
         raise bad_request("cache not flushed: requests are running; retry when the server is idle")
     return Response("Cache flushed.\n", status_code=200, media_type="text/plain")
+
+
+PROFILER_DIR_ENV = "RADIXLM_TORCH_PROFILER_DIR"
+
+
+@router.post("/start_profile")
+async def start_profile(request: Request) -> Response:
+    """Profile the engine (torch.profiler) until /stop_profile; the trace goes into `output_dir`
+    of the body, else $RADIXLM_TORCH_PROFILER_DIR, else the system's temporary folder."""
+    body = await request.body()
+    payload = await read_json(request) if body.strip() else {}
+    if not isinstance(payload, dict):
+        raise bad_request("the body of /start_profile must be a JSON object (or empty)")
+    unknown = sorted(set(payload) - {"output_dir"})
+    if unknown:
+        raise bad_request(f"unknown field(s) {unknown} for /start_profile; known: ['output_dir']")
+    output_dir = payload.get("output_dir") or os.environ.get(PROFILER_DIR_ENV)
+    if output_dir is not None and not isinstance(output_dir, str):
+        raise bad_request("output_dir must be a string", "output_dir")
+    output_dir = output_dir or tempfile.gettempdir()
+    try:
+        await _state(request).backend.start_profile(output_dir)
+    except (ValueError, OSError) as e:
+        raise bad_request(f"cannot start the profiler: {e}") from e
+    return json_response({"output_dir": output_dir, "message": "profiling started"})
+
+
+@router.post("/stop_profile")
+async def stop_profile(request: Request) -> Response:
+    try:
+        path = await _state(request).backend.stop_profile()
+    except ValueError as e:
+        raise bad_request(f"cannot stop the profiler: {e}") from e
+    return json_response({"trace_file": path, "message": "profiling stopped"})

@@ -1,0 +1,354 @@
+"""`radixlm serve` with the engine in a process of its own (the default): the real server on a free
+port, driven over HTTP, checked against the in-process engine; disconnects abort and free KV; a
+killed engine process gives 503s and an unhealthy /health, never a hang; SIGTERM stops both."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from radixlm.server.ipc import Codec, DeltaEncoder, SnapshotBuilder, ToServer
+from tests.live_server import free_port
+
+GREEDY = {"temperature": 0.0}
+LONG = {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}
+
+
+class Server:
+    def __init__(self, model_folder: str, log: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        command = [
+            sys.executable, "-m", "radixlm.cli", "serve", "--model-path", model_folder,
+            "--port", str(self.port), "--max-total-tokens", "4096", "--graceful-timeout", "10",
+            *extra,
+        ]  # fmt: skip
+        self._log_file = open(log, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            command,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "RADIXLM_API_KEY": ""},
+        )
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError("the server did not start:\n" + log.read_text())
+            time.sleep(0.2)
+        self.engine_pid = httpx.get(self.url + "/server_info").json()["engine_pid"]
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/server_info", timeout=10).json()["internal_states"][0]
+
+    def wait_idle(self, timeout: float = 15.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if stats["num_running_reqs"] + stats["num_waiting_reqs"] == 0:
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the engine still runs requests: {stats}")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._log_file.close()
+
+
+def pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) counts as gone
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "\nState:\tZ" in status.read_text())
+
+
+def sse_payloads(lines) -> list:
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(default_model_folder, tmp_path_factory):
+    srv = Server(default_model_folder, tmp_path_factory.mktemp("serve") / "server.log")
+    yield srv
+    code = srv.stop()
+    log = srv.log.read_text()
+    assert code in (0, -signal.SIGTERM), log
+    assert "shutting down the engine" in log
+    deadline = time.monotonic() + 10
+    while pid_exists(srv.engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_exists(srv.engine_pid), "the engine process outlived the server"
+
+
+# ---- the wire format, without a model ------------------------------------------------------
+
+
+def test_deltas_rebuild_every_snapshot():
+    snapshots = [
+        {"text": "", "output_ids": [], "meta_info": {"finish_reason": None}},
+        {"text": "Hel", "output_ids": [1], "meta_info": {"output_token_logprobs": [(-0.1, 1)]}},
+        {"text": "Hello", "output_ids": [1, 2], "meta_info": {"output_token_logprobs": [(-0.1, 1), (-0.2, 2)]}},
+        # text that is not an extension of the last (a held-back stop string trimmed at the end)
+        {"text": "Help", "output_ids": [1, 2, 3], "meta_info": {"output_token_logprobs": [(-0.1, 1), (-0.2, 2), (-0.3, 3)]}},
+    ]  # fmt: skip
+    encoder, builder, codec = DeltaEncoder(7), SnapshotBuilder(), Codec(ToServer)
+    kept = []
+    for i, snap in enumerate(snapshots):
+        update = encoder.update(snap, finished=i == len(snapshots) - 1)
+        assert len(update.new_ids) <= 1  # only what is new crosses
+        (update,) = codec.decode(codec.frame([codec.encode(update)])[4:])  # through msgpack
+        assert update.rid == 7
+        rebuilt = builder.apply(update)
+        kept.append(rebuilt)
+        assert rebuilt["text"] == snap["text"]
+        assert rebuilt["output_ids"] == snap["output_ids"]
+        lps = snap["meta_info"].get("output_token_logprobs")
+        if lps is not None:
+            assert rebuilt["meta_info"]["output_token_logprobs"] == [list(x) for x in lps]
+    assert kept[1]["output_ids"] == [1]  # an earlier snapshot is not changed by later ones
+    assert len(kept[2]["meta_info"]["output_token_logprobs"]) == 2
+
+
+# ---- requests ------------------------------------------------------------------------------
+
+
+def test_generate_and_its_stream_match_the_in_process_engine(server, engine):
+    prompt = "The capital of France is"
+    params = {"max_new_tokens": 8, **GREEDY}
+    expected = engine.generate(prompt, params)
+    out = httpx.post(
+        server.url + "/generate", json={"text": prompt, "sampling_params": params}, timeout=60
+    ).json()
+    assert out["text"] == expected["text"]
+    assert out["output_ids"] == expected["output_ids"]
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+
+    with httpx.stream(
+        "POST",
+        server.url + "/generate",
+        json={"text": prompt, "sampling_params": params, "stream": True},
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200
+        events = sse_payloads(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    snapshots = events[:-1]
+    assert len(snapshots) > 1
+    texts = [s["text"] for s in snapshots]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # cumulative
+    assert snapshots[-1]["text"] == expected["text"]
+    assert snapshots[-1]["output_ids"] == expected["output_ids"]
+
+
+def test_logprobs_batches_and_n_cross_the_process_boundary(server, engine):
+    prompt = "Paris is the capital of"
+    body = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": 4, **GREEDY},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+    }
+    expected = engine.generate(
+        prompt, body["sampling_params"], return_logprob=True, logprob_start_len=0,
+        top_logprobs_num=2,
+    )  # fmt: skip
+    with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True}) as r:
+        final = sse_payloads(r.iter_lines())[-2]
+    for key in ("input_token_logprobs", "output_token_logprobs", "output_top_logprobs"):
+        got, want = final["meta_info"][key], expected["meta_info"][key]
+        assert len(got) == len(want), key
+        flat = [e for e in got if e is not None]
+        assert all(isinstance(e, list) for e in flat)
+    got_lp = [e[0] for e in final["meta_info"]["output_token_logprobs"]]
+    want_lp = [e[0] for e in expected["meta_info"]["output_token_logprobs"]]
+    assert got_lp == pytest.approx(want_lp, abs=1e-4)
+
+    batch = httpx.post(
+        server.url + "/generate",
+        json={
+            "text": ["One, two,", "A, B,"],
+            "sampling_params": {"max_new_tokens": 3, "n": 2, "temperature": 0.8, "seed": 5},
+        },
+        timeout=60,
+    ).json()
+    assert len(batch) == 4
+    assert all(item["meta_info"]["completion_tokens"] == 3 for item in batch)
+
+
+@pytest.mark.parametrize(
+    "sampling_params, needle",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"regex": "(("}, "regex"),
+        ({"json_schema": "{not json"}, "json"),
+        ({"no_such_key": 1}, "no_such_key"),
+        ({"max_new_tokens": 100_000}, "max_new_tokens"),
+    ],
+)
+def test_bad_input_is_a_400_from_the_engine_process(server, sampling_params, needle):
+    r = httpx.post(
+        server.url + "/generate",
+        json={"text": "Hi", "sampling_params": sampling_params},
+        timeout=30,
+    )
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"].lower()
+    assert httpx.get(server.url + "/health_generate", timeout=30).status_code == 200
+
+
+def test_a_closed_stream_aborts_and_frees_its_kv(server):
+    server.wait_idle()
+    body = {"text": "Count to a million:", "sampling_params": LONG, "stream": True}
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", server.url + "/generate", json=body) as r,
+    ):
+        lines = r.iter_lines()  # kept referenced: a dropped iterator closes the connection
+        for line in lines:
+            if line.startswith("data: "):
+                break
+        running = server.stats()
+        assert running["num_running_reqs"] == 1
+        assert (
+            running["kv_pool_free_tokens"] + running["radix_cache_tokens"]
+            < (running["kv_pool_capacity_tokens"])
+        )  # the request holds slots of its own
+        lines.close()
+    stats = server.wait_idle()
+    # every slot is free or held by the prefix cache: nothing is left to the aborted request
+    assert (
+        stats["kv_pool_free_tokens"] + stats["radix_cache_tokens"]
+        == (stats["kv_pool_capacity_tokens"])
+    )
+    assert stats["generated_tokens"] < 2000 + running["generated_tokens"]
+
+
+def test_a_client_that_gives_up_waiting_aborts_its_generation(server):
+    before = server.wait_idle()["generated_tokens"]
+    body = {"text": "Count to a million:", "sampling_params": LONG}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/generate", json=body, timeout=1.0)
+    stats = server.wait_idle()
+    assert 0 < stats["generated_tokens"] - before < 2000
+
+
+def test_metrics_cache_flush_and_grammar_compile_time(server):
+    r = httpx.post(
+        server.url + "/generate",
+        json={"text": "Digits:", "sampling_params": {"max_new_tokens": 3, "regex": "[0-9]+"}},
+        timeout=60,
+    )
+    assert r.status_code == 200
+    assert r.json()["text"].isdigit()
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in (
+        "radixlm_num_running_reqs",
+        "radixlm_kv_cache_usage_ratio",
+        "radixlm_cache_hit_rate",
+        "radixlm_time_to_first_token_seconds_count",
+    ):
+        assert name in metrics
+    count = re.search(r"^radixlm_grammar_compile_seconds_count (\d+)$", metrics, re.M)
+    assert count is not None and int(count.group(1)) >= 1
+    server.wait_idle()
+    assert httpx.post(server.url + "/flush_cache").status_code == 200
+    assert server.stats()["radix_cache_tokens"] == 0
+
+
+def test_profiler_writes_a_trace(server, tmp_path):
+    r = httpx.post(server.url + "/start_profile", json={"output_dir": str(tmp_path)})
+    assert r.status_code == 200, r.text
+    assert httpx.post(server.url + "/start_profile").status_code == 400  # already running
+    httpx.post(
+        server.url + "/generate",
+        json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}},
+        timeout=60,
+    )
+    r = httpx.post(server.url + "/stop_profile", timeout=120)
+    assert r.status_code == 200, r.text
+    trace = Path(r.json()["trace_file"])
+    assert trace.parent == tmp_path and trace.stat().st_size > 0
+    assert httpx.post(server.url + "/stop_profile").status_code == 400  # not running
+
+
+# ---- the engine process dies ---------------------------------------------------------------
+
+
+def test_a_killed_engine_process_fails_requests_cleanly(default_model_folder, tmp_path):
+    server = Server(default_model_folder, tmp_path / "server.log")
+    try:
+        body = {"text": "Count to a million:", "sampling_params": LONG, "stream": True}
+        with (
+            httpx.Client(timeout=30) as client,
+            client.stream("POST", server.url + "/generate", json=body) as r,
+        ):
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    break
+            os.kill(server.engine_pid, signal.SIGKILL)
+            started = time.monotonic()
+            rest = sse_payloads(lines)  # the stream ends promptly, the failure in-band
+        assert time.monotonic() - started < 10
+        assert rest[-1] == "[DONE]"
+        error = rest[-2]["error"]
+        assert error["code"] == 503 and "engine process exited" in error["message"]
+
+        r = httpx.post(server.url + "/generate", json={"text": "Hi"}, timeout=10)
+        assert r.status_code == 503
+        assert "engine" in r.json()["error"]["message"]
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2},
+            timeout=10,
+        )
+        assert r.status_code == 503
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+        assert httpx.get(server.url + "/health_generate", timeout=10).status_code == 503
+        assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
+    finally:
+        code = server.stop(timeout=30)
+    assert code in (0, -signal.SIGTERM), server.log.read_text()
+
+
+def test_bad_engine_options_fail_before_serving(default_model_folder, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "radixlm.cli", "serve", "--model-path", str(tmp_path / "nothing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "radixlm serve: error:" in proc.stderr
