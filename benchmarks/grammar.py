@@ -95,8 +95,7 @@ class RadixEngine:
         )
         if allow_unlisted:
             self.name = "radixlm (unlisted keys allowed)"
-        self.compiler.vocab.outlines_vocabulary()  # built before forking
-        _ = self.compiler.vocab.first_byte, self.compiler.vocab.token_of_bytes
+        _ = self.compiler.vocab.trie  # built once per vocabulary, before forking
         # warm what a long-running engine has loaded already (jsonschema for enum filtering, the
         # lazy imports of a first mask), so each forked child measures the compile itself
         self.walk(self.compile('{"enum":["a",1],"type":"string","maxLength":3}'), [])

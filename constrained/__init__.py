@@ -7,8 +7,10 @@ token-level automata over a tokenizer's vocabulary, packed token bitmasks, jump-
     matcher.fill_next_token_bitmask(bitmask[i])             # then apply_token_bitmask_(logits, bitmask)
     matcher.accept_token(token)                             # False if the grammar forbids it
 
-Regexes and JSON schemas go through outlines-core's Index; the JSON schema converter is our own
-and refuses, naming keyword and location, whatever it cannot enforce exactly.
+Every grammar becomes a regex; compiling builds only its byte-level DFA (outlines-core's Index over
+the 256 single bytes), and each state's token mask is built on the state's first visit by walking
+the vocabulary trie through the DFA (automaton.py), then cached. The JSON schema converter is our
+own and refuses, naming keyword and location, whatever it cannot enforce exactly.
 """
 
 from __future__ import annotations

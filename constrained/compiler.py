@@ -13,6 +13,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from radixlm.constrained import regex_text as rt
+from radixlm.constrained.automaton import ByteAutomaton
 from radixlm.constrained.ebnf import ebnf_to_regex
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.grammar import CompiledGrammar, MaskCache
@@ -222,20 +223,18 @@ class GrammarCompiler:
         sentinel: bool,
         parse_error: str = "",
     ) -> CompiledGrammar:
-        """Build the token automaton.
+        """Build the byte automaton; token masks are built per state on first use.
 
-        outlines-core 0.2.14 drops, from an accepting state, every token that leads to a
+        outlines-core 0.2.14 drops, from an accepting state, every transition that leads to a
         non-accepting one (`a(bc)?` never allows "b" after "a"). So the regex gets a sentinel
-        character appended, spelled by one fake token: no state of the user's language is
-        accepting any more, and "EOS allowed" reads "the sentinel may follow". Regexes we cannot
-        re-read in our dialect go in unchanged (a narrower language, still sound).
+        character appended: no state of the user's language is accepting any more, and "EOS
+        allowed" reads "the sentinel may follow". Regexes we cannot re-read in our dialect go in
+        unchanged (a narrower language, still sound).
         """
-        from outlines_core import Index
-
         if sentinel:
             regex = f"(?:{regex}){rt.escape_char(ord(rt.SENTINEL))}"
         try:
-            index = Index(regex, self.vocab.outlines_vocabulary())
+            automaton = ByteAutomaton(regex, sentinel)
         except Exception as e:
             detail = str(e).splitlines()[0][:500]
             if kind == "regex":  # a user's regex: most likely its syntax
@@ -244,7 +243,8 @@ class GrammarCompiler:
                 f"the regex built from the {kind} is too large for the automaton builder "
                 f"({detail}); simplify it"
             ) from None
-        return CompiledGrammar(kind, spec, regex, index, self.vocab, self.masks, notes, sentinel)
+        automaton.level_classes(self.vocab.trie)  # ready before the first mask
+        return CompiledGrammar(kind, spec, regex, automaton, self.vocab, self.masks, notes)
 
 
 def _spec_key(kind: str, spec: Any) -> str:

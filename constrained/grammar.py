@@ -1,15 +1,16 @@
-"""A compiled grammar (a token-level automaton) and the per-request matcher that walks it."""
+"""A compiled grammar (a byte automaton with token masks built per state on first use) and the
+per-request matcher that walks it."""
 
 from __future__ import annotations
 
 import itertools
 import threading
 from collections import OrderedDict
-from typing import Any
 
 import numpy as np
 import torch
 
+from radixlm.constrained.automaton import ByteAutomaton
 from radixlm.constrained.bitmask import bitmask_words, ids_from_bitmask
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.vocab import TokenVocabulary
@@ -58,34 +59,29 @@ class MaskCache:
 
 
 class CompiledGrammar:
-    """A regex compiled against a vocabulary into an outlines-core Index. Immutable, shareable
-    between requests and threads; `matcher()` makes the per-request state."""
+    """A regex compiled into a byte-level automaton whose token masks are built on first use.
+    Immutable as far as callers can tell, shareable between requests and threads; `matcher()`
+    makes the per-request state."""
 
     def __init__(
         self,
         kind: str,
         spec: str,
         regex: str,
-        index: Any,
+        automaton: ByteAutomaton,
         vocab: TokenVocabulary,
         masks: MaskCache,
         notes: tuple[str, ...] = (),
-        sentinel: bool = True,
     ) -> None:
         self.kind = kind
         self.spec = spec
         self.regex = regex
-        self.index = index
+        self.automaton = automaton
         self.vocab = vocab
         self.notes = notes  # keywords skipped in lenient mode: the output must be validated
         self._masks = masks
         self._owner = masks.new_owner()
         self._words = bitmask_words(vocab.size)
-        # With the sentinel (see compiler.py) a state accepts iff the sentinel token may follow;
-        # without it, outlines-core's own final states.
-        self._sentinel = vocab.sentinel_id if sentinel else None
-        self._final_states = frozenset(index.get_final_states())
-        self._accepting: dict[int, bool] = {}
         self._forced: dict[int, tuple[int, int] | None] = {}
         self._dead_end: dict[int, bool] = {}
         eos_only = np.zeros(self._words, dtype=np.int32)
@@ -94,7 +90,7 @@ class CompiledGrammar:
 
     @property
     def initial_state(self) -> int:
-        return self.index.get_initial_state()
+        return self.automaton.initial
 
     def matcher(self, max_rollback: int = 64) -> GrammarMatcher:
         """A fresh per-request matcher at the start of the grammar."""
@@ -102,36 +98,35 @@ class CompiledGrammar:
 
     def is_final(self, state: int) -> bool:
         """Whether the text so far is a complete match (EOS allowed)."""
-        if self._sentinel is None:
-            return state in self._final_states
-        out = self._accepting.get(state)
-        if out is None:
-            out = self._accepting[state] = (
-                self.index.get_next_state(state, self._sentinel) is not None
-            )
-        return out
+        return bool(self.automaton.accepting[state])
 
-    def state_mask(self, state: int, guide: Any) -> np.ndarray:
-        """The (W,) int32 mask of `state`; `guide` must stand at `state` (used on a cache miss)."""
+    def next_state(self, state: int, token_id: int) -> int | None:
+        """The state after `token_id`, or None if the grammar forbids it here."""
+        data = self.vocab.token_bytes[token_id] if 0 <= token_id < self.vocab.size else None
+        if data is None or 0xF4 in data:  # never allowed: see TokenTrie
+            return None
+        nxt = self.automaton.walk(state, data)
+        return None if nxt == self.automaton.dead else nxt
+
+    def state_mask(self, state: int) -> np.ndarray:
+        """The (W,) int32 mask of `state`, built on the state's first visit."""
         key = (self._owner, state)
         mask = self._masks.get(key)
         if mask is None:
-            scratch = np.zeros(self.vocab.outlines_words, dtype=np.int32)
-            guide.write_mask_into(scratch.__array_interface__["data"][0], scratch.shape[0], 4)
-            mask = scratch[: self._words].copy()
-            tail = self.vocab.size % 32
-            if tail:  # ids past the logits (the sentinel among them) are never sampled
-                mask.view(np.uint32)[-1] &= np.uint32((1 << tail) - 1)
-            _set_bits(mask, self.vocab.eos_token_ids, False)  # EOS is ours to decide
-            if self.is_final(state):
-                _set_bits(mask, self.vocab.eos_token_ids, True)
+            allowed = self.vocab.trie.allowed(self.automaton, state)  # (size,) bool
+            allowed[list(self.vocab.eos_token_ids)] = self.is_final(state)  # EOS is ours
+            flags = np.zeros(self._words * 32, dtype=bool)
+            flags[: allowed.shape[0]] = allowed
+            mask = np.packbits(flags, bitorder="little").view(np.int32)
             self._masks.put(key, mask)
         return mask
 
     def allowed_tokens(self, state: int) -> list[int]:
-        """Allowed non-EOS token ids at `state` (the plain path: outlines' own list)."""
-        skip = {*self.vocab.eos_token_ids, self.vocab.sentinel_id}
-        return [t for t in self.index.get_allowed_tokens(state) if t not in skip]
+        """Allowed non-EOS token ids at `state`."""
+        eos = set(self.vocab.eos_token_ids)
+        return [
+            t for t in ids_from_bitmask(self.state_mask(state), self.vocab.size) if t not in eos
+        ]
 
     def is_dead_end(self, state: int) -> bool:
         """A final state from which no token but EOS can follow."""
@@ -146,15 +141,10 @@ class CompiledGrammar:
             return self._forced[state]
         out = None
         if not self.is_final(state):
-            allowed = self.allowed_tokens(state)
-            if allowed:
-                firsts = np.unique(self.vocab.first_byte[np.asarray(allowed)])
-                if firsts.size == 1 and firsts[0] >= 0:
-                    b = int(firsts[0])
-                    tok = self.vocab.token_of_bytes.get(bytes([b]))
-                    nxt = None if tok is None else self.index.get_next_state(state, tok)
-                    if nxt is not None:
-                        out = (b, nxt)
+            live = self.automaton.live_bytes(state)
+            if live.size == 1:
+                b = int(live[0])
+                out = (b, self.automaton.step(state, b))
         self._forced[state] = out
         return out
 
@@ -178,32 +168,30 @@ class GrammarMatcher:
     """
 
     def __init__(self, grammar: CompiledGrammar, max_rollback: int = 64) -> None:
-        from outlines_core import Guide
-
         self.grammar = grammar
-        self._guide = Guide(grammar.index, max_rollback=max(max_rollback, _MAX_JUMP_BYTES))
+        self._state = grammar.initial_state
         self._eos = frozenset(grammar.vocab.eos_token_ids)
         self._terminated = False
-        self._history: list[int] = []  # guide steps per accepted item (0: EOS)
+        self._history: list[int] = []  # the state before each accepted item (EOS included)
         self._max_history = max_rollback
 
     @property
     def state(self) -> int:
-        return self._guide.get_state()
+        return self._state
 
     def is_terminated(self) -> bool:
         """EOS was accepted, or the grammar is complete and nothing but EOS may follow."""
-        return self._terminated or self.grammar.is_dead_end(self.state)
+        return self._terminated or self.grammar.is_dead_end(self._state)
 
     def is_accepting(self) -> bool:
         """The text so far is a complete match: EOS is allowed now."""
-        return self._terminated or self.grammar.is_final(self.state)
+        return self._terminated or self.grammar.is_final(self._state)
 
     def next_token_mask(self) -> np.ndarray:
         """The (W,) int32 mask of the next token (shared: do not modify)."""
         if self._terminated:
             return self.grammar.eos_only_mask
-        return self.grammar.state_mask(self.state, self._guide)
+        return self.grammar.state_mask(self._state)
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor | np.ndarray, index: int = 0) -> None:
         """Write the allowed next tokens into `bitmask`: a (W,) row or row `index` of (B, W)."""
@@ -230,16 +218,16 @@ class GrammarMatcher:
             return False
         token_id = int(token_id)
         if token_id in self._eos:
-            if not self.grammar.is_final(self.state):
+            if not self.grammar.is_final(self._state):
                 return False
+            self._push()
             self._terminated = True
-            self._push(0)
             return True
-        try:
-            self._guide.advance(token_id, return_tokens=False)
-        except (ValueError, OverflowError, TypeError):
+        nxt = self.grammar.next_state(self._state, token_id)
+        if nxt is None:
             return False
-        self._push(1)
+        self._push()
+        self._state = nxt
         return True
 
     def accept_tokens(self, token_ids: list[int]) -> int:
@@ -254,38 +242,15 @@ class GrammarMatcher:
         if self._terminated:
             return False
         data = text.encode("utf-8")
-        steps = self._walk_bytes(data)
-        if steps is None:
+        if not data:
+            return True
+        automaton = self.grammar.automaton
+        nxt = automaton.walk(self._state, data)
+        if nxt == automaton.dead:
             return False
-        if steps:
-            self._push(steps)
+        self._push()
+        self._state = nxt
         return True
-
-    def _walk_bytes(self, data: bytes) -> int | None:
-        table = self.grammar.vocab.token_of_bytes
-        longest = self.grammar.vocab.max_token_len
-        steps = 0
-        i = 0
-        while i < len(data):
-            advanced = False
-            # single bytes first (always a valid path when the vocabulary has them), then longer
-            for n in [1, *range(min(longest, len(data) - i), 1, -1)]:
-                tok = table.get(data[i : i + n])
-                if tok is None:
-                    continue
-                try:
-                    self._guide.advance(tok, return_tokens=False)
-                except ValueError:
-                    continue
-                steps += 1
-                i += n
-                advanced = True
-                break
-            if not advanced:
-                if steps:
-                    self._guide.rollback_state(steps)
-                return None
-        return steps
 
     def jump_forward_string(self) -> str | None:
         """The text the grammar forces from here (only what every continuation starts with),
@@ -293,7 +258,7 @@ class GrammarMatcher:
         if self._terminated:
             return None
         out = bytearray()
-        state = self.state
+        state = self._state
         while len(out) < _MAX_JUMP_BYTES:
             step = self.grammar.forced_byte(state)
             if step is None:
@@ -312,21 +277,18 @@ class GrammarMatcher:
         """Undo the last `n` accepted tokens (or accepted strings)."""
         if n < 0 or n > len(self._history):
             raise GrammarError(f"cannot roll back {n} tokens; {len(self._history)} can be undone")
-        steps = 0
-        for _ in range(n):
-            s = self._history.pop()
-            if s == 0:
-                self._terminated = False
-            steps += s
-        if steps:
-            self._guide.rollback_state(steps)
+        if n == 0:
+            return
+        self._state = self._history[-n]
+        del self._history[-n:]
+        self._terminated = False  # EOS is always the last item accepted
 
     def reset(self) -> None:
-        self._guide.reset()
+        self._state = self.grammar.initial_state
         self._terminated = False
         self._history.clear()
 
-    def _push(self, steps: int) -> None:
-        self._history.append(steps)
+    def _push(self) -> None:
+        self._history.append(self._state)
         if len(self._history) > self._max_history:
             del self._history[0]

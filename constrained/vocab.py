@@ -110,11 +110,15 @@ class TokenVocabulary:
         return out
 
     @cached_property
-    def max_token_len(self) -> int:
-        return max((len(b) for b in self.token_bytes if b), default=1)
+    def trie(self) -> Any:
+        """The usable tokens as a level-by-level trie (constrained.automaton.TokenTrie)."""
+        from radixlm.constrained.automaton import TokenTrie
+
+        return TokenTrie(self)
 
     def outlines_vocabulary(self) -> Any:
-        """The outlines-core Vocabulary of the allowed tokens (built once per vocabulary)."""
+        """The outlines-core Vocabulary of the allowed tokens, as outlines-core's own `Index`
+        reads it (the benchmark's baseline and the tests' oracle)."""
         return self._outlines
 
     @property

@@ -141,6 +141,56 @@ def test_canonical_tokenizations_are_accepted(compiler, tokenizer):
         assert m.is_accepting()
 
 
+def _oracle_allowed(index, state: int, skip: set[int]) -> set[int]:
+    return {t for t in index.get_allowed_tokens(state) if t not in skip}
+
+
+@pytest.mark.parametrize(
+    "kind,spec",
+    [
+        ("regex", REGEXES["email"]),
+        ("regex", REGEXES["decimal"]),
+        ("regex", r"[^\n]{0,12}(\n|ab+c)"),
+        ("regex", r"\w+ \p{Greek}{1,3}"),
+        (
+            "json_schema",
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 20},
+                    "tags": {"type": "array", "items": {"enum": ["a", "b c", "é"]}},
+                    "n": {"type": "number"},
+                },
+                "required": ["name"],
+            },
+        ),
+    ],
+)
+def test_lazy_masks_equal_outlines_cores_precomputed_index(compiler, kind, spec):
+    """The plain twin: outlines-core's Index over the whole vocabulary, built up front for every
+    state, must allow exactly the tokens our lazily built masks allow, state by state."""
+    from outlines_core import Guide, Index
+
+    grammar = compiler.compile(kind, spec)
+    index = Index(grammar.regex, compiler.vocab.outlines_vocabulary())
+    skip = {*compiler.vocab.eos_token_ids, compiler.vocab.sentinel_id}
+    sentinel = compiler.vocab.sentinel_id
+    rng = random.Random(0)
+    for _ in range(6):
+        matcher, guide = grammar.matcher(), Guide(index)
+        for _ in range(60):
+            ours = set(matcher.allowed_token_ids())
+            theirs = _oracle_allowed(index, guide.get_state(), skip)
+            assert ours - skip == theirs
+            accepting = index.get_next_state(guide.get_state(), sentinel) is not None
+            assert matcher.is_accepting() == accepting
+            if not theirs or (accepting and rng.random() < 0.2):
+                break
+            token = rng.choice(sorted(theirs))
+            assert matcher.accept_token(token)
+            guide.advance(token, return_tokens=False)
+
+
 # -- JSON schemas -----------------------------------------------------------------------------
 
 SCHEMAS = {

@@ -1,0 +1,253 @@
+"""The byte-level automaton of a regex, and the token masks it induces, built lazily.
+
+Compiling a grammar builds only the byte-level DFA of its regex: outlines-core's `Index` over a
+vocabulary of the 256 single bytes, which costs about what building the DFA costs. The token-level
+view (which tokens may follow in a state) is computed the first time a state is visited, by walking
+the whole vocabulary through the DFA at once: the vocabulary is a trie laid out level by level
+(`TokenTrie`), so a prefix shared by many tokens is walked once, and each level is one vectorized
+gather in the DFA's transition table. A token is allowed iff its walk ends in a live state, which
+is exactly what outlines-core's token `Index` precomputes for every state up front (its `Index`
+over the real vocabulary is the oracle the tests compare against).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+from radixlm.constrained.vocab import SENTINEL_BYTES, TokenVocabulary
+
+# Cost model of one walk over the trie (measured on a 2-core x86 CPU, SmolLM2's 49k tokens):
+# about this many nodes cost what one more level of numpy calls costs. Live first bytes are
+# walked in runs; two runs merge when the dead subtries between them are cheaper to walk than a
+# second walk's per-level overhead.
+_NODES_PER_LEVEL_OVERHEAD = 700
+
+
+@cache
+def _byte_vocabulary() -> Any:
+    """An outlines-core Vocabulary of the 256 single bytes (token id = byte value)."""
+    from outlines_core import Vocabulary
+
+    return Vocabulary(256, {bytes([b]): [b] for b in range(256)})
+
+
+def _renumbering(original: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """outlines-core's state ids (sparse) -> 0..n-1 in the order given."""
+    n = len(original)
+    if n and int(original.min()) >= 0 and int(original.max()) < 64 * n + 1024:
+        lookup = np.full(int(original.max()) + 1, -1, dtype=np.int64)
+        lookup[original] = np.arange(n)
+        return lambda ids: lookup[ids]
+    order = np.argsort(original)
+    ranks = order.astype(np.int64)
+    ordered = original[order]
+    return lambda ids: ranks[np.searchsorted(ordered, ids)]
+
+
+class ByteAutomaton:
+    """A DFA over bytes: states 0..n-1, `dead` (= n) the sink every forbidden byte leads to.
+
+    `table` is the flat (n + 1) x C transition table over byte classes (bytes that no transition
+    tells apart share a class); `accepting[s]`: the text so far is a complete match.
+    """
+
+    def __init__(self, regex: str, sentinel: bool) -> None:
+        from outlines_core import Index
+
+        index = Index(regex, _byte_vocabulary())
+        transitions: dict[int, dict[int, int]] = index.get_transitions()
+        n = len(transitions)
+        self.n_states = n
+        self.dead = n
+        original = np.fromiter(transitions.keys(), dtype=np.int64, count=n)
+        renumber = _renumbering(original)
+        rows = list(transitions.values())
+        counts = np.fromiter(map(len, rows), dtype=np.int64, count=n)
+        total = int(counts.sum())
+        src = np.repeat(np.arange(n, dtype=np.int64), counts)
+        keys = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=total)
+        dsts = np.fromiter(chain.from_iterable(map(dict.values, rows)), dtype=np.int64, count=total)
+        is_byte = keys < 256  # the EOS pseudo-token of final states is not a byte
+        dense = np.full((256, n + 1), n, dtype=np.int32)  # (byte, state)
+        dense[keys[is_byte], src[is_byte]] = renumber(dsts[is_byte])
+        # byte classes: bytes whose columns are identical behave alike in every state
+        class_of: dict[bytes, int] = {}
+        byte_class = np.empty(256, dtype=np.int64)
+        for b in range(256):
+            byte_class[b] = class_of.setdefault(dense[b].tobytes(), len(class_of))
+        firsts = np.unique(byte_class, return_index=True)[1]
+        self.byte_class = byte_class
+        self.n_classes = len(class_of)
+        self.table = np.ascontiguousarray(dense[firsts].T).reshape(-1)  # (state, class) flat
+        self.initial = int(renumber(np.asarray([index.get_initial_state()]))[0])
+        if sentinel:
+            # the end-of-match sentinel may follow exactly where the user's text is complete
+            state = np.arange(n + 1, dtype=np.int64)
+            for b in SENTINEL_BYTES:
+                state = self.table[state * self.n_classes + self.byte_class[b]].astype(np.int64)
+            finals = renumber(np.fromiter(index.get_final_states(), np.int64))
+            accepting = np.isin(state, finals)
+        else:
+            accepting = np.zeros(n + 1, dtype=bool)
+            accepting[renumber(np.fromiter(index.get_final_states(), np.int64))] = True
+        accepting[n] = False
+        self.accepting = accepting
+        # the walk over the vocabulary works on offsets (state * C) to save a multiply a level
+        wide = (n + 1) * self.n_classes >= 2**31
+        self.offsets = self.table.astype(np.int64 if wide else np.int32) * self.n_classes
+        self.dead_offset = n * self.n_classes
+        self._first_bytes: dict[int, np.ndarray] = {}
+        self._level_classes: tuple[TokenTrie, list[np.ndarray]] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.table.nbytes + self.offsets.nbytes + self.accepting.nbytes)
+
+    def level_classes(self, trie: TokenTrie) -> list[np.ndarray]:
+        """The byte class of every trie node, level by level (made on the first mask)."""
+        cached = self._level_classes
+        if cached is None or cached[0] is not trie:
+            dtype = self.offsets.dtype
+            classes = [self.byte_class[level.byte].astype(dtype) for level in trie.levels]
+            cached = self._level_classes = (trie, classes)
+        return cached[1]
+
+    def step(self, state: int, byte: int) -> int:
+        return int(self.table[state * self.n_classes + self.byte_class[byte]])
+
+    def walk(self, state: int, data: bytes) -> int:
+        """The state after `data` (`dead` if any byte is forbidden)."""
+        table, classes, c = self.table, self.byte_class, self.n_classes
+        for b in data:
+            state = int(table[state * c + classes[b]])
+            if state == self.dead:
+                break
+        return state
+
+    def live_bytes(self, state: int) -> np.ndarray:
+        """The bytes that may follow in `state`, ascending."""
+        out = self._first_bytes.get(state)
+        if out is None:
+            row = self.table[state * self.n_classes : (state + 1) * self.n_classes]
+            out = np.flatnonzero(row[self.byte_class] != self.dead)
+            self._first_bytes[state] = out
+        return out
+
+
+@dataclass
+class _Level:
+    """The trie nodes at depth j+1 (prefixes of j+1 bytes), in lexicographic order."""
+
+    parent: np.ndarray  # (N,) int64: index of the node's prefix one byte shorter (level j-1)
+    byte: np.ndarray  # (N,) int64: the node's last byte
+    start: np.ndarray  # (257,) int64: nodes with first byte b are start[b]:start[b+1]
+    end_node: np.ndarray  # (E,) int64: nodes that spell a whole token, ascending
+    end_token: np.ndarray  # (E,) int64: that token's id
+    end_start: (
+        np.ndarray
+    )  # (257,) int64: ends whose first byte is b are end_start[b]:end_start[b+1]
+
+
+class TokenTrie:
+    """The vocabulary's usable tokens as a trie, one array level per byte depth.
+
+    Tokens that contain byte 0xF4 are left out: it only starts plane-16 characters, which
+    grammars never generate (the end-of-match sentinel lives there).
+    """
+
+    def __init__(self, vocab: TokenVocabulary) -> None:
+        self.size = vocab.size
+        tokens = sorted((b, i) for i, b in enumerate(vocab.token_bytes) if b and 0xF4 not in b)
+        self.levels: list[_Level] = []
+        previous: dict[bytes, int] = {}
+        depth = 0
+        alive = tokens
+        while alive:
+            index: dict[bytes, int] = {}
+            parents: list[int] = []
+            last: list[int] = []
+            firsts: list[int] = []
+            end_node: list[int] = []
+            end_token: list[int] = []
+            for data, tok in alive:
+                prefix = data[: depth + 1]
+                node = index.get(prefix)
+                if node is None:
+                    node = index[prefix] = len(parents)
+                    parents.append(previous[prefix[:-1]] if depth else 0)
+                    last.append(prefix[-1])
+                    firsts.append(prefix[0])
+                if len(data) == depth + 1:
+                    end_node.append(node)
+                    end_token.append(tok)
+            first = np.asarray(firsts, dtype=np.int64)
+            ends = np.asarray(end_node, dtype=np.int64)
+            self.levels.append(
+                _Level(
+                    parent=np.asarray(parents, dtype=np.int64),
+                    byte=np.asarray(last, dtype=np.int64),
+                    start=np.searchsorted(first, np.arange(257)),
+                    end_node=ends,
+                    end_token=np.asarray(end_token, dtype=np.int64),
+                    end_start=np.searchsorted(first[ends], np.arange(257)),
+                )
+            )
+            previous = index
+            depth += 1
+            alive = [(d, t) for d, t in alive if len(d) > depth]
+        per_first = sum(np.diff(level.start) for level in self.levels)  # (256,) subtrie sizes
+        self._nodes_before = np.concatenate([[0], np.cumsum(per_first)]).tolist()
+        self._depth = sum((np.diff(level.start) > 0).astype(np.int64) for level in self.levels)
+        self._depth = self._depth.tolist()
+
+    def allowed(self, dfa: ByteAutomaton, state: int) -> np.ndarray:
+        """(size,) bool: the tokens whose bytes the DFA accepts from `state` without dying."""
+        out = np.zeros(self.size, dtype=bool)
+        for lo, hi in self._runs(dfa.live_bytes(state).tolist()):
+            self._walk(dfa, state, out, lo, hi)
+        return out
+
+    def _runs(self, firsts: list[int]) -> list[tuple[int, int]]:
+        """Ranges of first bytes to walk: every live byte in one, merged where that is cheaper."""
+        runs: list[list[int]] = []
+        nodes, depth = self._nodes_before, self._depth
+        for b in firsts:
+            if runs and nodes[b] - nodes[runs[-1][1]] < depth[b] * _NODES_PER_LEVEL_OVERHEAD:
+                runs[-1][1] = b + 1
+            else:
+                runs.append([b, b + 1])
+        return [(lo, hi) for lo, hi in runs]
+
+    def _walk(self, dfa: ByteAutomaton, state: int, out: np.ndarray, lo: int, hi: int) -> None:
+        """Walk the subtries of first bytes lo..hi-1 from `state`, marking live token ends."""
+        offsets, dead = dfa.offsets, dfa.dead_offset
+        classes = dfa.level_classes(self)
+        root = state * dfa.n_classes
+        states = offsets[:0]
+        base = 0  # index of the first node of the previous level's slice
+        for j, level in enumerate(self.levels):
+            a, b = int(level.start[lo]), int(level.start[hi])
+            if a == b:
+                return
+            if j == 0:
+                cur = offsets[root + classes[0][a:b]]
+            else:
+                parent = level.parent[a:b]
+                cur = offsets[states[parent - base if base else parent] + classes[j][a:b]]
+            ea, eb = int(level.end_start[lo]), int(level.end_start[hi])
+            if ea < eb:
+                ends = level.end_node[ea:eb]
+                live = cur[ends - a if a else ends] != dead
+                out[level.end_token[ea:eb][live]] = True
+            if cur.min() == dead:  # the dead state has the largest offset
+                return
+            states, base = cur, a
+
+
+__all__ = ["ByteAutomaton", "TokenTrie"]
