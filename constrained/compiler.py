@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import threading
@@ -31,8 +32,9 @@ class GrammarCompiler:
     which may exceed the tokenizer (extra ids are never allowed). whitespace: "compact" or
     "flexible" JSON (or a regex for the whitespace between JSON tokens). compile_timeout: seconds
     a compile may take before it fails with GrammarError (the work finishes in the background and
-    still lands in the cache). lenient: JSON schemas skip the keywords we cannot enforce instead
-    of being refused; outputs must then be checked with `validate_json_output`.
+    still lands in the cache). lenient: the default of `compile`'s own `lenient` (JSON schemas
+    skip the keywords we cannot enforce instead of being refused; outputs must then be checked,
+    see `CompiledGrammar.validate_output`).
     """
 
     def __init__(
@@ -68,8 +70,8 @@ class GrammarCompiler:
         )
         self.compile_timeout = compile_timeout
         self.masks = MaskCache(mask_cache_bytes)
-        self._cache: OrderedDict[tuple[str, str], CompiledGrammar | GrammarError] = OrderedDict()
-        self._inflight: dict[tuple[str, str], Future] = {}
+        self._cache: OrderedDict[tuple[str, str, bool], CompiledGrammar | GrammarError] = OrderedDict()
+        self._inflight: dict[tuple[str, str, bool], Future] = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._max_workers = max_workers
@@ -82,9 +84,14 @@ class GrammarCompiler:
 
     # -- public API ----------------------------------------------------------------------------
 
-    def compile(self, kind: str, spec: Any) -> CompiledGrammar:
-        """Compile (or fetch from the cache) a grammar; GrammarError with the reason otherwise."""
-        future = self._future(kind, spec)
+    def compile(self, kind: str, spec: Any, *, lenient: bool | None = None) -> CompiledGrammar:
+        """Compile (or fetch from the cache) a grammar; GrammarError with the reason otherwise.
+
+        lenient (JSON schemas only; None: the compiler's default): keywords that cannot be
+        enforced are left out of the automaton instead of refusing the schema; the grammar's
+        `notes` name them and `validate_output` checks a finished output against the full schema.
+        """
+        future = self._future(kind, spec, lenient)
         try:
             return future.result(timeout=self.compile_timeout)
         except FutureTimeout:
@@ -92,10 +99,10 @@ class GrammarCompiler:
                 f"compiling the {kind} took longer than {self.compile_timeout:g} s; simplify it"
             ) from None
 
-    def compile_async(self, kind: str, spec: Any) -> Future:
+    def compile_async(self, kind: str, spec: Any, *, lenient: bool | None = None) -> Future:
         """Like compile, in a worker thread: a Future of the CompiledGrammar (or GrammarError)."""
         try:
-            inner = self._future(kind, spec)
+            inner = self._future(kind, spec, lenient)
         except GrammarError as e:
             failed: Future = Future()
             _fail(failed, e)
@@ -151,8 +158,9 @@ class GrammarCompiler:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _future(self, kind: str, spec: Any) -> Future:
-        key = (kind, _spec_key(kind, spec))
+    def _future(self, kind: str, spec: Any, lenient: bool | None = None) -> Future:
+        lenient = self.json_options.lenient if lenient is None else bool(lenient)
+        key = (kind, _spec_key(kind, spec), lenient and kind == "json_schema")
         with self._lock:
             done = self._cache.get(key)
             if done is not None:
@@ -163,12 +171,12 @@ class GrammarCompiler:
             running = self._inflight.get(key)
             if running is not None:
                 return running
-            f = self._executor().submit(self._build, kind, key[1])
+            f = self._executor().submit(self._build, kind, key[1], key[2])
             self._inflight[key] = f
         f.add_done_callback(lambda fut, key=key: self._store(key, fut))
         return f
 
-    def _store(self, key: tuple[str, str], fut: Future) -> None:
+    def _store(self, key: tuple[str, str, bool], fut: Future) -> None:
         exc = fut.exception()
         value: CompiledGrammar | GrammarError = fut.result() if exc is None else exc  # type: ignore[assignment]
         with self._lock:
@@ -180,27 +188,34 @@ class GrammarCompiler:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
 
-    def _build(self, kind: str, spec: str) -> CompiledGrammar:
+    def _build(self, kind: str, spec: str, lenient: bool = False) -> CompiledGrammar:
         try:
-            regex, notes = self.to_regex(kind, spec)
+            regex, notes = self.to_regex(kind, spec, lenient)
             sentinel, parse_error = True, ""
             if kind == "regex":
                 try:
                     regex = translate_regex(regex)
                 except PatternError as e:
                     sentinel, parse_error = False, str(e)  # outlines-core reads it as written
-            return self._index(kind, spec, regex, notes, sentinel, parse_error)
+            grammar = self._index(kind, spec, regex, notes, sentinel, parse_error)
+            grammar.lenient = lenient
+            return grammar
         except GrammarError:
             raise
         except Exception as e:  # anything else is still this request's problem, never the engine's
             raise GrammarError(f"cannot compile the {kind}: {type(e).__name__}: {e}") from e
 
-    def to_regex(self, kind: str, spec: str) -> tuple[str, tuple[str, ...]]:
+    def to_regex(
+        self, kind: str, spec: str, lenient: bool | None = None
+    ) -> tuple[str, tuple[str, ...]]:
         """The regex a spec compiles to, and notes on keywords skipped (lenient mode)."""
         if kind == "regex":
             return spec, ()
         if kind == "json_schema":
-            regex, notes = json_schema_regex(spec, self.json_options)
+            options = self.json_options
+            if lenient is not None and lenient != options.lenient:
+                options = dataclasses.replace(options, lenient=lenient)
+            regex, notes = json_schema_regex(spec, options)
             return regex, tuple(notes)
         if kind == "choice":
             choices = json.loads(spec)

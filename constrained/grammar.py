@@ -4,8 +4,10 @@ per-request matcher that walks it."""
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,6 +15,7 @@ import torch
 from radixlm.constrained.automaton import ByteAutomaton
 from radixlm.constrained.bitmask import bitmask_words, ids_from_bitmask
 from radixlm.constrained.errors import GrammarError
+from radixlm.constrained.json_schema import schema_validator, validate_json_output
 from radixlm.constrained.vocab import TokenVocabulary
 
 _MAX_JUMP_BYTES = 4096
@@ -79,6 +82,8 @@ class CompiledGrammar:
         self.automaton = automaton
         self.vocab = vocab
         self.notes = notes  # keywords skipped in lenient mode: the output must be validated
+        self.lenient = False  # a JSON schema compiled leniently: see validate_output
+        self._validator: Any = None
         self._masks = masks
         self._owner = masks.new_owner()
         self._words = bitmask_words(vocab.size)
@@ -91,6 +96,21 @@ class CompiledGrammar:
     @property
     def initial_state(self) -> int:
         return self.automaton.initial
+
+    def validate_output(self, text: str) -> dict[str, Any]:
+        """Check a finished output against the full JSON schema (what lenient mode owes the
+        caller): {"valid", "error" (None or what is wrong), "ignored_keywords" (not enforced)}."""
+        if self.kind != "json_schema":
+            raise GrammarError(f"validate_output checks JSON-schema outputs, not {self.kind}")
+        schema = json.loads(self.spec)
+        if self._validator is None:
+            try:
+                self._validator = schema_validator(schema)
+            except Exception as e:  # a broken schema is reported, never raised into the engine
+                error = f"the schema could not be checked: {type(e).__name__}: {e}"
+                return {"valid": False, "error": error, "ignored_keywords": list(self.notes)}
+        error = validate_json_output(schema, text, self._validator)
+        return {"valid": error is None, "error": error, "ignored_keywords": list(self.notes)}
 
     def matcher(self, max_rollback: int = 64) -> GrammarMatcher:
         """A fresh per-request matcher at the start of the grammar."""

@@ -129,14 +129,15 @@ def _uses_item_arrays(node: Any) -> bool:
     return False
 
 
-def validate_json_output(schema: Any, text: str) -> str | None:
-    """Check a finished output against its schema: None if valid, else what is wrong."""
+def validate_json_output(schema: Any, text: str, validator: Any = None) -> str | None:
+    """Check a finished output against its schema: None if valid, else what is wrong.
+    `validator`: one made by `schema_validator(schema)` already (it is the costly part)."""
     try:
         value = json.loads(text)
     except ValueError as e:
         return f"output is not valid JSON: {e}"
     try:
-        validator = schema_validator(schema)
+        validator = validator or schema_validator(schema)
         error = next(iter(sorted(validator.iter_errors(value), key=lambda e: e.path)), None)
     except Exception as e:  # a broken schema is reported, never raised into the caller
         return f"schema could not be checked: {e}"

@@ -299,7 +299,7 @@ class Engine:
             )
         t0 = time.perf_counter()
         try:
-            return self._grammar_compiler.compile(*constraint)
+            return self._grammar_compiler.compile(*constraint, lenient=params.json_schema_lenient)
         finally:
             self._grammar_times.observe(time.perf_counter() - t0)
 
@@ -418,6 +418,8 @@ def request_output(req: Req, stream: bool = False) -> dict[str, Any]:
     }
     if req.error is not None:
         meta["error"] = req.error
+    if req.grammar_validation is not None:
+        meta["grammar_validation"] = req.grammar_validation
     if req.logprob.return_logprob:
         meta["input_token_logprobs"] = [(lp, t, None) for lp, t in req.input_token_logprobs]
         meta["output_token_logprobs"] = [(lp, t, None) for lp, t in req.output_token_logprobs]

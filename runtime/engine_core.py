@@ -247,6 +247,9 @@ class EngineCore:
     def _finish(self, req: Req) -> None:
         self.scheduler.remove(req)
         req.detokenizer.flush()
+        grammar = getattr(req.grammar, "grammar", None)
+        if grammar is not None and grammar.lenient:  # skipped keywords: check what was made
+            req.grammar_validation = grammar.validate_output(req.detokenizer.text)
         self._reqs.pop(req.rid, None)
         sink = self._sinks.pop(req.rid, None)
         if sink is not None:

@@ -34,6 +34,7 @@ class Req:
     logprob: LogprobRequest = field(default_factory=LogprobRequest)
     eos_token_ids: frozenset[int] = frozenset()
     grammar: Any = None  # a constrained.GrammarMatcher, once constrained decoding is wired in
+    grammar_validation: dict[str, Any] | None = None  # lenient JSON schema: the output's check
 
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING

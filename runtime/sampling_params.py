@@ -31,6 +31,9 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    # JSON-schema keywords the mask cannot enforce are skipped instead of refused; the finished
+    # output is then validated and the result reported in meta_info["grammar_validation"]
+    json_schema_lenient: bool = False
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
@@ -109,6 +112,10 @@ class SamplingParams:
         constraints = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
         if len(constraints) > 1:
             bad(f"give at most one of regex, json_schema, ebnf (got {constraints})")
+        if not isinstance(self.json_schema_lenient, bool):
+            bad(f"json_schema_lenient must be true or false, got {self.json_schema_lenient!r}")
+        if self.json_schema_lenient and self.json_schema is None:
+            bad("json_schema_lenient applies to json_schema; give a json_schema with it")
 
     @property
     def is_greedy(self) -> bool:

@@ -153,3 +153,83 @@ def test_jump_forward_saves_steps_and_keeps_outputs_valid(default_model_folder):
     for was_canonical, a, b in zip(canonical_off, off, on):
         if was_canonical:
             assert a["text"] == b["text"]
+
+
+# -- lenient JSON schemas: unenforceable keywords skipped, the output checked and reported ------
+
+# every value the mask allows is a list of three items from {1, 2}: never unique
+NEVER_UNIQUE = {
+    "type": "array",
+    "items": {"enum": [1, 2]},
+    "minItems": 3,
+    "maxItems": 3,
+    "uniqueItems": True,
+}
+MAYBE_UNIQUE = {
+    "type": "array",
+    "items": {"enum": ["red", "green", "blue"]},
+    "minItems": 2,
+    "maxItems": 2,
+    "uniqueItems": True,
+}
+
+
+def test_lenient_schema_reports_an_invalid_output_never_a_silent_pass(engine):
+    with pytest.raises(ValueError, match="uniqueItems"):
+        engine.generate("Hi", {"max_new_tokens": 8, "json_schema": NEVER_UNIQUE})
+    params = {"max_new_tokens": 16, "json_schema": NEVER_UNIQUE, "json_schema_lenient": True}
+    out = engine.generate(chat(engine, "Three numbers as a JSON list."), params)
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+    assert len(json.loads(out["text"])) == 3  # the enforceable part holds
+    report = out["meta_info"]["grammar_validation"]
+    assert report["valid"] is False
+    assert "non-unique" in report["error"]
+    assert report["ignored_keywords"] == ["unsupported keyword 'uniqueItems' at #"]
+
+
+def test_lenient_validation_agrees_with_jsonschema(engine):
+    params = {
+        "max_new_tokens": 20,
+        "temperature": 1.0,
+        "seed": 5,
+        "json_schema": MAYBE_UNIQUE,
+        "json_schema_lenient": True,
+    }
+    outs = engine.generate([chat(engine, "Two colours as a JSON list.")] * 8, params)
+    verdicts = set()
+    for out in outs:
+        report = out["meta_info"]["grammar_validation"]
+        errors = list(
+            jsonschema.Draft202012Validator(MAYBE_UNIQUE).iter_errors(json.loads(out["text"]))
+        )
+        assert report["valid"] == (not errors), (out["text"], report)
+        assert (report["error"] is None) == report["valid"]
+        verdicts.add(report["valid"])
+    assert True in verdicts  # the model can satisfy the skipped keyword, and it is reported
+
+
+def test_lenient_output_cut_by_max_new_tokens_is_reported_invalid(engine):
+    params = {"max_new_tokens": 3, "json_schema": MAYBE_UNIQUE, "json_schema_lenient": True}
+    out = engine.generate(chat(engine, "Two colours as a JSON list."), params)
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    report = out["meta_info"]["grammar_validation"]
+    assert report["valid"] is False and "not valid JSON" in report["error"]
+
+
+def test_strict_schemas_carry_no_validation_report(engine):
+    schema = {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2}
+    out = engine.generate("Hi", {"max_new_tokens": 8, "json_schema": schema})
+    assert "grammar_validation" not in out["meta_info"]
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"json_schema_lenient": True}, "give a json_schema"),
+        ({"regex": "a+", "json_schema_lenient": True}, "give a json_schema"),
+        ({"json_schema": {"type": "integer"}, "json_schema_lenient": "yes"}, "true or false"),
+    ],
+)
+def test_lenient_needs_a_json_schema(engine, params, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate("Hi", {"max_new_tokens": 4, **params})
