@@ -23,6 +23,7 @@ from radixlm.constrained.pattern import PatternError, translate_regex
 from radixlm.constrained.vocab import TokenVocabulary
 
 KINDS = ("regex", "json_schema", "choice", "ebnf")
+_Key = tuple[str, str, bool]
 
 
 class GrammarCompiler:
@@ -70,8 +71,9 @@ class GrammarCompiler:
         )
         self.compile_timeout = compile_timeout
         self.masks = MaskCache(mask_cache_bytes)
-        self._cache: OrderedDict[tuple[str, str, bool], CompiledGrammar | GrammarError] = OrderedDict()
-        self._inflight: dict[tuple[str, str, bool], Future] = {}
+        # keyed by (kind, spec text, lenient)
+        self._cache: OrderedDict[_Key, CompiledGrammar | GrammarError] = OrderedDict()
+        self._inflight: dict[_Key, Future] = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._max_workers = max_workers
@@ -176,7 +178,7 @@ class GrammarCompiler:
         f.add_done_callback(lambda fut, key=key: self._store(key, fut))
         return f
 
-    def _store(self, key: tuple[str, str, bool], fut: Future) -> None:
+    def _store(self, key: _Key, fut: Future) -> None:
         exc = fut.exception()
         value: CompiledGrammar | GrammarError = fut.result() if exc is None else exc  # type: ignore[assignment]
         with self._lock:
