@@ -35,7 +35,14 @@ from radixlm.server.openai_protocol import (
     ResponseFormat,
 )
 from radixlm.server.state import ServerState
-from radixlm.server.tools import ContentFilter, ToolPlan, parse_output, plan_tools
+from radixlm.server.tools import (
+    ContentFilter,
+    ToolCallStreamer,
+    ToolPlan,
+    auto_output_regex,
+    parse_output,
+    plan_tools,
+)
 
 logger = logging.getLogger("radixlm.server")
 
@@ -457,6 +464,16 @@ async def chat_completions(request: Request) -> Response:
     schema = plan.output_schema()
     if schema is not None:
         _set_constraint(params, "json_schema", json.dumps(schema), "tool_choice")
+    # with "auto", calls follow their schemas once opened (unless a response_format constrains
+    # the whole output already); streamed, calls then go out as deltas while generated
+    stream_calls = plan.constrained
+    if plan.mode == "auto" and not any(k in params for k in ("regex", "json_schema", "ebnf")):
+        whitespace = state.backend.engine_config().get("json_whitespace", "compact")
+        try:
+            params["regex"] = auto_output_regex(plan, whitespace)
+        except ValueError as e:
+            raise bad_request(f"cannot enforce the tools' parameter schemas: {e}", "tools") from e
+        stream_calls = True
     item = GenerationInput(
         input_ids=ids,
         params=params,
@@ -467,7 +484,7 @@ async def chat_completions(request: Request) -> Response:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if req.stream:
-        events = _chat_events(state, req, plan, n, streams, rid, created)
+        events = _chat_events(state, req, plan, n, streams, rid, created, stream_calls)
         return _sse_response(_guarded(state, events))
     finals = await cancel_on_disconnect(request, collect(streams))
     _raise_if_failed(finals)
@@ -527,6 +544,7 @@ def _chat_logprobs(state: ServerState, meta: dict[str, Any], skip: int) -> list[
 @dataclass
 class _ChoiceProgress:
     filter: ContentFilter
+    calls: ToolCallStreamer | None  # tool calls streamed as they are generated
     text_sent: int = 0  # characters of the output shown (no tools)
     tokens_sent: int = 0  # output tokens whose logprobs were sent
     started: bool = False
@@ -541,9 +559,13 @@ async def _chat_events(
     streams: list[AsyncIterator[dict[str, Any]]],
     rid: str,
     created: int,
+    stream_calls: bool,
 ) -> AsyncIterator[bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    progress = [_ChoiceProgress(ContentFilter(plan)) for _ in streams]
+    progress = [
+        _ChoiceProgress(ContentFilter(plan), ToolCallStreamer(plan) if stream_calls else None)
+        for _ in streams
+    ]
 
     def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
         body: dict[str, Any] = {
@@ -585,12 +607,18 @@ async def _chat_events(
                 logprobs = {"content": entries}
         if content or logprobs:
             yield chunk([choice(index, {"content": content}, logprobs)])
+        call_deltas = p.calls.feed(text) if p.calls is not None else []
+        if call_deltas:
+            yield chunk([choice(index, {"tool_calls": call_deltas})])
         if not finished:
             continue
         p.final = snap
         reason = _finish_reason(meta)
         parsed = parse_output(text, plan)
-        if parsed.tool_calls:
+        if p.calls is not None and p.calls.count:
+            if reason != "length":  # a call cut off by max_tokens stays "length"
+                reason = "tool_calls"
+        elif parsed.tool_calls:
             deltas = [
                 {"index": k, **call}  # id, type and the whole function (name, arguments)
                 for k, call in enumerate(parsed.tool_calls)

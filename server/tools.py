@@ -3,7 +3,10 @@
 Calls are JSON objects `{"name": ..., "arguments": {...}}`. With `tool_choice` "required" or a
 named tool, the whole output is constrained by a JSON schema built from the tools' parameter
 schemas (an array of calls when parallel calls are allowed). With "auto", the model writes calls in
-`<tool_call>...</tool_call>` blocks (the Hermes/Qwen convention), or as its whole answer.
+`<tool_call>...</tool_call>` blocks (the Hermes/Qwen convention), or as its whole answer; a regex
+(`auto_output_regex`) leaves the text free and constrains each call once the model opens a block.
+Streamed, a call goes out as OpenAI's deltas while it is generated (`ToolCallStreamer`): a first one
+with its id and name, then pieces of its arguments.
 
 Tools reach the model through the chat template when the template knows about tools; otherwise
 they are described in the system prompt, and earlier calls and their results are written into
@@ -152,6 +155,152 @@ def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def auto_output_regex(plan: ToolPlan, whitespace: str = "compact") -> str:
+    """For tool_choice "auto": any text, in which every `<tool_call>` block holds one call that
+    follows its tool's schema (at most one block without parallel calls). GrammarError (a
+    ValueError) for a parameter schema the engine cannot enforce."""
+    from radixlm.constrained.json_schema import JsonSchemaOptions, json_schema_to_regex
+
+    calls = [_call_schema(t["function"]) for t in plan.offered]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    call = json_schema_to_regex(schema, JsonSchemaOptions(whitespace=whitespace))
+    free = _text_without(CALL_OPEN)
+    pad = r"[ \n]{0,2}"
+    block = f"{_literal(CALL_OPEN)}{pad}(?:{call}){pad}{_literal(CALL_CLOSE)}{free}"
+    return f"{free}(?:{block}){'*' if plan.parallel else '?'}"
+
+
+def _literal(text: str) -> str:
+    return "".join(f"\\x{ord(c):02x}" if ord(c) < 128 else c for c in text)
+
+
+def _text_without(marker: str) -> str:
+    """A regex of every text that does not contain `marker` (whose first character occurs only
+    there): the automaton that counts how much of the marker was just seen, written out."""
+    if marker[0] in marker[1:]:
+        raise ValueError("the marker's first character must not recur in it")
+    first = _literal(marker[0])
+    # from "marker[0] seen", back to it (another marker[0] after a partial match) or out of it
+    again = "|".join(_literal(marker[1:j]) + first for j in range(1, len(marker)))
+    out = "|".join(
+        _literal(marker[1:j]) + f"[^{first}{_literal(marker[j])}]" for j in range(1, len(marker))
+    )
+    partial = "|".join(_literal(marker[1:j]) for j in range(2, len(marker)))
+    return f"(?:[^{first}]|{first}(?:{again})*(?:{out}))*(?:{first}(?:{again})*(?:{partial})?)?"
+
+
+class ToolCallStreamer:
+    """While streaming an output whose calls follow a grammar: the tool-call deltas, as OpenAI
+    streams them, for the text generated so far.
+
+    A call's first delta carries its index, id, type and name (sent once `"arguments":` follows
+    the name); the next ones carry the pieces of its arguments' JSON text as they are generated.
+    Calls are found in `<tool_call>` blocks (tool_choice "auto") or as the objects of the whole
+    output (a call, or an array of calls)."""
+
+    _HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.in_blocks = not plan.constrained
+        self.count = 0  # calls started
+        self._pos = 0  # where the search for the next call resumes
+        self._start: int | None = None  # where the current call's object begins
+        self._args: _JsonValueScanner | None = None  # the current call's arguments
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        while True:
+            if self._args is not None:
+                piece, done = self._args.advance(text)
+                if piece:
+                    deltas.append({"index": self.count - 1, "function": {"arguments": piece}})
+                if not done:
+                    return deltas
+                self._pos, self._args = self._args.end, None
+            if self._start is None:
+                self._start = self._next_object(text)
+                if self._start is None:
+                    return deltas
+            head = self._HEAD.match(text, self._start)
+            if head is None or head.end() == len(text):
+                return deltas  # the name (or what follows it) is not complete yet
+            name = json.loads(f'"{head.group(1)}"')
+            deltas.append(
+                {
+                    "index": self.count,
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                }
+            )
+            self.count += 1
+            self._args = _JsonValueScanner(head.end())
+            self._start = None
+
+    def _next_object(self, text: str) -> int | None:
+        pos = self._pos
+        if self.in_blocks:
+            opened = text.find(CALL_OPEN, pos)
+            if opened == -1:
+                return None
+            pos = opened + len(CALL_OPEN)
+        start = text.find("{", pos)
+        if start == -1:
+            return None
+        self._pos = start
+        return start
+
+
+class _JsonValueScanner:
+    """Finds where one JSON value, starting at `start`, ends, as its text arrives."""
+
+    def __init__(self, start: int) -> None:
+        self.sent = self.scanned = start
+        self.end = -1
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._began = False
+
+    def advance(self, text: str) -> tuple[str, bool]:
+        """(the value's text not handed out yet, whether the value is complete)."""
+        i = self.scanned
+        while i < len(text) and self.end < 0:
+            c = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+                    if self._depth == 0:
+                        self.end = i + 1
+            elif c in " \n\r\t" and not self._began:
+                self.sent = i + 1  # whitespace before the value is not part of it
+            elif c in "{[":
+                self._began = True
+                self._depth += 1
+            elif c in "}]" or (c == "," and self._depth == 0):
+                if self._depth == 0:  # the end of a bare scalar, before its container closes
+                    self.end = i
+                    break
+                self._depth -= 1
+                if self._depth == 0:
+                    self.end = i + 1
+            elif c == '"':
+                self._began = True
+                self._in_string = True
+            else:
+                self._began = True
+            i += 1
+        self.scanned = i
+        upto = self.end if self.end >= 0 else i
+        piece = text[self.sent : upto]
+        self.sent = max(self.sent, upto)
+        return piece, self.end >= 0
 
 
 def tools_system_prompt(plan: ToolPlan) -> str:

@@ -5,6 +5,7 @@ allows it."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +19,13 @@ from radixlm.server.backend import ModelInfo
 from radixlm.server.chat import render_chat_prompt
 from radixlm.server.errors import APIError
 from radixlm.server.openai_protocol import ChatCompletionRequest
-from radixlm.server.tools import ContentFilter, parse_output, plan_tools
+from radixlm.server.tools import (
+    ContentFilter,
+    ToolCallStreamer,
+    auto_output_regex,
+    parse_output,
+    plan_tools,
+)
 
 WEATHER = {
     "type": "function",
@@ -316,16 +323,100 @@ def test_auto_tool_calls_stream_as_deltas_after_content():
         }
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             chunks = sse_payloads(r)
-    assert "json_schema" not in backend.calls[0]  # auto: the model decides
+    # auto: the text is free, a call follows its schema once opened
+    assert "json_schema" not in backend.calls[0]
+    auto = re.compile(backend.calls[0]["regex"], re.DOTALL)
+    assert auto.fullmatch("Checking.") and not auto.fullmatch("Checking.<tool_call>{}")
     deltas = [c["choices"][0]["delta"] for c in chunks]
     content = "".join(d.get("content") or "" for d in deltas)
     assert content == "Checking."
     calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
-    assert len(calls) == 1
-    assert calls[0]["index"] == 0 and calls[0]["id"].startswith("call_")
-    assert calls[0]["function"]["name"] == "get_time"
-    assert json.loads(calls[0]["function"]["arguments"]) == {"timezone": "UTC"}
+    first, *pieces = calls
+    # OpenAI's shape: the id and name first, then the arguments in pieces as they are generated
+    assert first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"] == {"name": "get_time", "arguments": ""}
+    assert len(pieces) > 1
+    assert all(set(p) == {"index", "function"} and p["index"] == 0 for p in pieces)
+    arguments = "".join(p["function"]["arguments"] for p in pieces)
+    assert json.loads(arguments) == {"timezone": "UTC"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_required_parallel_calls_stream_each_call_as_it_is_generated():
+    script = (
+        '[{"name":"get_weather","arguments":{"city":"Paris"}},'
+        '{"name":"get_time","arguments":{"timezone":"CET"}}]'
+    )
+    backend = ScriptedBackend(script)
+    with TestClient(create_app(backend)) as c:
+        body = {
+            "messages": [{"role": "user", "content": "Weather and time in Paris?"}],
+            "tools": [WEATHER, TIME],
+            "tool_choice": "required",
+            "stream": True,
+        }
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            chunks = sse_payloads(r)
+    assert "json_schema" in backend.calls[0]
+    calls: dict[int, dict[str, Any]] = {}
+    order = []
+    for chunk in chunks:
+        for tc in chunk["choices"][0]["delta"].get("tool_calls") or []:
+            order.append(tc["index"])
+            call = calls.setdefault(tc["index"], {"name": None, "arguments": ""})
+            if "id" in tc:
+                assert call["name"] is None  # the header comes once, first
+                call["name"] = tc["function"]["name"]
+            call["arguments"] += tc["function"]["arguments"]
+    assert order == sorted(order) and order.count(0) > 2  # call 0 in pieces, then call 1
+    assert [c["name"] for c in calls.values()] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    assert json.loads(calls[1]["arguments"]) == {"timezone": "CET"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 100])
+def test_tool_call_streamer_rebuilds_the_arguments_whatever_the_steps(step):
+    plan = plan_tools(_tools(WEATHER, TIME), "auto", True)
+    text = (
+        'Let me see. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Sa\\"o}{ [P]", '
+        '"unit": "celsius"}}\n</tool_call>\n<tool_call>{"name":"get_time","arguments":{}}'
+        "</tool_call>"
+    )
+    streamer = ToolCallStreamer(plan)
+    calls: dict[int, dict[str, str]] = {}
+    for end in range(0, len(text) + step, step):
+        for delta in streamer.feed(text[:end]):
+            call = calls.setdefault(delta["index"], {"name": "", "arguments": ""})
+            call["name"] += delta["function"].get("name", "")
+            call["arguments"] += delta["function"]["arguments"]
+    assert streamer.count == 2
+    assert calls[0]["name"] == "get_weather"
+    assert json.loads(calls[0]["arguments"]) == {"city": 'Sa"o}{ [P]', "unit": "celsius"}
+    assert calls[1] == {"name": "get_time", "arguments": "{}"}
+
+
+def _tools(*tools: dict[str, Any]) -> list[Any]:
+    req = msgspec.convert({"messages": [], "tools": list(tools)}, ChatCompletionRequest)
+    return req.tools
+
+
+def test_auto_regex_frees_the_text_and_constrains_opened_calls():
+    parallel = re.compile(auto_output_regex(plan_tools(_tools(WEATHER, TIME), "auto", True)), re.S)
+    single = re.compile(auto_output_regex(plan_tools(_tools(WEATHER, TIME), "auto", False)), re.S)
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Rome"}}\n</tool_call>'
+    for text in ("", "Hello <b>, < tool_call>, <tool_cal", "It is sunny.\n", "<<tool", "x" + call):
+        assert parallel.fullmatch(text), text
+    assert parallel.fullmatch(call + " and " + call) and not single.fullmatch(call + call)
+    assert single.fullmatch("Sure. " + call + " Done.")
+    for text in (
+        "<tool_call>",  # opened, never closed
+        "<<tool_call>x",
+        '<tool_call>{"name":"get_weather","arguments":{}}</tool_call>',  # city is required
+        '<tool_call>{"name":"get_weather","arguments":{"city":"Rome","unit":"kelvin"}}</tool_call>',
+        '<tool_call>{"name":"nope","arguments":{}}</tool_call>',
+    ):
+        assert not parallel.fullmatch(text), text
 
 
 def test_tool_choice_none_leaves_text_alone():
@@ -397,3 +488,40 @@ def test_two_turn_tool_loop_with_the_real_model(engine):
 def engine_enforces_constraints(engine) -> bool:
     out = engine.generate("Say something:", {"max_new_tokens": 4, "temperature": 0, "regex": "zzz"})
     return out["text"] == "zzz"
+
+
+def test_auto_regex_constrains_a_call_the_real_model_opens(engine):
+    """Few-shot examples lead the model into calls with a wrong argument name; free, it writes
+    arguments the schema refuses; under the auto regex the call it opens must follow the schema (and the text stays free)."""
+    forecast = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    plan = plan_tools(_tools(forecast), "auto", True)
+    prompt = (
+        'Q: weather in Rome\nA: <tool_call>\n{"name":"get_weather","arguments":{"town":"Rome"}}\n'
+        '</tool_call>\nQ: weather in Oslo\nA: <tool_call>\n{"name":"get_weather","arguments":'
+        '{"town":"Oslo"}}\n</tool_call>\nQ: weather in Paris for a week\nA:'
+    )
+    params = {"max_new_tokens": 40, "temperature": 0, "stop": ["\nQ:"]}
+    free = parse_output(engine.generate(prompt, params)["text"], plan)
+    (call,) = free.tool_calls
+    with pytest.raises(jsonschema.ValidationError):  # the premise: free, it gets them wrong
+        jsonschema.validate(
+            json.loads(call["function"]["arguments"]), forecast["function"]["parameters"]
+        )
+
+    out = engine.generate(prompt, {**params, "regex": auto_output_regex(plan)})
+    parsed = parse_output(out["text"], plan)
+    (call,) = parsed.tool_calls
+    arguments = json.loads(call["function"]["arguments"])
+    jsonschema.validate(arguments, forecast["function"]["parameters"])
+    assert arguments["city"] == "Paris"
