@@ -66,7 +66,8 @@ class EngineProcessBackend(TokenizerSide):
 
     `engine_kwargs` are `radixlm.Engine`'s keyword arguments (EngineConfig fields). Bad options
     raise ValueError here, as `radixlm.Engine` would; the constructor returns once the model is
-    loaded. `startup_timeout` (seconds, None: no limit) bounds the load.
+    loaded. `startup_timeout` (seconds, None: no limit) bounds the load. The channel is bound to
+    the first event loop that uses the backend (the server's).
     """
 
     def __init__(

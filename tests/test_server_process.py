@@ -303,6 +303,38 @@ def test_profiler_writes_a_trace(server, tmp_path):
     assert httpx.post(server.url + "/stop_profile").status_code == 400  # not running
 
 
+def test_openai_chat_with_a_named_tool_streams_its_call(server):
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [weather],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 40,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        chunks = [c for c in sse_payloads(r.iter_lines()) if c != "[DONE]"]
+    deltas = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    arguments = json.loads("".join(d["function"]["arguments"] for d in deltas))
+    assert set(arguments) == {"city"} and len(arguments["city"]) <= 12
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
 # ---- the engine process dies ---------------------------------------------------------------
 
 
