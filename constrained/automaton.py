@@ -27,6 +27,9 @@ from radixlm.constrained.vocab import SENTINEL_BYTES, TokenVocabulary
 # walked in runs; two runs merge when the dead subtries between them are cheaper to walk than a
 # second walk's per-level overhead.
 _NODES_PER_LEVEL_OVERHEAD = 700
+# Walks over more nodes than this write every level into one buffer over the whole trie and read
+# all token ends in one gather at the end (a fixed cost that pays off on large walks).
+_BUFFERED_WALK_NODES = 8000
 
 
 @cache
@@ -103,19 +106,20 @@ class ByteAutomaton:
         self.offsets = self.table.astype(np.int64 if wide else np.int32) * self.n_classes
         self.dead_offset = n * self.n_classes
         self._first_bytes: dict[int, np.ndarray] = {}
-        self._level_classes: tuple[TokenTrie, list[np.ndarray]] | None = None
+        self._node_classes: tuple[TokenTrie, np.ndarray] | None = None
 
     @property
     def nbytes(self) -> int:
         return int(self.table.nbytes + self.offsets.nbytes + self.accepting.nbytes)
 
-    def level_classes(self, trie: TokenTrie) -> list[np.ndarray]:
-        """The byte class of every trie node, level by level (made on the first mask)."""
-        cached = self._level_classes
+    def node_classes(self, trie: TokenTrie) -> np.ndarray:
+        """(nodes,) the byte class of every trie node, levels one after another (made once)."""
+        cached = self._node_classes
         if cached is None or cached[0] is not trie:
-            dtype = self.offsets.dtype
-            classes = [self.byte_class[level.byte].astype(dtype) for level in trie.levels]
-            cached = self._level_classes = (trie, classes)
+            cached = self._node_classes = (
+                trie,
+                self.byte_class[trie.byte].astype(self.offsets.dtype),
+            )
         return cached[1]
 
     def step(self, state: int, byte: int) -> int:
@@ -205,12 +209,34 @@ class TokenTrie:
         self._nodes_before = np.concatenate([[0], np.cumsum(per_first)]).tolist()
         self._depth = sum((np.diff(level.start) > 0).astype(np.int64) for level in self.levels)
         self._depth = self._depth.tolist()
+        # the same nodes numbered globally, level after level
+        sizes = [len(level.parent) for level in self.levels]
+        self._offset = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        self.n_nodes = self._offset[-1]
+        self.byte = np.concatenate([level.byte for level in self.levels])
+        self._parent = np.concatenate(
+            [np.zeros(sizes[0], dtype=np.int64)]
+            + [level.parent + self._offset[j] for j, level in enumerate(self.levels[1:])]
+        )
+        self._starts = [level.start.tolist() for level in self.levels]
+        self._end_token = np.concatenate([level.end_token for level in self.levels])
+        self._end_node = np.concatenate(
+            [level.end_node + self._offset[j] for j, level in enumerate(self.levels)]
+        )
 
     def allowed(self, dfa: ByteAutomaton, state: int) -> np.ndarray:
         """(size,) bool: the tokens whose bytes the DFA accepts from `state` without dying."""
         out = np.zeros(self.size, dtype=bool)
-        for lo, hi in self._runs(dfa.live_bytes(state).tolist()):
-            self._walk(dfa, state, out, lo, hi)
+        runs = self._runs(dfa.live_bytes(state).tolist())
+        nodes = sum(self._nodes_before[hi] - self._nodes_before[lo] for lo, hi in runs)
+        if nodes < _BUFFERED_WALK_NODES:
+            for lo, hi in runs:
+                self._walk(dfa, state, out, lo, hi)
+            return out
+        buffer = np.full(self.n_nodes, dfa.dead_offset, dtype=dfa.offsets.dtype)
+        for lo, hi in runs:
+            self._walk_buffered(dfa, state, buffer, lo, hi)
+        out[self._end_token] = buffer[self._end_node] != dfa.dead_offset
         return out
 
     def _runs(self, firsts: list[int]) -> list[tuple[int, int]]:
@@ -218,7 +244,7 @@ class TokenTrie:
         runs: list[list[int]] = []
         nodes, depth = self._nodes_before, self._depth
         for b in firsts:
-            if runs and nodes[b] - nodes[runs[-1][1]] < depth[b] * _NODES_PER_LEVEL_OVERHEAD:
+            if runs and nodes[b] - nodes[runs[-1][1]] <= depth[b] * _NODES_PER_LEVEL_OVERHEAD:
                 runs[-1][1] = b + 1
             else:
                 runs.append([b, b + 1])
@@ -227,19 +253,20 @@ class TokenTrie:
     def _walk(self, dfa: ByteAutomaton, state: int, out: np.ndarray, lo: int, hi: int) -> None:
         """Walk the subtries of first bytes lo..hi-1 from `state`, marking live token ends."""
         offsets, dead = dfa.offsets, dfa.dead_offset
-        classes = dfa.level_classes(self)
+        classes = dfa.node_classes(self)
         root = state * dfa.n_classes
         states = offsets[:0]
         base = 0  # index of the first node of the previous level's slice
         for j, level in enumerate(self.levels):
-            a, b = int(level.start[lo]), int(level.start[hi])
+            a, b = self._starts[j][lo], self._starts[j][hi]
             if a == b:
                 return
+            g = self._offset[j]
             if j == 0:
-                cur = offsets[root + classes[0][a:b]]
+                cur = offsets[root + classes[a:b]]
             else:
                 parent = level.parent[a:b]
-                cur = offsets[states[parent - base if base else parent] + classes[j][a:b]]
+                cur = offsets[states[parent - base if base else parent] + classes[g + a : g + b]]
             ea, eb = int(level.end_start[lo]), int(level.end_start[hi])
             if ea < eb:
                 ends = level.end_node[ea:eb]
@@ -248,6 +275,26 @@ class TokenTrie:
             if cur.min() == dead:  # the dead state has the largest offset
                 return
             states, base = cur, a
+
+    def _walk_buffered(
+        self, dfa: ByteAutomaton, state: int, buffer: np.ndarray, lo: int, hi: int
+    ) -> None:
+        """Like _walk, writing each node's state offset into `buffer` (global node numbers);
+        nodes left unwritten keep the dead offset they were filled with."""
+        offsets, dead = dfa.offsets, dfa.dead_offset
+        classes, parent = dfa.node_classes(self), self._parent
+        for j in range(len(self.levels)):
+            g = self._offset[j]
+            a, b = g + self._starts[j][lo], g + self._starts[j][hi]
+            if a == b:
+                return
+            cur = buffer[a:b]
+            if j == 0:
+                np.take(offsets, state * dfa.n_classes + classes[a:b], out=cur)
+            else:
+                np.take(offsets, buffer[parent[a:b]] + classes[a:b], out=cur)
+            if cur.min() == dead:  # the dead state has the largest offset
+                return
 
 
 __all__ = ["ByteAutomaton", "TokenTrie"]

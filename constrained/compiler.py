@@ -260,7 +260,7 @@ class GrammarCompiler:
                 f"the regex built from the {kind} is too large for the automaton builder "
                 f"({detail}); simplify it"
             ) from None
-        automaton.level_classes(self.vocab.trie)  # ready before the first mask
+        automaton.node_classes(self.vocab.trie)  # ready before the first mask
         return CompiledGrammar(kind, spec, regex, automaton, self.vocab, self.masks, notes)
 
 
