@@ -12,6 +12,8 @@ allowed), an invalid one refused somewhere.
 
     python benchmarks/grammar.py --sample 100
     python benchmarks/grammar.py --sample 400 --timeout 10
+    python benchmarks/grammar.py --sample 0 --shard 0/4 --json s0.json   # every 4th of all schemas
+    python benchmarks/grammar.py --summarize s0.json s1.json s2.json s3.json
 """
 
 from __future__ import annotations
@@ -59,10 +61,13 @@ def load_default_tokenizer():
     return tok
 
 
-def sample_names(data: Path, sample: int | None, limit: int | None) -> list[str]:
+def sample_names(
+    data: Path, sample: int | None, limit: int | None, shard: tuple[int, int] = (0, 1)
+) -> list[str]:
     names = sorted(p.name for p in data.glob("*.json"))
     if sample:
         names = [names[(i * len(names)) // sample] for i in range(sample)]
+    names = names[shard[0] :: shard[1]]
     return names[:limit] if limit else names
 
 
@@ -291,7 +296,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument(
-        "--sample", type=int, default=100, help="N schemas evenly spaced over the sorted names"
+        "--sample",
+        type=int,
+        default=100,
+        help="N schemas evenly spaced over the sorted names (0: all)",
+    )
+    ap.add_argument(
+        "--shard", default="0/1", help="K/N: only every N-th schema of the sample, from the K-th"
+    )
+    ap.add_argument(
+        "--summarize",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="print the table of --json files written by earlier runs (shards) and exit",
     )
     ap.add_argument("--limit", type=int, default=None, help="only the first N of the sample")
     ap.add_argument("--timeout", type=float, default=10.0, help="per-schema compile timeout (s)")
@@ -305,9 +323,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
 
+    if args.summarize:
+        merged: dict[str, list[Result]] = {}
+        for path in args.summarize:
+            for engine, rows in json.loads(path.read_text()).items():
+                merged.setdefault(engine, []).extend(Result(**r) for r in rows)
+        print(f"{len(next(iter(merged.values()), []))} schemas from {len(args.summarize)} file(s)")
+        print_table([summarize(e, rs) for e, rs in merged.items()])
+        return
+    k, _, n = args.shard.partition("/")
+    shard = (int(k), int(n or 1))
+    if not 0 <= shard[0] < shard[1]:
+        raise SystemExit(f"--shard wants K/N with 0 <= K < N, got {args.shard}")
     if not args.data.exists():
         raise SystemExit(f"no data at {args.data}")
-    names = sample_names(args.data, args.sample, args.limit)
+    names = sample_names(args.data, args.sample, args.limit, shard)
     tokenizer = load_default_tokenizer()
     _STATE["tokenizer"] = tokenizer
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
