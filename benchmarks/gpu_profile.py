@@ -52,7 +52,9 @@ def prefill(shape: str, tok_folder) -> list[str]:
                 eng.generate(input_ids=p, sampling_params=params)
                 times.append(time.perf_counter() - t)
             best = min(times)
-            flops = 2 * n_params * length + 2 * s["num_hidden_layers"] * s["hidden_size"] * length**2
+            flops = (
+                2 * n_params * length + 2 * s["num_hidden_layers"] * s["hidden_size"] * length**2
+            )
             lines.append(
                 f"| {shape} | {length} | {best * 1e3:.1f} ms | {flops / best / 1e12:.0f} TFLOP/s | "
                 f"{peak / 1e12:.0f} TFLOP/s | {flops / best / peak:.1%} |"
@@ -108,7 +110,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for line in prefill(args.prefill_shape, tok_folder):
         print(line, flush=True)
-    print("\n| shape | decode batch | wall | rate | GPU busy | busy share |\n|---|---|---|---|---|---|")
+    print(
+        "\n| shape | decode batch | wall | rate | GPU busy | busy share |\n|---|---|---|---|---|---|"
+    )
     print(busy(args.busy_shape, tok_folder), flush=True)
 
 

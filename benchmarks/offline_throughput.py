@@ -148,7 +148,6 @@ def gpu_workload(args) -> None:
     print(f"| {label} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.1f}x |")
 
 
-@torch.inference_mode()
 def hf_generate_batch(folder, prompts, outs) -> float:
     """transformers' continuous batching on the same weights' shape (bf16, random weights); every
     request gets the mean output length, EOS off. Output tokens per second."""

@@ -4,6 +4,11 @@ Text is decoded a few tokens at a time, never splitting a UTF-8 character: while
 decode to a replacement character (an incomplete byte sequence) their text is held back. Stop
 strings are searched across chunk boundaries; the text that could still become the start of a stop
 string is held back from streaming until it is decided.
+
+Without stop strings nothing needs the text between steps unless someone reads it, so new tokens
+are only queued and decoded when `text` is read (a streaming client each step; a plain request
+once at the end). Decoding goes straight to the fast tokenizer's decoder where transformers' wrapper
+would add nothing but per-call overhead.
 """
 
 from __future__ import annotations
@@ -23,14 +28,35 @@ class IncrementalDetokenizer:
     spaces_between_special_tokens: bool = True
     stop: list[str] = field(default_factory=list)
 
-    text: str = ""  # the decoded output so far, stop string trimmed once matched
     matched_stop: str | None = None
+    _text: str = ""  # the decoded output so far, stop string trimmed once matched
     _ids: list[int] = field(default_factory=list)
+    _pending: list[int] = field(default_factory=list)  # queued, not decoded yet
     _prefix_offset: int = 0
     _read_offset: int = 0
 
+    def __post_init__(self) -> None:
+        self._decode_fn = fast_decoder(
+            self.tokenizer, self.skip_special_tokens, self.spaces_between_special_tokens
+        )
+
+    @property
+    def text(self) -> str:
+        """The decoded output so far (stop string trimmed once matched)."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self._add(pending)
+        return self._text
+
     def add(self, token_ids: list[int]) -> None:
-        """Decode newly generated tokens; afterwards `text` and `matched_stop` are current."""
+        """Take newly generated tokens. With stop strings they are decoded now, so that
+        `matched_stop` is current; without, when `text` is next read."""
+        if self.stop:
+            self._add(token_ids)
+        else:
+            self._pending.extend(token_ids)
+
+    def _add(self, token_ids: list[int]) -> None:
         if self.matched_stop is not None:
             return
         self._ids.extend(token_ids)
@@ -43,21 +69,22 @@ class IncrementalDetokenizer:
         self._prefix_offset = max(0, self._read_offset - _PREFIX_WINDOW)
         if not delta:
             return
-        search_from = max(0, len(self.text) - self._longest_stop + 1)
-        self.text += delta
+        search_from = max(0, len(self._text) - self._longest_stop + 1)
+        self._text += delta
         self._find_stop(search_from)
 
     def reset(self, token_ids: list[int]) -> None:
         """Start over from these tokens (after earlier tokens were replaced)."""
-        self.text, self.matched_stop = "", None
-        self._ids, self._prefix_offset, self._read_offset = [], 0, 0
+        self._text, self.matched_stop = "", None
+        self._ids, self._pending, self._prefix_offset, self._read_offset = [], [], 0, 0
         self.add(list(token_ids))
 
     def flush(self) -> None:
         """At the end of generation: release any bytes still held (as replacement characters)."""
+        self.text  # noqa: B018 (decodes what is queued)
         if self.matched_stop is None and self._read_offset < len(self._ids):
             prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-            self.text += self._decode(self._ids[self._prefix_offset :])[len(prefix_text) :]
+            self._text += self._decode(self._ids[self._prefix_offset :])[len(prefix_text) :]
             self._read_offset = len(self._ids)
 
     @property
@@ -67,11 +94,11 @@ class IncrementalDetokenizer:
             return self.text
         hold = 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(s[:k]):
+            for k in range(min(len(s) - 1, len(self._text)), hold, -1):
+                if self._text.endswith(s[:k]):
                     hold = k
                     break
-        return self.text[: len(self.text) - hold]
+        return self._text[: len(self._text) - hold]
 
     @property
     def _longest_stop(self) -> int:
@@ -80,18 +107,33 @@ class IncrementalDetokenizer:
     def _find_stop(self, search_from: int) -> None:
         best = None
         for s in self.stop:
-            pos = self.text.find(s, search_from)
+            pos = self._text.find(s, search_from)
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, s)
         if best is not None:
-            self.text = self.text[: best[0]]
+            self._text = self._text[: best[0]]
             self.matched_stop = best[1]
 
     def _decode(self, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        return self.tokenizer.decode(
-            ids,
-            skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        return self._decode_fn(ids) if ids else ""
+
+
+def fast_decoder(tokenizer, skip_special_tokens: bool, spaces_between_special_tokens: bool = True):
+    """ids -> text. The fast tokenizer's own decoder where transformers' `decode` would return the
+    same text (it only adds clean-up of tokenization spaces, skipped for BPE), else `decode`."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cleanup = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    if cleanup and backend is not None:
+        forced = getattr(
+            tokenizer,
+            "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+            False,
         )
+        cleanup = type(backend.model).__name__ != "BPE" or forced
+    if backend is not None and hasattr(backend, "decode") and not cleanup:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(
+        ids,
+        skip_special_tokens=skip_special_tokens,
+        spaces_between_special_tokens=spaces_between_special_tokens,
+    )

@@ -109,5 +109,11 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start : start + len(slots)] = slots.to(self.table.device, torch.int32)
 
+    def write_scattered(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
+        """table[rows[i], positions[i]] = slots[i] for all i, in one indexed write."""
+        dev = self.table.device
+        index = torch.tensor([rows, positions], dtype=torch.int64).to(dev, non_blocking=True)
+        self.table[index[0], index[1]] = slots.to(dev, torch.int32, non_blocking=True)
+
     def read(self, row: int, length: int) -> torch.Tensor:
         return self.table[row, :length].to("cpu", torch.int64)

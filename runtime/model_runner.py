@@ -115,23 +115,26 @@ class ModelRunner:
                 logits_rows.append(offset + it.num_tokens - 1)
             offset += it.num_tokens
 
-        dev = self.device
         extend_lens = [it.num_tokens for it in items]
         prefix_lens = [it.start for it in items]
-        req_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        extend_t = torch.tensor(extend_lens, dtype=torch.int64, device=dev)
-        prefix_t = torch.tensor(prefix_lens, dtype=torch.int64, device=dev)
-        token_rows = torch.repeat_interleave(req_rows, extend_t)
+        token_rows = [r for r, n in zip(rows, extend_lens) for _ in range(n)]
+        # every index list travels to the device in one copy
+        t, b = len(input_ids), len(items)
+        packed = torch.tensor(
+            input_ids + positions + token_rows + rows + extend_lens + prefix_lens + logits_rows,
+            dtype=torch.int64,
+        ).to(self.device, non_blocking=True)
+        ids_t, pos_t, token_rows_t = packed[: 3 * t].view(3, t)
+        req_rows, extend_t, prefix_t = packed[3 * t : 3 * t + 3 * b].view(3, b)
         batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            input_ids=ids_t,
             positions=pos_t,
-            out_cache_loc=self.req_to_token[token_rows, pos_t].long(),
+            out_cache_loc=self.req_to_token[token_rows_t, pos_t].long(),
             req_pool_indices=req_rows,
             prefix_lens=prefix_t,
             extend_lens=extend_t,
             seq_lens=prefix_t + extend_t,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            logits_indices=packed[3 * t + 3 * b :],
             extend_lens_cpu=extend_lens,
             prefix_lens_cpu=prefix_lens,
             num_multi=sum(1 for n in extend_lens if n > 1),

@@ -96,11 +96,9 @@ class Scheduler:
         ):
             victim = decoding.pop()  # the newest
             self._preempt(victim)
-        plan = []
-        for req in decoding:
-            start, n = req.kv_len, req.num_tokens - req.kv_len
-            self.cache.extend(req, n)
-            plan.append(ScheduledReq(req, start, n))
+        plan = [ScheduledReq(req, req.kv_len, req.num_tokens - req.kv_len) for req in decoding]
+        if plan:
+            self.cache.extend_many(decoding, [item.num_tokens for item in plan])
         return plan
 
     def _extend(self, req: Req, n: int) -> ScheduledReq | None:
