@@ -277,6 +277,21 @@ def summarize(engine: str, results: list[Result]) -> dict[str, Any]:
     }
 
 
+def print_common_compiles(results: dict[str, list[Result]]) -> None:
+    """Compile times over the schemas that every engine compiled (the same work for each)."""
+    compiled = [{r.name for r in rs if r.status == "ok"} for rs in results.values()]
+    common = set.intersection(*compiled) if compiled else set()
+    if not common or len(results) < 2:
+        return
+    print(f"\ncompile time on the {len(common)} schemas every engine compiled:")
+    for engine, rs in results.items():
+        times = [r.compile_s for r in rs if r.name in common]
+        print(
+            f"  {engine}: p50 {1e3 * percentile(times, 50):.1f} ms, "
+            f"p99 {1e3 * percentile(times, 99):.0f} ms, max {1e3 * max(times):.0f} ms"
+        )
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         "| engine | coverage | FA | FR | refused | timeouts | compile p50 / p99 | mask p50 / p99 / p99.9 |"
@@ -330,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
                 merged.setdefault(engine, []).extend(Result(**r) for r in rows)
         print(f"{len(next(iter(merged.values()), []))} schemas from {len(args.summarize)} file(s)")
         print_table([summarize(e, rs) for e, rs in merged.items()])
+        print_common_compiles(merged)
         return
     k, _, n = args.shard.partition("/")
     shard = (int(k), int(n or 1))
@@ -365,6 +381,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(names)} schemas, {time.time() - t0:.0f} s; SmolLM2-135M tokenizer; compact JSON, keys in schema order"
     )
     print_table(rows)
+    print_common_compiles(all_results)
     print()
     print(
         "command: python "
