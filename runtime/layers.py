@@ -1,9 +1,14 @@
-"""The building blocks of a Llama-family decoder, in plain torch."""
+"""The building blocks of a Llama-family decoder, in plain torch.
+
+On CUDA, RMSNorm (with its residual add), the rotary embedding and SiLU-and-multiply each run as one
+fused Triton kernel (kernels/fused.py) with the same rounding; the torch code here is the CPU path
+and their oracle.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +23,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalize x; with a residual, first add it and also return the sum (the new residual)."""
+        if _fused(x) and x.dim() == 2 and x.stride(-1) == 1:
+            out, residual = _fused_kernels().rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -27,7 +35,19 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
+def _fused(x: torch.Tensor) -> bool:
+    return x.is_cuda and _fused_kernels().enabled(x)
+
+
+def _fused_kernels():
+    from radixlm.kernels import fused  # imports triton: only where CUDA is used
+
+    return fused
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if _fused(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        return _fused_kernels().silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -61,20 +81,32 @@ class RotaryEmbedding(nn.Module):
         self.cos = (freqs.cos() * attention_factor).float().to(device)
         self.sin = (freqs.sin() * attention_factor).float().to(device)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, cos) and (-sin, sin) of the positions, (T, 1, head_dim) each: looked up once a
-        step and shared by all layers."""
+    def lookup(self, positions: torch.Tensor) -> RopeInputs:
+        """What `apply` needs for these positions, worked out once a step for all layers: the
+        positions themselves for the fused kernel, else (cos, cos) and (-sin, sin) per token,
+        (T, 1, head_dim) each."""
+        if _fused(positions):
+            return RopeInputs(self.cos, self.sin, positions)
         cos, sin = self.cos[positions], self.sin[positions]
-        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+        return RopeInputs(
+            torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1), None
+        )
 
     @staticmethod
-    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def apply(rope: RopeInputs, x: torch.Tensor) -> torch.Tensor:
         """Rotate x (T, H, head_dim): with halves x1, x2 it gives (x1 cos - x2 sin, x2 cos + x1 sin),
-        computed as x * (cos, cos) + (x2, x1) * (-sin, sin)."""
-        cos, sin = cos_sin
+        computed as x * (cos, cos) + (x2, x1) * (-sin, sin); the fused kernel rotates x in place."""
+        if rope.positions is not None:
+            return _fused_kernels().rope_(x, rope.positions, rope.cos, rope.sin)
         h = x.float()
-        out = h * cos + torch.roll(h, x.shape[-1] // 2, dims=-1) * sin
+        out = h * rope.cos + torch.roll(h, x.shape[-1] // 2, dims=-1) * rope.sin
         return out.to(x.dtype)
+
+
+class RopeInputs(NamedTuple):
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor | None  # set for the fused kernel: cos/sin are then the tables
 
 
 def _scale_inv_freq(

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from radixlm.runtime.forward_batch import ForwardBatch
-from radixlm.runtime.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from radixlm.runtime.layers import RMSNorm, RopeInputs, RotaryEmbedding, silu_and_mul
 from radixlm.runtime.model_config import ModelConfig
 
 
@@ -39,7 +39,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeInputs,
         x: torch.Tensor,
         batch: ForwardBatch,
         backend,
@@ -52,7 +52,7 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k heads rotate together: one rope for both
-        q, k = RotaryEmbedding.apply(cos_sin, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = RotaryEmbedding.apply(rope, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         o = backend.forward(q, k, v, self.layer_id, batch, self.scale)  # (T, Hq, D)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -75,13 +75,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, cos_sin, x, residual, batch, backend):
+    def forward(self, rope, x, residual, batch, backend):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(cos_sin, x, batch, backend)
+        x = self.self_attn(rope, x, batch, backend)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -103,10 +103,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
         """Logits (L, vocab) in float32 for the rows `batch.logits_indices`."""
         x = self.embed_tokens(batch.input_ids)
-        cos_sin = self.rope.lookup(batch.positions)
+        rope = self.rope.lookup(batch.positions)
         residual = None
         for layer in self.layers:
-            x, residual = layer(cos_sin, x, residual, batch, backend)
+            x, residual = layer(rope, x, residual, batch, backend)
         x, _ = self.norm(x, residual)
         x = x[batch.logits_indices]
         return self.lm_head(x).float()

@@ -1,0 +1,132 @@
+"""Fused Triton kernels for the small per-layer operations of a decoder.
+
+At small batches a decode step is launch-bound: each of these replaces several torch kernels
+(casts, a reduction, elementwise ops) with one, with the same rounding as the torch code in
+runtime/layers.py (compute in float32, round to the activation dtype where torch rounds), which
+stays the CPU path and the oracle.
+
+- `rms_norm(x, weight, eps, residual)`: optionally add the residual (rounded to x's dtype), then
+  RMSNorm in float32, round, multiply by the weight. Returns (out, new residual).
+- `rope_(qk, positions, cos, sin)`: rotate the q and k heads of each token in place (half-split
+  layout), cos/sin looked up from the (max_positions, head_dim / 2) float32 tables.
+- `silu_and_mul(gate_up)`: silu(gate) * up over the two halves of the last dimension.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Use the fused kernels for this tensor: on CUDA, unless RADIXLM_DISABLE_FUSED=1."""
+    return x.is_cuda and os.environ.get("RADIXLM_DISABLE_FUSED") != "1"
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_res, stride_out, stride_res_out,
+    n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the sum, rounded as torch's add
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    h = (xf * rstd).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = h.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x (T, N) with unit stride in the last dimension; returns (out, x + residual or None)."""
+    rows, n = x.shape
+    out = torch.empty(rows, n, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if rows == 0:
+        return out, res_out
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(rows,)](
+        x, res, weight, out, res_out if res_out is not None else out,
+        x.stride(0), res.stride(0), out.stride(0),
+        res_out.stride(0) if res_out is not None else 0,
+        n, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
+        num_warps=4 if n <= 2048 else 8,
+    )  # fmt: skip
+    return out, res_out
+
+
+@triton.jit
+def _rope_kernel(
+    qk_ptr, pos_ptr, cos_ptr, sin_ptr,
+    stride_t, stride_h, n_heads,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < n_heads) & (dims < HALF)
+    pos = tl.load(pos_ptr + t)
+    c = tl.load(cos_ptr + pos * HALF + dims, mask=dims < HALF, other=0.0)
+    s = tl.load(sin_ptr + pos * HALF + dims, mask=dims < HALF, other=0.0)
+    base = qk_ptr + t * stride_t + heads * stride_h + dims
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(base, (x1f * c - x2f * s).to(x1.dtype), mask=mask)
+    tl.store(base + HALF, (x2f * c + x1f * s).to(x1.dtype), mask=mask)
+
+
+def rope_(
+    qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotate qk (T, H, D) in place (unit stride in D; any token and head strides)."""
+    tokens, heads, dim = qk.shape
+    if tokens:
+        half = dim // 2
+        _rope_kernel[(tokens,)](
+            qk, positions, cos, sin, qk.stride(0), qk.stride(1), heads,
+            HALF=half, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(half),
+            num_warps=4,
+        )  # fmt: skip
+    return qk
+
+
+@triton.jit
+def _silu_and_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
+    up = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu, rounded as torch's F.silu
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (T, 2I) -> silu(gate_up[:, :I]) * gate_up[:, I:] (T, I)."""
+    rows, width = gate_up.shape
+    n = width // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+        )
+    return out

@@ -1,0 +1,90 @@
+"""The fused RMSNorm / rotary / SiLU kernels (kernels/fused.py) against the torch code of
+runtime/layers.py, which they replace on CUDA. Without CUDA they run under TRITON_INTERPRET=1 at
+small sizes; on a GPU at real sizes in every dtype."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from radixlm.kernels import fused  # noqa: E402
+from radixlm.runtime.layers import RMSNorm, RotaryEmbedding, silu_and_mul  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+SHAPES = [(3, 64), (5, 576)] if DEVICE.type == "cpu" else [(1, 576), (37, 576), (64, 4096)]
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Run runtime/layers.py's torch code even on CUDA (the oracle)."""
+    monkeypatch.setenv("RADIXLM_DISABLE_FUSED", "1")
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    # same rounding steps as torch; only float32 summation order and fma may move the last bit
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_with_and_without_residual(dtype, shape, monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    rows, n = shape
+    x = (torch.randn(rows, n + 8, generator=gen) * 3).to(DEVICE, dtype)[:, :n]  # strided rows
+    res = torch.randn(rows, n, generator=gen).to(DEVICE, dtype)
+    norm = RMSNorm(n, 1e-5).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(n, generator=gen) + 0.5)
+    out, new_res = fused.rms_norm(x, norm.weight, norm.eps, res)
+    alone, none = fused.rms_norm(x, norm.weight, norm.eps)
+    monkeypatch.setenv("RADIXLM_DISABLE_FUSED", "1")
+    want_out, want_res = norm(x, res)
+    close(out, want_out, dtype)
+    assert torch.equal(new_res, want_res)  # the sum is rounded exactly as torch's add
+    close(alone, norm(x), dtype)
+    assert none is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2), (9, 3), (32, 8)])
+def test_rope_in_place_on_a_qkv_view(dtype, heads, torch_path):
+    gen = torch.Generator().manual_seed(1)
+    hq, hkv = heads
+    head_dim, tokens = 64, 7
+    rope = RotaryEmbedding(head_dim, 4096, 500000.0, None)
+    rope.build_tables(DEVICE)
+    positions = torch.tensor([0, 1, 5, 77, 1000, 4095, 3], device=DEVICE)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, generator=gen).to(DEVICE, dtype)
+    qk = qkv[:, : (hq + hkv) * head_dim].view(tokens, hq + hkv, head_dim)  # strided tokens
+    want = RotaryEmbedding.apply(rope.lookup(positions), qk.clone())  # torch path (env set)
+    v_before = qkv[:, (hq + hkv) * head_dim :].clone()
+    got = fused.rope_(qk, positions, rope.cos, rope.sin)
+    assert got.data_ptr() == qkv.data_ptr()  # rotated where it lies
+    close(got, want, dtype)
+    assert torch.equal(qkv[:, (hq + hkv) * head_dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [64, 1536, 3000])
+def test_silu_and_mul(dtype, width, torch_path):
+    gen = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(5, 2 * width, generator=gen) * 4).to(DEVICE, dtype)
+    close(fused.silu_and_mul(gate_up), silu_and_mul(gate_up), dtype)
+
+
+def test_fused_path_is_taken_only_on_cuda(monkeypatch):
+    x = torch.zeros(2, 4)
+    assert not fused.enabled(x)
+    if torch.cuda.is_available():
+        assert fused.enabled(x.cuda())
+        monkeypatch.setenv("RADIXLM_DISABLE_FUSED", "1")
+        assert not fused.enabled(x.cuda())
