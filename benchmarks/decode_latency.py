@@ -61,15 +61,47 @@ def hf_eager_tok_s(folder: Path, prompt: list[int], new_tokens: int) -> tuple[fl
     return rate, weight_bytes
 
 
-def ours_tok_s(folder: Path, prompt: list[int], new_tokens: int) -> float:
+def ours_tok_s(folder: Path, prompt: list[int], new_tokens: int, fused: bool = True) -> float:
+    import os
+
     import radixlm
 
+    os.environ["RADIXLM_DISABLE_FUSED"] = "0" if fused else "1"
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     with radixlm.Engine(str(folder), load_format="dummy", max_running_requests=64) as eng:
         eng.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 8})
         t = time.perf_counter()
         eng.generate(input_ids=prompt, sampling_params=params)
         rate = new_tokens / (time.perf_counter() - t)
+    os.environ.pop("RADIXLM_DISABLE_FUSED")
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rate
+
+
+def hf_compiled_tok_s(folder: Path, prompt: list[int], new_tokens: int) -> float:
+    """transformers with a static KV cache and the forward compiled (mode reduce-overhead: CUDA
+    graphs), its fastest batch-1 configuration."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config).eval()
+    torch.set_default_dtype(torch.float32)
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.tensor([prompt], device="cuda")
+    kw = {"do_sample": False, "min_new_tokens": new_tokens, "max_new_tokens": new_tokens,
+          "eos_token_id": None, "pad_token_id": 0, "cache_implementation": "static"}  # fmt: skip
+    with torch.inference_mode():
+        for _ in range(2):  # compile, then capture
+            model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, **kw)
+        torch.cuda.synchronize()
+    rate = new_tokens / (time.perf_counter() - t)
+    del model
     gc.collect()
     torch.cuda.empty_cache()
     return rate
@@ -81,6 +113,7 @@ def main() -> None:
     )
     ap.add_argument("--shapes", default="smollm2-135m,llama-3.1-8b")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--hf-compiled", action="store_true", help="also transformers static+compile")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_latency measures GPU decode speed: no CUDA device here")
@@ -95,16 +128,23 @@ def main() -> None:
     for name in args.shapes.split(","):
         folder = shape_folder(name, tok_folder)
         hf, weight_bytes = hf_eager_tok_s(folder, prompt, args.new_tokens)
+        compiled = hf_compiled_tok_s(folder, prompt, args.new_tokens) if args.hf_compiled else None
+        unfused = ours_tok_s(folder, prompt, args.new_tokens, fused=False)
         ours = ours_tok_s(folder, prompt, args.new_tokens)
         floor = bw / weight_bytes  # tokens/s if each step only read the weights at copy speed
-        rows.append((name, ours, hf, floor, weight_bytes))
+        rows.append((name, ours, unfused, hf, compiled, floor, weight_bytes))
+        print(rows[-1], flush=True)
     print(
-        "\n| shape | radixlm tok/s | HF eager tok/s | ratio | weights GB | bandwidth floor tok/s | radixlm of floor |"
+        "\n| shape | radixlm tok/s | without fused kernels | HF eager | HF static+compile | "
+        "radixlm / best HF | weights GB | bandwidth floor tok/s | radixlm of floor |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for name, ours, hf, floor, wb in rows:
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, ours, unfused, hf, compiled, floor, wb in rows:
+        best = max(hf, compiled or 0)
+        comp = f"{compiled:.1f}" if compiled else "not run"
         print(
-            f"| {name} | {ours:.1f} | {hf:.1f} | {ours / hf:.2f}x | {wb / 1e9:.2f} | {floor:.0f} | {ours / floor:.1%} |"
+            f"| {name} | {ours:.1f} | {unfused:.1f} | {hf:.1f} | {comp} | {ours / best:.2f}x | "
+            f"{wb / 1e9:.2f} | {floor:.0f} | {ours / floor:.1%} |"
         )
 
 
