@@ -1,5 +1,6 @@
-"""Constrained decoding: grammars (regex, JSON schema, choices, non-recursive EBNF) compiled into
-token-level automata over a tokenizer's vocabulary, packed token bitmasks, jump-forward.
+"""Constrained decoding: grammars (regex, JSON schema, choices, EBNF with recursion unrolled to a
+configured depth) compiled into token-level automata over a tokenizer's vocabulary, packed token
+bitmasks, jump-forward.
 
     compiler = GrammarCompiler(tokenizer, vocab_size=logits_width)
     grammar = compiler.compile("json_schema", schema_text)   # cached; GrammarError if refused

@@ -35,7 +35,8 @@ class GrammarCompiler:
     a compile may take before it fails with GrammarError (the work finishes in the background and
     still lands in the cache). lenient: the default of `compile`'s own `lenient` (JSON schemas
     skip the keywords we cannot enforce instead of being refused; outputs must then be checked,
-    see `CompiledGrammar.validate_output`).
+    see `CompiledGrammar.validate_output`). ebnf_recursion_depth: recursive EBNF rules are
+    unrolled this many levels (0: such grammars are refused).
     """
 
     def __init__(
@@ -48,6 +49,7 @@ class GrammarCompiler:
         lenient: bool = False,
         max_ref_depth: int = 3,
         any_depth: int = 2,
+        ebnf_recursion_depth: int = 0,
         allow_unlisted_properties: bool = False,
         eos_token_ids: Iterable[int] | None = None,
         cache_size: int = 128,
@@ -70,6 +72,9 @@ class GrammarCompiler:
             allow_unlisted_properties=allow_unlisted_properties,
         )
         self.compile_timeout = compile_timeout
+        if ebnf_recursion_depth < 0:
+            raise ValueError("ebnf_recursion_depth must be >= 0")
+        self.ebnf_recursion_depth = ebnf_recursion_depth
         self.masks = MaskCache(mask_cache_bytes)
         # keyed by (kind, spec text, lenient)
         self._cache: OrderedDict[_Key, CompiledGrammar | GrammarError] = OrderedDict()
@@ -228,7 +233,7 @@ class GrammarCompiler:
                 raise GrammarError("choice needs at least one option")
             return regex, ()
         if kind == "ebnf":
-            return ebnf_to_regex(spec), ()
+            return ebnf_to_regex(spec, self.ebnf_recursion_depth), ()
         raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
 
     def _index(

@@ -6,7 +6,10 @@
 Supported: `name ::= ...` rules (the start rule is `root`, else the first one), string literals
 with escapes, character classes (`[a-z]`, `[^"\\\\]`), `.`, grouping, `|`, and the quantifiers
 `* + ? {m} {m,} {m,n}`. A rule that refers back to itself (directly or not) makes the language
-context-free, which this engine cannot enforce yet: such grammars are refused.
+context-free, which a regex cannot express: such grammars are refused, unless `max_depth` allows
+unrolling the recursion that many levels (a rule may be open inside itself at most `max_depth`
+times). The unrolled language is a subset of the grammar's, so every output still belongs to the
+grammar; deeper nesting is never generated.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from dataclasses import dataclass
 
 from radixlm.constrained import regex_text as rt
 from radixlm.constrained.errors import GrammarError
+
+# larger unrolled grammars are refused (the automaton builder would choke on them anyway)
+MAX_UNROLLED_CHARS = 1_000_000
 
 _RULE_START = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_-]*)\s*::=", re.MULTILINE)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
@@ -74,30 +80,50 @@ def _parse_rules(text: str) -> tuple[dict[str, str], str]:
     return bodies, start
 
 
-def ebnf_to_regex(text: str) -> str:
-    """The regex of a non-recursive EBNF grammar; GrammarError for anything else."""
+def ebnf_to_regex(text: str, max_depth: int = 0) -> str:
+    """The regex of an EBNF grammar; GrammarError for anything it cannot express.
+
+    max_depth: how many times a rule may be open inside itself (0: recursive grammars are
+    refused). References nested deeper are the empty language, so their alternatives drop out.
+    """
     bodies, start = _parse_rules(text)
-    done: dict[str, rt.Regex] = {}
+    done: dict[tuple[str, tuple[tuple[str, int], ...]], rt.Regex] = {}
 
     def rule(name: str, stack: tuple[str, ...]) -> rt.Regex:
-        if name in stack:
+        open_ = stack.count(name)
+        if open_ and max_depth <= 0:
             cycle = " -> ".join((*stack[stack.index(name) :], name))
             raise GrammarError(
                 f"EBNF rule {name!r} is recursive ({cycle}): context-free grammars are not "
-                "supported yet; use a regex or a json_schema, or unroll the recursion"
+                "supported; use a regex or a json_schema, unroll the recursion yourself, or let "
+                "the engine unroll it (ebnf_recursion_depth)"
             )
-        if name not in done:
+        if open_ > max_depth:
+            return None  # nested too deep: this branch is not generated
+        # what a rule expands to depends only on how often each rule is open around it
+        key = (name, tuple(sorted((n, stack.count(n)) for n in set(stack))))
+        if key not in done:
             if name not in bodies:
                 raise GrammarError(f"EBNF rule {name!r} is used but never defined")
             p = _Parser(bodies[name])
             r = _alternatives(p, lambda n: rule(n, (*stack, name)))
             if p.peek():
                 raise p.error(f"unexpected {p.peek()!r} in rule {name!r}")
-            done[name] = r
-        return done[name]
+            if r is not None and len(r) > MAX_UNROLLED_CHARS:
+                raise GrammarError(
+                    f"the EBNF grammar unrolled {max_depth} levels deep is a regex of more than "
+                    f"{MAX_UNROLLED_CHARS} characters; unroll fewer levels"
+                )
+            done[key] = r
+        return done[key]
 
     regex = rule(start, ())
     if regex is None:
+        if max_depth > 0:
+            raise GrammarError(
+                f"no string of the EBNF grammar nests its recursion at most {max_depth} levels "
+                "deep (or it matches nothing)"
+            )
         raise GrammarError("the EBNF grammar matches nothing")
     return regex
 

@@ -44,6 +44,7 @@ class EngineConfig:
     grammar_compile_timeout: float = 30.0  # seconds; a slower grammar fails its own request
     json_whitespace: str = "compact"  # compact: no whitespace between JSON tokens; flexible
     enable_jump_forward: bool = True  # append text the grammar forces without decoding it
+    ebnf_recursion_depth: int = 0  # recursive EBNF rules unrolled this deep; 0: refused
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
     # auto: the checkpoint's weights; dummy: random weights of the config's shape (benchmarks)
     load_format: str = "auto"
@@ -72,6 +73,8 @@ class EngineConfig:
             bad(f"json_whitespace={self.json_whitespace!r}; use 'compact' or 'flexible'")
         if self.grammar_compile_timeout <= 0:
             bad("grammar_compile_timeout must be positive")
+        if not 0 <= self.ebnf_recursion_depth <= 16:
+            bad(f"ebnf_recursion_depth={self.ebnf_recursion_depth}; it must lie in [0, 16]")
         if self.load_format not in ("auto", "dummy"):
             bad(f"load_format={self.load_format!r}; use 'auto' or 'dummy'")
         if self.context_length is not None and self.context_length < 2:

@@ -295,6 +295,7 @@ class Engine:
                 vocab_size=self.model_config.vocab_size,
                 whitespace=self.config.json_whitespace,
                 compile_timeout=self.config.grammar_compile_timeout,
+                ebnf_recursion_depth=self.config.ebnf_recursion_depth,
                 eos_token_ids=sorted(self.eos_token_ids),
             )
         t0 = time.perf_counter()

@@ -233,3 +233,10 @@ def test_strict_schemas_carry_no_validation_report(engine):
 def test_lenient_needs_a_json_schema(engine, params, message):
     with pytest.raises(ValueError, match=message):
         engine.generate("Hi", {"max_new_tokens": 4, **params})
+
+
+def test_ebnf_recursion_depth_is_checked():
+    from radixlm.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="ebnf_recursion_depth"):
+        EngineConfig(ebnf_recursion_depth=-1)

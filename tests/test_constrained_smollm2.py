@@ -191,6 +191,34 @@ def test_lazy_masks_equal_outlines_cores_precomputed_index(compiler, kind, spec)
             guide.advance(token, return_tokens=False)
 
 
+NESTED_LISTS = 'root ::= "[" (value ("," value)*)? "]"\nvalue ::= "0" | [1-9] [0-9]* | root'
+
+
+def _nested_list_depth(text: str) -> int:
+    """Nesting depth of a list of numbers and lists (ValueError if it is not one)."""
+    value = json.loads(text)
+
+    def depth(v) -> int:
+        if not isinstance(v, list):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(text)
+            return 0
+        return 1 + max((depth(x) for x in v), default=0)
+
+    if not isinstance(value, list):
+        raise ValueError(text)
+    return depth(value)
+
+
+def test_recursive_ebnf_walks_stay_in_the_grammar(tokenizer):
+    compiler = GrammarCompiler(tokenizer, compile_timeout=60, ebnf_recursion_depth=3)
+    grammar = compiler.compile("ebnf", NESTED_LISTS)
+    depths = [_nested_list_depth(t) for t in walks(grammar, 16, seed=3)]
+    assert max(depths) <= 4 and max(depths) >= 2  # root plus at most 3 nested levels
+    assert grammar.matcher().accept_string("[1,[2,[3,[4]]]]")
+    assert not grammar.matcher().accept_string("[1,[2,[3,[4,[")
+
+
 # -- JSON schemas -----------------------------------------------------------------------------
 
 SCHEMAS = {

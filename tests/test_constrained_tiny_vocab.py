@@ -193,10 +193,25 @@ def test_choice_and_ebnf(compiler):
 
 
 def test_recursive_ebnf_is_refused_clearly(compiler):
-    with pytest.raises(GrammarError, match="recursive.*not supported yet.*regex or a json_schema"):
+    with pytest.raises(
+        GrammarError, match="recursive.*not supported.*regex or a json_schema.*ebnf_recursion_depth"
+    ):
         compiler.compile("ebnf", 'root ::= "{" root "}" | "x"')
     with pytest.raises(GrammarError, match="never defined"):
         compiler.compile("ebnf", "root ::= missing")
+
+
+def test_recursive_ebnf_unrolled_to_the_configured_depth():
+    compiler = GrammarCompiler(FakeTokenizer(), vocab_size=40, ebnf_recursion_depth=2)
+    grammar = compiler.compile("ebnf", 'root ::= "{" root "}" | "x"')
+    for text in ["x", "{x}", "{{x}}"]:
+        m = grammar.matcher()
+        assert m.accept_string(text) and m.accept_token(EOS), text
+    m = grammar.matcher()
+    assert m.accept_string("{{") and texts(m.allowed_token_ids()) == {"x"}  # no third level
+    assert not m.accept_string("{")
+    with pytest.raises(GrammarError, match="at most 2 levels deep"):
+        compiler.compile("ebnf", 'root ::= "(" root ")"')  # no way out of the recursion
 
 
 def test_errors_are_grammar_errors(compiler):
