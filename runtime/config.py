@@ -39,6 +39,8 @@ class EngineConfig:
     # at most 256); larger decode batches and prefill run eagerly. GPU with Triton attention only.
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
+    # schedule and launch each step before the previous step's tokens reach the host
+    disable_overlap_schedule: bool = False
     random_seed: int = 0
     # constrained decoding
     grammar_compile_timeout: float = 30.0  # seconds; a slower grammar fails its own request

@@ -3,8 +3,9 @@
 A decode step of a small model is a few hundred short kernels; launched one by one from Python the
 GPU waits on the host between them. Here the whole forward of a decode batch (embedding, every layer,
 the final norm and the LM head) is captured once per bucket batch size and replayed: a batch is
-padded up to the next bucket, its three inputs (token, request row, sequence length per request) go
-to the device in one copy, and one replay computes the logits.
+padded up to the next bucket, its inputs (per request: token, request row, sequence length, and
+whether the token is still only on the device in `token_buf`) go to the device in one copy, and one
+replay computes the logits.
 
 Padding rows have sequence length 0: they write their K/V to the padding slot 0, attend to nothing
 (the decode kernel gives a zero output for an empty sequence) and their logits are ignored. The
@@ -37,22 +38,32 @@ class DecodeGraphs:
     """CUDA graphs of the model's decode forward, one per bucket batch size."""
 
     def __init__(
-        self, model, backend, req_to_token: torch.Tensor, max_batch: int, capture: bool = True
+        self,
+        model,
+        backend,
+        req_to_token: torch.Tensor,
+        token_buf: torch.Tensor,
+        max_batch: int,
+        capture: bool = True,
     ) -> None:
         """With capture=False (a CPU test of the padding logic) each call runs the padded forward
         eagerly instead of replaying a graph."""
         self.model = model
         self.backend = backend
         self.req_to_token = req_to_token
+        self.token_buf = token_buf  # the newest sampled token of each request row
         self.device = req_to_token.device
         self.buckets = graph_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         n = self.max_batch
-        # rows: input token, request row in req_to_token, sequence length including the new token
-        self._inputs = torch.zeros((3, n), dtype=torch.int64, device=self.device)
-        self._staging = torch.zeros((3, n), dtype=torch.int64)
+        # rows: input token, request row in req_to_token, sequence length including the new token,
+        # 1 where the input token is to be read from token_buf instead
+        self._inputs = torch.zeros((4, n), dtype=torch.int64, device=self.device)
+        # two host buffers used in turn: a step may be launched before the previous one's copy ran
+        self._staging = [torch.zeros((4, n), dtype=torch.int64) for _ in range(2)]
         if capture:
-            self._staging = self._staging.pin_memory()
+            self._staging = [b.pin_memory() for b in self._staging]
+        self._flip = 0
         self._arange = torch.arange(n, dtype=torch.int64, device=self.device)
         self._ones = torch.ones(n, dtype=torch.int64, device=self.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -69,14 +80,17 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.max_batch
 
-    def run(self, tokens: list[int], rows: list[int], seq_lens: list[int]) -> torch.Tensor:
+    def run(
+        self, tokens: list[int], rows: list[int], seq_lens: list[int], on_device: list[bool]
+    ) -> torch.Tensor:
         """Logits (len(tokens), vocab) in float32 of one decode step. The returned tensor is a view
         of the graph's output buffer: read it before the next call."""
         bs = len(tokens)
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
-        pad = bucket - bs
-        staging = self._staging[:, :bucket]
-        staging.copy_(torch.tensor([tokens + [0] * pad, rows + [0] * pad, seq_lens + [0] * pad]))
+        pad = [0] * (bucket - bs)
+        staging = self._staging[self._flip][:, :bucket]
+        self._flip ^= 1
+        staging.copy_(torch.tensor([tokens + pad, rows + pad, seq_lens + pad, on_device + pad]))
         self._inputs[:, :bucket].copy_(staging, non_blocking=True)
         graph = self._graphs.get(bucket)
         if graph is None:  # not captured
@@ -87,7 +101,8 @@ class DecodeGraphs:
     # ---- capture --------------------------------------------------------------------------
 
     def _forward(self, bs: int) -> torch.Tensor:
-        tokens, rows, seq_lens = self._inputs[0, :bs], self._inputs[1, :bs], self._inputs[2, :bs]
+        tokens, rows, seq_lens, on_device = self._inputs[:, :bs]
+        tokens = torch.where(on_device.bool(), self.token_buf[rows], tokens)
         positions = (seq_lens - 1).clamp(min=0)
         slots = self.req_to_token[rows, positions].long()
         batch = ForwardBatch(

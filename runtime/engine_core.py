@@ -22,6 +22,7 @@ from radixlm.runtime.cache_manager import CacheManager
 from radixlm.runtime.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from radixlm.runtime.model_runner import ModelRunner, ReqStepResult
 from radixlm.runtime.request import Req
+from radixlm.runtime.sampler import _has_penalties
 from radixlm.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -66,12 +67,14 @@ class EngineCore:
             schedule_policy=config.schedule_policy,
         )
         graphs = None
+        token_buf = torch.zeros(self.rows.max_requests, dtype=torch.int64, device=device)
         if use_cuda_graphs(config, device, backend):
             from radixlm.runtime.cuda_graph import DecodeGraphs
 
             max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 256)
-            graphs = DecodeGraphs(model, backend, self.rows.table, max_bs)
-        self.runner = ModelRunner(model, backend, self.rows.table, device, graphs)
+            graphs = DecodeGraphs(model, backend, self.rows.table, token_buf, max_bs)
+        self.runner = ModelRunner(model, backend, self.rows.table, device, graphs, token_buf)
+        self.overlap = not config.disable_overlap_schedule
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
         self._reqs: dict[str, Req] = {}
@@ -79,6 +82,7 @@ class EngineCore:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_jump_forward_tokens = 0
+        self.num_overlapped_steps = 0  # steps launched before the previous one was applied
         self._thread = threading.Thread(target=self._loop, name="radixlm-core", daemon=True)
         self._thread.start()
 
@@ -109,27 +113,75 @@ class EngineCore:
     # ---- core thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        """Schedule, launch, apply. With overlap on, step N+1 is scheduled and launched before
+        step N's tokens are applied, so the host's bookkeeping runs while the device computes; a
+        request whose next input is N's token reads it on the device. A request N finishes has
+        then computed one token too many in N+1: its result is dropped. Requests whose next step
+        needs N's tokens on the host (grammar masks, penalties, log-probabilities) and anything
+        arriving in the inbox make the loop apply N first."""
+        inflight: tuple | None = None  # (plan, which items sample, handle) of the last step
         while not self._stop.is_set():
-            self._drain_inbox(block=not self.scheduler.has_work())
+            if inflight is not None and (not self._inbox.empty() or not self._can_overlap()):
+                self._complete(*inflight)
+                inflight = None
+            self._drain_inbox(block=inflight is None and not self.scheduler.has_work())
             if self._stop.is_set():
                 break
             plan = self.scheduler.schedule()
             if not plan:
+                if inflight is not None:
+                    self._complete(*inflight)
+                    inflight = None
                 continue
+            sampling = [item.samples for item in plan]  # (changes once a token is pending)
             try:
-                results = self.runner.step(plan)
+                handle = self.runner.launch(plan)
             except Exception as e:  # a failed step fails its requests, never the engine
-                logger.error("step failed: %s\n%s", e, traceback.format_exc())
-                for item in plan:
-                    self._fail(item.req, f"internal error during the forward step: {e}")
+                self._fail_step(plan, e)
                 continue
             self.num_steps += 1
-            for item, result in zip(plan, results):
-                self._apply(item.req, result)
-                if item.start < len(item.req.input_ids) and not item.req.is_finished:
-                    self.cache.cache_prefix(item.req)  # share the prompt before it finishes
+            for item, samples in zip(plan, sampling):
+                item.req.num_pending += samples
+                if item.start < len(item.req.input_ids):
+                    # share the prompt before it finishes: later steps, queued behind this one,
+                    # may read these slots at once
+                    self.cache.cache_prefix(item.req)
+            if inflight is not None:
+                self._complete(*inflight)
+                inflight = None
+            if handle.ready or not self.overlap:
+                self._complete(plan, sampling, handle)
+            else:
+                inflight = (plan, sampling, handle)
+                self.num_overlapped_steps += 1
+        if inflight is not None:
+            self._complete(*inflight)
         for req in list(self._reqs.values()):
             self._fail(req, "the engine shut down before the request finished")
+
+    def _can_overlap(self) -> bool:
+        return self.overlap and all(
+            r.grammar is None and not r.logprob.return_logprob and not _has_penalties(r.params)
+            for r in self.scheduler.running
+        )
+
+    def _complete(self, plan, sampling: list[bool], handle) -> None:
+        try:
+            results = handle.results()
+        except Exception as e:
+            self._fail_step(plan, e)
+            return
+        for item, samples, result in zip(plan, sampling, results):
+            if samples:
+                item.req.num_pending = max(0, item.req.num_pending - 1)
+            self._apply(item.req, result)
+
+    def _fail_step(self, plan, e: Exception) -> None:
+        logger.error("step failed: %s\n%s", e, traceback.format_exc())
+        for item in plan:
+            item.req.num_pending = 0
+            if not item.req.is_finished:
+                self._fail(item.req, f"internal error during the forward step: {e}")
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -279,6 +331,7 @@ class EngineCore:
             "num_steps": self.num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
             "jump_forward_tokens": self.num_jump_forward_tokens,
+            "overlapped_steps": self.num_overlapped_steps,
         }
 
 

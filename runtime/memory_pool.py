@@ -87,10 +87,18 @@ class SlotAllocator:
 
 
 class ReqToTokenPool:
-    """Rows of slot indices, one per running request: table[row, pos] is the slot of position pos."""
+    """Rows of slot indices, one per running request: table[row, pos] is the slot of position pos.
+
+    The table lives on the model's device; on a GPU a host copy is kept in step, so that reading a
+    row (when a request finishes or is cached) never waits for the GPU."""
 
     def __init__(self, max_requests: int, max_context: int, device: torch.device) -> None:
         self.table = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
+        self.host = (
+            self.table
+            if self.table.device.type == "cpu"
+            else torch.zeros_like(self.table, device="cpu")
+        )
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self.max_requests = max_requests
 
@@ -107,13 +115,20 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.table[row, start : start + len(slots)] = slots.to(self.table.device, torch.int32)
+        slots = slots.to(torch.int32)
+        self.host[row, start : start + len(slots)] = slots
+        if self.host is not self.table:
+            self.table[row, start : start + len(slots)] = slots.to(self.table.device)
 
     def write_scattered(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """table[rows[i], positions[i]] = slots[i] for all i, in one indexed write."""
-        dev = self.table.device
-        index = torch.tensor([rows, positions], dtype=torch.int64).to(dev, non_blocking=True)
-        self.table[index[0], index[1]] = slots.to(dev, torch.int32, non_blocking=True)
+        index = torch.tensor([rows, positions], dtype=torch.int64)
+        slots = slots.to(torch.int32)
+        self.host[index[0], index[1]] = slots
+        if self.host is not self.table:
+            dev = self.table.device
+            index = index.to(dev, non_blocking=True)
+            self.table[index[0], index[1]] = slots.to(dev, non_blocking=True)
 
     def read(self, row: int, length: int) -> torch.Tensor:
-        return self.table[row, :length].to("cpu", torch.int64)
+        return self.host[row, :length].to(torch.int64)

@@ -1,6 +1,10 @@
 """One forward step: build the batch tensors once, run the model, sample.
 
-`ModelRunner.step` is the whole step: plan -> ForwardBatch -> logits -> tokens and log-probs.
+`ModelRunner.launch` queues a step on the device (plan -> ForwardBatch or a CUDA graph -> logits ->
+tokens) and returns a `StepHandle` whose `results()` waits for it; `step` does both. Each sampled
+token is also left on the device in `token_buf[request row]`, so the next step can be launched
+before this one's tokens reach the host: a request whose newest token is still pending
+(`req.num_pending`) reads it from there.
 """
 
 from __future__ import annotations
@@ -24,9 +28,38 @@ class ReqStepResult:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
 
 
+class StepHandle:
+    """A launched step. `results()` waits for the device and returns the results in plan order."""
+
+    def __init__(self, finish) -> None:
+        self._finish = finish
+        self._results: list[ReqStepResult] | None = None
+
+    @classmethod
+    def done(cls, results: list[ReqStepResult]) -> StepHandle:
+        handle = cls(None)
+        handle._results = results
+        return handle
+
+    @property
+    def ready(self) -> bool:
+        return self._results is not None
+
+    def results(self) -> list[ReqStepResult]:
+        if self._results is None:
+            self._results = self._finish()
+        return self._results
+
+
 class ModelRunner:
     def __init__(
-        self, model, backend, req_to_token: torch.Tensor, device: torch.device, graphs=None
+        self,
+        model,
+        backend,
+        req_to_token: torch.Tensor,
+        device: torch.device,
+        graphs=None,
+        token_buf: torch.Tensor | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -34,16 +67,36 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs  # a cuda_graph.DecodeGraphs, or None
         self.sampler = Sampler()
+        # the newest sampled token of each request row, on the device
+        self.token_buf = (
+            token_buf
+            if token_buf is not None
+            else torch.zeros(req_to_token.shape[0], dtype=torch.int64, device=device)
+        )
+        # pinned host buffers the sampled tokens are copied into, used alternately so that a
+        # step's copy never overwrites the previous step's before it is read
+        self._host_tokens = [self._host_buffer(), self._host_buffer()]
+        self._flip = 0
+
+    def _host_buffer(self) -> torch.Tensor:
+        buf = torch.zeros(self.token_buf.shape[0], dtype=torch.int64)
+        return buf.pin_memory() if self.device.type == "cuda" else buf
 
     def step(self, plan: list[ScheduledReq]) -> list[ReqStepResult]:
         """Run one step; results come in the order of `plan`."""
+        return self.launch(plan).results()
+
+    def launch(self, plan: list[ScheduledReq]) -> StepHandle:
+        """Queue one step on the device. Sampling without log-probabilities does not wait for
+        the device; anything else is finished here (the handle is then `ready`)."""
         order = sorted(range(len(plan)), key=lambda i: plan[i].num_tokens == 1)  # multi-token first
         items = [plan[i] for i in order]
         if self._graphable(items):
             logits = self.graphs.run(
-                [it.req.all_ids[it.start] for it in items],
+                [self._known_token(it) for it in items],
                 [it.req.pool_row for it in items],
                 [it.start + 1 for it in items],
+                [self._pending_input(it) for it in items],
             )
             sample_rows = {
                 i: _SampleSlot(i, _sampling_row(it.req)) for i, it in enumerate(items) if it.samples
@@ -53,25 +106,68 @@ class ModelRunner:
             batch, sample_rows, input_lp_rows = self._build_batch(items)
             logits = self.model(batch, self.backend)  # (L, V)
 
-        results = [ReqStepResult() for _ in items]
-        if sample_rows:
-            which = list(sample_rows)
-            logit_rows = [sample_rows[i].logit_row for i in which]
-            row_logits = logits
-            if logit_rows != list(range(logits.shape[0])):
-                row_logits = logits[torch.tensor(logit_rows, device=logits.device)]
-            out = self.sampler(row_logits, [sample_rows[i].row for i in which])
-            for j, i in enumerate(which):
-                results[i].next_token = out.token_ids[j]
-                results[i].logprob = out.logprobs[j]
-                results[i].top_logprobs = out.top_logprobs[j]
-        for i, entries in input_lp_rows.items():
-            self._input_logprobs(logits, items[i], entries, results[i])
+        which = list(sample_rows)
+        rows = [sample_rows[i].row for i in which]
+        row_logits = logits
+        logit_rows = [sample_rows[i].logit_row for i in which]
+        if logit_rows != list(range(logits.shape[0])):
+            row_logits = logits[torch.tensor(logit_rows, device=logits.device)]
+        tokens = self.sampler.sample_ids(row_logits, rows) if rows else None
+        if tokens is not None:
+            pool_rows = torch.tensor([items[i].req.pool_row for i in which])
+            self.token_buf[pool_rows.to(self.device, non_blocking=True)] = tokens
 
-        unsorted = [ReqStepResult()] * len(plan)
-        for pos, i in enumerate(order):
-            unsorted[i] = results[pos]
-        return unsorted
+        def finish(host: torch.Tensor | None = None) -> list[ReqStepResult]:
+            results = [ReqStepResult() for _ in items]
+            if tokens is not None:
+                ids = host[: len(which)].tolist() if host is not None else tokens.tolist()
+                lps = self._output_logprobs(row_logits, rows, ids)
+                for j, i in enumerate(which):
+                    results[i].next_token = ids[j]
+                    results[i].logprob, results[i].top_logprobs = lps[j]
+            for i, entries in input_lp_rows.items():
+                self._input_logprobs(logits, items[i], entries, results[i])
+            unsorted = [ReqStepResult()] * len(plan)
+            for pos, i in enumerate(order):
+                unsorted[i] = results[pos]
+            return unsorted
+
+        if tokens is None or input_lp_rows or any(r.want_logprob for r in rows):
+            return StepHandle.done(finish())
+        host = self._host_tokens[self._flip][: len(which)]
+        self._flip ^= 1
+        host.copy_(tokens, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+
+        def wait() -> list[ReqStepResult]:
+            if event is not None:
+                event.synchronize()
+            return finish(host)
+
+        return StepHandle(wait)  # (on the CPU the tokens are there already; applied just as late)
+
+    def _output_logprobs(self, logits, rows, ids):
+        out: list[tuple[float | None, list | None]] = [(None, None)] * len(rows)
+        if any(r.want_logprob for r in rows):
+            raw = torch.log_softmax(logits, dim=-1)  # of the model, before any filter
+            for j, r in enumerate(rows):
+                if r.want_logprob:
+                    k = r.top_logprobs_num
+                    out[j] = (float(raw[j, ids[j]]), top_logprobs(raw[j], k) if k else None)
+        return out
+
+    @staticmethod
+    def _pending_input(it: ScheduledReq) -> bool:
+        """Whether this item's last input token is still on the device only."""
+        return it.start + it.num_tokens > it.req.num_tokens
+
+    @staticmethod
+    def _known_token(it: ScheduledReq) -> int:
+        ids = it.req.all_ids
+        return ids[it.start] if it.start < len(ids) else 0
 
     def _graphable(self, items: list[ScheduledReq]) -> bool:
         """A step of single-token decodes only, small enough for a captured graph."""
@@ -91,11 +187,15 @@ class ModelRunner:
         logits_rows: list[int] = []
         sample_rows: dict[int, _SampleSlot] = {}
         input_lp_rows: dict[int, list[tuple[int, int]]] = {}  # item -> [(logit_row, token index)]
+        pending: list[tuple[int, int]] = []  # (index in input_ids, request row)
         offset = 0
         for i, it in enumerate(items):
             req = it.req
             ids = req.all_ids
             input_ids.extend(ids[it.start : it.start + it.num_tokens])
+            if self._pending_input(it):  # the newest token is on the device: fixed up below
+                pending.append((len(input_ids), req.pool_row))
+                input_ids.append(0)
             positions.extend(range(it.start, it.start + it.num_tokens))
             rows.append(req.pool_row)
             if req.wants_input_logprobs:
@@ -126,6 +226,9 @@ class ModelRunner:
         ).to(self.device, non_blocking=True)
         ids_t, pos_t, token_rows_t = packed[: 3 * t].view(3, t)
         req_rows, extend_t, prefix_t = packed[3 * t : 3 * t + 3 * b].view(3, b)
+        if pending:
+            at, pool_rows = torch.tensor(pending, dtype=torch.int64).to(self.device).unbind(1)
+            ids_t[at] = self.token_buf[pool_rows]
         batch = ForwardBatch(
             input_ids=ids_t,
             positions=pos_t,
@@ -180,12 +283,13 @@ class _SampleSlot:
 def _sampling_row(req) -> SamplingRow:
     p = req.params
     banned: tuple[int, ...] = ()
-    if len(req.output_ids) < p.min_new_tokens and req.grammar is None:  # the grammar decides EOS
+    if len(req.output_ids) + req.num_pending < p.min_new_tokens and req.grammar is None:
+        # (with a grammar, the grammar decides where EOS may come)
         banned = tuple(sorted(set(req.eos_token_ids) | set(p.stop_token_ids)))
     return SamplingRow(
         params=p,
         seed=req.seed,
-        step=len(req.output_ids),
+        step=len(req.output_ids) + req.num_pending,
         input_ids=req.input_ids,
         output_ids=req.output_ids,
         banned_ids=banned,

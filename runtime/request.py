@@ -48,6 +48,9 @@ class Req:
     locked_len: int = 0  # tokens of the row that belong to the prefix cache (not ours to free)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_preemptions: int = 0
+    # output tokens sampled on the device but not applied yet (overlapped scheduling): the next
+    # step may already compute them, reading them from the device
+    num_pending: int = 0
 
     # log-probabilities gathered so far: (logprob, token_id) and top lists
     input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
@@ -67,6 +70,11 @@ class Req:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def sched_len(self) -> int:
+        """Tokens known or being sampled: what the scheduler plans with."""
+        return len(self.input_ids) + len(self.output_ids) + self.num_pending
 
     @property
     def is_finished(self) -> bool:

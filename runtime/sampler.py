@@ -34,13 +34,10 @@ class SamplingRow:
 
     @property
     def is_plain_greedy(self) -> bool:
+        """Greedy with nothing to mask or penalize: the argmax of the logits."""
         p = self.params
         return (
-            p.is_greedy
-            and not self.banned_ids
-            and self.grammar is None
-            and not self.want_logprob
-            and not _has_penalties(p)
+            p.is_greedy and not self.banned_ids and self.grammar is None and not _has_penalties(p)
         )
 
 
@@ -97,11 +94,22 @@ class Sampler:
         rows: list[SamplingRow],
     ) -> SampleOutput:
         n = len(rows)
-        if all(r.is_plain_greedy for r in rows):
-            return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * n, [None] * n)
-        raw_logprobs = None
+        ids = self.sample_ids(logits, rows).tolist()
+        chosen: list[float | None] = [None] * n
+        tops: list[list[tuple[float, int]] | None] = [None] * n
         if any(r.want_logprob for r in rows):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # of the model, before any filter
+            for i, r in enumerate(rows):
+                if r.want_logprob:
+                    chosen[i] = float(raw_logprobs[i, ids[i]])
+                    if r.top_logprobs_num:
+                        tops[i] = top_logprobs(raw_logprobs[i], r.top_logprobs_num)
+        return SampleOutput(ids, chosen, tops)
+
+    def sample_ids(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The chosen tokens (B,) int64 on the logits' device, without waiting for the device."""
+        if all(r.is_plain_greedy for r in rows):
+            return logits.argmax(dim=-1)
         logits = logits.clone()
         for i, r in enumerate(rows):
             if _has_penalties(r.params):
@@ -124,17 +132,7 @@ class Sampler:
                 [row_seed(rows[i].seed, rows[i].step) for i in sampled], device=dev
             )
             token_ids[idx] = (probs / exponential_noise(seeds, probs.shape[-1])).argmax(dim=-1)
-
-        ids = token_ids.tolist()
-        chosen: list[float | None] = [None] * n
-        tops: list[list[tuple[float, int]] | None] = [None] * n
-        if raw_logprobs is not None:
-            for i, r in enumerate(rows):
-                if r.want_logprob:
-                    chosen[i] = float(raw_logprobs[i, ids[i]])
-                    if r.top_logprobs_num:
-                        tops[i] = top_logprobs(raw_logprobs[i], r.top_logprobs_num)
-        return SampleOutput(ids, chosen, tops)
+        return token_ids
 
 
 def _has_penalties(p: SamplingParams) -> bool:

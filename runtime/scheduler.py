@@ -27,7 +27,7 @@ class ScheduledReq:
     @property
     def samples(self) -> bool:
         """Whether this step ends at the request's newest token, so its logits give the next one."""
-        return self.start + self.num_tokens == self.req.num_tokens
+        return self.start + self.num_tokens == self.req.sched_len
 
 
 class Scheduler:
@@ -81,22 +81,27 @@ class Scheduler:
                 budget -= item.num_tokens
         if budget > 0 and self.waiting:
             plan.extend(self._admit_waiting(budget))
-        if not plan and self.running:
+        if not plan and self.running and not any(r.num_pending for r in self.running):
             # nothing fits: free memory by preempting, then plan again (progress is guaranteed
-            # because a lone request always fits)
+            # because a lone request always fits; with tokens pending, applying them comes first)
             self._preempt(self.running[-1])
             return self.schedule()
         return plan
 
     def _schedule_decodes(self) -> list[ScheduledReq]:
         # a decoding request computes its newest token, or several when jump-forward appended text
-        decoding = [r for r in self.running if r.prefill_done]
-        while decoding and not self.cache.can_extend(
-            sum(r.num_tokens - r.kv_len for r in decoding)
-        ):
+        # (not one whose pending token already ends it: it finishes when that token is applied)
+        decoding = [
+            r
+            for r in self.running
+            if r.prefill_done
+            and r.sched_len > r.kv_len
+            and not (r.num_pending and len(r.output_ids) + r.num_pending >= r.params.max_new_tokens)
+        ]
+        while decoding and not self.cache.can_extend(sum(r.sched_len - r.kv_len for r in decoding)):
             victim = decoding.pop()  # the newest
             self._preempt(victim)
-        plan = [ScheduledReq(req, req.kv_len, req.num_tokens - req.kv_len) for req in decoding]
+        plan = [ScheduledReq(req, req.kv_len, req.sched_len - req.kv_len) for req in decoding]
         if plan:
             self.cache.extend_many(decoding, [item.num_tokens for item in plan])
         return plan
@@ -117,6 +122,8 @@ class Scheduler:
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.max_running or not self.cache.rows.num_free:
                 break
+            if req.num_pending:
+                continue  # preempted with a token still being sampled: resumes once it is known
             match = self.cache.match(req)
             if self.policy == "lpm" and _shares_uncached_prefix(
                 req.all_ids, len(match.slots), fresh

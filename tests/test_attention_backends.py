@@ -48,8 +48,9 @@ def test_padded_decode_graph_path_matches_eager(tiny_model_folder):
             runner = eng._core.runner
             if graphs:
                 runner.graphs = DecodeGraphs(
-                    runner.model, runner.backend, runner.req_to_token, max_batch=6, capture=False
-                )
+                    runner.model, runner.backend, runner.req_to_token, runner.token_buf,
+                    max_batch=6, capture=False,
+                )  # fmt: skip
                 assert runner.graphs.buckets == [1, 2, 4, 6]
                 run = runner.graphs.run
                 runner.graphs.run = lambda *a, run=run: calls.append(len(a[0])) or run(*a)

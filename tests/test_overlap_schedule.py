@@ -1,0 +1,66 @@
+"""Overlapped scheduling (step N+1 launched before step N's tokens are applied) gives exactly the
+outputs of the plain loop: for every way a request ends (length, EOS, stop string, stop token), with
+seeded sampling and min_new_tokens, under preemption in a small KV pool, and with requests that
+force the loop back to lockstep (log-probabilities, penalties, grammars) in the same batch."""
+
+from __future__ import annotations
+
+import pytest
+
+import radixlm
+from tests.prompts import varied_prompts
+
+
+def workload(tokenizer):
+    prompts = varied_prompts()[:12]
+    eos = tokenizer.eos_token_id
+    params = [
+        {"max_new_tokens": 24, "temperature": 0},
+        {"max_new_tokens": 40, "temperature": 0, "stop": [".", "\n"]},
+        {"max_new_tokens": 1, "temperature": 0},
+        {"max_new_tokens": 30, "temperature": 0.9, "seed": 5, "top_p": 0.9},
+        {"max_new_tokens": 16, "temperature": 0, "min_new_tokens": 12},
+        {"max_new_tokens": 20, "temperature": 0, "stop_token_ids": [eos]},
+        {"max_new_tokens": 33, "temperature": 1.2, "seed": 9, "top_k": 20, "ignore_eos": True},
+        {"max_new_tokens": 8, "temperature": 0, "n": 3},
+        {"max_new_tokens": 25, "temperature": 0.7, "seed": 1, "n": 2},
+        {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 50, "temperature": 0},
+        {"max_new_tokens": 6, "temperature": 0},
+    ]
+    return prompts, params
+
+
+def run(folder, tokenizer, overlap: bool, extra=None, **engine_kw):
+    prompts, params = workload(tokenizer)
+    if extra:
+        prompts, params = prompts + extra[0], params + extra[1]
+    with radixlm.Engine(folder, disable_overlap_schedule=not overlap, **engine_kw) as eng:
+        outs = eng.generate(prompts, params)
+        stats = eng.get_stats()
+    return [(o["output_ids"], o["meta_info"]["finish_reason"], o["text"]) for o in outs], stats
+
+
+@pytest.mark.parametrize("small_pool", [False, True])
+def test_overlapped_loop_equals_the_plain_loop(default_model_folder, tokenizer, small_pool):
+    kw = {"max_total_tokens": 160, "max_running_requests": 8} if small_pool else {}
+    plain, _ = run(default_model_folder, tokenizer, False, **kw)
+    overlapped, stats = run(default_model_folder, tokenizer, True, **kw)
+    assert stats["overlapped_steps"] > 10  # the overlapped path did run
+    if small_pool:
+        assert stats["num_preemptions"] > 0
+    assert overlapped == plain
+
+
+def test_requests_that_need_lockstep_share_the_batch(default_model_folder, tokenizer):
+    extra = (
+        ["The first three prime numbers are", "My favourite colour is", "List two fruits:"],
+        [
+            {"max_new_tokens": 10, "temperature": 0, "frequency_penalty": 0.5},
+            {"max_new_tokens": 10, "temperature": 0, "regex": "(red|green|blue)"},
+            {"max_new_tokens": 10, "temperature": 0, "repetition_penalty": 1.3},
+        ],
+    )
+    plain, _ = run(default_model_folder, tokenizer, False, extra)
+    overlapped, _ = run(default_model_folder, tokenizer, True, extra)
+    assert overlapped == plain
