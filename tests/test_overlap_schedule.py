@@ -35,7 +35,10 @@ def run(folder, tokenizer, overlap: bool, extra=None, **engine_kw):
     prompts, params = workload(tokenizer)
     if extra:
         prompts, params = prompts + extra[0], params + extra[1]
-    with radixlm.Engine(folder, disable_overlap_schedule=not overlap, **engine_kw) as eng:
+    # on the CPU in float32: the reference path, where batch shape cannot move a rounding
+    with radixlm.Engine(
+        folder, device="cpu", dtype="float32", disable_overlap_schedule=not overlap, **engine_kw
+    ) as eng:
         outs = eng.generate(prompts, params)
         stats = eng.get_stats()
     return [(o["output_ids"], o["meta_info"]["finish_reason"], o["text"]) for o in outs], stats
