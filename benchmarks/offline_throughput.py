@@ -74,6 +74,9 @@ def main() -> None:
     ap.add_argument("--shape", default=None, help="GPU workload on random weights of this shape")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--hf-requests", type=int, default=100)
+    ap.add_argument(
+        "--max-running", type=int, default=256, help="with --shape: concurrent requests"
+    )
     args = ap.parse_args()
     if args.shape:
         return gpu_workload(args)
@@ -124,7 +127,10 @@ def gpu_workload(args) -> None:
     outs = [rng.randint(100, 300) for _ in prompts]
     print(f"device: {device_line()}  commit: {commit()}  shape: {args.shape}")
 
-    with radixlm.Engine(str(folder), load_format="dummy", disable_radix_cache=True) as eng:
+    with radixlm.Engine(
+        str(folder), load_format="dummy", disable_radix_cache=True,
+        max_running_requests=args.max_running, cuda_graph_max_bs=min(args.max_running, 512),
+    ) as eng:  # fmt: skip
         params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in outs]
         eng.generate(input_ids=prompts[:64], sampling_params=params[:64])  # warm-up
         t = time.perf_counter()
@@ -144,7 +150,9 @@ def gpu_workload(args) -> None:
     theirs = hf_generate_batch(folder, prompts[: args.hf_requests], outs[: args.hf_requests])
     print("\n| workload | radixlm out tok/s | transformers generate_batch out tok/s | ratio |")
     print("|---|---|---|---|")
-    label = f"{args.shape}, {args.requests} req, 100-400 in / 100-300 out"
+    label = (
+        f"{args.shape}, {args.requests} req, 100-400 in / 100-300 out, {args.max_running} running"
+    )
     print(f"| {label} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.1f}x |")
 
 
