@@ -9,7 +9,7 @@ before this one's tokens reach the host: a request whose newest token is still p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -18,14 +18,15 @@ from radixlm.runtime.sampler import Sampler, SamplingRow, top_logprobs
 from radixlm.runtime.scheduler import ScheduledReq
 
 
-@dataclass
+@dataclass(slots=True)
 class ReqStepResult:
     next_token: int | None = None  # None when this step did not end at the request's newest token
     logprob: float | None = None
     top_logprobs: list[tuple[float, int]] | None = None
-    # input log-probabilities for prompt positions computed in this step: (logprob, token_id)
-    input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
-    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    # input log-probabilities for prompt positions computed in this step: (logprob, token_id);
+    # None when there are none (most steps: made on demand)
+    input_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
 
 
 class StepHandle:
@@ -92,14 +93,11 @@ class ModelRunner:
         order = sorted(range(len(plan)), key=lambda i: plan[i].num_tokens == 1)  # multi-token first
         items = [plan[i] for i in order]
         if self._graphable(items):
-            logits = self.graphs.run(
-                [self._known_token(it) for it in items],
-                [it.req.pool_row for it in items],
-                [it.start + 1 for it in items],
-                [self._pending_input(it) for it in items],
-            )
+            logits = self._run_graph(items)
             sample_rows = {
-                i: _SampleSlot(i, _sampling_row(it.req)) for i, it in enumerate(items) if it.samples
+                i: _SampleSlot(i, None if it.req.plain_greedy else _sampling_row(it.req))
+                for i, it in enumerate(items)
+                if it.samples
             }
             input_lp_rows: dict[int, list[tuple[int, int]]] = {}
         else:
@@ -107,12 +105,16 @@ class ModelRunner:
             logits = self.model(batch, self.backend)  # (L, V)
 
         which = list(sample_rows)
-        rows = [sample_rows[i].row for i in which]
         row_logits = logits
         logit_rows = [sample_rows[i].logit_row for i in which]
         if logit_rows != list(range(logits.shape[0])):
             row_logits = logits[torch.tensor(logit_rows, device=logits.device)]
-        tokens = self.sampler.sample_ids(row_logits, rows) if rows else None
+        if all(sample_rows[i].row is None for i in which):  # plain greedy: no sampling rows built
+            rows: list[SamplingRow] = []
+            tokens = row_logits.argmax(dim=-1) if which else None
+        else:
+            rows = [sample_rows[i].row or _sampling_row(items[i].req) for i in which]
+            tokens = self.sampler.sample_ids(row_logits, rows)
         if tokens is not None:
             pool_rows = torch.tensor([items[i].req.pool_row for i in which])
             self.token_buf[pool_rows.to(self.device, non_blocking=True)] = tokens
@@ -150,7 +152,7 @@ class ModelRunner:
         return StepHandle(wait)  # (on the CPU the tokens are there already; applied just as late)
 
     def _output_logprobs(self, logits, rows, ids):
-        out: list[tuple[float | None, list | None]] = [(None, None)] * len(rows)
+        out: list[tuple[float | None, list | None]] = [(None, None)] * len(ids)
         if any(r.want_logprob for r in rows):
             raw = torch.log_softmax(logits, dim=-1)  # of the model, before any filter
             for j, r in enumerate(rows):
@@ -164,10 +166,23 @@ class ModelRunner:
         """Whether this item's last input token is still on the device only."""
         return it.start + it.num_tokens > it.req.num_tokens
 
-    @staticmethod
-    def _known_token(it: ScheduledReq) -> int:
-        ids = it.req.all_ids
-        return ids[it.start] if it.start < len(ids) else 0
+    def _run_graph(self, items: list[ScheduledReq]) -> torch.Tensor:
+        tokens, rows, seq_lens, on_device = [], [], [], []
+        for it in items:
+            req, pos = it.req, it.start
+            prompt, out = req.input_ids, req.output_ids
+            if pos < len(prompt):
+                tokens.append(prompt[pos])
+                on_device.append(False)
+            elif pos - len(prompt) < len(out):
+                tokens.append(out[pos - len(prompt)])
+                on_device.append(False)
+            else:  # still pending: read from token_buf on the device
+                tokens.append(0)
+                on_device.append(True)
+            rows.append(req.pool_row)
+            seq_lens.append(pos + 1)
+        return self.graphs.run(tokens, rows, seq_lens, on_device)
 
     def _graphable(self, items: list[ScheduledReq]) -> bool:
         """A step of single-token decodes only, small enough for a captured graph."""
@@ -262,6 +277,7 @@ class ModelRunner:
     def _input_logprobs(self, logits, it: ScheduledReq, entries, result: ReqStepResult) -> None:
         req = it.req
         k = req.logprob.top_logprobs_num
+        result.input_logprobs, result.input_top_logprobs = [], []
         idx = torch.tensor([row for row, _ in entries], dtype=torch.long)
         lp = torch.log_softmax(logits[idx], dim=-1)
         if req.logprob.logprob_start_len == 0 and not req.input_token_logprobs:
@@ -277,7 +293,7 @@ class ModelRunner:
 @dataclass
 class _SampleSlot:
     logit_row: int
-    row: SamplingRow
+    row: SamplingRow | None  # None: a plain greedy request (argmax, nothing else)
 
 
 def _sampling_row(req) -> SamplingRow:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,21 @@ class Req:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """Its next token is the argmax of the logits, always: no sampling, penalties, grammar,
+        banned tokens or log-probabilities (so a step need not build its sampling row)."""
+        p = self.params
+        return (
+            p.is_greedy
+            and self.grammar is None
+            and p.min_new_tokens == 0
+            and not self.logprob.return_logprob
+            and p.repetition_penalty == 1.0
+            and not p.frequency_penalty
+            and not p.presence_penalty
+        )
 
     @property
     def sched_len(self) -> int:

@@ -11,23 +11,24 @@ once admitted: one that could never fit alone is refused when it is submitted.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixlm.radix_cache.ordering import order_waiting
 from radixlm.runtime.cache_manager import CacheManager
 from radixlm.runtime.request import Req, ReqStatus
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledReq:
     req: Req
     start: int  # first position computed in this step
     num_tokens: int  # positions computed in this step
+    # whether this step ends at the request's newest token, so its logits give the next one
+    # (fixed when planned: a token pending later changes the request, not the plan)
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step ends at the request's newest token, so its logits give the next one."""
-        return self.start + self.num_tokens == self.req.sched_len
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", self.start + self.num_tokens == self.req.sched_len)
 
 
 class Scheduler:
@@ -91,19 +92,22 @@ class Scheduler:
     def _schedule_decodes(self) -> list[ScheduledReq]:
         # a decoding request computes its newest token, or several when jump-forward appended text
         # (not one whose pending token already ends it: it finishes when that token is applied)
-        decoding = [
-            r
-            for r in self.running
-            if r.prefill_done
-            and r.sched_len > r.kv_len
-            and not (r.num_pending and len(r.output_ids) + r.num_pending >= r.params.max_new_tokens)
-        ]
-        while decoding and not self.cache.can_extend(sum(r.sched_len - r.kv_len for r in decoding)):
-            victim = decoding.pop()  # the newest
-            self._preempt(victim)
-        plan = [ScheduledReq(req, req.kv_len, req.sched_len - req.kv_len) for req in decoding]
+        decoding: list[Req] = []
+        counts: list[int] = []
+        for r in self.running:
+            n = r.sched_len - r.kv_len
+            if r.kv_len < len(r.input_ids) or n <= 0:
+                continue  # still in prefill, or nothing new
+            if r.num_pending and len(r.output_ids) + r.num_pending >= r.params.max_new_tokens:
+                continue
+            decoding.append(r)
+            counts.append(n)
+        while decoding and not self.cache.can_extend(sum(counts)):
+            self._preempt(decoding.pop())  # the newest
+            counts.pop()
+        plan = [ScheduledReq(r, r.kv_len, n) for r, n in zip(decoding, counts)]
         if plan:
-            self.cache.extend_many(decoding, [item.num_tokens for item in plan])
+            self.cache.extend_many(decoding, counts)
         return plan
 
     def _extend(self, req: Req, n: int) -> ScheduledReq | None:
