@@ -71,8 +71,9 @@ def _shr(z: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def exponential_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(B, vocab) float32 Exp(1) noise; row b is splitmix64 of (seeds[b], token id) (int64 arithmetic
-    wraps modulo 2**64 on every torch device, so the CPU and the GPU draw the same numbers)."""
+    """(B, vocab) float32 Exp(1) noise; row b is splitmix64 of (seeds[b], token id). int64
+    arithmetic wraps modulo 2**64 on every torch device, so the CPU and the GPU draw the same
+    uniforms (their float32 logarithms may differ in the last bit)."""
     ids = torch.arange(1, vocab + 1, dtype=torch.int64, device=seeds.device)
     z = seeds.unsqueeze(1) + ids * _GOLDEN
     z = (z ^ _shr(z, 30)) * _MIX1
