@@ -56,8 +56,9 @@ def _renumbering(original: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
 class ByteAutomaton:
     """A DFA over bytes: states 0..n-1, `dead` (= n) the sink every forbidden byte leads to.
 
-    `table` is the flat (n + 1) x C transition table over byte classes (bytes that no transition
-    tells apart share a class); `accepting[s]`: the text so far is a complete match.
+    `offsets` is the flat (n + 1) x C transition table over byte classes (bytes that no
+    transition tells apart share a class), holding `next state * C` so that a walk needs no
+    multiply; `accepting[s]`: the text so far is a complete match.
     """
 
     def __init__(self, regex: str, sentinel: bool) -> None:
@@ -87,13 +88,13 @@ class ByteAutomaton:
         firsts = np.unique(byte_class, return_index=True)[1]
         self.byte_class = byte_class
         self.n_classes = len(class_of)
-        self.table = np.ascontiguousarray(dense[firsts].T).reshape(-1)  # (state, class) flat
+        table = np.ascontiguousarray(dense[firsts].T).reshape(-1)  # (state, class) flat
         self.initial = int(renumber(np.asarray([index.get_initial_state()]))[0])
         if sentinel:
             # the end-of-match sentinel may follow exactly where the user's text is complete
             state = np.arange(n + 1, dtype=np.int64)
             for b in SENTINEL_BYTES:
-                state = self.table[state * self.n_classes + self.byte_class[b]].astype(np.int64)
+                state = table[state * self.n_classes + self.byte_class[b]].astype(np.int64)
             finals = renumber(np.fromiter(index.get_final_states(), np.int64))
             accepting = np.isin(state, finals)
         else:
@@ -101,16 +102,15 @@ class ByteAutomaton:
             accepting[renumber(np.fromiter(index.get_final_states(), np.int64))] = True
         accepting[n] = False
         self.accepting = accepting
-        # the walk over the vocabulary works on offsets (state * C) to save a multiply a level
         wide = (n + 1) * self.n_classes >= 2**31
-        self.offsets = self.table.astype(np.int64 if wide else np.int32) * self.n_classes
+        self.offsets = table.astype(np.int64 if wide else np.int32) * self.n_classes
         self.dead_offset = n * self.n_classes
         self._first_bytes: dict[int, np.ndarray] = {}
         self._node_classes: tuple[TokenTrie, np.ndarray] | None = None
 
     @property
     def nbytes(self) -> int:
-        return int(self.table.nbytes + self.offsets.nbytes + self.accepting.nbytes)
+        return int(self.offsets.nbytes + self.accepting.nbytes)
 
     def node_classes(self, trie: TokenTrie) -> np.ndarray:
         """(nodes,) the byte class of every trie node, levels one after another (made once)."""
@@ -123,23 +123,25 @@ class ByteAutomaton:
         return cached[1]
 
     def step(self, state: int, byte: int) -> int:
-        return int(self.table[state * self.n_classes + self.byte_class[byte]])
+        c = self.n_classes
+        return int(self.offsets[state * c + self.byte_class[byte]]) // c
 
     def walk(self, state: int, data: bytes) -> int:
         """The state after `data` (`dead` if any byte is forbidden)."""
-        table, classes, c = self.table, self.byte_class, self.n_classes
+        offsets, classes, c = self.offsets, self.byte_class, self.n_classes
+        offset, dead = state * c, self.dead_offset
         for b in data:
-            state = int(table[state * c + classes[b]])
-            if state == self.dead:
+            offset = int(offsets[offset + classes[b]])
+            if offset == dead:
                 break
-        return state
+        return offset // c
 
     def live_bytes(self, state: int) -> np.ndarray:
         """The bytes that may follow in `state`, ascending."""
         out = self._first_bytes.get(state)
         if out is None:
-            row = self.table[state * self.n_classes : (state + 1) * self.n_classes]
-            out = np.flatnonzero(row[self.byte_class] != self.dead)
+            row = self.offsets[state * self.n_classes : (state + 1) * self.n_classes]
+            out = np.flatnonzero(row[self.byte_class] != self.dead_offset)
             self._first_bytes[state] = out
         return out
 
