@@ -7,6 +7,7 @@ hands each request's progress to its sink (a callable run on the core thread, wh
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -40,6 +41,24 @@ def use_cuda_graphs(config, device, backend) -> bool:
     )
 
 
+def tune_batch1_matmuls(model) -> None:
+    """For each weight shape, time cuBLAS against the Triton GEMV at batch 1 and route the layer
+    to the faster (kernels/gemv.py); before graph capture, so graphs record the choice."""
+    from radixlm.kernels.gemv import LinearDispatch
+
+    dispatch = LinearDispatch()
+    seen = {}
+    for linear in model.linears():
+        key = (tuple(linear.weight.shape), linear.bias is not None)
+        if key not in seen:
+            seen[key] = dispatch.tune(linear, rows=1)
+    model.use_matmul(dispatch)
+    for (shape, _), (base, best) in seen.items():
+        logger.info(
+            "batch-1 matmul %s: cuBLAS %.1f us, chosen %.1f us", shape, base * 1e3, best * 1e3
+        )
+
+
 class EngineCore:
     def __init__(
         self, config, model_config, model, kv_pool: KVPool, context_len: int, device
@@ -70,6 +89,9 @@ class EngineCore:
         token_buf = torch.zeros(self.rows.max_requests, dtype=torch.int64, device=device)
         if use_cuda_graphs(config, device, backend):
             from radixlm.runtime.cuda_graph import DecodeGraphs
+
+            if os.environ.get("RADIXLM_DISABLE_GEMV") != "1":
+                tune_batch1_matmuls(model)
 
             max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 256)
             graphs = DecodeGraphs(model, backend, self.rows.table, token_buf, max_bs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.forward_batch import ForwardBatch
@@ -16,7 +17,13 @@ from radixlm.runtime.layers import RMSNorm, RopeInputs, RotaryEmbedding, silu_an
 from radixlm.runtime.model_config import ModelConfig
 
 
+def plain_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    return F.linear(x, linear.weight, linear.bias)
+
+
 class Attention(nn.Module):
+    matmul = staticmethod(plain_linear)  # replaced by a kernels.gemv.LinearDispatch on CUDA
+
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -44,7 +51,7 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         backend,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # (T, q + 2 kv)
+        qkv = self.matmul(x, self.qkv_proj)  # (T, q + 2 kv)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -54,17 +61,19 @@ class Attention(nn.Module):
         # q and k heads rotate together: one rope for both
         q, k = RotaryEmbedding.apply(rope, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         o = backend.forward(q, k, v, self.layer_id, batch, self.scale)  # (T, Hq, D)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.matmul(o.reshape(-1, self.q_size), self.o_proj)
 
 
 class MLP(nn.Module):
+    matmul = staticmethod(plain_linear)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.matmul(silu_and_mul(self.matmul(x, self.gate_up_proj)), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -87,6 +96,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    matmul = staticmethod(plain_linear)
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -109,7 +120,16 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(rope, x, residual, batch, backend)
         x, _ = self.norm(x, residual)
         x = x[batch.logits_indices]
-        return self.lm_head(x).float()
+        return self.matmul(x, self.lm_head).float()
+
+    def linears(self) -> list[nn.Linear]:
+        return [m for m in self.modules() if isinstance(m, nn.Linear)]
+
+    def use_matmul(self, matmul) -> None:
+        """Route every linear layer through `matmul(x, linear)` (e.g. a LinearDispatch)."""
+        for m in self.modules():
+            if isinstance(m, (Attention, MLP, LlamaForCausalLM)):
+                m.matmul = matmul
 
     # ---- weights -------------------------------------------------------------------------
 

@@ -1,0 +1,70 @@
+"""The batch-1..4 GEMV kernel (kernels/gemv.py) against F.linear, and the per-shape dispatch.
+Under TRITON_INTERPRET=1 on the CPU at small sizes; on a GPU at real sizes with tuning."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+import torch.nn.functional as F  # noqa: E402
+
+from radixlm.kernels.gemv import CONFIGS, LinearDispatch, gemv  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+TOL = 2e-2 if DEVICE.type == "cuda" else 1e-4
+SIZES = (
+    [(37, 100), (64, 576)] if DEVICE.type == "cpu" else [(6144, 4096), (4096, 14336), (49152, 576)]
+)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("size", SIZES)
+def test_gemv_matches_linear(rows, bias, size):
+    n, k = size
+    gen = torch.Generator().manual_seed(rows * 7 + n)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, DTYPE)
+    b = torch.randn(n, generator=gen).to(DEVICE, DTYPE) if bias else None
+    x = torch.randn(rows, k + 3, generator=gen).to(DEVICE, DTYPE)[:, :k]  # strided rows
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    for config in CONFIGS[:2] if DEVICE.type == "cpu" else CONFIGS:
+        torch.testing.assert_close(gemv(x, w, b, *config).float(), want, atol=TOL, rtol=TOL)
+
+
+def test_dispatch_routes_by_rows_and_choice():
+    linear = torch.nn.Linear(96, 40, bias=True).to(DEVICE, DTYPE)
+    dispatch = LinearDispatch()
+    x1 = torch.randn(1, 96, device=DEVICE, dtype=DTYPE)
+    x8 = torch.randn(8, 96, device=DEVICE, dtype=DTYPE)
+    calls = []
+    import radixlm.kernels.gemv as mod
+
+    real = mod.gemv
+    mod.gemv = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
+    try:
+        dispatch(x1, linear)  # nothing tuned: cuBLAS
+        dispatch.choice[(1, 40, 96)] = CONFIGS[0]
+        dispatch.choice[(8, 40, 96)] = CONFIGS[0]  # more rows than the kernel takes: ignored
+        out1, out8 = dispatch(x1, linear), dispatch(x8, linear)
+    finally:
+        mod.gemv = real
+    assert calls == [1]
+    torch.testing.assert_close(out1, F.linear(x1, linear.weight, linear.bias), atol=TOL, rtol=TOL)
+    torch.testing.assert_close(out8, F.linear(x8, linear.weight, linear.bias))
+
+
+@pytest.mark.gpu
+def test_tuning_never_chooses_a_slower_kernel():
+    linear = torch.nn.Linear(4096, 4096, bias=False).to("cuda", torch.bfloat16)
+    dispatch = LinearDispatch()
+    base, chosen = dispatch.tune(linear, rows=1)
+    assert chosen <= base
+    assert (1, 4096, 4096) in dispatch.choice
