@@ -61,19 +61,25 @@ def hf_eager_tok_s(folder: Path, prompt: list[int], new_tokens: int) -> tuple[fl
     return rate, weight_bytes
 
 
-def ours_tok_s(folder: Path, prompt: list[int], new_tokens: int, fused: bool = True) -> float:
+ABLATIONS = {"fused": "RADIXLM_DISABLE_FUSED", "gemv": "RADIXLM_DISABLE_GEMV"}
+
+
+def ours_tok_s(folder: Path, prompt: list[int], new_tokens: int, without: str = "") -> float:
+    """radixlm's batch-1 rate; `without` names an optimization to switch off (see ABLATIONS)."""
     import os
 
     import radixlm
 
-    os.environ["RADIXLM_DISABLE_FUSED"] = "0" if fused else "1"
+    if without:
+        os.environ[ABLATIONS[without]] = "1"
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     with radixlm.Engine(str(folder), load_format="dummy", max_running_requests=64) as eng:
         eng.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 8})
         t = time.perf_counter()
         eng.generate(input_ids=prompt, sampling_params=params)
         rate = new_tokens / (time.perf_counter() - t)
-    os.environ.pop("RADIXLM_DISABLE_FUSED")
+    if without:
+        os.environ.pop(ABLATIONS[without])
     gc.collect()
     torch.cuda.empty_cache()
     return rate
@@ -114,6 +120,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="smollm2-135m,llama-3.1-8b")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--hf-compiled", action="store_true", help="also transformers static+compile")
+    ap.add_argument("--ablate", default="fused,gemv", help="also run without each of these")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_latency measures GPU decode speed: no CUDA device here")
@@ -124,26 +131,29 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"device: {device_line()}  commit: {commit()}  copy bandwidth: {bw / 1e12:.2f} TB/s")
     prompt = list(range(1000, 1032))
+    ablate = [a for a in args.ablate.split(",") if a]
     rows = []
     for name in args.shapes.split(","):
         folder = shape_folder(name, tok_folder)
         hf, weight_bytes = hf_eager_tok_s(folder, prompt, args.new_tokens)
         compiled = hf_compiled_tok_s(folder, prompt, args.new_tokens) if args.hf_compiled else None
-        unfused = ours_tok_s(folder, prompt, args.new_tokens, fused=False)
+        without = [ours_tok_s(folder, prompt, args.new_tokens, a) for a in ablate]
         ours = ours_tok_s(folder, prompt, args.new_tokens)
         floor = bw / weight_bytes  # tokens/s if each step only read the weights at copy speed
-        rows.append((name, ours, unfused, hf, compiled, floor, weight_bytes))
+        rows.append((name, ours, without, hf, compiled, floor, weight_bytes))
         print(rows[-1], flush=True)
+    cols = "".join(f" without {a} |" for a in ablate)
     print(
-        "\n| shape | radixlm tok/s | without fused kernels | HF eager | HF static+compile | "
+        f"\n| shape | radixlm tok/s |{cols} HF eager | HF static+compile | "
         "radixlm / best HF | weights GB | bandwidth floor tok/s | radixlm of floor |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, ours, unfused, hf, compiled, floor, wb in rows:
+    print("|---|---|" + "---|" * len(ablate) + "---|---|---|---|---|---|")
+    for name, ours, without, hf, compiled, floor, wb in rows:
         best = max(hf, compiled or 0)
         comp = f"{compiled:.1f}" if compiled else "not run"
+        ab = "".join(f" {w:.1f} |" for w in without)
         print(
-            f"| {name} | {ours:.1f} | {unfused:.1f} | {hf:.1f} | {comp} | {ours / best:.2f}x | "
+            f"| {name} | {ours:.1f} |{ab} {hf:.1f} | {comp} | {ours / best:.2f}x | "
             f"{wb / 1e9:.2f} | {floor:.0f} | {ours / floor:.1%} |"
         )
 
