@@ -14,6 +14,7 @@ allowed), an invalid one refused somewhere.
     python benchmarks/grammar.py --sample 400 --timeout 10
     python benchmarks/grammar.py --sample 0 --shard 0/4 --json s0.json   # every 4th of all schemas
     python benchmarks/grammar.py --summarize s0.json s1.json s2.json s3.json
+    python benchmarks/grammar.py --suite --sample 0   # the JSON-Schema-Test-Suite's groups
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "schemas"
+SUITE_DATA = ROOT.parent / "shared" / "data" / "json-schema-test-suite"
 
 
 def load_default_tokenizer():
@@ -65,6 +67,8 @@ def sample_names(
     data: Path, sample: int | None, limit: int | None, shard: tuple[int, int] = (0, 1)
 ) -> list[str]:
     names = sorted(p.name for p in data.glob("*.json"))
+    if data.name == SUITE_DATA.name:  # one file per keyword, a list of schema groups in each
+        names = [f"{n}#{i}" for n in names for i in range(len(json.loads((data / n).read_text())))]
     if sample:
         names = [names[(i * len(names)) // sample] for i in range(sample)]
     names = names[shard[0] :: shard[1]]
@@ -179,7 +183,10 @@ def _evaluate(engine_name: str, path: str, conn) -> None:
     from radixlm.constrained import GrammarError, dump_json_for_schema
 
     engine, tokenizer = _STATE[engine_name], _STATE["tokenizer"]
-    data = json.loads(Path(path).read_text())
+    file, _, group = path.partition("#")
+    data = json.loads(Path(file).read_text())
+    if group:
+        data = data[int(group)]
     schema_text = json.dumps(data["schema"])
     r = Result(Path(path).name, engine.name, "ok")
     t0 = time.perf_counter()
@@ -309,7 +316,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--data", type=Path, default=None, help=f"default: {DEFAULT_DATA}")
+    ap.add_argument(
+        "--suite",
+        action="store_true",
+        help=f"the JSON-Schema-Test-Suite's schema groups ({SUITE_DATA}) instead",
+    )
     ap.add_argument(
         "--sample",
         type=int,
@@ -351,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     shard = (int(k), int(n or 1))
     if not 0 <= shard[0] < shard[1]:
         raise SystemExit(f"--shard wants K/N with 0 <= K < N, got {args.shard}")
+    if args.data is None:
+        args.data = SUITE_DATA if args.suite else DEFAULT_DATA
     if not args.data.exists():
         raise SystemExit(f"no data at {args.data}")
     names = sample_names(args.data, args.sample, args.limit, shard)
