@@ -345,7 +345,7 @@ class _SchemaCompiler:
         if isinstance(sub, Conj):
             out = Flat()
             for p in sub.parts:
-                out = self._merge(out, self.flat(p))
+                out = self._merge(out, self.flat(p), in_place=False)
             return out
         return self._flat_loc(sub)
 
@@ -394,8 +394,14 @@ class _SchemaCompiler:
                     out.unsupported.append(("if", path))
             else:
                 self._keyword(out, k, v, at, path, base, loc.refs, schema)
-        for p in parts:
-            out = self._merge(out, p)
+        for i, p in enumerate(parts):
+            # a part's unevaluated* must not see its parent's or its siblings' annotations
+            if _unevaluated(p) and (
+                _evaluates(out) or any(_evaluates(q) for j, q in enumerate(parts) if j != i)
+            ):
+                k = _unevaluated(p)
+                out.unsupported.append((k, p.at.get(k, "#") + ": merged with siblings"))
+            out = self._merge(out, p, in_place=True)
         return out
 
     def _keyword(
@@ -505,8 +511,13 @@ class _SchemaCompiler:
         else:  # pragma: no cover - every keyword in KEYWORDS is handled above
             out.unsupported.append((k, path))
 
-    def _merge(self, a: Flat, b: Flat) -> Flat:
-        """The conjunction of two flattened schemas."""
+    def _merge(self, a: Flat, b: Flat, in_place: bool = True) -> Flat:
+        """The conjunction of two flattened schemas.
+
+        in_place: `b` is an in-place applicator of `a`'s schema object (allOf, $ref, an anyOf
+        branch), so `a`'s unevaluatedProperties/Items sees what `b` evaluates; otherwise the two
+        are cousins and neither sees the other's annotations.
+        """
         out = Flat(
             kw=dict(a.kw),
             at={**b.at, **a.at},
@@ -516,6 +527,12 @@ class _SchemaCompiler:
             unsupported=a.unsupported + b.unsupported,
             false=a.false or b.false,
         )
+        # unevaluated* only sees the annotations of its own object and what it applies in place:
+        # `b`'s must not see `a`'s, nor (between cousins) `a`'s see `b`'s
+        for inner, other in ((b, a),) if in_place else ((b, a), (a, b)):
+            k = _unevaluated(inner)
+            if k and _evaluates(other):
+                out.unsupported.append((k, inner.at.get(k, "#") + ": merged with siblings"))
         for k, v in b.kw.items():
             if k not in out.kw:
                 out.kw[k] = v
@@ -593,6 +610,14 @@ class _SchemaCompiler:
                     if name not in other.kw.get("properties", {}) and extra is not None:
                         props[name] = _conj(props[name], extra)
             out.kw["properties"] = props
+        # likewise `items` of a side without prefixItems applies from the first item on
+        if ("prefixItems" in a.kw) != ("prefixItems" in b.kw):
+            pa, pb = a.kw.get("prefixItems", []), b.kw.get("prefixItems", [])
+            rest_a, rest_b = a.kw.get("items", True), b.kw.get("items", True)
+            out.kw["prefixItems"] = [
+                _conj(pa[i] if i < len(pa) else rest_a, pb[i] if i < len(pb) else rest_b)
+                for i in range(max(len(pa), len(pb)))
+            ]
         return out
 
     # -- emission ------------------------------------------------------------------------------
@@ -1064,11 +1089,18 @@ class _SchemaCompiler:
                     "too many dependencies",
                 )
                 break
+        where = f.at.get("dependentSchemas", "#")
+        for v in variants:  # what a dependent schema brought besides object keywords
+            for k, path in v.unsupported[len(f.unsupported) :]:
+                self._refuse(k, path)
+            if v.anyof or len(v.nots) > len(f.nots):
+                self._refuse("dependentSchemas", where, "anyOf, oneOf or not inside it")
         return rt.alt(
             self._object_plain(v)
             if not (v.kw.get("dependentRequired") or v.kw.get("dependentSchemas"))
             else self._object(v)
             for v in variants
+            if not v.false
         )
 
     def _extras_allowed(self, f: Flat) -> bool:
@@ -1290,6 +1322,24 @@ def _locs(s: Any) -> list[Loc]:
     if isinstance(s, Conj):
         return [x for p in s.parts for x in _locs(p)]
     return []
+
+
+_EVALUATING = frozenset(
+    {"properties", "patternProperties", "additionalProperties", "dependentSchemas",
+     "prefixItems", "items", "contains", "unevaluatedProperties", "unevaluatedItems"}
+)  # fmt: skip
+
+
+def _unevaluated(f: Flat) -> str | None:
+    """The unevaluatedProperties / unevaluatedItems keyword `f` constrains, if any."""
+    for k in ("unevaluatedProperties", "unevaluatedItems"):
+        if f.kw.get(k, True) is not True:
+            return k
+    return None
+
+
+def _evaluates(f: Flat) -> bool:
+    return bool(_EVALUATING.intersection(f.kw)) or bool(f.anyof)
 
 
 def _conj(a: Any, b: Any) -> Any:

@@ -7,6 +7,7 @@ import itertools
 import json
 import re
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 
@@ -393,3 +394,30 @@ def test_pydantic_model_schema():
         [person, {**person, "email": "a@b.c", "tags": []}],
         ["RAW:" + json.dumps({**person, "age": -1}, separators=(",", ":"))],
     )
+
+
+SUITE = Path(__file__).resolve().parents[2] / "shared" / "data" / "json-schema-test-suite"
+
+
+def test_json_schema_test_suite_has_no_false_accept():
+    """Every group of the official JSON-Schema-Test-Suite (draft 2020-12) is either refused or
+    rejects every invalid instance (Python's `re` reads our regexes alike: the oracle)."""
+    if not SUITE.exists():
+        pytest.skip(f"no JSON-Schema-Test-Suite at {SUITE}")
+    false_accepts, compiled_groups = [], 0
+    for path in sorted(SUITE.glob("*.json")):
+        for i, group in enumerate(json.loads(path.read_text())):
+            try:
+                rx = compiled(group["schema"])
+            except GrammarError:
+                continue
+            compiled_groups += 1
+            for test in group["tests"]:
+                try:
+                    text = dump_json_for_schema(group["schema"], test["data"])
+                except Exception:
+                    text = json.dumps(test["data"], ensure_ascii=False, separators=(",", ":"))
+                if not test["valid"] and rx.fullmatch(text):
+                    false_accepts.append((path.name, i, group["description"], text))
+    assert not false_accepts
+    assert compiled_groups >= 200  # refusing everything would pass the check above
