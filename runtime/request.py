@@ -25,7 +25,7 @@ class LogprobRequest:
     top_logprobs_num: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared and hashed by identity
 class Req:
     rid: str
     input_ids: list[int]
