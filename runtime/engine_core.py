@@ -23,7 +23,6 @@ from radixlm.runtime.cache_manager import CacheManager
 from radixlm.runtime.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from radixlm.runtime.model_runner import ModelRunner, ReqStepResult
 from radixlm.runtime.request import Req
-from radixlm.runtime.sampler import _has_penalties
 from radixlm.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -183,7 +182,7 @@ class EngineCore:
 
     def _can_overlap(self) -> bool:
         return self.overlap and all(
-            r.grammar is None and not r.logprob.return_logprob and not _has_penalties(r.params)
+            r.grammar is None and not r.logprob.return_logprob and not r.params.has_penalties
             for r in self.scheduler.running
         )
 

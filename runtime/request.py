@@ -82,9 +82,7 @@ class Req:
             and self.grammar is None
             and p.min_new_tokens == 0
             and not self.logprob.return_logprob
-            and p.repetition_penalty == 1.0
-            and not p.frequency_penalty
-            and not p.presence_penalty
+            and not p.has_penalties
         )
 
     @property

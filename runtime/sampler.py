@@ -36,9 +36,7 @@ class SamplingRow:
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing to mask or penalize: the argmax of the logits."""
         p = self.params
-        return (
-            p.is_greedy and not self.banned_ids and self.grammar is None and not _has_penalties(p)
-        )
+        return p.is_greedy and not self.banned_ids and self.grammar is None and not p.has_penalties
 
 
 @dataclass
@@ -113,7 +111,7 @@ class Sampler:
             return logits.argmax(dim=-1)
         logits = logits.clone()
         for i, r in enumerate(rows):
-            if _has_penalties(r.params):
+            if r.params.has_penalties:
                 _apply_penalties(logits[i], r)
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
         if banned:
@@ -134,10 +132,6 @@ class Sampler:
             )
             token_ids[idx] = (probs / exponential_noise(seeds, probs.shape[-1])).argmax(dim=-1)
         return token_ids
-
-
-def _has_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
 
 
 def _apply_penalties(logits: torch.Tensor, r: SamplingRow) -> None:

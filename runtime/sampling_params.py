@@ -122,6 +122,15 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether sampling depends on the tokens so far (repetition, frequency, presence)."""
+        return (
+            self.repetition_penalty != 1.0
+            or bool(self.frequency_penalty)
+            or bool(self.presence_penalty)
+        )
+
+    @property
     def constraint(self) -> tuple[str, str] | None:
         for kind in ("regex", "json_schema", "ebnf"):
             value = getattr(self, kind)
