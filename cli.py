@@ -36,6 +36,16 @@ _ENGINE_HELP = {
     "cache_dir": "where converted models are kept (default: $RADIXLM_CACHE or ~/.cache/radixlm)",
     "load_format": "auto (the checkpoint's weights) or dummy (random weights of the config's shape, "
     "for benchmarks)",
+    "cuda_graph_max_bs": "decode batches up to this size replay CUDA graphs (default: "
+    "max_running_requests, at most 256)",
+    "disable_cuda_graph": "run every decode step eagerly (no CUDA graphs)",
+    "disable_overlap_schedule": "apply each step's tokens before scheduling the next (no overlap of "
+    "host work with the GPU)",
+    "grammar_compile_timeout": "seconds a grammar may take to compile before its request fails",
+    "json_whitespace": "whitespace JSON constraints allow: compact (none) or flexible",
+    "enable_jump_forward": "append text a grammar forces without decoding it token by token",
+    "ebnf_recursion_depth": "unroll recursive EBNF rules this many levels (0: refuse recursive "
+    "grammars)",
 }
 
 
@@ -49,7 +59,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         if f.default not in (None, dataclasses.MISSING, False) and "default" not in help:
             help += f" (default: {f.default})"
         kind = _field_kind(f)
-        if kind is bool:
+        if kind is bool and f.default is True:  # on by default: --no-... turns it off
+            group.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help
+            )
+        elif kind is bool:
             group.add_argument(flag, dest=f.name, action="store_true", default=None, help=help)
         else:
             group.add_argument(flag, dest=f.name, type=kind, default=None, help=help)
