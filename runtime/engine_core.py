@@ -104,6 +104,7 @@ class EngineCore:
         self.num_generated_tokens = 0
         self.num_jump_forward_tokens = 0
         self.num_overlapped_steps = 0  # steps launched before the previous one was applied
+        self._num_lockstep = 0  # unfinished requests whose steps need the previous step's tokens
         self._thread = threading.Thread(target=self._loop, name="radixlm-core", daemon=True)
         self._thread.start()
 
@@ -140,7 +141,7 @@ class EngineCore:
         then computed one token too many in N+1: its result is dropped. Requests whose next step
         needs N's tokens on the host (grammar masks, penalties, log-probabilities) and anything
         arriving in the inbox make the loop apply N first."""
-        inflight: tuple | None = None  # (plan, which items sample, handle) of the last step
+        inflight: tuple | None = None  # (plan, handle) of the step launched last
         while not self._stop.is_set():
             if inflight is not None and (not self._inbox.empty() or not self._can_overlap()):
                 self._complete(*inflight)
@@ -154,15 +155,14 @@ class EngineCore:
                     self._complete(*inflight)
                     inflight = None
                 continue
-            sampling = [item.samples for item in plan]  # (changes once a token is pending)
             try:
                 handle = self.runner.launch(plan)
             except Exception as e:  # a failed step fails its requests, never the engine
                 self._fail_step(plan, e)
                 continue
             self.num_steps += 1
-            for item, samples in zip(plan, sampling):
-                item.req.num_pending += samples
+            for item in plan:
+                item.req.num_pending += item.samples
                 if item.start < len(item.req.input_ids):
                     # share the prompt before it finishes: later steps, queued behind this one,
                     # may read these slots at once
@@ -171,9 +171,9 @@ class EngineCore:
                 self._complete(*inflight)
                 inflight = None
             if handle.ready or not self.overlap:
-                self._complete(plan, sampling, handle)
+                self._complete(plan, handle)
             else:
-                inflight = (plan, sampling, handle)
+                inflight = (plan, handle)
                 self.num_overlapped_steps += 1
         if inflight is not None:
             self._complete(*inflight)
@@ -181,19 +181,16 @@ class EngineCore:
             self._fail(req, "the engine shut down before the request finished")
 
     def _can_overlap(self) -> bool:
-        return self.overlap and all(
-            r.grammar is None and not r.logprob.return_logprob and not r.params.has_penalties
-            for r in self.scheduler.running
-        )
+        return self.overlap and not self._num_lockstep
 
-    def _complete(self, plan, sampling: list[bool], handle) -> None:
+    def _complete(self, plan, handle) -> None:
         try:
             results = handle.results()
         except Exception as e:
             self._fail_step(plan, e)
             return
-        for item, samples, result in zip(plan, sampling, results):
-            if samples:
+        for item, result in zip(plan, results):
+            if item.samples:
                 item.req.num_pending = max(0, item.req.num_pending - 1)
             self._apply(item.req, result)
 
@@ -215,6 +212,7 @@ class EngineCore:
                 req, sink = payload
                 self._reqs[req.rid] = req
                 self._sinks[req.rid] = sink
+                self._num_lockstep += req.needs_lockstep
                 self.scheduler.add(req)
             elif kind == "abort":
                 req = self._reqs.get(payload)
@@ -323,7 +321,8 @@ class EngineCore:
         grammar = getattr(req.grammar, "grammar", None)
         if grammar is not None and grammar.lenient:  # skipped keywords: check what was made
             req.grammar_validation = grammar.validate_output(req.detokenizer.text)
-        self._reqs.pop(req.rid, None)
+        if self._reqs.pop(req.rid, None) is not None:
+            self._num_lockstep -= req.needs_lockstep
         sink = self._sinks.pop(req.rid, None)
         if sink is not None:
             sink(req, True)

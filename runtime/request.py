@@ -85,6 +85,12 @@ class Req:
             and not p.has_penalties
         )
 
+    @functools.cached_property
+    def needs_lockstep(self) -> bool:
+        """Its next step needs this step's token on the host: a grammar mask, penalties over the
+        output so far, or log-probabilities to report (no overlapped scheduling meanwhile)."""
+        return self.grammar is not None or self.logprob.return_logprob or self.params.has_penalties
+
     @property
     def sched_len(self) -> int:
         """Tokens known or being sampled: what the scheduler plans with."""
