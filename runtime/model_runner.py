@@ -123,7 +123,7 @@ class ModelRunner:
             results = [ReqStepResult() for _ in items]
             if tokens is not None:
                 ids = host[: len(which)].tolist() if host is not None else tokens.tolist()
-                lps = self._output_logprobs(row_logits, rows, ids)
+                lps = self.sampler.logprobs(row_logits, rows, ids)
                 for j, i in enumerate(which):
                     results[i].next_token = ids[j]
                     results[i].logprob, results[i].top_logprobs = lps[j]
@@ -151,16 +151,6 @@ class ModelRunner:
 
         return StepHandle(wait)  # (on the CPU the tokens are there already; applied just as late)
 
-    def _output_logprobs(self, logits, rows, ids):
-        out: list[tuple[float | None, list | None]] = [(None, None)] * len(ids)
-        if any(r.want_logprob for r in rows):
-            raw = torch.log_softmax(logits, dim=-1)  # of the model, before any filter
-            for j, r in enumerate(rows):
-                if r.want_logprob:
-                    k = r.top_logprobs_num
-                    out[j] = (float(raw[j, ids[j]]), top_logprobs(raw[j], k) if k else None)
-        return out
-
     @staticmethod
     def _pending_input(it: ScheduledReq) -> bool:
         """Whether this item's last input token is still on the device only."""
@@ -170,16 +160,15 @@ class ModelRunner:
         tokens, rows, seq_lens, on_device = [], [], [], []
         for it in items:
             req, pos = it.req, it.start
-            prompt, out = req.input_ids, req.output_ids
-            if pos < len(prompt):
-                tokens.append(prompt[pos])
-                on_device.append(False)
-            elif pos - len(prompt) < len(out):
-                tokens.append(out[pos - len(prompt)])
-                on_device.append(False)
-            else:  # still pending: read from token_buf on the device
+            pending = self._pending_input(it)  # then read from token_buf on the device
+            prompt = req.input_ids
+            if pending:
                 tokens.append(0)
-                on_device.append(True)
+            elif pos < len(prompt):
+                tokens.append(prompt[pos])
+            else:
+                tokens.append(req.output_ids[pos - len(prompt)])
+            on_device.append(pending)
             rows.append(req.pool_row)
             seq_lens.append(pos + 1)
         return self.graphs.run(tokens, rows, seq_lens, on_device)

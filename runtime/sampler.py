@@ -92,18 +92,24 @@ class Sampler:
         logits: torch.Tensor,  # (B, V) float32; not modified
         rows: list[SamplingRow],
     ) -> SampleOutput:
-        n = len(rows)
         ids = self.sample_ids(logits, rows).tolist()
-        chosen: list[float | None] = [None] * n
-        tops: list[list[tuple[float, int]] | None] = [None] * n
+        lps = self.logprobs(logits, rows, ids)
+        return SampleOutput(ids, [lp for lp, _ in lps], [top for _, top in lps])
+
+    @staticmethod
+    def logprobs(
+        logits: torch.Tensor, rows: list[SamplingRow], ids: list[int]
+    ) -> list[tuple[float | None, list[tuple[float, int]] | None]]:
+        """(the chosen token's log-probability, the top list) per row where asked, of the model's
+        own distribution (before penalties, masks and filters); (None, None) elsewhere."""
+        out: list[tuple[float | None, list[tuple[float, int]] | None]] = [(None, None)] * len(ids)
         if any(r.want_logprob for r in rows):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)  # of the model, before any filter
+            raw = torch.log_softmax(logits, dim=-1)
             for i, r in enumerate(rows):
                 if r.want_logprob:
-                    chosen[i] = float(raw_logprobs[i, ids[i]])
-                    if r.top_logprobs_num:
-                        tops[i] = top_logprobs(raw_logprobs[i], r.top_logprobs_num)
-        return SampleOutput(ids, chosen, tops)
+                    k = r.top_logprobs_num
+                    out[i] = (float(raw[i, ids[i]]), top_logprobs(raw[i], k) if k else None)
+        return out
 
     def sample_ids(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The chosen tokens (B,) int64 on the logits' device, without waiting for the device."""
