@@ -56,3 +56,17 @@ def shape_folder(name: str, tokenizer_folder: Path) -> Path:
 
     copy_tokenizer_files(tokenizer_folder, out)
     return out
+
+
+def random_hf_model(folder: Path):
+    """transformers' own model for a shape folder, random weights, bf16, on the GPU (the baseline
+    of the GPU benchmarks)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            return AutoModelForCausalLM.from_config(config).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import commit, device_line, shape_folder
+from benchmarks.common import commit, device_line, random_hf_model, shape_folder
 
 
 def copy_bandwidth() -> float:
@@ -33,13 +33,7 @@ def copy_bandwidth() -> float:
 
 @torch.inference_mode()
 def hf_eager_tok_s(folder: Path, prompt: list[int], new_tokens: int) -> tuple[float, int]:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(folder)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config).eval()
-    torch.set_default_dtype(torch.float32)
+    model = random_hf_model(folder)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.tensor([prompt], device="cuda")
     kw = {
@@ -88,13 +82,7 @@ def ours_tok_s(folder: Path, prompt: list[int], new_tokens: int, without: str = 
 def hf_compiled_tok_s(folder: Path, prompt: list[int], new_tokens: int) -> float:
     """transformers with a static KV cache and the forward compiled (mode reduce-overhead: CUDA
     graphs), its fastest batch-1 configuration."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(folder)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config).eval()
-    torch.set_default_dtype(torch.float32)
+    model = random_hf_model(folder)
     model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     ids = torch.tensor([prompt], device="cuda")
     kw = {"do_sample": False, "min_new_tokens": new_tokens, "max_new_tokens": new_tokens,

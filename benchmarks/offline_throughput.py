@@ -22,7 +22,7 @@ import time
 import torch
 
 import radixlm
-from benchmarks.common import commit, device_line, random_prompts, shape_folder
+from benchmarks.common import commit, device_line, random_hf_model, random_prompts, shape_folder
 
 
 def time_ours(engine, prompts, new_tokens):
@@ -159,13 +159,9 @@ def gpu_workload(args) -> None:
 def hf_generate_batch(folder, prompts, outs) -> float:
     """transformers' continuous batching on the same weights' shape (bf16, random weights); every
     request gets the mean output length, EOS off. Output tokens per second."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    config = AutoConfig.from_pretrained(folder)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config).eval()
-    torch.set_default_dtype(torch.float32)
+    model = random_hf_model(folder)
     n = round(sum(outs) / len(outs))
     gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
                            pad_token_id=0)  # fmt: skip
