@@ -93,7 +93,8 @@ def test_cuda_graph_decode_equals_eager_decode(default_model_folder, dtype):
     assert a0["output_ids"] == a1["output_ids"]
     same = sum(x["output_ids"] == y["output_ids"] for x, y in zip(b0, b1))
     assert same >= (36 if dtype == "float32" else 33), same  # bf16: batch shape may flip near-ties
-    assert [x["output_ids"] for x in s0] == [x["output_ids"] for x in s1] or dtype != "float32"
+    if dtype == "float32":  # (bf16: a padded batch shape may flip a sampled near-tie)
+        assert [x["output_ids"] for x in s0] == [x["output_ids"] for x in s1]
     for x, y in zip(
         a0["meta_info"]["output_token_logprobs"], a1["meta_info"]["output_token_logprobs"]
     ):
