@@ -1,7 +1,7 @@
 """One forward step: build the batch tensors once, run the model, sample.
 
 `ModelRunner.launch` queues a step on the device (plan -> ForwardBatch or a CUDA graph -> logits ->
-tokens) and returns a `StepHandle` whose `results()` waits for it; `step` does both. Each sampled
+tokens) and returns a `StepHandle` whose `results()` waits for it. Each sampled
 token is also left on the device in `token_buf[request row]`, so the next step can be launched
 before this one's tokens reach the host: a request whose newest token is still pending
 (`req.num_pending`) reads it from there.
@@ -82,10 +82,6 @@ class ModelRunner:
     def _host_buffer(self) -> torch.Tensor:
         buf = torch.zeros(self.token_buf.shape[0], dtype=torch.int64)
         return buf.pin_memory() if self.device.type == "cuda" else buf
-
-    def step(self, plan: list[ScheduledReq]) -> list[ReqStepResult]:
-        """Run one step; results come in the order of `plan`."""
-        return self.launch(plan).results()
 
     def launch(self, plan: list[ScheduledReq]) -> StepHandle:
         """Queue one step on the device. Sampling without log-probabilities does not wait for
