@@ -130,14 +130,12 @@ def normalize_json_schema(schema: Any) -> str | None:
             except json.JSONDecodeError as e:
                 raise ValueError(f"gen: json_schema is not valid JSON: {e}") from None
         return schema
-    if isinstance(schema, dict):
-        return json.dumps(schema)
-    model_json_schema = getattr(schema, "model_json_schema", None)
-    if callable(model_json_schema):
-        return json.dumps(model_json_schema())
-    raise TypeError(
-        f"gen: json_schema must be a JSON string, a dict or a pydantic model class, got {schema!r}"
-    )
+    from radixlm.runtime.sampling_params import json_schema_text  # (imports no torch)
+
+    try:
+        return json_schema_text(schema)
+    except TypeError as e:
+        raise TypeError(f"gen: {e}") from None
 
 
 def check_regex(regex: str | None) -> None:

@@ -59,7 +59,7 @@ class SamplingParams:
             values["stop_token_ids"] = []
         schema = values.get("json_schema")
         if schema is not None and not isinstance(schema, str):
-            values["json_schema"] = _schema_to_text(schema)
+            values["json_schema"] = json_schema_text(schema)
         sp = cls(**values)
         sp.validate()
         return sp
@@ -142,8 +142,8 @@ class SamplingParams:
         return dataclasses.asdict(self)
 
 
-def _schema_to_text(schema: Any) -> str:
-    """Accept a dict or a pydantic model class as a JSON schema."""
+def json_schema_text(schema: Any) -> str:
+    """A JSON schema given as a dict or a pydantic model class -> JSON text."""
     import json
 
     if isinstance(schema, dict):
