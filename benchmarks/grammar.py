@@ -148,6 +148,45 @@ class OutlinesEngine:
         return True, times
 
 
+class XGrammarEngine:
+    """xgrammar (a benchmark-only extra: `pip install xgrammar`), compact JSON, strict mode."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, timeout: float) -> None:
+        import xgrammar as xgr
+
+        from radixlm.constrained import TokenVocabulary
+
+        self.eos = TokenVocabulary.from_tokenizer(tokenizer).eos_token_ids[0]
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, stop_token_ids=[self.eos])
+        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
+        self.walk(self.compile('{"type":"string"}'), [])  # warm the lazy imports of a first mask
+
+    def compile(self, schema_text: str):
+        return self.compiler.compile_json_schema(
+            schema_text, any_whitespace=False, separators=(",", ":"), strict_mode=True
+        )
+
+    def walk(self, grammar: Any, tokens: list[int]) -> tuple[bool, list[float]]:
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(grammar)
+        mask = xgr.allocate_token_bitmask(1, self.info.vocab_size)
+        words = mask.numpy().view(np.uint32)[0]
+        times = []
+        for tok in [*tokens, None]:
+            t0 = time.perf_counter()
+            matcher.fill_next_token_bitmask(mask)
+            times.append(time.perf_counter() - t0)
+            target = self.eos if tok is None else tok
+            if not (words[target >> 5] >> (target & 31)) & 1:
+                return False, times
+            if not matcher.accept_token(target):
+                return False, times
+        return True, times
+
+
 # -- one schema, in a child process ------------------------------------------------------------
 
 _STATE: dict[str, Any] = {}
@@ -314,7 +353,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--limit", type=int, default=None, help="only the first N of the sample")
     ap.add_argument("--timeout", type=float, default=10.0, help="per-schema compile timeout (s)")
-    ap.add_argument("--engines", default="radixlm,outlines-core")
+    ap.add_argument(
+        "--engines", default="radixlm,outlines-core", help="also: xgrammar (where it installs)"
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write per-schema results here")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument(
@@ -351,6 +392,8 @@ def main(argv: list[str] | None = None) -> None:
     for e in engines:
         if e == "radixlm":
             _STATE[e] = RadixEngine(tokenizer, args.timeout, args.allow_unlisted)
+        elif e == "xgrammar":
+            _STATE[e] = XGrammarEngine(tokenizer, args.timeout)
         else:
             _STATE[e] = OutlinesEngine(tokenizer, args.timeout)
 
