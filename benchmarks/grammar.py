@@ -187,6 +187,53 @@ class XGrammarEngine:
         return True, times
 
 
+class LLGuidanceEngine:
+    """llguidance (a benchmark-only extra: `pip install llguidance`), compact JSON, not lenient.
+    Building its matcher is the compile; each walk starts from a copy of it."""
+
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, timeout: float) -> None:
+        import llguidance.hf
+
+        from radixlm.constrained import TokenVocabulary
+
+        self.eos = TokenVocabulary.from_tokenizer(tokenizer).eos_token_ids[0]
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, eos_token=self.eos)
+        self.walk(self.compile('{"type":"string"}'), [])  # warm the lazy imports of a first mask
+
+    def compile(self, schema_text: str):
+        from llguidance import LLMatcher
+
+        grammar = LLMatcher.grammar_from_json_schema(
+            schema_text, defaults={"whitespace_flexible": False}
+        )
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
+
+    def walk(self, grammar: Any, tokens: list[int]) -> tuple[bool, list[float]]:
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+        matcher = grammar.deep_copy()
+        mask = allocate_token_bitmask(1, self.tokenizer.vocab_size)
+        words = mask.view(np.uint32)[0]
+        times = []
+        for tok in [*tokens, None]:
+            t0 = time.perf_counter()
+            fill_next_token_bitmask(matcher, mask)
+            times.append(time.perf_counter() - t0)
+            target = self.eos if tok is None else tok
+            if not (words[target >> 5] >> (target & 31)) & 1:
+                return False, times
+            if tok is None:
+                return matcher.is_accepting(), times
+            if not matcher.consume_token(tok):
+                return False, times
+        return True, times
+
+
 # -- one schema, in a child process ------------------------------------------------------------
 
 _STATE: dict[str, Any] = {}
@@ -354,7 +401,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=None, help="only the first N of the sample")
     ap.add_argument("--timeout", type=float, default=10.0, help="per-schema compile timeout (s)")
     ap.add_argument(
-        "--engines", default="radixlm,outlines-core", help="also: xgrammar (where it installs)"
+        "--engines",
+        default="radixlm,outlines-core",
+        help="also: xgrammar, llguidance (where they install)",
     )
     ap.add_argument("--json", type=Path, default=None, help="also write per-schema results here")
     ap.add_argument("--verbose", action="store_true")
@@ -394,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
             _STATE[e] = RadixEngine(tokenizer, args.timeout, args.allow_unlisted)
         elif e == "xgrammar":
             _STATE[e] = XGrammarEngine(tokenizer, args.timeout)
+        elif e == "llguidance":
+            _STATE[e] = LLGuidanceEngine(tokenizer, args.timeout)
         else:
             _STATE[e] = OutlinesEngine(tokenizer, args.timeout)
 
