@@ -28,7 +28,10 @@ _ENGINE_HELP = {
     "0.25 on CPU)",
     "max_total_tokens": "the KV pool's size in tokens (overrides --mem-fraction-static)",
     "max_running_requests": "requests decoded together at most",
-    "chunked_prefill_size": "prompt tokens computed in one step at most (long prompts are chunked)",
+    "chunked_prefill_size": "prompt tokens computed in one step at most (long prompts are "
+    "chunked; default: 8192 on GPU, 2048 on CPU)",
+    "max_admission_delay": "with many decodes running, steps a waiting prompt may wait so that "
+    "prompts are admitted together (0: admit at once)",
     "schedule_policy": "the order of waiting requests: lpm (longest cached prefix first) or fcfs",
     "disable_radix_cache": "do not reuse the KV of shared prefixes across requests",
     "attention_backend": "auto, torch (the plain reference) or triton",

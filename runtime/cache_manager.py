@@ -88,9 +88,14 @@ class CacheManager:
         rows: list[int] = []
         positions: list[int] = []
         for req, n in zip(reqs, counts):
-            rows += [req.pool_row] * n
-            positions += range(req.kv_len, req.kv_len + n)
-            req.kv_len += n
+            kv_len = req.kv_len
+            if n == 1:
+                rows.append(req.pool_row)
+                positions.append(kv_len)
+            else:
+                rows += [req.pool_row] * n
+                positions += range(kv_len, kv_len + n)
+            req.kv_len = kv_len + n
         self.rows.write_scattered(rows, positions, slots)
 
     def truncate(self, req: Req, length: int) -> None:

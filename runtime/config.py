@@ -31,7 +31,12 @@ class EngineConfig:
     # ... unless given in tokens
     max_total_tokens: int | None = None
     max_running_requests: int = 256
-    chunked_prefill_size: int = 2048  # tokens of prompt computed in one step, at most
+    # tokens of prompt computed in one step, at most (default: 8192 on GPU, 2048 on CPU)
+    chunked_prefill_size: int | None = None
+    # with many decodes running, waiting prompts are admitted together, after up to this many
+    # steps (a step that computes a prompt chunk runs eagerly instead of replaying a decode
+    # graph); 0 admits them at once
+    max_admission_delay: int = 16
     schedule_policy: str = "lpm"  # lpm: longest cached prefix first; fcfs: arrival order
     disable_radix_cache: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
@@ -65,8 +70,10 @@ class EngineConfig:
             bad("max_running_requests must be at least 1")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             bad("cuda_graph_max_bs must be at least 1")
-        if self.chunked_prefill_size < 1:
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             bad("chunked_prefill_size must be at least 1")
+        if self.max_admission_delay < 0:
+            bad("max_admission_delay must be at least 0")
         if self.schedule_policy not in ("lpm", "fcfs"):
             bad(f"schedule_policy={self.schedule_policy!r}; use 'lpm' or 'fcfs'")
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -21,6 +21,7 @@ import time
 import torch
 
 from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.tensors import int64_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class DecodeGraphs:
         # 1 where the input token is to be read from token_buf instead
         self._inputs = torch.zeros((4, n), dtype=torch.int64, device=self.device)
         # two host buffers used in turn: a step may be launched before the previous one's copy ran
-        self._staging = [torch.zeros((4, n), dtype=torch.int64) for _ in range(2)]
+        self._staging = [torch.zeros(4 * n, dtype=torch.int64) for _ in range(2)]
         if capture:
             self._staging = [b.pin_memory() for b in self._staging]
         self._flip = 0
@@ -88,15 +89,21 @@ class DecodeGraphs:
         bs = len(tokens)
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
         pad = [0] * (bucket - bs)
-        staging = self._staging[self._flip][:, :bucket]
+        staging = self._staging[self._flip][: 4 * bucket].view(4, bucket)
         self._flip ^= 1
-        staging.copy_(torch.tensor([tokens + pad, rows + pad, seq_lens + pad, on_device + pad]))
+        staging.view(-1).copy_(
+            int64_tensor(tokens + pad + rows + pad + seq_lens + pad + on_device + pad)
+        )
         self._inputs[:, :bucket].copy_(staging, non_blocking=True)
         graph = self._graphs.get(bucket)
         if graph is None:  # not captured
             return self._forward(bucket)[:bs]
         graph.replay()
         return self._logits[bucket][:bs]
+
+    def rows_on_device(self, bs: int) -> torch.Tensor:
+        """The request rows of the last `run` of `bs` requests, on the device."""
+        return self._inputs[1, :bs]
 
     # ---- capture --------------------------------------------------------------------------
 

@@ -56,6 +56,13 @@ class IncrementalDetokenizer:
         else:
             self._pending.extend(token_ids)
 
+    def add_one(self, token_id: int) -> None:
+        """`add([token_id])`, without the list (called for every token of every request)."""
+        if self.stop:
+            self._add([token_id])
+        else:
+            self._pending.append(token_id)
+
     def _add(self, token_ids: list[int]) -> None:
         if self.matched_stop is not None:
             return

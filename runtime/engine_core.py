@@ -22,7 +22,7 @@ from radixlm.runtime.attention import create_backend
 from radixlm.runtime.cache_manager import CacheManager
 from radixlm.runtime.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from radixlm.runtime.model_runner import ModelRunner, ReqStepResult
-from radixlm.runtime.request import Req
+from radixlm.runtime.request import Req, ReqStatus
 from radixlm.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,9 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.cache,
             max_running_requests=config.max_running_requests,
-            chunked_prefill_size=config.chunked_prefill_size,
+            chunked_prefill_size=config.chunked_prefill_size
+            or (8192 if device.type == "cuda" else 2048),
+            max_admission_delay=config.max_admission_delay,
             schedule_policy=config.schedule_policy,
         )
         graphs = None
@@ -189,10 +191,12 @@ class EngineCore:
         except Exception as e:
             self._fail_step(plan, e)
             return
-        for item, result in zip(plan, results):
-            if item.samples:
-                item.req.num_pending = max(0, item.req.num_pending - 1)
-            self._apply(item.req, result)
+        extras = results.extras
+        for i, (item, token) in enumerate(zip(plan, results.tokens)):
+            req = item.req
+            if item.samples and req.num_pending:
+                req.num_pending -= 1
+            self._apply(req, token, extras.get(i) if extras else None)
 
     def _fail_step(self, plan, e: Exception) -> None:
         logger.error("step failed: %s\n%s", e, traceback.format_exc())
@@ -230,46 +234,53 @@ class EngineCore:
             except queue.Empty:
                 return
 
-    def _apply(self, req: Req, result: ReqStepResult) -> None:
-        if req.is_finished:
+    def _apply(self, req: Req, token: int | None, extra: ReqStepResult | None) -> None:
+        """Take one step's result for `req`: its new token (None if the step did not end at its
+        newest token) and any log-probabilities. Runs for every request every step: keep it lean."""
+        if req.status is ReqStatus.FINISHED:
             return
-        if result.input_logprobs:
-            req.input_token_logprobs.extend(result.input_logprobs)
-            req.input_top_logprobs.extend(result.input_top_logprobs)
-        token = result.next_token
+        if extra is not None and extra.input_logprobs:
+            req.input_token_logprobs.extend(extra.input_logprobs)
+            req.input_top_logprobs.extend(extra.input_top_logprobs)
         if token is None:
             return
-        if req.params.max_new_tokens == 0:  # prompt scoring only
+        p = req.params
+        if p.max_new_tokens == 0:  # prompt scoring only
             req.finish({"type": "length", "length": 0})
             self._finish(req)
             return
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
-        req.output_ids.append(token)
+        output_ids = req.output_ids
+        output_ids.append(token)
         self.num_generated_tokens += 1
         if req.logprob.return_logprob:
-            req.output_token_logprobs.append((result.logprob, token))
-            req.output_top_logprobs.append(result.top_logprobs)
-        if req.grammar is not None and not req.grammar.accept_token(token):
+            lp, top = (extra.logprob, extra.top_logprobs) if extra is not None else (None, None)
+            req.output_token_logprobs.append((lp, token))
+            req.output_top_logprobs.append(top)
+        grammar = req.grammar
+        if grammar is not None and not grammar.accept_token(token):
             self._fail(req, f"internal error: the grammar refused the sampled token {token}")
             return
-        self._check_finished(req, token)
-        if not req.is_finished and req.grammar is not None and self.config.enable_jump_forward:
-            self._jump_forward(req)
-        if req.is_finished:
+        # finished? (a grammar that accepted EOS is complete, whatever ignore_eos says)
+        if token in p.stop_token_ids or (
+            (not p.ignore_eos or grammar is not None) and token in req.eos_token_ids
+        ):
+            req.finish({"type": "stop", "matched": token})
+        else:
+            req.detokenizer.add_one(token)
+            if (
+                req.detokenizer.matched_stop is not None
+                or len(output_ids) >= p.max_new_tokens
+                or len(req.input_ids) + len(output_ids) >= self.context_len
+            ):
+                self._check_stop_or_length(req)
+            elif grammar is not None and self.config.enable_jump_forward:
+                self._jump_forward(req)
+        if req.status is ReqStatus.FINISHED:
             self._finish(req)
         else:
             self._sinks[req.rid](req, False)
-
-    def _check_finished(self, req: Req, token: int) -> None:
-        p = req.params
-        # a grammar that accepted EOS is complete, whatever ignore_eos says
-        eos_ends = not p.ignore_eos or req.grammar is not None
-        if token in p.stop_token_ids or (eos_ends and token in req.eos_token_ids):
-            req.finish({"type": "stop", "matched": token})
-            return
-        req.detokenizer.add([token])
-        self._check_stop_or_length(req)
 
     def _check_stop_or_length(self, req: Req) -> None:
         p = req.params

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from radixlm.runtime.tensors import int64_tensor
+
 
 class KVPool:
     """K and V for every layer, addressed per token slot: k[layer] is (num_slots, num_kv_heads, head_dim)."""
@@ -122,7 +124,7 @@ class ReqToTokenPool:
 
     def write_scattered(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """table[rows[i], positions[i]] = slots[i] for all i, in one indexed write."""
-        index = torch.tensor([rows, positions], dtype=torch.int64)
+        index = int64_tensor(rows + positions).view(2, -1)
         slots = slots.to(torch.int32)
         self.host[index[0], index[1]] = slots
         if self.host is not self.table:

@@ -16,11 +16,13 @@ import torch
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.sampler import Sampler, SamplingRow, top_logprobs
 from radixlm.runtime.scheduler import ScheduledReq
+from radixlm.runtime.tensors import int64_tensor
 
 
 @dataclass(slots=True)
 class ReqStepResult:
-    next_token: int | None = None  # None when this step did not end at the request's newest token
+    """What a step gives one request beyond its token: log-probabilities, where asked."""
+
     logprob: float | None = None
     top_logprobs: list[tuple[float, int]] | None = None
     # input log-probabilities for prompt positions computed in this step: (logprob, token_id);
@@ -29,15 +31,22 @@ class ReqStepResult:
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
 
 
+@dataclass(slots=True)
+class StepResults:
+    # per plan item, its new token; None where the step did not end at the request's newest token
+    tokens: list[int | None]
+    extras: dict[int, ReqStepResult]  # plan index -> log-probabilities, only where asked
+
+
 class StepHandle:
     """A launched step. `results()` waits for the device and returns the results in plan order."""
 
     def __init__(self, finish) -> None:
         self._finish = finish
-        self._results: list[ReqStepResult] | None = None
+        self._results: StepResults | None = None
 
     @classmethod
-    def done(cls, results: list[ReqStepResult]) -> StepHandle:
+    def done(cls, results: StepResults) -> StepHandle:
         handle = cls(None)
         handle._results = results
         return handle
@@ -46,7 +55,7 @@ class StepHandle:
     def ready(self) -> bool:
         return self._results is not None
 
-    def results(self) -> list[ReqStepResult]:
+    def results(self) -> StepResults:
         if self._results is None:
             self._results = self._finish()
         return self._results
@@ -86,49 +95,59 @@ class ModelRunner:
     def launch(self, plan: list[ScheduledReq]) -> StepHandle:
         """Queue one step on the device. Sampling without log-probabilities does not wait for
         the device; anything else is finished here (the handle is then `ready`)."""
-        order = sorted(range(len(plan)), key=lambda i: plan[i].num_tokens == 1)  # multi-token first
-        items = [plan[i] for i in order]
-        if self._graphable(items):
+        input_lp_rows: dict[int, list[tuple[int, int]]] = {}
+        if self._graphable(plan):  # single-token decodes: one logits row per item, plan order
+            items, order = plan, None
             logits = self._run_graph(items)
-            sample_rows = {
-                i: _SampleSlot(i, None if it.req.plain_greedy else _sampling_row(it.req))
-                for i, it in enumerate(items)
-                if it.samples
-            }
-            input_lp_rows: dict[int, list[tuple[int, int]]] = {}
-        else:
-            batch, sample_rows, input_lp_rows = self._build_batch(items)
+            which = [i for i, it in enumerate(items) if it.samples]
+            logit_rows = which
+        else:  # multi-token items first
+            order = sorted(range(len(plan)), key=lambda i: plan[i].num_tokens == 1)
+            items = [plan[i] for i in order]
+            batch, which, logit_rows, input_lp_rows = self._build_batch(items)
             logits = self.model(batch, self.backend)  # (L, V)
 
-        which = list(sample_rows)
         row_logits = logits
-        logit_rows = [sample_rows[i].logit_row for i in which]
-        if logit_rows != list(range(logits.shape[0])):
-            row_logits = logits[torch.tensor(logit_rows, device=logits.device)]
-        if all(sample_rows[i].row is None for i in which):  # plain greedy: no sampling rows built
-            rows: list[SamplingRow] = []
-            tokens = row_logits.argmax(dim=-1) if which else None
-        else:
-            rows = [sample_rows[i].row or _sampling_row(items[i].req) for i in which]
-            tokens = self.sampler.sample_ids(row_logits, rows)
-        if tokens is not None:
-            pool_rows = torch.tensor([items[i].req.pool_row for i in which])
-            self.token_buf[pool_rows.to(self.device, non_blocking=True)] = tokens
+        if len(logit_rows) != logits.shape[0] or logit_rows != list(range(len(logit_rows))):
+            row_logits = logits[int64_tensor(logit_rows).to(logits.device)]
+        rows: list[SamplingRow] = []
+        tokens = None
+        if which:
+            reqs = [items[i].req for i in which]
+            if all(r.plain_greedy for r in reqs):  # no sampling rows to build
+                tokens = row_logits.argmax(dim=-1)
+            else:
+                rows = [_sampling_row(r) for r in reqs]
+                tokens = self.sampler.sample_ids(row_logits, rows)
+            if order is None and len(which) == len(items):
+                pool_rows = self.graphs.rows_on_device(len(items))
+            else:
+                pool_rows = int64_tensor([r.pool_row for r in reqs]).to(self.device)
+            self.token_buf[pool_rows] = tokens
+        # plan index of each sampled item
+        at = which if order is None else [order[i] for i in which]
 
-        def finish(host: torch.Tensor | None = None) -> list[ReqStepResult]:
-            results = [ReqStepResult() for _ in items]
-            if tokens is not None:
+        def finish(host: torch.Tensor | None = None) -> StepResults:
+            out: list[int | None]
+            extras: dict[int, ReqStepResult] = {}
+            if tokens is None:
+                out = [None] * len(plan)
+            else:
                 ids = host[: len(which)].tolist() if host is not None else tokens.tolist()
-                lps = self.sampler.logprobs(row_logits, rows, ids)
-                for j, i in enumerate(which):
-                    results[i].next_token = ids[j]
-                    results[i].logprob, results[i].top_logprobs = lps[j]
+                if len(ids) == len(plan) and order is None:
+                    out = ids
+                else:
+                    out = [None] * len(plan)
+                    for j, i in enumerate(at):
+                        out[i] = ids[j]
+                if any(r.want_logprob for r in rows):
+                    for j, (lp, top) in enumerate(self.sampler.logprobs(row_logits, rows, ids)):
+                        if rows[j].want_logprob:
+                            extras[at[j]] = ReqStepResult(lp, top)
             for i, entries in input_lp_rows.items():
-                self._input_logprobs(logits, items[i], entries, results[i])
-            unsorted = [ReqStepResult()] * len(plan)
-            for pos, i in enumerate(order):
-                unsorted[i] = results[pos]
-            return unsorted
+                result = extras.setdefault(order[i], ReqStepResult())
+                self._input_logprobs(logits, items[i], entries, result)
+            return StepResults(out, extras)
 
         if tokens is None or input_lp_rows or any(r.want_logprob for r in rows):
             return StepHandle.done(finish())
@@ -140,7 +159,7 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
 
-        def wait() -> list[ReqStepResult]:
+        def wait() -> StepResults:
             if event is not None:
                 event.synchronize()
             return finish(host)
@@ -156,8 +175,8 @@ class ModelRunner:
         tokens, rows, seq_lens, on_device = [], [], [], []
         for it in items:
             req, pos = it.req, it.start
-            pending = self._pending_input(it)  # then read from token_buf on the device
             prompt = req.input_ids
+            pending = pos + 1 > len(prompt) + len(req.output_ids)  # read from token_buf on device
             if pending:
                 tokens.append(0)
             elif pos < len(prompt):
@@ -169,13 +188,13 @@ class ModelRunner:
             seq_lens.append(pos + 1)
         return self.graphs.run(tokens, rows, seq_lens, on_device)
 
-    def _graphable(self, items: list[ScheduledReq]) -> bool:
+    def _graphable(self, plan: list[ScheduledReq]) -> bool:
         """A step of single-token decodes only, small enough for a captured graph."""
         return (
             self.graphs is not None
-            and self.graphs.can_run(len(items))
-            and items[0].num_tokens == 1  # multi-token items sort first
-            and not any(it.req.wants_input_logprobs for it in items)
+            and self.graphs.can_run(len(plan))
+            and all(it.num_tokens == 1 for it in plan)
+            and not any(it.req.wants_input_logprobs for it in plan)
         )
 
     # ---- batch ----------------------------------------------------------------------------
@@ -185,14 +204,18 @@ class ModelRunner:
         positions: list[int] = []
         rows: list[int] = []
         logits_rows: list[int] = []
-        sample_rows: dict[int, _SampleSlot] = {}
+        which: list[int] = []  # items that sample
+        sample_logit_rows: list[int] = []  # their rows of the logits
         input_lp_rows: dict[int, list[tuple[int, int]]] = {}  # item -> [(logit_row, token index)]
         pending: list[tuple[int, int]] = []  # (index in input_ids, request row)
         offset = 0
         for i, it in enumerate(items):
             req = it.req
-            ids = req.all_ids
-            input_ids.extend(ids[it.start : it.start + it.num_tokens])
+            start, end, prompt = it.start, it.start + it.num_tokens, req.input_ids
+            if start >= len(prompt):  # (slicing here, not all_ids: that copies the whole list)
+                input_ids.extend(req.output_ids[start - len(prompt) : end - len(prompt)])
+            else:
+                input_ids.extend(req.all_ids[start:end] if end > len(prompt) else prompt[start:end])
             if self._pending_input(it):  # the newest token is on the device: fixed up below
                 pending.append((len(input_ids), req.pool_row))
                 input_ids.append(0)
@@ -211,7 +234,8 @@ class ModelRunner:
                         input_lp_rows[i].append((len(logits_rows), token_index))
                         logits_rows.append(offset + pos - it.start)
             if it.samples:
-                sample_rows[i] = _SampleSlot(len(logits_rows), _sampling_row(req))
+                which.append(i)
+                sample_logit_rows.append(len(logits_rows))
                 logits_rows.append(offset + it.num_tokens - 1)
             offset += it.num_tokens
 
@@ -220,9 +244,8 @@ class ModelRunner:
         token_rows = [r for r, n in zip(rows, extend_lens) for _ in range(n)]
         # every index list travels to the device in one copy
         t, b = len(input_ids), len(items)
-        packed = torch.tensor(
-            input_ids + positions + token_rows + rows + extend_lens + prefix_lens + logits_rows,
-            dtype=torch.int64,
+        packed = int64_tensor(
+            input_ids + positions + token_rows + rows + extend_lens + prefix_lens + logits_rows
         ).to(self.device, non_blocking=True)
         ids_t, pos_t, token_rows_t = packed[: 3 * t].view(3, t)
         req_rows, extend_t, prefix_t = packed[3 * t : 3 * t + 3 * b].view(3, b)
@@ -242,7 +265,7 @@ class ModelRunner:
             prefix_lens_cpu=prefix_lens,
             num_multi=sum(1 for n in extend_lens if n > 1),
         )
-        return batch, sample_rows, input_lp_rows
+        return batch, which, sample_logit_rows, input_lp_rows
 
     @staticmethod
     def _input_logprob_positions(it: ScheduledReq) -> list[tuple[int, int]]:
@@ -273,12 +296,6 @@ class ModelRunner:
             token = req.input_ids[token_index]
             result.input_logprobs.append((float(lp[j, token]), token))
             result.input_top_logprobs.append(top_logprobs(lp[j], k) if k else None)
-
-
-@dataclass
-class _SampleSlot:
-    logit_row: int
-    row: SamplingRow | None  # None: a plain greedy request (argmax, nothing else)
 
 
 def _sampling_row(req) -> SamplingRow:

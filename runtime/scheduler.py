@@ -2,7 +2,9 @@
 
 The scheduler decides; it never touches tensors. Each step holds every running request that is
 decoding (one token each) plus prompt chunks under a token budget (chunked prefill), so prefills and
-decodes share a step. When KV memory runs short, cached prefixes are evicted first, then the
+decodes share a step. Under heavy load, waiting prompts are admitted in groups: a step that computes
+a prompt chunk cannot replay a captured decode graph, so admitting one prompt each time a request
+finishes would make nearly every step an eager one. When KV memory runs short, cached prefixes are evicted first, then the
 newest running requests are preempted: their computed tokens go to the prefix cache and they wait
 to resume (recomputing what was evicted meanwhile). A request is never failed for lack of memory
 once admitted: one that could never fit alone is refused when it is submitted.
@@ -11,24 +13,27 @@ once admitted: one that could never fit alone is refused when it is submitted.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from radixlm.radix_cache.ordering import order_waiting
 from radixlm.runtime.cache_manager import CacheManager
 from radixlm.runtime.request import Req, ReqStatus
 
 
-@dataclass(frozen=True, slots=True)
 class ScheduledReq:
-    req: Req
-    start: int  # first position computed in this step
-    num_tokens: int  # positions computed in this step
-    # whether this step ends at the request's newest token, so its logits give the next one
-    # (fixed when planned: a token pending later changes the request, not the plan)
-    samples: bool = field(init=False)
+    """One request's part of a step: positions `start .. start + num_tokens` are computed."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "samples", self.start + self.num_tokens == self.req.sched_len)
+    __slots__ = ("req", "start", "num_tokens", "samples")
+
+    def __init__(self, req: Req, start: int, num_tokens: int, samples: bool | None = None) -> None:
+        self.req = req
+        self.start = start  # first position computed in this step
+        self.num_tokens = num_tokens  # positions computed in this step
+        # whether this step ends at the request's newest token, so its logits give the next one
+        # (fixed when planned: a token pending later changes the request, not the plan)
+        self.samples = start + num_tokens == req.sched_len if samples is None else samples
+
+    def __repr__(self) -> str:
+        return f"ScheduledReq({self.req.rid!r}, start={self.start}, num_tokens={self.num_tokens})"
 
 
 class Scheduler:
@@ -39,6 +44,7 @@ class Scheduler:
         max_running_requests: int,
         chunked_prefill_size: int,
         schedule_policy: str,
+        max_admission_delay: int = 0,
     ) -> None:
         self.cache = cache
         self.max_running = max_running_requests
@@ -47,6 +53,8 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_preemptions = 0
+        self.max_admission_delay = max_admission_delay
+        self._deferred = 0  # steps admission has been put off
 
     # ---- queue ----------------------------------------------------------------------------
 
@@ -80,7 +88,7 @@ class Scheduler:
                     break
                 plan.append(item)
                 budget -= item.num_tokens
-        if budget > 0 and self.waiting:
+        if budget > 0 and self.waiting and self._admission_due(len(plan)):
             plan.extend(self._admit_waiting(budget))
         if not plan and self.running and not any(r.num_pending for r in self.running):
             # nothing fits: free memory by preempting, then plan again (progress is guaranteed
@@ -89,23 +97,44 @@ class Scheduler:
             return self.schedule()
         return plan
 
+    def _admission_due(self, num_decodes: int) -> bool:
+        """Admit waiting prompts now? At once under light load (fewer decodes than a quarter of
+        `max_running`), else once there are seats for every waiting request or for an eighth of
+        `max_running`, or after `max_admission_delay` steps of waiting."""
+        seats = self.max_running - len(self.running)
+        if (
+            num_decodes < self.max_running // 4
+            or seats >= max(1, min(len(self.waiting), self.max_running // 8))
+            or self._deferred >= self.max_admission_delay
+        ):
+            self._deferred = 0
+            return True
+        self._deferred += 1
+        return False
+
     def _schedule_decodes(self) -> list[ScheduledReq]:
         # a decoding request computes its newest token, or several when jump-forward appended text
         # (not one whose pending token already ends it: it finishes when that token is applied)
         decoding: list[Req] = []
         counts: list[int] = []
         for r in self.running:
-            n = r.sched_len - r.kv_len
-            if r.kv_len < len(r.input_ids) or n <= 0:
+            prompt_len, kv_len, pending = len(r.input_ids), r.kv_len, r.num_pending
+            num_out = len(r.output_ids)
+            n = prompt_len + num_out + pending - kv_len  # r.sched_len - r.kv_len
+            if kv_len < prompt_len or n <= 0:
                 continue  # still in prefill, or nothing new
-            if r.num_pending and len(r.output_ids) + r.num_pending >= r.params.max_new_tokens:
+            if pending and num_out + pending >= r.params.max_new_tokens:
                 continue
             decoding.append(r)
             counts.append(n)
-        while decoding and not self.cache.can_extend(sum(counts)):
+        if not decoding:
+            return []
+        total = sum(counts)
+        while decoding and not self.cache.can_extend(total):
             self._preempt(decoding.pop())  # the newest
-            counts.pop()
-        plan = [ScheduledReq(r, r.kv_len, n) for r, n in zip(decoding, counts)]
+            total -= counts.pop()
+        # each ends at its newest token: every one samples
+        plan = [ScheduledReq(r, r.kv_len, n, True) for r, n in zip(decoding, counts)]
         if plan:
             self.cache.extend_many(decoding, counts)
         return plan

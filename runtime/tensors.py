@@ -1,0 +1,17 @@
+"""Host tensors from Python lists, fast: `torch.tensor(list)` converts element by element (about
+0.1 µs each), which at hundreds of requests a step is a visible share of the host's work."""
+
+from __future__ import annotations
+
+from array import array
+
+import torch
+
+
+def int64_tensor(values) -> torch.Tensor:
+    """A 1-D int64 CPU tensor of `values` (ints or bools), through a packed array: ~8x faster than
+    `torch.tensor` for a few hundred values. The tensor owns (a reference to) its buffer."""
+    buf = array("q", values)
+    if not buf:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(buf, dtype=torch.int64)
