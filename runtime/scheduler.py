@@ -152,6 +152,9 @@ class Scheduler:
             list(self.waiting), lambda r: len(self.cache.match(r).slots), self.policy
         )
         fresh: list[list[int]] = []  # prompts admitted this step
+        # keep one slot per running decode in reserve so admission does not force preemption
+        # (requests admitted here are not decoding yet)
+        reserve = sum(1 for r in self.running if r.prefill_done)
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.max_running or not self.cache.rows.num_free:
                 break
@@ -164,8 +167,6 @@ class Scheduler:
                 continue  # computed by a request admitted this step; it hits the cache next step
             n = min(budget, req.num_tokens - len(match.slots))
             self.cache.admit(req, match)
-            # keep one slot per running decode in reserve so admission does not force preemption
-            reserve = sum(1 for r in self.running if r.prefill_done)
             if not self.cache.can_extend(n + reserve):
                 self.cache.release(req)
                 break
