@@ -147,6 +147,8 @@ def gpu_workload(args) -> None:
     print(f"  engine stats: {stats}")
     torch.cuda.empty_cache()
 
+    if not args.hf_requests:
+        return
     theirs = hf_generate_batch(folder, prompts[: args.hf_requests], outs[: args.hf_requests])
     print("\n| workload | radixlm out tok/s | transformers generate_batch out tok/s | ratio |")
     print("|---|---|---|---|")

@@ -360,6 +360,7 @@ class EngineCore:
             "cached_tokens": self.cache.stats.cached_tokens,
             "generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
+            "graph_steps": self.runner.num_graph_steps,
             "num_preemptions": self.scheduler.num_preemptions,
             "jump_forward_tokens": self.num_jump_forward_tokens,
             "overlapped_steps": self.num_overlapped_steps,

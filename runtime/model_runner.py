@@ -87,6 +87,7 @@ class ModelRunner:
         # step's copy never overwrites the previous step's before it is read
         self._host_tokens = [self._host_buffer(), self._host_buffer()]
         self._flip = 0
+        self.num_graph_steps = 0  # steps replayed from a CUDA graph
 
     def _host_buffer(self) -> torch.Tensor:
         buf = torch.zeros(self.token_buf.shape[0], dtype=torch.int64)
@@ -99,6 +100,7 @@ class ModelRunner:
         if self._graphable(plan):  # single-token decodes: one logits row per item, plan order
             items, order = plan, None
             logits = self._run_graph(items)
+            self.num_graph_steps += 1
             which = [i for i, it in enumerate(items) if it.samples]
             logit_rows = which
         else:  # multi-token items first
