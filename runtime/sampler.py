@@ -77,7 +77,10 @@ def exponential_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     z = (z ^ _shr(z, 30)) * _MIX1
     z = (z ^ _shr(z, 27)) * _MIX2
     z = z ^ _shr(z, 31)
-    u = (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+    u = (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # (2**24 - 1 + 0.5) rounds to 2**24 in float32: keep u below 1 so that q > 0 (q = -0.0 made a
+    # filtered or masked token's 0 / q a NaN, which argmax picks)
+    u = u.clamp_(max=1.0 - 2.0**-24)  # uniform in (0, 1)
     return -torch.log(u)
 
 

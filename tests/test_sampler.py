@@ -98,3 +98,15 @@ def test_banned_tokens_and_plain_greedy():
     out = Sampler()(logits, [row(greedy, banned_ids=(1,)), row(greedy, banned_ids=(0, 2))])
     assert out.token_ids == [2, 1]
     assert logits[0, 1] == 5.0  # the caller's logits are not modified
+
+
+def test_a_uniform_that_rounds_to_one_leaves_masked_tokens_unchosen():
+    # row seed 208044 draws 2**24 - 1 for token 49, and (2**24 - 1 + 0.5) / 2**24 rounds to 1 in
+    # float32: the noise must stay positive, or a masked token's 0 / q is a NaN that argmax picks
+    seeds = torch.tensor([208044], dtype=torch.int64)
+    q = exponential_noise(seeds, 64)
+    assert (q > 0).all()
+    logits = torch.zeros(1, 64)
+    logits[0, 49] = float("-inf")
+    probs = _filtered_probs(logits, [params(temperature=1.0)])
+    assert int((probs / q).argmax()) != 49
