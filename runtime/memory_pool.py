@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.runtime.tensors import int64_tensor
+from radixlm.runtime.tensors import int64_tensor, to_device
 
 
 class KVPool:
@@ -120,7 +120,7 @@ class ReqToTokenPool:
         slots = slots.to(torch.int32)
         self.host[row, start : start + len(slots)] = slots
         if self.host is not self.table:
-            self.table[row, start : start + len(slots)] = slots.to(self.table.device)
+            self.table[row, start : start + len(slots)] = to_device(slots, self.table.device)
 
     def write_scattered(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """table[rows[i], positions[i]] = slots[i] for all i, in one indexed write."""
@@ -129,8 +129,8 @@ class ReqToTokenPool:
         self.host[index[0], index[1]] = slots
         if self.host is not self.table:
             dev = self.table.device
-            index = index.to(dev, non_blocking=True)
-            self.table[index[0], index[1]] = slots.to(dev, non_blocking=True)
+            packed = to_device(torch.cat((index.view(-1), slots.long())), dev).view(3, -1)
+            self.table[packed[0], packed[1]] = packed[2].to(torch.int32)
 
     def read(self, row: int, length: int) -> torch.Tensor:
         return self.host[row, :length].to(torch.int64)

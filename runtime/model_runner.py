@@ -16,7 +16,7 @@ import torch
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.sampler import Sampler, SamplingRow, top_logprobs
 from radixlm.runtime.scheduler import ScheduledReq
-from radixlm.runtime.tensors import int64_tensor
+from radixlm.runtime.tensors import int64_tensor, to_device
 
 
 @dataclass(slots=True)
@@ -111,7 +111,7 @@ class ModelRunner:
 
         row_logits = logits
         if len(logit_rows) != logits.shape[0] or logit_rows != list(range(len(logit_rows))):
-            row_logits = logits[int64_tensor(logit_rows).to(logits.device)]
+            row_logits = logits[to_device(int64_tensor(logit_rows), logits.device)]
         rows: list[SamplingRow] = []
         tokens = None
         if which:
@@ -124,7 +124,7 @@ class ModelRunner:
             if order is None and len(which) == len(items):
                 pool_rows = self.graphs.rows_on_device(len(items))
             else:
-                pool_rows = int64_tensor([r.pool_row for r in reqs]).to(self.device)
+                pool_rows = to_device(int64_tensor([r.pool_row for r in reqs]), self.device)
             self.token_buf[pool_rows] = tokens
         # plan index of each sampled item
         at = which if order is None else [order[i] for i in which]
@@ -246,13 +246,17 @@ class ModelRunner:
         token_rows = [r for r, n in zip(rows, extend_lens) for _ in range(n)]
         # every index list travels to the device in one copy
         t, b = len(input_ids), len(items)
-        packed = int64_tensor(
-            input_ids + positions + token_rows + rows + extend_lens + prefix_lens + logits_rows
-        ).to(self.device, non_blocking=True)
+        packed = to_device(
+            int64_tensor(
+                input_ids + positions + token_rows + rows + extend_lens + prefix_lens + logits_rows
+            ),
+            self.device,
+        )
         ids_t, pos_t, token_rows_t = packed[: 3 * t].view(3, t)
         req_rows, extend_t, prefix_t = packed[3 * t : 3 * t + 3 * b].view(3, b)
         if pending:
-            at, pool_rows = torch.tensor(pending, dtype=torch.int64).to(self.device).unbind(1)
+            flat = [x for pair in pending for x in pair]
+            at, pool_rows = to_device(int64_tensor(flat), self.device).view(-1, 2).unbind(1)
             ids_t[at] = self.token_buf[pool_rows]
         batch = ForwardBatch(
             input_ids=ids_t,

@@ -15,3 +15,13 @@ def int64_tensor(values) -> torch.Tensor:
     if not buf:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(buf, dtype=torch.int64)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to `device` without waiting for the work queued there. CUDA makes a copy
+    from pageable memory wait for everything queued on the stream first, which would stall the
+    host until the running step ends and undo overlapped scheduling; a copy from pinned memory is
+    only queued. (PyTorch's pinned-memory cache keeps the staging block until the copy has run.)"""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
