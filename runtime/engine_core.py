@@ -42,19 +42,24 @@ def use_cuda_graphs(config, device, backend) -> bool:
 
 def tune_batch1_matmuls(model) -> None:
     """For each weight shape, time cuBLAS against the Triton GEMV at batch 1 and route the layer
-    to the faster (kernels/gemv.py); before graph capture, so graphs record the choice."""
-    from radixlm.kernels.gemv import LinearDispatch
+    to the faster (kernels/gemv.py); then the same for each norm or SiLU with the matmul after it,
+    fused into one kernel or not. Before graph capture, so graphs record the choice."""
+    from radixlm.kernels.gemv import LinearDispatch, fused_gemv_enabled
 
     dispatch = LinearDispatch()
     seen = {}
     for linear in model.linears():
-        key = (tuple(linear.weight.shape), linear.bias is not None)
+        key = ("linear", tuple(linear.weight.shape), linear.bias is not None)
         if key not in seen:
             seen[key] = dispatch.tune(linear, rows=1)
+    for op, linear, norm in model.fusable_matmuls() if fused_gemv_enabled() else []:
+        key = (op, tuple(linear.weight.shape), linear.bias is not None)
+        if key not in seen:
+            seen[key] = dispatch.tune(linear, rows=1, op=op, norm=norm)
     model.use_matmul(dispatch)
-    for (shape, _), (base, best) in seen.items():
+    for (op, shape, _), (base, best) in seen.items():
         logger.info(
-            "batch-1 matmul %s: cuBLAS %.1f us, chosen %.1f us", shape, base * 1e3, best * 1e3
+            "batch-1 %s matmul %s: plain %.1f us, chosen %.1f us", op, shape, base * 1e3, best * 1e3
         )
 
 

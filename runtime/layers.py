@@ -2,7 +2,8 @@
 
 On CUDA, RMSNorm (with its residual add), the rotary embedding and SiLU-and-multiply each run as one
 fused Triton kernel (kernels/fused.py) with the same rounding; the torch code here is the CPU path
-and their oracle.
+and their oracle. `PlainMatmuls` is every matmul of a layer with the op before it (a norm, SiLU):
+on CUDA a tuned `kernels.gemv.LinearDispatch` may run the two as one kernel.
 """
 
 from __future__ import annotations
@@ -50,6 +51,37 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return _fused_kernels().silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+class PlainMatmuls:
+    """The matmuls of a decoder in plain torch, each with the op that feeds it; the CPU path and
+    the oracle of the kernels that fuse the op into the matmul (kernels/gemv.py)."""
+
+    def __call__(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        return F.linear(x, linear.weight, linear.bias)
+
+    def norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+        linear: nn.Linear,
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(linear(norm(x + residual)), x + residual); without a residual, (linear(norm(x)), x).
+        With `rows` (indices; the last norm, before the LM head) only those rows go through the
+        linear layer, and no residual comes back (None)."""
+        if residual is None:
+            h, residual = norm(x), x
+        else:
+            h, residual = norm(x, residual)
+        if rows is not None:
+            return self(h[rows], linear), None
+        return self(h, linear), residual
+
+    def silu_linear(self, gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        """linear(silu(gate) * up) for gate_up = [gate | up] along the last dimension."""
+        return self(silu_and_mul(gate_up), linear)
 
 
 class RotaryEmbedding(nn.Module):

@@ -7,22 +7,27 @@ RMSNorm on q and k per head. q/k/v and gate/up projections are fused into one ma
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.forward_batch import ForwardBatch
-from radixlm.runtime.layers import RMSNorm, RopeInputs, RotaryEmbedding, silu_and_mul
+from radixlm.runtime.layers import PlainMatmuls, RMSNorm, RopeInputs, RotaryEmbedding
 from radixlm.runtime.model_config import ModelConfig
 
 
-def plain_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    return F.linear(x, linear.weight, linear.bias)
+class FusableMatmul(NamedTuple):
+    """A matmul that runs with the op before it (see `PlainMatmuls`): op is "rms_norm",
+    "rms_norm_residual" (`norm` set) or "silu_and_mul"."""
+
+    op: str
+    linear: nn.Linear
+    norm: RMSNorm | None
 
 
 class Attention(nn.Module):
-    matmul = staticmethod(plain_linear)  # replaced by a kernels.gemv.LinearDispatch on CUDA
+    matmul = PlainMatmuls()  # replaced by a kernels.gemv.LinearDispatch on CUDA
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -47,11 +52,11 @@ class Attention(nn.Module):
     def forward(
         self,
         rope: RopeInputs,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
         batch: ForwardBatch,
         backend,
     ) -> torch.Tensor:
-        qkv = self.matmul(x, self.qkv_proj)  # (T, q + 2 kv)
+        """qkv (T, q + 2 kv) is qkv_proj's output, which the layer computes with its input norm."""
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -65,18 +70,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    matmul = staticmethod(plain_linear)
+    matmul = PlainMatmuls()
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(silu_and_mul(self.matmul(x, self.gate_up_proj)), self.down_proj)
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up (T, 2 intermediate) is gate_up_proj's output, which the layer computes with its
+        norm."""
+        return self.matmul.silu_linear(gate_up, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
+    matmul = PlainMatmuls()
+
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -85,18 +94,31 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, rope, x, residual, batch, backend):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, batch, backend)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        # each norm runs with the matmul after it: one kernel where the dispatch fuses them
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = self.matmul.norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
+        x = attn(rope, qkv, batch, backend)
+        gate_up, residual = self.matmul.norm_linear(
+            x, residual, self.post_attention_layernorm, mlp.gate_up_proj
+        )
+        return mlp(gate_up), residual
+
+    def fusable_matmuls(self, first: bool) -> list[FusableMatmul]:
+        return [
+            FusableMatmul(
+                "rms_norm" if first else "rms_norm_residual",
+                self.self_attn.qkv_proj,
+                self.input_layernorm,
+            ),
+            FusableMatmul(
+                "rms_norm_residual", self.mlp.gate_up_proj, self.post_attention_layernorm
+            ),
+            FusableMatmul("silu_and_mul", self.mlp.down_proj, None),
+        ]
 
 
 class LlamaForCausalLM(nn.Module):
-    matmul = staticmethod(plain_linear)
+    matmul = PlainMatmuls()
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -118,17 +140,24 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual, batch, backend)
-        x, _ = self.norm(x, residual)
-        x = x[batch.logits_indices]
-        return self.matmul(x, self.lm_head).float()
+        logits, _ = self.matmul.norm_linear(
+            x, residual, self.norm, self.lm_head, rows=batch.logits_indices
+        )
+        return logits.float()
 
     def linears(self) -> list[nn.Linear]:
         return [m for m in self.modules() if isinstance(m, nn.Linear)]
 
-    def use_matmul(self, matmul) -> None:
-        """Route every linear layer through `matmul(x, linear)` (e.g. a LinearDispatch)."""
+    def fusable_matmuls(self) -> list[FusableMatmul]:
+        """Every matmul that runs with the op before it, in order (for tuning the fused kernels)."""
+        out = [m for i, layer in enumerate(self.layers) for m in layer.fusable_matmuls(i == 0)]
+        op = "rms_norm" if not self.layers else "rms_norm_residual"
+        return [*out, FusableMatmul(op, self.lm_head, self.norm)]
+
+    def use_matmul(self, matmul: PlainMatmuls) -> None:
+        """Route every matmul through `matmul` (e.g. a tuned kernels.gemv.LinearDispatch)."""
         for m in self.modules():
-            if isinstance(m, (Attention, MLP, LlamaForCausalLM)):
+            if isinstance(m, (Attention, MLP, DecoderLayer, LlamaForCausalLM)):
                 m.matmul = matmul
 
     # ---- weights -------------------------------------------------------------------------
