@@ -6,6 +6,11 @@ function of (request seed, output position, token id), a counter-based hash comp
 batch at once, so no row's choice depends on another row and no per-row generator or host sync is
 needed. Every step is a batched tensor operation; only penalties loop over the rows that use them.
 Greedy rows are an argmax, and a batch of plain greedy rows is nothing else.
+
+On CUDA the sampled rows go through one fused Triton kernel (kernels/sampling.py: temperature,
+softmax statistics, min-p, top-k and top-p by bisection on a threshold instead of a sort, and the
+race with the same noise), unless RADIXLM_DISABLE_FUSED=1; the torch code here is the CPU path and
+the oracle its tests compare against.
 """
 
 from __future__ import annotations
@@ -118,20 +123,23 @@ class Sampler:
         """The chosen tokens (B,) int64 on the logits' device, without waiting for the device."""
         if all(r.is_plain_greedy for r in rows):
             return logits.argmax(dim=-1)
-        logits = logits.clone()
+        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if banned or constrained or any(r.params.has_penalties for r in rows):
+            logits = logits.clone()
         for i, r in enumerate(rows):
             if r.params.has_penalties:
                 _apply_penalties(logits[i], r)
-        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
         if banned:
             rows_idx, tokens = zip(*banned)
             logits[list(rows_idx), list(tokens)] = float("-inf")
-        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:
             _apply_grammar_masks(logits, rows, constrained)
 
-        token_ids = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if sampled and _use_fused(logits):
+            return _sample_fused(logits, rows, sampled)
+        token_ids = logits.argmax(dim=-1)
         if sampled:
             dev = logits.device
             idx = torch.tensor(sampled, device=dev)
@@ -141,6 +149,54 @@ class Sampler:
             )
             token_ids[idx] = (probs / exponential_noise(seeds, probs.shape[-1])).argmax(dim=-1)
         return token_ids
+
+
+def _use_fused(logits: torch.Tensor) -> bool:
+    """Sample with kernels/sampling.py: on CUDA, unless RADIXLM_DISABLE_FUSED=1."""
+    return logits.is_cuda and _sampling_kernels().enabled(logits)
+
+
+def _sampling_kernels():
+    from radixlm.kernels import sampling  # imports triton: only where CUDA is used
+
+    return sampling
+
+
+def _sample_fused(
+    logits: torch.Tensor, rows: list[SamplingRow], sampled: list[int]
+) -> torch.Tensor:
+    """The fused kernel for the sampled rows (the greedy ones are an argmax), its per-row
+    parameters sent in two non-blocking copies."""
+    dev = logits.device
+    ints = _to_device(
+        [
+            sampled,
+            [row_seed(rows[i].seed, rows[i].step) for i in sampled],
+            [rows[i].params.top_k for i in sampled],
+        ],
+        torch.int64,
+        dev,
+    )  # (3, R): logits row, seed, top-k
+    floats = _to_device(
+        [[getattr(rows[i].params, f) for i in sampled] for f in ("temperature", "top_p", "min_p")],
+        torch.float32,
+        dev,
+    )  # (3, R)
+    ids = _sampling_kernels().sample(
+        logits, ints[0], ints[1], ints[2], floats[0], floats[1], floats[2]
+    )
+    if len(sampled) == len(rows):
+        return ids
+    token_ids = logits.argmax(dim=-1)
+    token_ids[ints[0]] = ids
+    return token_ids
+
+
+def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`; to CUDA through pinned memory without a sync."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _apply_penalties(logits: torch.Tensor, r: SamplingRow) -> None:

@@ -1,0 +1,221 @@
+"""Fused sampling on the GPU: temperature, min-p, top-k, top-p and the exponential race in a few
+passes over each row's logits, with no sort, no (B, V) temporaries and no host sync.
+
+It draws what runtime/sampler.py's torch code draws (that code stays the CPU path and the oracle):
+the token of a sampled row is argmax(p_i / q_i) over the tokens its filters keep, where p is the
+softmax at the row's temperature and q_i the same splitmix64 Exp(1) noise as
+`exponential_noise(row seed)`, compared in the log domain as (y_i - max y) - log q_i with
+y = logits / temperature. One program per row:
+
+1. One pass: the running max m of y, the smallest finite y, and the race winner over all tokens
+   (scores rebased as m grows). A row with no filter is done here.
+2. Top-k / top-p keep the tokens at or above a threshold t. Bisection passes evaluate PIVOTS
+   thresholds at once, counting the tokens and the mass e = exp(y - m) at or above each (min-p
+   survivors only), until the bracket holds one token, or one value, below its top: a threshold
+   t is "ok" when fewer than k tokens and less than top_p of the mass lie at or above it, and then
+   the next token below t is kept too.
+3. If the winner of pass 1 is kept it wins the kept set as well; otherwise a last pass runs the
+   race over the kept tokens (min-p alone needs only this pass, and only when it drops the winner).
+
+Where the fused path may differ from the oracle: where float32 rounding decides (y is computed
+as logits * (1 / temperature) where torch divides; two race scores within a few ulps; a token
+whose probability is within rounding of the min-p threshold, or whose preceding mass is within
+rounding of top_p, which at a 128k vocabulary and top_p near 1 moves the boundary of a few rows
+by one token of tiny probability); at exact ties at the top-k / top-p boundary, where the fused
+path keeps every token tied with the last one kept (torch keeps them in topk's order until the
+count or the mass is reached) — tokens within a few ulps of each other at the boundary count as
+tied when the bracket cannot be split further; and tokens more than 100 below the max of y
+(probability under e^-100 of the max), which neither win nor add mass in float32, are never kept.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+CUT = 100.0  # y below max(y) - CUT: p < e^-100 * p_max, too small to win or to add float32 mass
+MAX_PASSES = 24  # bisection passes; float32 resolution is reached well before this
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Sample with the fused kernel for these logits: on CUDA, unless RADIXLM_DISABLE_FUSED=1."""
+    return x.is_cuda and os.environ.get("RADIXLM_DISABLE_FUSED") != "1"
+
+
+@triton.jit
+def _neg_log_noise(seed, start, steps):
+    """-log(q) for tokens start + arange, q the Exp(1) noise of runtime/sampler.exponential_noise;
+    steps = (arange + 1) * golden, hoisted out of the caller's loop (uint64 arithmetic wraps as
+    torch's int64 does; the shifts of uint64 are logical)."""
+    z = (seed + tl.cast(start, tl.uint64) * 0x9E3779B97F4A7C15) + steps
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    z = z ^ (z >> 31)
+    u = ((z >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = tl.minimum(u, 1.0 - 1.0 / 16777216.0)  # as exponential_noise: q > 0
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _tempered(base, cols, vocab, inv_temp):
+    x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    return x * inv_temp  # torch divides: y may differ in the last bit
+
+
+@triton.jit
+def _count_at_or_above(
+    base, vocab, inv_temp, m, min_p, t, BLOCK: tl.constexpr, PIVOTS: tl.constexpr
+):  # fmt: skip
+    """For each threshold t[j]: the number and the mass exp(y - m) of the min-p survivors with
+    y >= t[j]. Both are non-increasing in t (float addition is monotone)."""
+    count = tl.zeros([PIVOTS], tl.int32)
+    mass = tl.zeros([PIVOTS], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        y = _tempered(base, cols, vocab, inv_temp)
+        e = tl.exp(y - m)
+        at = (y[:, None] >= t[None, :]) & (e >= min_p)[:, None]  # (BLOCK, PIVOTS)
+        count += tl.sum(at.to(tl.int32), axis=0)
+        mass += tl.sum(tl.where(at, e[:, None], 0.0), axis=0)
+    return count, mass
+
+
+@triton.jit
+def _pick(v, j, i):
+    """v[i] for a 1-d tensor v indexed by j = arange."""
+    return tl.sum(tl.where(j == i, v, 0), axis=0)
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, stride_row, vocab,
+    src_ptr, seed_ptr, top_k_ptr,  # (R,) int64: logits row, noise seed, top-k (<= 0: off)
+    temp_ptr, top_p_ptr, min_p_ptr,  # (R,) float32
+    out_ptr,  # (R,) int64
+    threshold_ptr,  # (R,) float32, written where STORE_THRESHOLD (for tests)
+    STORE_THRESHOLD: tl.constexpr, BLOCK: tl.constexpr, BISECT_BLOCK: tl.constexpr,
+    PIVOTS: tl.constexpr,
+    CUT: tl.constexpr, MAX_PASSES: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    base = logits_ptr + tl.load(src_ptr + r) * stride_row
+    seed = tl.load(seed_ptr + r).to(tl.uint64, bitcast=True)
+    inv_temp = 1.0 / tl.load(temp_ptr + r)
+    steps = (tl.arange(0, BLOCK) + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+    top_k = tl.load(top_k_ptr + r)
+    top_p = tl.load(top_p_ptr + r)
+    min_p = tl.load(min_p_ptr + r)
+    NEG_INF: tl.constexpr = float("-inf")
+    INF: tl.constexpr = float("inf")
+
+    # pass 1: max, smallest finite value, race winner over every token
+    m = tl.full([], NEG_INF, tl.float32)
+    y_min = tl.full([], INF, tl.float32)
+    best = tl.zeros([], tl.int32)
+    best_y = tl.full([], NEG_INF, tl.float32)
+    best_g = tl.zeros([], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = tl.arange(0, BLOCK)
+        cols = start + offs
+        y = _tempered(base, cols, vocab, inv_temp)
+        m = tl.maximum(m, tl.max(y, axis=0))
+        y_min = tl.minimum(y_min, tl.min(tl.where(y > NEG_INF, y, INF), axis=0))
+        ref = tl.where(m > NEG_INF, m, 0.0)
+        g = _neg_log_noise(seed, start, steps)
+        score = (y - ref) + g
+        block_best = tl.max(score, axis=0)
+        i = tl.argmax(score, axis=0)
+        take = block_best > (best_y - ref) + best_g  # strict: the first index wins ties
+        best = tl.where(take, start + i, best)
+        best_y = tl.where(take, tl.max(tl.where(offs == i, y, NEG_INF), axis=0), best_y)
+        best_g = tl.where(take, tl.max(tl.where(offs == i, g, NEG_INF), axis=0), best_g)
+
+    # top-k / top-p: bisection on the threshold t of the kept set {y >= t}
+    bisect = (top_k > 0) | (top_p < 1.0)
+    k_limit = tl.where(top_k > 0, top_k, vocab + 1)
+    min_p_floor = tl.where(min_p > 0.0, tl.log(tl.maximum(min_p, 1e-38)) - 0.01, -CUT)
+    lo = tl.maximum(y_min, m + tl.maximum(min_p_floor, -CUT)).to(tl.float32)  # no survivor below
+    hi = m
+    count_lo = vocab + 1
+    count_hi = tl.zeros([], tl.int32)  # of a bracket top at +inf: the first pass's top is m itself
+    p_limit = tl.full([], INF, tl.float32)
+    threshold = tl.full([], NEG_INF, tl.float32)
+    j = tl.arange(0, PIVOTS)
+    passes = tl.zeros([], tl.int32)
+    done = bisect == 0
+    while (done == 0) & (passes < MAX_PASSES):
+        # the first pass spans [lo, m] ends included; later ones split (lo, hi) strictly inside
+        frac = tl.where(
+            passes == 0, j.to(tl.float32) / (PIVOTS - 1), (j + 1).to(tl.float32) / (PIVOTS + 1)
+        )
+        t = tl.minimum(lo + (hi - lo) * frac, hi).to(tl.float32)
+        t = tl.where((passes == 0) & (j == PIVOTS - 1), m, t)
+        count, mass = _count_at_or_above(base, vocab, inv_temp, m, min_p, t, BISECT_BLOCK, PIVOTS)
+        # in the first pass the mass at t[0] = lo is the mass of every survivor
+        total = tl.max(mass, axis=0)
+        p_limit = tl.where((passes == 0) & (top_p < 1.0), top_p * total, p_limit)
+        ok = (count < k_limit) & (mass < p_limit)
+        n_bad = tl.sum(tl.where(ok, 0, 1), axis=0)  # ok is false below some pivot, true above
+        new_lo = tl.where(n_bad > 0, _pick(t, j, n_bad - 1), lo)
+        count_lo = tl.where(n_bad > 0, _pick(count, j, n_bad - 1), count_lo)
+        new_hi = tl.where(n_bad < PIVOTS, _pick(t, j, n_bad), hi)
+        count_hi = tl.where(n_bad < PIVOTS, _pick(count, j, n_bad), count_hi)
+        stuck = (new_lo == lo) & (new_hi == hi) & (passes > 0)
+        done = (count_lo - count_hi <= 1) | (new_lo >= new_hi) | stuck
+        lo = new_lo
+        hi = new_hi
+        threshold = lo
+        passes += 1
+
+    # the pass-1 winner wins any kept set that holds it; otherwise race over the kept tokens
+    kept = (best_y >= threshold) & (tl.exp(best_y - m) >= min_p)
+    if kept == 0:
+        best_score = tl.full([], NEG_INF, tl.float32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            y = _tempered(base, cols, vocab, inv_temp)
+            keep = (y >= threshold) & (tl.exp(y - m) >= min_p)
+            score = tl.where(keep, (y - m) + _neg_log_noise(seed, start, steps), NEG_INF)
+            block_best = tl.max(score, axis=0)
+            take = block_best > best_score
+            best = tl.where(take, start + tl.argmax(score, axis=0), best)
+            best_score = tl.where(take, block_best, best_score)
+    tl.store(out_ptr + r, best.to(tl.int64))
+    if STORE_THRESHOLD:
+        tl.store(threshold_ptr + r, threshold)
+
+
+def sample(
+    logits: torch.Tensor,  # (B, V), unit stride in V; not modified
+    rows: torch.Tensor,  # (R,) int64: the logits row each sampled row reads
+    seeds: torch.Tensor,  # (R,) int64: row_seed of each row
+    top_k: torch.Tensor,  # (R,) int64, <= 0: no top-k
+    temperature: torch.Tensor,  # (R,) float32, > 0
+    top_p: torch.Tensor,  # (R,) float32 in (0, 1]; 1: no top-p
+    min_p: torch.Tensor,  # (R,) float32 in [0, 1]; 0: no min-p
+    *,
+    block: int = 2048,
+    bisect_block: int = 1024,
+    pivots: int = 8,
+    num_warps: int = 8,
+    threshold_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(R,) int64 sampled token ids on the logits' device, launched without waiting for it.
+    `threshold_out` (R,) float32, if given, receives each row's top-k / top-p threshold on
+    y = logits / temperature: the row keeps the min-p survivors with y >= it (-inf: no cut)."""
+    out = torch.empty(rows.shape[0], dtype=torch.int64, device=logits.device)
+    if rows.shape[0] == 0:
+        return out
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    _sample_kernel[(rows.shape[0],)](
+        logits, logits.stride(0), logits.shape[1],
+        rows, seeds, top_k, temperature, top_p, min_p, out,
+        threshold_out if threshold_out is not None else out,
+        STORE_THRESHOLD=threshold_out is not None, BLOCK=block, BISECT_BLOCK=bisect_block,
+        PIVOTS=pivots, CUT=CUT, MAX_PASSES=MAX_PASSES, num_warps=num_warps,
+    )  # fmt: skip
+    return out
