@@ -13,7 +13,8 @@ y = logits / temperature. One program per row:
    thresholds at once, counting the tokens and the mass e = exp(y - m) at or above each (min-p
    survivors only), until the bracket holds one token, or one value, below its top: a threshold
    t is "ok" when fewer than k tokens and less than top_p of the mass lie at or above it, and then
-   the next token below t is kept too.
+   the next token below t is kept too. Once the bracket holds at most CAPACITY tokens, the next
+   full pass also copies them to a per-row scratch, and later passes read only that copy.
 3. If the winner of pass 1 is kept it wins the kept set as well; otherwise a last pass runs the
    race over the kept tokens (min-p alone needs only this pass, and only when it drops the winner).
 
@@ -67,20 +68,28 @@ def _tempered(base, cols, vocab, inv_temp):
 
 @triton.jit
 def _count_at_or_above(
-    base, vocab, inv_temp, m, min_p, t, BLOCK: tl.constexpr, PIVOTS: tl.constexpr
+    src, n, inv_temp, m, min_p, t, compact, lo, hi, dst,
+    BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
 ):  # fmt: skip
     """For each threshold t[j]: the number and the mass exp(y - m) of the min-p survivors with
-    y >= t[j]. Both are non-increasing in t (float addition is monotone)."""
+    y >= t[j], y = src[:n] * inv_temp. Both are non-increasing in t (float addition is monotone).
+    Where `compact`, also writes the survivors in [lo, hi) to dst, in order; returns their count."""
     count = tl.zeros([PIVOTS], tl.int32)
     mass = tl.zeros([PIVOTS], tl.float32)
-    for start in range(0, vocab, BLOCK):
+    written = tl.zeros([], tl.int32)
+    for start in range(0, n, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        y = _tempered(base, cols, vocab, inv_temp)
+        y = _tempered(src, cols, n, inv_temp)
         e = tl.exp(y - m)
-        at = (y[:, None] >= t[None, :]) & (e >= min_p)[:, None]  # (BLOCK, PIVOTS)
+        survivor = e >= min_p
+        at = (y[:, None] >= t[None, :]) & survivor[:, None]  # (BLOCK, PIVOTS)
         count += tl.sum(at.to(tl.int32), axis=0)
         mass += tl.sum(tl.where(at, e[:, None], 0.0), axis=0)
-    return count, mass
+        if compact:
+            inside = (survivor & (y >= lo) & (y < hi)).to(tl.int32)
+            tl.store(dst + written + tl.cumsum(inside, axis=0) - 1, y, mask=inside != 0)
+            written += tl.sum(inside, axis=0)
+    return count, mass, written
 
 
 @triton.jit
@@ -96,8 +105,9 @@ def _sample_kernel(
     temp_ptr, top_p_ptr, min_p_ptr,  # (R,) float32
     out_ptr,  # (R,) int64
     threshold_ptr,  # (R,) float32, written where STORE_THRESHOLD (for tests)
+    scratch_ptr,  # (R, CAPACITY) float32
     STORE_THRESHOLD: tl.constexpr, BLOCK: tl.constexpr, BISECT_BLOCK: tl.constexpr,
-    PIVOTS: tl.constexpr,
+    PIVOTS: tl.constexpr, CAPACITY: tl.constexpr,
     CUT: tl.constexpr, MAX_PASSES: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
@@ -141,7 +151,15 @@ def _sample_kernel(
     hi = m
     count_lo = vocab + 1
     count_hi = tl.zeros([], tl.int32)  # of a bracket top at +inf: the first pass's top is m itself
+    mass_hi = tl.zeros([], tl.float32)
     p_limit = tl.full([], INF, tl.float32)
+    # once the bracket holds at most CAPACITY tokens, a full pass copies their y to the row's
+    # scratch and later passes read only those (count/mass_top: the tokens at or above its top)
+    scratch = scratch_ptr + r * CAPACITY
+    in_scratch = tl.zeros([], tl.int1)
+    n_scratch = tl.zeros([], tl.int32)
+    count_top = tl.zeros([], tl.int32)
+    mass_top = tl.zeros([], tl.float32)
     threshold = tl.full([], NEG_INF, tl.float32)
     j = tl.arange(0, PIVOTS)
     passes = tl.zeros([], tl.int32)
@@ -153,7 +171,22 @@ def _sample_kernel(
         )
         t = tl.minimum(lo + (hi - lo) * frac, hi).to(tl.float32)
         t = tl.where((passes == 0) & (j == PIVOTS - 1), m, t)
-        count, mass = _count_at_or_above(base, vocab, inv_temp, m, min_p, t, BISECT_BLOCK, PIVOTS)
+        if in_scratch:  # y in [lo, hi) of the compaction, the rest counted in count/mass_top
+            count, mass, _ = _count_at_or_above(
+                scratch, n_scratch, 1.0, m, min_p, t, False, lo, hi, scratch,
+                BISECT_BLOCK, PIVOTS,
+            )  # fmt: skip
+            count += count_top
+            mass += mass_top
+        else:
+            compact = (passes > 0) & (count_lo - count_hi <= CAPACITY)
+            count, mass, n_scratch = _count_at_or_above(
+                base, vocab, inv_temp, m, min_p, t, compact, lo, hi, scratch,
+                BISECT_BLOCK, PIVOTS,
+            )  # fmt: skip
+            in_scratch = compact
+            count_top = count_hi
+            mass_top = mass_hi
         # in the first pass the mass at t[0] = lo is the mass of every survivor
         total = tl.max(mass, axis=0)
         p_limit = tl.where((passes == 0) & (top_p < 1.0), top_p * total, p_limit)
@@ -163,6 +196,7 @@ def _sample_kernel(
         count_lo = tl.where(n_bad > 0, _pick(count, j, n_bad - 1), count_lo)
         new_hi = tl.where(n_bad < PIVOTS, _pick(t, j, n_bad), hi)
         count_hi = tl.where(n_bad < PIVOTS, _pick(count, j, n_bad), count_hi)
+        mass_hi = tl.where(n_bad < PIVOTS, _pick(mass, j, n_bad), mass_hi)
         stuck = (new_lo == lo) & (new_hi == hi) & (passes > 0)
         done = (count_lo - count_hi <= 1) | (new_lo >= new_hi) | stuck
         lo = new_lo
@@ -200,6 +234,7 @@ def sample(
     block: int = 2048,
     bisect_block: int = 1024,
     pivots: int = 8,
+    capacity: int = 16384,
     num_warps: int = 8,
     threshold_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -215,7 +250,8 @@ def sample(
         logits, logits.stride(0), logits.shape[1],
         rows, seeds, top_k, temperature, top_p, min_p, out,
         threshold_out if threshold_out is not None else out,
+        torch.empty(rows.shape[0], capacity, device=logits.device),
         STORE_THRESHOLD=threshold_out is not None, BLOCK=block, BISECT_BLOCK=bisect_block,
-        PIVOTS=pivots, CUT=CUT, MAX_PASSES=MAX_PASSES, num_warps=num_warps,
+        PIVOTS=pivots, CAPACITY=capacity, CUT=CUT, MAX_PASSES=MAX_PASSES, num_warps=num_warps,
     )  # fmt: skip
     return out

@@ -103,12 +103,13 @@ def kept_by_threshold(
     return survivors & (y >= threshold[:, None]) & (y > float("-inf"))
 
 
-@pytest.mark.parametrize("pivots", [4, 16])
-def test_kept_set_is_the_oracles(pivots):
+# capacity: the bracket size from which passes read a compacted copy (16: only late passes do)
+@pytest.mark.parametrize("pivots,capacity", [(4, 16), (16, 16384)])
+def test_kept_set_is_the_oracles(pivots, capacity):
     ps = [params(**s) for s in SETTINGS for _ in range(2)]
     logits = random_logits(len(ps), 600, seed=10 + pivots)
     threshold = torch.empty(len(ps), device=DEVICE)
-    fused(logits, ps, seeds_for(len(ps)), pivots=pivots, threshold_out=threshold)
+    fused(logits, ps, seeds_for(len(ps)), pivots=pivots, capacity=capacity, threshold_out=threshold)
     want = _filtered_probs(logits, ps) > 0
     assert torch.equal(kept_by_threshold(logits, ps, threshold), want)
 
