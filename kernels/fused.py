@@ -9,6 +9,9 @@ stays the CPU path and the oracle.
   RMSNorm in float32, round, multiply by the weight. Returns (out, new residual).
 - `rope_(qk, positions, cos, sin)`: rotate the q and k heads of each token in place (half-split
   layout), cos/sin looked up from the (max_positions, head_dim / 2) float32 tables.
+- `rope_store_kv_(q, k, v, positions, cos, sin, k_pool, v_pool, loc)`: rotate q in place and
+  write the rotated k and v into the KV pool at slots `loc`, in place of `rope_` and the two
+  `index_copy_` of the store.
 - `silu_and_mul(gate_up)`: silu(gate) * up over the two halves of the last dimension.
 """
 
@@ -104,6 +107,75 @@ def rope_(
             num_warps=4,
         )  # fmt: skip
     return qk
+
+
+@triton.jit
+def _rope_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_pool_ptr, v_pool_ptr, loc_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ks, stride_kph, stride_vs, stride_vph, n_q_heads, n_kv_heads,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    pos = tl.load(pos_ptr + t)
+    c = tl.load(cos_ptr + pos * HALF + dims, mask=dims < HALF, other=0.0)
+    s = tl.load(sin_ptr + pos * HALF + dims, mask=dims < HALF, other=0.0)
+    # q: rotated where it lies, as rope_
+    heads = tl.arange(0, BLOCK_HQ)[:, None]
+    mask = (heads < n_q_heads) & (dims < HALF)
+    base = q_ptr + t * stride_qt + heads * stride_qh + dims
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(base, (x1f * c - x2f * s).to(x1.dtype), mask=mask)
+    tl.store(base + HALF, (x2f * c + x1f * s).to(x1.dtype), mask=mask)
+    # k: rotated (rounded to k's dtype, as rope_ leaves it) into the pool; v copied
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    heads = tl.arange(0, BLOCK_HKV)[:, None]
+    mask = (heads < n_kv_heads) & (dims < HALF)
+    base = k_ptr + t * stride_kt + heads * stride_kh + dims
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    pool_ty = k_pool_ptr.dtype.element_ty
+    out = k_pool_ptr + slot * stride_ks + heads * stride_kph + dims
+    tl.store(out, (x1f * c - x2f * s).to(x1.dtype).to(pool_ty), mask=mask)
+    tl.store(out + HALF, (x2f * c + x1f * s).to(x1.dtype).to(pool_ty), mask=mask)
+    for half in tl.static_range(2):  # v in two halves: BLOCK_D covers half a head
+        val = tl.load(v_ptr + t * stride_vt + heads * stride_vh + half * HALF + dims, mask=mask)
+        out = v_pool_ptr + slot * stride_vs + heads * stride_vph + half * HALF + dims
+        tl.store(out, val.to(v_pool_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_store_kv_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    loc: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate q (T, Hq, D) in place and write rotated k and v (T, Hkv, D) into the pools
+    (S, Hkv, D) at slots `loc` (T,); k itself is left as it was. Unit stride in D everywhere.
+    Returns q."""
+    tokens, q_heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if tokens:
+        half = dim // 2
+        _rope_store_kv_kernel[(tokens,)](
+            q, k, v, positions, cos, sin, k_pool, v_pool, loc,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+            q_heads, kv_heads,
+            HALF=half, BLOCK_HQ=triton.next_power_of_2(q_heads),
+            BLOCK_HKV=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(half),
+            num_warps=4,
+        )  # fmt: skip
+    return q
 
 
 @triton.jit

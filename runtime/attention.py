@@ -108,9 +108,14 @@ class TritonAttentionBackend:
     """
 
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, num_q_heads: int) -> None:
+        from radixlm.kernels import fused
         from radixlm.kernels import triton_attention as ta
 
         self.ta = ta
+        self.fused = fused
+        # forward takes q and k unrotated with the fused kernels' rope inputs and rotates them as it
+        # stores K/V: one kernel for rope and the store (RADIXLM_DISABLE_FUSED_ROPE_STORE=1: three)
+        self.rotates_qk = os.environ.get("RADIXLM_DISABLE_FUSED_ROPE_STORE") != "1"
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.num_q_heads = num_q_heads
@@ -129,10 +134,19 @@ class TritonAttentionBackend:
             self._scratch[key] = scratch
         return scratch
 
-    def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, sm_scale: float) -> torch.Tensor:
+    def forward(
+        self, q, k, v, layer_id: int, batch: ForwardBatch, sm_scale: float, rope=None
+    ) -> torch.Tensor:
+        """With `rope` (RopeInputs with positions, and `rotates_qk`), q and k are not rotated yet:
+        q is rotated in place and k rotated into the pool."""
         ta = self.ta
         k_pool, v_pool = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
-        ta.store_kv(k_pool, v_pool, batch.out_cache_loc, k, v)
+        if rope is not None:
+            self.fused.rope_store_kv_(
+                q, k, v, rope.positions, rope.cos, rope.sin, k_pool, v_pool, batch.out_cache_loc
+            )
+        else:
+            ta.store_kv(k_pool, v_pool, batch.out_cache_loc, k, v)
         if batch.is_decode:
             return ta.decode_attention(
                 q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.seq_lens, sm_scale,

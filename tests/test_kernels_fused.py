@@ -88,3 +88,41 @@ def test_fused_path_is_taken_only_on_cuda(monkeypatch):
         assert fused.enabled(x.cuda())
         monkeypatch.setenv("RADIXLM_DISABLE_FUSED", "1")
         assert not fused.enabled(x.cuda())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2), (9, 3)])
+def test_rope_store_kv_equals_rope_then_store(dtype, heads):
+    from radixlm.kernels.attention_ref import store_kv_ref
+
+    gen = torch.Generator().manual_seed(3)
+    hq, hkv = heads
+    head_dim, tokens, slots = 64, 5, 16
+    rope = RotaryEmbedding(head_dim, 4096, 500000.0, None)
+    rope.build_tables(DEVICE)
+    positions = torch.tensor([0, 7, 77, 4095, 3], device=DEVICE)
+    loc = torch.tensor([3, 9, 1, 15, 4], device=DEVICE)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, generator=gen).to(DEVICE, dtype)
+    pools = torch.randn(2, 2, slots, hkv, head_dim, generator=gen).to(DEVICE, dtype)
+
+    def views(qkv):
+        qk = qkv[:, : (hq + hkv) * head_dim].view(tokens, hq + hkv, head_dim)
+        v = qkv[:, (hq + hkv) * head_dim :].view(tokens, hkv, head_dim)
+        return qk, v
+
+    qk, v = views(qkv.clone())
+    fused.rope_(qk, positions, rope.cos, rope.sin)
+    want_pools = pools.clone()
+    store_kv_ref(want_pools[0, 0], want_pools[1, 0], loc, qk[:, hq:], v)
+    got_qkv = qkv.clone()
+    qk2, v2 = views(got_qkv)
+    k_before = qk2[:, hq:].clone()
+    got_pools = pools.clone()
+    q = fused.rope_store_kv_(
+        qk2[:, :hq], qk2[:, hq:], v2, positions, rope.cos, rope.sin,
+        got_pools[0, 0], got_pools[1, 0], loc,
+    )  # fmt: skip
+    assert q.data_ptr() == got_qkv.data_ptr()  # q rotated where it lies
+    assert torch.equal(q, qk[:, :hq])  # the same kernel code as rope_
+    assert torch.equal(got_pools, want_pools)  # rotated k and v at their slots, nothing else
+    assert torch.equal(qk2[:, hq:], k_before)  # k itself untouched

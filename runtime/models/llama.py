@@ -63,9 +63,14 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        # q and k heads rotate together: one rope for both
-        q, k = RotaryEmbedding.apply(rope, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        o = backend.forward(q, k, v, self.layer_id, batch, self.scale)  # (T, Hq, D)
+        if rope.positions is not None and getattr(backend, "rotates_qk", False):
+            # the backend rotates q and k as it stores k and v: one kernel
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            o = backend.forward(q, k, v, self.layer_id, batch, self.scale, rope=rope)
+        else:
+            # q and k heads rotate together: one rope for both
+            q, k = RotaryEmbedding.apply(rope, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+            o = backend.forward(q, k, v, self.layer_id, batch, self.scale)  # (T, Hq, D)
         return self.matmul(o.reshape(-1, self.q_size), self.o_proj)
 
 
