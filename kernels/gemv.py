@@ -265,7 +265,15 @@ CONFIGS = [
         (16, 256, 4, 3, 1), (4, 512, 2, 2, 1), (8, 512, 4, 3, 4), (4, 1024, 4, 2, 4),
     ]
 ]  # fmt: skip
-FUSED_CANDIDATES = 4  # the fused kernels try the fastest few tiles of the plain kernel's shape
+# The fused kernels try the fastest two tiles of the plain kernel for the shape, and these: more
+# output rows per program spread the prologue's work (a norm, exp) over more weight rows.
+FUSED_CONFIGS = [
+    GemvConfig(*c)
+    for c in [
+        (8, 1024, 4, 2, 1), (8, 2048, 8, 2, 1), (16, 1024, 8, 2, 1), (16, 2048, 8, 2, 1),
+        (32, 512, 8, 2, 1), (8, 1024, 4, 2, 4),
+    ]
+]  # fmt: skip
 
 OPS = ("linear", "rms_norm", "rms_norm_residual", "silu_and_mul")
 
@@ -286,9 +294,9 @@ class LinearDispatch(PlainMatmuls):
 
     def __init__(self) -> None:
         self.choice: dict[tuple[str, int, int, int], GemvConfig | None] = {}
-        self._ranked: dict[
-            tuple[int, int, int], list[GemvConfig]
-        ] = {}  # plain tiles, fastest first
+        # the plain kernel's tiles per (rows, N, K), fastest first; every timing per choice key
+        self._ranked: dict[tuple[int, int, int], list[GemvConfig]] = {}
+        self.timings: dict[tuple[str, int, int, int], list[tuple[float, GemvConfig]]] = {}
 
     def _chosen(
         self, op: str, x: torch.Tensor, linear: torch.nn.Linear, rows: torch.Tensor | None = None
@@ -345,9 +353,12 @@ class LinearDispatch(PlainMatmuls):
         plain, fused = self._candidate_calls(op, linear, rows, norm)
         want = plain(linear).float()
         base = graph_ms(plain, linear)
-        candidates = CONFIGS if op == "linear" else self._ranked.get((rows, n, k), CONFIGS)
+        candidates = CONFIGS
+        if op != "linear":
+            fastest = self._ranked.get((rows, n, k), [])[:2]
+            candidates = fastest + [c for c in FUSED_CONFIGS if c not in fastest]
         timed = []
-        for config in candidates[: None if op == "linear" else FUSED_CANDIDATES]:
+        for config in candidates:
             call = functools.partial(fused, config)
             try:
                 got = call(linear)

@@ -1,7 +1,7 @@
 """The GEMV kernels with a prologue (kernels/gemv.py: RMSNorm with the residual add, SiLU-and-mul)
 against the torch code of runtime/layers.py they replace, the dispatch that picks them, and a Llama
-forward with them on against the plain one. Under TRITON_INTERPRET=1 on the CPU at small sizes; on
-a GPU at real sizes."""
+forward with them on against the plain one (and, on a GPU, with rope fused into the KV store).
+Under TRITON_INTERPRET=1 on the CPU at small sizes; on a GPU at real sizes."""
 
 from __future__ import annotations
 
@@ -282,3 +282,40 @@ def test_fused_gemv_is_captured_in_a_cuda_graph():
         out = model(batch, SelfAttention())
     graph.replay()
     torch.testing.assert_close(out, want, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.gpu
+def test_llama_decode_with_rope_fused_into_the_kv_store_equals_separate():
+    """The Triton backend's one-kernel rope + KV store against rope_ then store_kv: same logits,
+    same pool."""
+    from radixlm.runtime.attention import create_backend
+    from radixlm.runtime.forward_batch import ForwardBatch
+    from radixlm.runtime.memory_pool import KVPool
+
+    model = small_llama(torch.bfloat16, bias=True)
+    cfg = model.cfg
+    outs = []
+    for rotates in (False, True):
+        pool = KVPool(32, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, DEVICE)
+        table = torch.zeros(4, 8, dtype=torch.int32, device=DEVICE)
+        table[1, :4] = torch.tensor([3, 7, 11, 20])
+        table[2, :6] = torch.tensor([4, 8, 12, 21, 22, 30])
+        backend = create_backend("triton", pool, table, DEVICE, num_q_heads=cfg.num_heads)
+        backend.rotates_qk = rotates
+        batch = ForwardBatch(
+            input_ids=torch.tensor([5, 17], device=DEVICE),
+            positions=torch.tensor([3, 5], device=DEVICE),
+            out_cache_loc=torch.tensor([20, 30], device=DEVICE),
+            req_pool_indices=torch.tensor([1, 2], device=DEVICE),
+            prefix_lens=torch.tensor([3, 5], device=DEVICE),
+            extend_lens=torch.tensor([1, 1], device=DEVICE),
+            seq_lens=torch.tensor([4, 6], device=DEVICE),
+            logits_indices=torch.arange(2, device=DEVICE),
+            extend_lens_cpu=[1, 1], prefix_lens_cpu=[3, 5], num_multi=0,
+        )  # fmt: skip
+        torch.manual_seed(1)
+        pool._buffer[:, :, 1:].normal_()  # earlier tokens' K/V, the same in both runs
+        outs.append((model(batch, backend), pool._buffer.clone()))
+    (want, want_pool), (got, got_pool) = outs
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got_pool, want_pool, atol=1e-2, rtol=1e-2)
