@@ -55,7 +55,12 @@ def hf_eager_tok_s(folder: Path, prompt: list[int], new_tokens: int) -> tuple[fl
     return rate, weight_bytes
 
 
-ABLATIONS = {"fused": "RADIXLM_DISABLE_FUSED", "gemv": "RADIXLM_DISABLE_GEMV"}
+ABLATIONS = {
+    "fused": "RADIXLM_DISABLE_FUSED",  # every fused kernel (norm, rope, SiLU, and into the GEMV)
+    "gemv": "RADIXLM_DISABLE_GEMV",  # no start-up tuning: cuBLAS and separate kernels
+    "fusedgemv": "RADIXLM_DISABLE_FUSED_GEMV",  # only the norm / SiLU fused into the GEMV
+    "ropestore": "RADIXLM_DISABLE_FUSED_ROPE_STORE",  # only rope fused into the KV store
+}
 
 
 def ours_tok_s(folder: Path, prompt: list[int], new_tokens: int, without: str = "") -> float:
@@ -108,7 +113,11 @@ def main() -> None:
     ap.add_argument("--shapes", default="smollm2-135m,llama-3.1-8b")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--hf-compiled", action="store_true", help="also transformers static+compile")
-    ap.add_argument("--ablate", default="fused,gemv", help="also run without each of these")
+    ap.add_argument(
+        "--ablate",
+        default="fused,gemv,fusedgemv,ropestore",
+        help="also run without each of these",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_latency measures GPU decode speed: no CUDA device here")
