@@ -62,8 +62,9 @@ def test_multi_step_decoding_equals_the_plain_loop(default_model_folder, tokeniz
     multi, stats = run(default_model_folder, tokenizer, True, decode_steps=4, **kw)
     assert stats["multi_step_rounds"] > 5  # the multi-step path did run
     # the slots of tokens computed past a request's end went back to the pool
-    assert stats["kv_pool_free_tokens"] + stats["radix_cache_tokens"] == (
-        stats["kv_pool_capacity_tokens"]
+    assert (
+        stats["kv_pool_free_tokens"] + stats["radix_cache_tokens"]
+        == (stats["kv_pool_capacity_tokens"])
     )
     if small_pool:
         assert stats["num_preemptions"] > 0
