@@ -30,9 +30,6 @@ _ENGINE_HELP = {
     "max_running_requests": "requests decoded together at most",
     "chunked_prefill_size": "prompt tokens computed in one step at most (long prompts are "
     "chunked; default: 8192 on GPU, 2048 on CPU)",
-    "decode_steps": "decode steps run back to back per scheduling round when no request needs "
-    "the host between steps (a request may compute up to this many - 1 tokens past its end, "
-    "dropped; streams get tokens in groups)",
     "max_admission_delay": "with many decodes running, steps a waiting prompt may wait so that "
     "prompts are admitted together (0: admit at once)",
     "schedule_policy": "the order of waiting requests: lpm (longest cached prefix first) or fcfs",

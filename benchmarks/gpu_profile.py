@@ -63,15 +63,13 @@ def prefill(shape: str, tok_folder) -> list[str]:
     return lines
 
 
-def busy(shape: str, tok_folder, decode_steps: int = 1) -> str:
+def busy(shape: str, tok_folder) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     folder = shape_folder(shape, tok_folder)
     prompts = random_prompts(64, 32, 32, 32000, seed=5)
     params = {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True}
-    with radixlm.Engine(
-        str(folder), load_format="dummy", disable_radix_cache=True, decode_steps=decode_steps
-    ) as eng:
+    with radixlm.Engine(str(folder), load_format="dummy", disable_radix_cache=True) as eng:
         eng.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 8})
         # device activity only: tracing every host-side op would slow the host being measured
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -91,7 +89,7 @@ def busy(shape: str, tok_folder, decode_steps: int = 1) -> str:
     share = covered / 1e6 / wall
     tokens = 64 * 256
     return (
-        f"| {shape} | 64 x 256 tokens, decode_steps {decode_steps} | {wall:.2f} s | {tokens / wall:.0f} tok/s | "
+        f"| {shape} | 64 x 256 tokens | {wall:.2f} s | {tokens / wall:.0f} tok/s | "
         f"{covered / 1e6:.2f} s | {share:.1%} |"
     )
 
@@ -102,7 +100,6 @@ def main() -> None:
     )
     ap.add_argument("--prefill-shape", default="llama-3.1-8b", help="a shape, or none")
     ap.add_argument("--busy-shape", default="smollm2-135m")
-    ap.add_argument("--decode-steps", default="1", help="comma-separated EngineConfig.decode_steps")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_profile measures the GPU: no CUDA device here")
@@ -119,8 +116,7 @@ def main() -> None:
     print(
         "\n| shape | decode batch | wall | rate | GPU busy | busy share |\n|---|---|---|---|---|---|"
     )
-    for steps in args.decode_steps.split(","):
-        print(busy(args.busy_shape, tok_folder, int(steps)), flush=True)
+    print(busy(args.busy_shape, tok_folder), flush=True)
 
 
 if __name__ == "__main__":

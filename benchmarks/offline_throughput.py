@@ -77,7 +77,6 @@ def main() -> None:
     ap.add_argument(
         "--max-running", type=int, default=256, help="with --shape: concurrent requests"
     )
-    ap.add_argument("--decode-steps", type=int, default=1, help="with --shape: EngineConfig option")
     args = ap.parse_args()
     if args.shape:
         return gpu_workload(args)
@@ -131,7 +130,6 @@ def gpu_workload(args) -> None:
     with radixlm.Engine(
         str(folder), load_format="dummy", disable_radix_cache=True,
         max_running_requests=args.max_running, cuda_graph_max_bs=min(args.max_running, 512),
-        decode_steps=args.decode_steps,
     ) as eng:  # fmt: skip
         params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in outs]
         eng.generate(input_ids=prompts[:64], sampling_params=params[:64])  # warm-up
@@ -155,8 +153,7 @@ def gpu_workload(args) -> None:
     print("\n| workload | radixlm out tok/s | transformers generate_batch out tok/s | ratio |")
     print("|---|---|---|---|")
     label = (
-        f"{args.shape}, {args.requests} req, 100-400 in / 100-300 out, {args.max_running} running, "
-        f"decode_steps {args.decode_steps}"
+        f"{args.shape}, {args.requests} req, 100-400 in / 100-300 out, {args.max_running} running"
     )
     print(f"| {label} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.1f}x |")
 

@@ -113,13 +113,10 @@ class CacheManager:
         if req.pool_row is None:
             return
         slots = self.rows.read(req.pool_row, req.kv_len)
-        # (multi-step decoding may have computed positions past the request's end: dropped)
-        known = min(req.kv_len, req.num_tokens)
-        inserted = self.prefix_cache.insert(req.all_ids[:known], slots[:known])
+        inserted = self.prefix_cache.insert(req.all_ids[: req.kv_len], slots)
         # slots[:locked_len] are the cache's own; slots[locked_len:prefix_len] duplicate what the
         # cache already held, so they return to the free list
         self.allocator.free(slots[req.locked_len : inserted.prefix_len])
-        self.allocator.free(slots[known:])
         self.prefix_cache.unlock(req.locked_node)
         self.rows.free(req.pool_row)
         req.pool_row, req.locked_node, req.locked_len, req.kv_len = None, None, 0, 0

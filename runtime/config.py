@@ -37,11 +37,6 @@ class EngineConfig:
     # steps (a step that computes a prompt chunk runs eagerly instead of replaying a decode
     # graph); 0 admits them at once
     max_admission_delay: int = 16
-    # decode steps run back to back between two scheduling rounds when every running request is a
-    # plain decode: the host's per-step work is paid once for all of them; a request that ends
-    # meanwhile computes up to decode_steps - 1 tokens that are dropped, and streams get tokens
-    # in groups of this size
-    decode_steps: int = 1
     schedule_policy: str = "lpm"  # lpm: longest cached prefix first; fcfs: arrival order
     disable_radix_cache: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
@@ -77,8 +72,6 @@ class EngineConfig:
             bad("cuda_graph_max_bs must be at least 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             bad("chunked_prefill_size must be at least 1")
-        if not 1 <= self.decode_steps <= 16:
-            bad(f"decode_steps={self.decode_steps}; it must lie in [1, 16]")
         if self.max_admission_delay < 0:
             bad("max_admission_delay must be at least 0")
         if self.schedule_policy not in ("lpm", "fcfs"):

@@ -43,10 +43,13 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """The decoded output so far (stop string trimmed once matched)."""
+        self._decode_pending()
+        return self._text
+
+    def _decode_pending(self) -> None:
         if self._pending:
             pending, self._pending = self._pending, []
             self._add(pending)
-        return self._text
 
     def add(self, token_ids: list[int]) -> None:
         """Take newly generated tokens. With stop strings they are decoded now, so that
@@ -88,7 +91,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> None:
         """At the end of generation: release any bytes still held (as replacement characters)."""
-        self.text  # noqa: B018 (decodes what is queued)
+        self._decode_pending()
         if self.matched_stop is None and self._read_offset < len(self._ids):
             prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
             self._text += self._decode(self._ids[self._prefix_offset :])[len(prefix_text) :]

@@ -89,7 +89,6 @@ class EngineCore:
             chunked_prefill_size=config.chunked_prefill_size
             or (8192 if device.type == "cuda" else 2048),
             max_admission_delay=config.max_admission_delay,
-            decode_steps=config.decode_steps,
             schedule_policy=config.schedule_policy,
         )
         graphs = None
@@ -102,9 +101,7 @@ class EngineCore:
 
             max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 256)
             graphs = DecodeGraphs(model, backend, self.rows.table, token_buf, max_bs)
-        self.runner = ModelRunner(
-            model, backend, self.rows.table, device, graphs, token_buf, config.decode_steps
-        )
+        self.runner = ModelRunner(model, backend, self.rows.table, device, graphs, token_buf)
         self.overlap = not config.disable_overlap_schedule
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
@@ -114,7 +111,6 @@ class EngineCore:
         self.num_generated_tokens = 0
         self.num_jump_forward_tokens = 0
         self.num_overlapped_steps = 0  # steps launched before the previous one was applied
-        self.num_multi_step_rounds = 0  # launches of several decode steps back to back
         self._num_lockstep = 0  # unfinished requests whose steps need the previous step's tokens
         self._thread = threading.Thread(target=self._loop, name="radixlm-core", daemon=True)
         self._thread.start()
@@ -171,11 +167,9 @@ class EngineCore:
             except Exception as e:  # a failed step fails its requests, never the engine
                 self._fail_step(plan, e)
                 continue
-            self.num_steps += plan[0].steps
-            self.num_multi_step_rounds += plan[0].steps > 1
+            self.num_steps += 1
             for item in plan:
-                if item.samples:
-                    item.req.num_pending += item.steps
+                item.req.num_pending += item.samples
                 if item.start < len(item.req.input_ids):
                     # share the prompt before it finishes: later steps, queued behind this one,
                     # may read these slots at once
@@ -202,15 +196,12 @@ class EngineCore:
         except Exception as e:
             self._fail_step(plan, e)
             return
-        extras, more = results.extras, results.more
+        extras = results.extras
         for i, (item, token) in enumerate(zip(plan, results.tokens)):
             req = item.req
-            if item.samples:
-                req.num_pending = max(0, req.num_pending - item.steps)
+            if item.samples and req.num_pending:
+                req.num_pending -= 1
             self._apply(req, token, extras.get(i) if extras else None)
-            if more is not None:  # multi-step: the later steps' tokens, while it runs
-                for token in more[i]:
-                    self._apply(req, token, None)
 
     def _fail_step(self, plan, e: Exception) -> None:
         logger.error("step failed: %s\n%s", e, traceback.format_exc())
@@ -378,7 +369,6 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "jump_forward_tokens": self.num_jump_forward_tokens,
             "overlapped_steps": self.num_overlapped_steps,
-            "multi_step_rounds": self.num_multi_step_rounds,
         }
 
 

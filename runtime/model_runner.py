@@ -36,8 +36,6 @@ class StepResults:
     # per plan item, its new token; None where the step did not end at the request's newest token
     tokens: list[int | None]
     extras: dict[int, ReqStepResult]  # plan index -> log-probabilities, only where asked
-    # multi-step decoding: per plan item, the tokens of the steps after the first
-    more: list[list[int]] | None = None
 
 
 class StepHandle:
@@ -72,7 +70,6 @@ class ModelRunner:
         device: torch.device,
         graphs=None,
         token_buf: torch.Tensor | None = None,
-        max_steps: int = 1,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -88,7 +85,7 @@ class ModelRunner:
         )
         # pinned host buffers the sampled tokens are copied into, used alternately so that a
         # step's copy never overwrites the previous step's before it is read
-        self._host_tokens = [self._host_buffer() for _ in range(2 * max_steps)]
+        self._host_tokens = [self._host_buffer(), self._host_buffer()]
         self._flip = 0
         self.num_graph_steps = 0  # steps replayed from a CUDA graph
 
@@ -98,30 +95,7 @@ class ModelRunner:
 
     def launch(self, plan: list[ScheduledReq]) -> StepHandle:
         """Queue one step on the device. Sampling without log-probabilities does not wait for
-        the device; anything else is finished here (the handle is then `ready`).
-
-        A plan of multi-step decodes (`steps` > 1, the same for every item) queues that many
-        steps back to back: step j computes position start + j of each request, its input the
-        token step j - 1 left in `token_buf`."""
-        steps = plan[0].steps if plan else 1
-        if steps == 1:
-            return self._launch(plan, 0)
-        handles = [self._launch(plan, 0)]
-        for j in range(1, steps):
-            shifted = [ScheduledReq(it.req, it.start + j, 1, True) for it in plan]
-            handles.append(self._launch(shifted, j))
-
-        def finish() -> StepResults:
-            first = handles[0].results()
-            later = [h.results().tokens for h in handles[1:]]
-            first.more = [list(t) for t in zip(*later)]
-            return first
-
-        return StepHandle(finish)
-
-    def _launch(self, plan: list[ScheduledReq], offset: int) -> StepHandle:
-        """One step; `offset`: outputs sampled for these requests but not yet counted in
-        `num_pending` (the earlier steps of a multi-step plan)."""
+        the device; anything else is finished here (the handle is then `ready`)."""
         input_lp_rows: dict[int, list[tuple[int, int]]] = {}
         if self._graphable(plan):  # single-token decodes: one logits row per item, plan order
             items, order = plan, None
@@ -145,7 +119,7 @@ class ModelRunner:
             if all(r.plain_greedy for r in reqs):  # no sampling rows to build
                 tokens = row_logits.argmax(dim=-1)
             else:
-                rows = [_sampling_row(r, offset) for r in reqs]
+                rows = [_sampling_row(r) for r in reqs]
                 tokens = self.sampler.sample_ids(row_logits, rows)
             if order is None and len(which) == len(items):
                 pool_rows = self.graphs.rows_on_device(len(items))
@@ -180,7 +154,7 @@ class ModelRunner:
         if tokens is None or input_lp_rows or any(r.want_logprob for r in rows):
             return StepHandle.done(finish())
         host = self._host_tokens[self._flip][: len(which)]
-        self._flip = (self._flip + 1) % len(self._host_tokens)
+        self._flip ^= 1
         host.copy_(tokens, non_blocking=True)
         event = None
         if self.device.type == "cuda":
@@ -204,7 +178,7 @@ class ModelRunner:
         for it in items:
             req, pos = it.req, it.start
             prompt = req.input_ids
-            pending = pos + 1 > len(prompt) + len(req.output_ids)  # read from token_buf on device
+            pending = self._pending_input(it)  # then read from token_buf on the device
             if pending:
                 tokens.append(0)
             elif pos < len(prompt):
@@ -330,16 +304,16 @@ class ModelRunner:
             result.input_top_logprobs.append(top_logprobs(lp[j], k) if k else None)
 
 
-def _sampling_row(req, offset: int = 0) -> SamplingRow:
+def _sampling_row(req) -> SamplingRow:
     p = req.params
     banned: tuple[int, ...] = ()
-    if len(req.output_ids) + req.num_pending + offset < p.min_new_tokens and req.grammar is None:
+    if len(req.output_ids) + req.num_pending < p.min_new_tokens and req.grammar is None:
         # (with a grammar, the grammar decides where EOS may come)
         banned = tuple(sorted(set(req.eos_token_ids) | set(p.stop_token_ids)))
     return SamplingRow(
         params=p,
         seed=req.seed,
-        step=len(req.output_ids) + req.num_pending + offset,
+        step=len(req.output_ids) + req.num_pending,
         input_ids=req.input_ids,
         output_ids=req.output_ids,
         banned_ids=banned,

@@ -4,8 +4,8 @@ The scheduler decides; it never touches tensors. Each step holds every running r
 decoding (one token each) plus prompt chunks under a token budget (chunked prefill), so prefills and
 decodes share a step. Under heavy load, waiting prompts are admitted in groups: a step that computes
 a prompt chunk cannot replay a captured decode graph, so admitting one prompt each time a request
-finishes would make nearly every step an eager one. When KV memory runs short, cached prefixes are evicted first, then the
-newest running requests are preempted: their computed tokens go to the prefix cache and they wait
+finishes would make nearly every step an eager one. When KV memory runs short, cached prefixes are
+evicted first, then the newest running requests are preempted: their computed tokens go to the prefix cache and they wait
 to resume (recomputing what was evicted meanwhile). A request is never failed for lack of memory
 once admitted: one that could never fit alone is refused when it is submitted.
 """
@@ -22,20 +22,15 @@ from radixlm.runtime.request import Req, ReqStatus
 class ScheduledReq:
     """One request's part of a step: positions `start .. start + num_tokens` are computed."""
 
-    __slots__ = ("req", "start", "num_tokens", "samples", "steps")
+    __slots__ = ("req", "start", "num_tokens", "samples")
 
-    def __init__(
-        self, req: Req, start: int, num_tokens: int, samples: bool | None = None, steps: int = 1
-    ) -> None:
+    def __init__(self, req: Req, start: int, num_tokens: int, samples: bool | None = None) -> None:
         self.req = req
         self.start = start  # first position computed in this step
         self.num_tokens = num_tokens  # positions computed in this step
         # whether this step ends at the request's newest token, so its logits give the next one
         # (fixed when planned: a token pending later changes the request, not the plan)
         self.samples = start + num_tokens == req.sched_len if samples is None else samples
-        # decode steps run back to back, each on the token the one before sampled (multi-step
-        # decoding: one token each, positions start .. start + steps - 1)
-        self.steps = steps
 
     def __repr__(self) -> str:
         return f"ScheduledReq({self.req.rid!r}, start={self.start}, num_tokens={self.num_tokens})"
@@ -50,7 +45,6 @@ class Scheduler:
         chunked_prefill_size: int,
         schedule_policy: str,
         max_admission_delay: int = 0,
-        decode_steps: int = 1,
     ) -> None:
         self.cache = cache
         self.max_running = max_running_requests
@@ -61,8 +55,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.max_admission_delay = max_admission_delay
         self._deferred = 0  # steps admission has been put off
-        self.decode_steps = decode_steps
-        self.context_len = cache.rows.table.shape[1] - 1  # positions a request may reach
 
     # ---- queue ----------------------------------------------------------------------------
 
@@ -84,8 +76,7 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledReq]:
         """Plan the next step; reserves the KV slots it needs. Empty when there is nothing to run."""
-        admit = bool(self.waiting) and self._admission_due()
-        plan = self._schedule_decodes(1 if admit else self.decode_steps)
+        plan = self._schedule_decodes()
         budget = self.chunk_budget
         # prompts already partly computed continue first
         for req in self.running:
@@ -97,7 +88,7 @@ class Scheduler:
                     break
                 plan.append(item)
                 budget -= item.num_tokens
-        if budget > 0 and admit:
+        if budget > 0 and self.waiting and self._admission_due():
             plan.extend(self._admit_waiting(budget))
         if not plan and self.running and not any(r.num_pending for r in self.running):
             # nothing fits: free memory by preempting, then plan again (progress is guaranteed
@@ -108,8 +99,8 @@ class Scheduler:
 
     def _admission_due(self) -> bool:
         """Admit waiting prompts now? At once under light load (fewer running requests than a
-        quarter of `max_running`), else once there are seats for every waiting request or for an eighth of
-        `max_running`, or after `max_admission_delay` steps of waiting."""
+        quarter of `max_running`), else once there are seats for every waiting request or for an
+        eighth of `max_running`, or after `max_admission_delay` steps of waiting."""
         seats = self.max_running - len(self.running)
         if (
             len(self.running) < self.max_running // 4
@@ -121,41 +112,29 @@ class Scheduler:
         self._deferred += 1
         return False
 
-    def _schedule_decodes(self, steps: int) -> list[ScheduledReq]:
-        """Every decoding request computes its newest token, or several when jump-forward
-        appended text. With `steps` > 1, and when every running request is a plain decode (no
-        prompt left to compute, nothing that needs the host between steps), each runs `steps`
-        decode steps back to back; one that ends meanwhile computes tokens that are dropped."""
+    def _schedule_decodes(self) -> list[ScheduledReq]:
+        # a decoding request computes its newest token, or several when jump-forward appended text
+        # (not one whose pending token already ends it: it finishes when that token is applied)
         decoding: list[Req] = []
         counts: list[int] = []
-        multi = steps > 1
         for r in self.running:
             prompt_len, kv_len, pending = len(r.input_ids), r.kv_len, r.num_pending
             num_out = len(r.output_ids)
             n = prompt_len + num_out + pending - kv_len  # r.sched_len - r.kv_len
             if kv_len < prompt_len or n <= 0:
-                multi = False
                 continue  # still in prefill, or nothing new
-            # (not one whose pending token already ends it: it finishes when that is applied)
             if pending and num_out + pending >= r.params.max_new_tokens:
                 continue
-            if multi and (n != 1 or r.needs_lockstep or kv_len + steps > self.context_len):
-                multi = False
             decoding.append(r)
             counts.append(n)
         if not decoding:
             return []
-        if multi:
-            counts = [steps] * len(counts)
         total = sum(counts)
         while decoding and not self.cache.can_extend(total):
             self._preempt(decoding.pop())  # the newest
             total -= counts.pop()
         # each ends at its newest token: every one samples
-        if multi:
-            plan = [ScheduledReq(r, r.kv_len, 1, True, steps) for r in decoding]
-        else:
-            plan = [ScheduledReq(r, r.kv_len, n, True) for r, n in zip(decoding, counts)]
+        plan = [ScheduledReq(r, r.kv_len, n, True) for r, n in zip(decoding, counts)]
         if plan:
             self.cache.extend_many(decoding, counts)
         return plan
