@@ -46,8 +46,14 @@ SHAPES = {
 }  # fmt: skip
 
 
-def shape_folder(name: str, tokenizer_folder: Path) -> Path:
-    """A folder with config.json and a tokenizer: enough for load_format='dummy'."""
+def shape_folder(name: str, tokenizer_folder: Path | None = None) -> Path:
+    """A folder with config.json and a tokenizer (by default the embedded model's): enough for
+    load_format='dummy'."""
+    if tokenizer_folder is None:
+        from radixlm.runtime.config import default_cache_dir
+        from radixlm.runtime.model_loader import resolve_model_folder
+
+        tokenizer_folder = resolve_model_folder(None, default_cache_dir())
     out = Path(tempfile.mkdtemp(prefix=f"radixlm-{name}-"))
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
            "max_position_embeddings": 16384, "bos_token_id": 1, "eos_token_id": 2, **SHAPES[name]}  # fmt: skip
@@ -70,3 +76,31 @@ def random_hf_model(folder: Path):
             return AutoModelForCausalLM.from_config(config).eval()
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def offline_gpu_workload(requests: int) -> tuple[list[list[int]], list[dict]]:
+    """The GPU offline workload: prompts of 100-400 random tokens, 100-300 new tokens each, greedy,
+    EOS ignored (so every request produces exactly its length)."""
+    rng = random.Random(0)
+    prompts = random_prompts(requests, 100, 400, 32000, seed=3)
+    params = [
+        {"max_new_tokens": rng.randint(100, 300), "temperature": 0, "ignore_eos": True}
+        for _ in prompts
+    ]
+    return prompts, params
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    import time
+
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 20 / (time.perf_counter() - t)

@@ -14,21 +14,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import commit, device_line, random_hf_model, shape_folder
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a large device-to-device copy (read + write counted)."""
-    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 20 / (time.perf_counter() - t)
+from benchmarks.common import commit, copy_bandwidth, device_line, random_hf_model, shape_folder
 
 
 @torch.inference_mode()
@@ -121,17 +107,13 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_latency measures GPU decode speed: no CUDA device here")
-    from radixlm.runtime.config import default_cache_dir
-    from radixlm.runtime.model_loader import resolve_model_folder
-
-    tok_folder = resolve_model_folder(None, default_cache_dir())
     bw = copy_bandwidth()
     print(f"device: {device_line()}  commit: {commit()}  copy bandwidth: {bw / 1e12:.2f} TB/s")
     prompt = list(range(1000, 1032))
     ablate = [a for a in args.ablate.split(",") if a]
     rows = []
     for name in args.shapes.split(","):
-        folder = shape_folder(name, tok_folder)
+        folder = shape_folder(name)
         hf, weight_bytes = hf_eager_tok_s(folder, prompt, args.new_tokens)
         compiled = hf_compiled_tok_s(folder, prompt, args.new_tokens) if args.hf_compiled else None
         without = [ours_tok_s(folder, prompt, args.new_tokens, a) for a in ablate]

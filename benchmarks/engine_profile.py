@@ -14,13 +14,12 @@ import argparse
 import cProfile
 import io
 import pstats
-import random
 import time
 
 import torch
 
 import radixlm
-from benchmarks.common import device_line, random_prompts, shape_folder
+from benchmarks.common import device_line, offline_gpu_workload, shape_folder
 from radixlm.runtime import engine_core
 
 
@@ -33,9 +32,6 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("engine_profile profiles the GPU workload: no CUDA device here")
-    from radixlm.runtime.config import default_cache_dir
-    from radixlm.runtime.model_loader import resolve_model_folder
-
     prof = cProfile.Profile()
     loop = engine_core.EngineCore._loop
 
@@ -47,11 +43,8 @@ def main() -> None:
             prof.disable()
 
     engine_core.EngineCore._loop = profiled_loop
-    folder = shape_folder(args.shape, resolve_model_folder(None, default_cache_dir()))
-    rng = random.Random(0)
-    prompts = random_prompts(1000, 100, 400, 32000, seed=3)
-    params = [{"max_new_tokens": rng.randint(100, 300), "temperature": 0, "ignore_eos": True}
-              for _ in prompts]  # fmt: skip
+    folder = shape_folder(args.shape)
+    prompts, params = offline_gpu_workload(1000)
     with radixlm.Engine(
         str(folder), load_format="dummy", disable_radix_cache=True,
         max_running_requests=512, cuda_graph_max_bs=512,

@@ -32,8 +32,8 @@ def matmul_rate() -> float:
     return 2 * 8192 * 4096 * 14336 / (ms / 1e3)
 
 
-def prefill(shape: str, tok_folder) -> list[str]:
-    folder = shape_folder(shape, tok_folder)
+def prefill(shape: str) -> list[str]:
+    folder = shape_folder(shape)
     s = SHAPES[shape]
     lines = []
     with radixlm.Engine(
@@ -63,10 +63,10 @@ def prefill(shape: str, tok_folder) -> list[str]:
     return lines
 
 
-def busy(shape: str, tok_folder) -> str:
+def busy(shape: str) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    folder = shape_folder(shape, tok_folder)
+    folder = shape_folder(shape)
     prompts = random_prompts(64, 32, 32, 32000, seed=5)
     params = {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True}
     with radixlm.Engine(str(folder), load_format="dummy", disable_radix_cache=True) as eng:
@@ -103,20 +103,16 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_profile measures the GPU: no CUDA device here")
-    from radixlm.runtime.config import default_cache_dir
-    from radixlm.runtime.model_loader import resolve_model_folder
-
-    tok_folder = resolve_model_folder(None, default_cache_dir())
     print(f"device: {device_line()}  commit: {commit()}")
     if args.prefill_shape != "none":
         print("\n| shape | prompt tokens | time to first token | achieved | bf16 matmul | share |")
         print("|---|---|---|---|---|---|")
-        for line in prefill(args.prefill_shape, tok_folder):
+        for line in prefill(args.prefill_shape):
             print(line, flush=True)
     print(
         "\n| shape | decode batch | wall | rate | GPU busy | busy share |\n|---|---|---|---|---|---|"
     )
-    print(busy(args.busy_shape, tok_folder), flush=True)
+    print(busy(args.busy_shape), flush=True)
 
 
 if __name__ == "__main__":

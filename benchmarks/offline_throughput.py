@@ -22,7 +22,14 @@ import time
 import torch
 
 import radixlm
-from benchmarks.common import commit, device_line, random_hf_model, random_prompts, shape_folder
+from benchmarks.common import (
+    commit,
+    device_line,
+    offline_gpu_workload,
+    random_hf_model,
+    random_prompts,
+    shape_folder,
+)
 
 
 def time_ours(engine, prompts, new_tokens):
@@ -114,24 +121,17 @@ def main() -> None:
 
 
 def gpu_workload(args) -> None:
-    import random
-
-    from radixlm.runtime.config import default_cache_dir
-    from radixlm.runtime.model_loader import resolve_model_folder
-
     if not torch.cuda.is_available():
         raise SystemExit("--shape measures the GPU: no CUDA device here")
-    folder = shape_folder(args.shape, resolve_model_folder(None, default_cache_dir()))
-    rng = random.Random(0)
-    prompts = random_prompts(args.requests, 100, 400, 32000, seed=3)
-    outs = [rng.randint(100, 300) for _ in prompts]
+    folder = shape_folder(args.shape)
+    prompts, params = offline_gpu_workload(args.requests)
+    outs = [p["max_new_tokens"] for p in params]
     print(f"device: {device_line()}  commit: {commit()}  shape: {args.shape}")
 
     with radixlm.Engine(
         str(folder), load_format="dummy", disable_radix_cache=True,
         max_running_requests=args.max_running, cuda_graph_max_bs=min(args.max_running, 512),
     ) as eng:  # fmt: skip
-        params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in outs]
         eng.generate(input_ids=prompts[:64], sampling_params=params[:64])  # warm-up
         t = time.perf_counter()
         results = eng.generate(input_ids=prompts, sampling_params=params)

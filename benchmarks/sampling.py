@@ -18,8 +18,7 @@ import os
 
 import torch
 
-from benchmarks.common import commit, device_line
-from benchmarks.decode_latency import copy_bandwidth
+from benchmarks.common import commit, copy_bandwidth, device_line
 
 FILTERS = {
     "temperature only": dict(temperature=0.8),
