@@ -23,6 +23,8 @@ _CPU_PIECE_BYTES = 8 << 20
 
 
 class TorchAttentionBackend:
+    rotates_qk = False  # takes q and k rotated already (the model applies rope)
+
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token

@@ -71,13 +71,14 @@ class PlainMatmuls:
         """(linear(norm(x + residual)), x + residual); without a residual, (linear(norm(x)), x).
         With `rows` (indices; the last norm, before the LM head) only those rows go through the
         linear layer, and no residual comes back (None)."""
+        if rows is not None:  # normalize only the rows that are used (a norm is per row)
+            x = x[rows]
+            residual = None if residual is None else residual[rows]
         if residual is None:
             h, residual = norm(x), x
         else:
             h, residual = norm(x, residual)
-        if rows is not None:
-            return self(h[rows], linear), None
-        return self(h, linear), residual
+        return self(h, linear), None if rows is not None else residual
 
     def silu_linear(self, gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         """linear(silu(gate) * up) for gate_up = [gate | up] along the last dimension."""

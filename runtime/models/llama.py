@@ -62,8 +62,9 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        if rope.positions is not None and getattr(backend, "rotates_qk", False):
+            q.copy_(self.q_norm(q))  # (in place: views of qkv)
+            k.copy_(self.k_norm(k))
+        if rope.positions is not None and backend.rotates_qk:
             # the backend rotates q and k as it stores k and v: one kernel
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             o = backend.forward(q, k, v, self.layer_id, batch, self.scale, rope=rope)
