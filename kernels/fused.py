@@ -13,6 +13,9 @@ stays the CPU path and the oracle.
   write the rotated k and v into the KV pool at slots `loc`, in place of `rope_` and the two
   `index_copy_` of the store.
 - `silu_and_mul(gate_up)`: silu(gate) * up over the two halves of the last dimension.
+
+The rounding recipes are small @triton.jit helpers (`add_rounded`, `norm_then_weight`,
+`silu_mul_rounded`) that kernels/gemv.py's prologues call too, so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -24,9 +27,45 @@ import triton
 import triton.language as tl
 
 
+def switched_off() -> bool:
+    """RADIXLM_DISABLE_FUSED=1: every fused kernel off, the torch code on CUDA too."""
+    return os.environ.get("RADIXLM_DISABLE_FUSED") == "1"
+
+
 def enabled(x: torch.Tensor) -> bool:
     """Use the fused kernels for this tensor: on CUDA, unless RADIXLM_DISABLE_FUSED=1."""
-    return x.is_cuda and os.environ.get("RADIXLM_DISABLE_FUSED") != "1"
+    return x.is_cuda and not switched_off()
+
+
+@triton.jit
+def add_rounded(x, r):
+    """x + r in float32, rounded to x's dtype as torch's add rounds it."""
+    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def norm_then_weight(x, rstd, w):
+    """x * rstd rounded to x's dtype (as RMSNorm rounds before its weight), times w: float32."""
+    h = (x.to(tl.float32) * rstd).to(x.dtype)
+    return h.to(tl.float32) * w.to(tl.float32)
+
+
+@triton.jit
+def silu_mul_rounded(gate, up):
+    """silu(gate) * up, each rounded to gate's dtype as torch's F.silu and mul round them."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
+def _rotate_half_split(base, c, s, mask, HALF: tl.constexpr):
+    """The heads at `base` (half-split layout) rotated by cos c and sin s: the two halves, each
+    rounded to the heads' dtype."""
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    return (x1f * c - x2f * s).to(x1.dtype), (x2f * c + x1f * s).to(x1.dtype)
 
 
 @triton.jit
@@ -42,13 +81,12 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the sum, rounded as torch's add
+        x = add_rounded(x, r)
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    h = (xf * rstd).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    out = h.to(tl.float32) * w.to(tl.float32)
+    out = norm_then_weight(x, rstd, w)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -87,11 +125,9 @@ def _rope_kernel(
     c = tl.load(cos_ptr + pos * HALF + dims, mask=dims < HALF, other=0.0)
     s = tl.load(sin_ptr + pos * HALF + dims, mask=dims < HALF, other=0.0)
     base = qk_ptr + t * stride_t + heads * stride_h + dims
-    x1 = tl.load(base, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base, (x1f * c - x2f * s).to(x1.dtype), mask=mask)
-    tl.store(base + HALF, (x2f * c + x1f * s).to(x1.dtype), mask=mask)
+    out1, out2 = _rotate_half_split(base, c, s, mask, HALF)
+    tl.store(base, out1, mask=mask)
+    tl.store(base + HALF, out2, mask=mask)
 
 
 def rope_(
@@ -125,23 +161,19 @@ def _rope_store_kv_kernel(
     heads = tl.arange(0, BLOCK_HQ)[:, None]
     mask = (heads < n_q_heads) & (dims < HALF)
     base = q_ptr + t * stride_qt + heads * stride_qh + dims
-    x1 = tl.load(base, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base, (x1f * c - x2f * s).to(x1.dtype), mask=mask)
-    tl.store(base + HALF, (x2f * c + x1f * s).to(x1.dtype), mask=mask)
+    out1, out2 = _rotate_half_split(base, c, s, mask, HALF)
+    tl.store(base, out1, mask=mask)
+    tl.store(base + HALF, out2, mask=mask)
     # k: rotated (rounded to k's dtype, as rope_ leaves it) into the pool; v copied
     slot = tl.load(loc_ptr + t).to(tl.int64)
     heads = tl.arange(0, BLOCK_HKV)[:, None]
     mask = (heads < n_kv_heads) & (dims < HALF)
     base = k_ptr + t * stride_kt + heads * stride_kh + dims
-    x1 = tl.load(base, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    out1, out2 = _rotate_half_split(base, c, s, mask, HALF)
     pool_ty = k_pool_ptr.dtype.element_ty
     out = k_pool_ptr + slot * stride_ks + heads * stride_kph + dims
-    tl.store(out, (x1f * c - x2f * s).to(x1.dtype).to(pool_ty), mask=mask)
-    tl.store(out + HALF, (x2f * c + x1f * s).to(x1.dtype).to(pool_ty), mask=mask)
+    tl.store(out, out1.to(pool_ty), mask=mask)
+    tl.store(out + HALF, out2.to(pool_ty), mask=mask)
     for half in tl.static_range(2):  # v in two halves: BLOCK_D covers half a head
         val = tl.load(v_ptr + t * stride_vt + heads * stride_vh + half * HALF + dims, mask=mask)
         out = v_pool_ptr + slot * stride_vs + heads * stride_vph + half * HALF + dims
@@ -185,10 +217,7 @@ def _silu_and_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: 
     mask = cols < n_cols
     gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
     up = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu, rounded as torch's F.silu
-    out = act.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, out.to(gate.dtype), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul_rounded(gate, up), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

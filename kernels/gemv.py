@@ -11,8 +11,9 @@ may run inside it, as the prologue of every K tile:
   every program first reduces the whole row for its 1/rms (x is small next to W and read from L2).
 - `gemv_silu_and_mul`: y = (silu(gate) * up) @ W.T over the two halves of gate_up.
 
-The prologues round as runtime/layers.py does (and kernels/fused.py, their one-kernel twins): the sum
-to x's dtype, the norm in float32 rounded to x's dtype before the weight, the product rounded again.
+The prologues round as runtime/layers.py does: the sum to x's dtype, the norm in float32 rounded to
+x's dtype before the weight, the product rounded again. They call the rounding helpers of
+kernels/fused.py (their one-kernel twins), so the two round alike.
 
 Whether a kernel beats cuBLAS (and the separate norm / SiLU kernel before it) depends on the shape
 and the GPU, so `LinearDispatch.tune` times every candidate once per weight shape at start-up and
@@ -33,6 +34,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from radixlm.kernels import fused
+from radixlm.kernels.fused import add_rounded, norm_then_weight, silu_mul_rounded
 from radixlm.runtime.layers import PlainMatmuls
 
 MAX_ROWS = 4  # x rows the kernel takes; more go to cuBLAS
@@ -68,7 +71,7 @@ def _rms_norm_rstd(
         x = tl.load(x_ptr + rows_m[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + rows_m[:, None] * stride_rm + k[None, :], mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded as torch's add
+            x = add_rounded(x, r)
             if write_sum:
                 tl.store(res_out_ptr + rows_m[:, None] * K + k[None, :], x, mask=mask)
         xf = x.to(tl.float32)
@@ -112,16 +115,13 @@ def _gemv_kernel(
                 r = tl.load(
                     res_ptr + rows_m[:, None] * stride_rm + k[None, :], mask=x_mask, other=0.0
                 )
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            h = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+                x = add_rounded(x, r)
             nw = tl.load(norm_w_ptr + k, mask=k < k_end, other=0.0)
-            a = (h.to(tl.float32) * nw.to(tl.float32)[None, :]).to(x.dtype).to(tl.float32)
+            a = norm_then_weight(x, rstd[:, None], nw[None, :]).to(x.dtype).to(tl.float32)
         elif PROLOGUE == _SILU_AND_MUL:
             gate = tl.load(x_at, mask=x_mask, other=0.0)
             up = tl.load(x_at + K, mask=x_mask, other=0.0)
-            g = gate.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu, rounded as torch's F.silu
-            a = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+            a = silu_mul_rounded(gate, up).to(tl.float32)
         else:
             a = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)
         # (BLOCK_M, 1, BLOCK_K) * (1, BLOCK_N, BLOCK_K) summed over K
@@ -281,22 +281,28 @@ OPS = ("linear", "rms_norm", "rms_norm_residual", "silu_and_mul")
 def fused_gemv_enabled() -> bool:
     """Tune the norm / SiLU prologue kernels, unless RADIXLM_DISABLE_FUSED=1 (every fused kernel
     off) or RADIXLM_DISABLE_FUSED_GEMV=1 (only these)."""
-    return (
-        os.environ.get("RADIXLM_DISABLE_FUSED") != "1"
-        and os.environ.get("RADIXLM_DISABLE_FUSED_GEMV") != "1"
-    )
+    return not fused.switched_off() and os.environ.get("RADIXLM_DISABLE_FUSED_GEMV") != "1"
+
+
+ChoiceKey = tuple[str, int, int, int, bool]  # (op, rows of x, N, K, whether the linear has a bias)
+
+
+def choice_key(op: str, rows: int, linear: torch.nn.Linear) -> ChoiceKey:
+    """The key of `LinearDispatch.choice` and `.timings` for `op` at `rows` rows before `linear`."""
+    n, k = linear.weight.shape
+    return (op, rows, n, k, linear.bias is not None)
 
 
 class LinearDispatch(PlainMatmuls):
-    """Per (op, rows of x, weight shape): the plain path (cuBLAS, after a separate norm or SiLU
-    kernel for the fused ops) or a Triton kernel with its best tile, whichever measured faster.
-    Empty (everything on the plain path) until `tune` has run for a shape."""
+    """Per (op, rows of x, weight shape, bias or not: `choice_key`): the plain path (cuBLAS, after
+    a separate norm or SiLU kernel for the fused ops) or a Triton kernel with its best tile,
+    whichever measured faster. Empty (everything on the plain path) until `tune` has run for a
+    shape."""
 
     def __init__(self) -> None:
-        self.choice: dict[tuple[str, int, int, int], GemvConfig | None] = {}
-        # the plain kernel's tiles per (rows, N, K), fastest first; every timing per choice key
-        self._ranked: dict[tuple[int, int, int], list[GemvConfig]] = {}
-        self.timings: dict[tuple[str, int, int, int], list[tuple[float, GemvConfig]]] = {}
+        self.choice: dict[ChoiceKey, GemvConfig | None] = {}
+        # per choice key, (ms, tile) of each tile that ran and matched the plain path, fastest first
+        self.timings: dict[ChoiceKey, list[tuple[float, GemvConfig]]] = {}
 
     def _chosen(
         self, op: str, x: torch.Tensor, linear: torch.nn.Linear, rows: torch.Tensor | None = None
@@ -304,7 +310,7 @@ class LinearDispatch(PlainMatmuls):
         m = x.shape[0] if rows is None else rows.shape[0]
         if x.dim() != 2 or m > MAX_ROWS or x.stride(-1) != 1:
             return None
-        return self.choice.get((op, m, *linear.weight.shape))
+        return self.choice.get(choice_key(op, m, linear))
 
     def __call__(self, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
         config = self._chosen("linear", x, linear)
@@ -347,19 +353,18 @@ class LinearDispatch(PlainMatmuls):
         fused ops the plain path is the norm (`norm`, the model's RMSNorm) or SiLU kernel and then
         this dispatch's linear, so tune "linear" for the shape first. Returns (plain ms, chosen
         ms)."""
-        n, k = linear.weight.shape
-        key = (op, rows, n, k)
-        self.choice.pop(key, None)
-        plain, fused = self._candidate_calls(op, linear, rows, norm)
+        key = choice_key(op, rows, linear)
+        plain, kernel = self._candidate_calls(op, linear, rows, norm)
         want = plain(linear).float()
         base = graph_ms(plain, linear)
         candidates = CONFIGS
         if op != "linear":
-            fastest = self._ranked.get((rows, n, k), [])[:2]
+            ranked = self.timings.get(choice_key("linear", rows, linear), [])
+            fastest = [c for _, c in ranked[:2]]
             candidates = fastest + [c for c in FUSED_CONFIGS if c not in fastest]
         timed = []
         for config in candidates:
-            call = functools.partial(fused, config)
+            call = functools.partial(kernel, config)
             try:
                 got = call(linear)
             except Exception:  # a tile this GPU cannot run (shared memory, registers)
@@ -369,8 +374,6 @@ class LinearDispatch(PlainMatmuls):
             timed.append((graph_ms(call, linear), config))
         timed.sort(key=lambda t: t[0])
         self.timings[key] = timed
-        if op == "linear":
-            self._ranked[(rows, n, k)] = [c for _, c in timed]
         best, best_ms = None, base
         if timed and timed[0][0] < base * 0.97:  # a clear win only
             best_ms, best = timed[0]

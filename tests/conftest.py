@@ -22,6 +22,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def torch_path(monkeypatch):
+    """runtime/layers.py's torch code even on CUDA (RADIXLM_DISABLE_FUSED=1): the oracle."""
+    monkeypatch.setenv("RADIXLM_DISABLE_FUSED", "1")
+
+
+@pytest.fixture
+def count_launches(monkeypatch) -> list[str]:
+    """The names of the kernels/gemv.py entry points called while the test runs, in order."""
+    from radixlm.kernels import gemv
+
+    launched: list[str] = []
+    for name in ("gemv", "gemv_rms_norm", "gemv_silu_and_mul"):
+        real = getattr(gemv, name)
+        monkeypatch.setattr(
+            gemv,
+            name,
+            lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw),
+        )
+    return launched
+
+
 @pytest.fixture(scope="session")
 def default_model_folder() -> str:
     """The embedded default model as a Hugging Face folder (converted once from its GGUF)."""

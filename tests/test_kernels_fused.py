@@ -4,13 +4,8 @@ small sizes; on a GPU at real sizes in every dtype."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton", reason="triton is not installed")
 
@@ -20,12 +15,6 @@ from radixlm.runtime.layers import RMSNorm, RotaryEmbedding, silu_and_mul  # noq
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 SHAPES = [(3, 64), (5, 576)] if DEVICE.type == "cpu" else [(1, 576), (37, 576), (64, 4096)]
-
-
-@pytest.fixture
-def torch_path(monkeypatch):
-    """Run runtime/layers.py's torch code even on CUDA (the oracle)."""
-    monkeypatch.setenv("RADIXLM_DISABLE_FUSED", "1")
 
 
 def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
