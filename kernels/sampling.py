@@ -31,19 +31,12 @@ tied when the bracket cannot be split further; and tokens more than 100 below th
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 CUT = 100.0  # y below max(y) - CUT: p < e^-100 * p_max, too small to win or to add float32 mass
 MAX_PASSES = 24  # bisection passes; float32 resolution is reached well before this
-
-
-def enabled(x: torch.Tensor) -> bool:
-    """Sample with the fused kernel for these logits: on CUDA, unless RADIXLM_DISABLE_FUSED=1."""
-    return x.is_cuda and os.environ.get("RADIXLM_DISABLE_FUSED") != "1"
 
 
 @triton.jit
@@ -105,7 +98,7 @@ def _sample_kernel(
     temp_ptr, top_p_ptr, min_p_ptr,  # (R,) float32
     out_ptr,  # (R,) int64
     threshold_ptr,  # (R,) float32, written where STORE_THRESHOLD (for tests)
-    scratch_ptr,  # (R, CAPACITY) float32
+    scratch_ptr,  # (R, CAPACITY) float32; unused while CAPACITY <= 1
     STORE_THRESHOLD: tl.constexpr, BLOCK: tl.constexpr, BISECT_BLOCK: tl.constexpr,
     PIVOTS: tl.constexpr, CAPACITY: tl.constexpr,
     CUT: tl.constexpr, MAX_PASSES: tl.constexpr,
@@ -237,20 +230,27 @@ def sample(
     capacity: int = 16384,
     num_warps: int = 8,
     threshold_out: torch.Tensor | None = None,
+    bisects: bool = True,
 ) -> torch.Tensor:
     """(R,) int64 sampled token ids on the logits' device, launched without waiting for it.
     `threshold_out` (R,) float32, if given, receives each row's top-k / top-p threshold on
-    y = logits / temperature: the row keeps the min-p survivors with y >= it (-inf: no cut)."""
+    y = logits / temperature: the row keeps the min-p survivors with y >= it (-inf: no cut).
+    `bisects=False` says that no row has top-k or top-p (the caller knows it on the host): the
+    kernel then gets no (R, capacity) scratch and never compacts, so a wrong False costs only
+    speed."""
     out = torch.empty(rows.shape[0], dtype=torch.int64, device=logits.device)
     if rows.shape[0] == 0:
         return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    if not bisects:
+        # a bracket still open holds at least 2 tokens, so a capacity of 1 never compacts
+        capacity = 1
     _sample_kernel[(rows.shape[0],)](
         logits, logits.stride(0), logits.shape[1],
         rows, seeds, top_k, temperature, top_p, min_p, out,
         threshold_out if threshold_out is not None else out,
-        torch.empty(rows.shape[0], capacity, device=logits.device),
+        torch.empty(rows.shape[0], capacity, dtype=torch.float32, device=logits.device),
         STORE_THRESHOLD=threshold_out is not None, BLOCK=block, BISECT_BLOCK=bisect_block,
         PIVOTS=pivots, CAPACITY=capacity, CUT=CUT, MAX_PASSES=MAX_PASSES, num_warps=num_warps,
     )  # fmt: skip

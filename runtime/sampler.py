@@ -137,23 +137,27 @@ class Sampler:
             _apply_grammar_masks(logits, rows, constrained)
 
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        seeds = [row_seed(rows[i].seed, rows[i].step) for i in sampled]
         if sampled and _use_fused(logits):
-            return _sample_fused(logits, rows, sampled)
+            return _sample_fused(logits, rows, sampled, seeds)
         token_ids = logits.argmax(dim=-1)
         if sampled:
             dev = logits.device
             idx = torch.tensor(sampled, device=dev)
             probs = _filtered_probs(logits[idx], [rows[i].params for i in sampled])
-            seeds = torch.tensor(
-                [row_seed(rows[i].seed, rows[i].step) for i in sampled], device=dev
-            )
-            token_ids[idx] = (probs / exponential_noise(seeds, probs.shape[-1])).argmax(dim=-1)
+            noise = exponential_noise(torch.tensor(seeds, device=dev), probs.shape[-1])
+            token_ids[idx] = (probs / noise).argmax(dim=-1)
         return token_ids
 
 
 def _use_fused(logits: torch.Tensor) -> bool:
-    """Sample with kernels/sampling.py: on CUDA, unless RADIXLM_DISABLE_FUSED=1."""
-    return logits.is_cuda and _sampling_kernels().enabled(logits)
+    """Sample with kernels/sampling.py where the fused kernels run (kernels/fused.enabled: on
+    CUDA, unless RADIXLM_DISABLE_FUSED=1)."""
+    if not logits.is_cuda:
+        return False
+    from radixlm.kernels import fused  # imports triton: only where CUDA is used
+
+    return fused.enabled(logits)
 
 
 def _sampling_kernels():
@@ -163,28 +167,24 @@ def _sampling_kernels():
 
 
 def _sample_fused(
-    logits: torch.Tensor, rows: list[SamplingRow], sampled: list[int]
+    logits: torch.Tensor, rows: list[SamplingRow], sampled: list[int], seeds: list[int]
 ) -> torch.Tensor:
     """The fused kernel for the sampled rows (the greedy ones are an argmax), its per-row
     parameters sent in two non-blocking copies."""
     dev = logits.device
+    params = [rows[i].params for i in sampled]
     ints = _to_device(
-        [
-            sampled,
-            [row_seed(rows[i].seed, rows[i].step) for i in sampled],
-            [rows[i].params.top_k for i in sampled],
-        ],
-        torch.int64,
-        dev,
+        [sampled, seeds, [p.top_k for p in params]], torch.int64, dev
     )  # (3, R): logits row, seed, top-k
     floats = _to_device(
-        [[getattr(rows[i].params, f) for i in sampled] for f in ("temperature", "top_p", "min_p")],
+        [[getattr(p, f) for p in params] for f in ("temperature", "top_p", "min_p")],
         torch.float32,
         dev,
     )  # (3, R)
     ids = _sampling_kernels().sample(
-        logits, ints[0], ints[1], ints[2], floats[0], floats[1], floats[2]
-    )
+        logits, ints[0], ints[1], ints[2], floats[0], floats[1], floats[2],
+        bisects=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+    )  # fmt: skip
     if len(sampled) == len(rows):
         return ids
     token_ids = logits.argmax(dim=-1)

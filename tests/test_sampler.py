@@ -9,10 +9,7 @@ import torch
 
 from radixlm.runtime.sampler import Sampler, SamplingRow, _filtered_probs, exponential_noise
 from radixlm.runtime.sampling_params import SamplingParams
-
-
-def params(**kw) -> SamplingParams:
-    return SamplingParams.from_dict({"max_new_tokens": 4, **kw})
+from tests.sampling_cases import SETTINGS, params
 
 
 def row(p: SamplingParams, seed: int = 0, step: int = 0, **kw) -> SamplingRow:
@@ -40,14 +37,7 @@ def reference_filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def test_batched_filters_match_the_row_by_row_reference():
     gen = torch.Generator().manual_seed(0)
-    settings = [
-        dict(temperature=0.7),
-        dict(temperature=1.0, top_k=5),
-        dict(temperature=1.3, top_p=0.8),
-        dict(temperature=0.9, min_p=0.05),
-        dict(temperature=1.0, top_k=20, top_p=0.5, min_p=0.01),
-        dict(temperature=2.0, top_p=0.99),
-    ]
+    settings = SETTINGS[:6]
     ps = [params(**s) for s in settings]
     logits = torch.randn(len(ps), 300, generator=gen) * 3
     got = _filtered_probs(logits, ps)
