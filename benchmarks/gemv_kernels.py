@@ -40,7 +40,14 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gemv_kernels times GPU kernels: no CUDA device here")
 
-    from radixlm.kernels.gemv import CONFIGS, GemvConfig, LinearDispatch, gemv, graph_ms
+    from radixlm.kernels.gemv import (
+        CONFIGS,
+        GemvConfig,
+        LinearDispatch,
+        choice_key,
+        gemv,
+        graph_ms,
+    )
     from radixlm.runtime.layers import RMSNorm
 
     SWEEP = CONFIGS + [
@@ -63,14 +70,14 @@ def main() -> None:
             norm = RMSNorm(k, 1e-5).to("cuda", torch.bfloat16)
             dispatch = LinearDispatch()
             base, chosen = dispatch.tune(linear, args.rows)
-            tile = dispatch.choice[("linear", args.rows, n, k)]
+            tile = dispatch.choice[choice_key("linear", args.rows, linear)]
             fused = ""
             best = chosen
             if op != "linear":
                 plain, best = dispatch.tune(linear, args.rows, op, norm)
-                fused_tile = dispatch.choice[(op, args.rows, n, k)]
+                fused_tile = dispatch.choice[choice_key(op, args.rows, linear)]
                 fused = f"{plain * 1e3:.1f} -> {best * 1e3:.1f} {fused_tile or 'plain'}"
-                tried = dispatch.timings[(op, args.rows, n, k)]
+                tried = dispatch.timings[choice_key(op, args.rows, linear)]
                 fused += " (tried " + ", ".join(f"{t * 1e3:.1f}" for t, _ in tried) + ")"
             gbs = n * k * 2 / (best * 1e-3) / 1e9
             print(

@@ -1,7 +1,7 @@
 """Triton attention kernels against their plain-torch oracles in `kernels/attention_ref.py`.
 
 Without CUDA the kernels run on the CPU under TRITON_INTERPRET=1, which must be set before triton
-is first imported; sizes here are tiny for that reason. Tests marked `gpu` use real sizes on CUDA.
+is first imported (tests/conftest.py does it); sizes here are tiny for that reason. Tests marked `gpu` use real sizes on CUDA.
 
 Every batch is built to catch addressing mistakes: slots are shuffled and disjoint between requests
 (except a deliberately shared prefix), request rows are out of order, q and the pools are strided
@@ -11,13 +11,8 @@ points at NaN keys and values.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton", reason="triton is not installed")
 

@@ -163,6 +163,8 @@ def test_dispatch_norm_of_selected_rows(count_launches, torch_path):
 class SelfAttention:
     """A stand-in attention backend: each token attends to itself only (its own v per q head)."""
 
+    rotates_qk = False
+
     def forward(self, q, k, v, layer_id, batch, scale):
         return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1) + 0.1 * q  # (T, Hq, D)
 
