@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.vocab import SENTINEL_BYTES, TokenVocabulary
 
 # Cost model of one walk over the trie (measured on a 2-core x86 CPU, SmolLM2's 49k tokens):
@@ -170,6 +171,8 @@ class TokenTrie:
     def __init__(self, vocab: TokenVocabulary) -> None:
         self.size = vocab.size
         tokens = sorted((b, i) for i, b in enumerate(vocab.token_bytes) if b and 0xF4 not in b)
+        if not tokens:
+            raise GrammarError("the vocabulary has no usable tokens")
         self.levels: list[_Level] = []
         previous: dict[bytes, int] = {}
         depth = 0
@@ -209,8 +212,9 @@ class TokenTrie:
             alive = [(d, t) for d, t in alive if len(d) > depth]
         per_first = sum(np.diff(level.start) for level in self.levels)  # (256,) subtrie sizes
         self._nodes_before = np.concatenate([[0], np.cumsum(per_first)]).tolist()
-        self._depth = sum((np.diff(level.start) > 0).astype(np.int64) for level in self.levels)
-        self._depth = self._depth.tolist()
+        self._depth = sum(
+            (np.diff(level.start) > 0).astype(np.int64) for level in self.levels
+        ).tolist()
         # the same nodes numbered globally, level after level
         sizes = [len(level.parent) for level in self.levels]
         self._offset = np.concatenate([[0], np.cumsum(sizes)]).tolist()

@@ -204,9 +204,7 @@ class GrammarCompiler:
                     regex = translate_regex(regex)
                 except PatternError as e:
                     sentinel, parse_error = False, str(e)  # outlines-core reads it as written
-            grammar = self._index(kind, spec, regex, notes, sentinel, parse_error)
-            grammar.lenient = lenient
-            return grammar
+            return self._index(kind, spec, regex, notes, sentinel, parse_error, lenient)
         except GrammarError:
             raise
         except Exception as e:  # anything else is still this request's problem, never the engine's
@@ -244,6 +242,7 @@ class GrammarCompiler:
         notes: tuple[str, ...],
         sentinel: bool,
         parse_error: str = "",
+        lenient: bool = False,
     ) -> CompiledGrammar:
         """Build the byte automaton; token masks are built per state on first use.
 
@@ -266,7 +265,9 @@ class GrammarCompiler:
                 f"({detail}); simplify it"
             ) from None
         automaton.node_classes(self.vocab.trie)  # ready before the first mask
-        return CompiledGrammar(kind, spec, regex, automaton, self.vocab, self.masks, notes)
+        return CompiledGrammar(
+            kind, spec, regex, automaton, self.vocab, self.masks, notes, lenient=lenient
+        )
 
 
 def _spec_key(kind: str, spec: Any) -> str:

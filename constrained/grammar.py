@@ -75,6 +75,7 @@ class CompiledGrammar:
         vocab: TokenVocabulary,
         masks: MaskCache,
         notes: tuple[str, ...] = (),
+        lenient: bool = False,
     ) -> None:
         self.kind = kind
         self.spec = spec
@@ -82,7 +83,8 @@ class CompiledGrammar:
         self.automaton = automaton
         self.vocab = vocab
         self.notes = notes  # keywords skipped in lenient mode: the output must be validated
-        self.lenient = False  # a JSON schema compiled leniently: see validate_output
+        self.lenient = lenient  # a JSON schema compiled leniently: see validate_output
+        self._schema: Any = None  # the parsed spec and its validator, built on the first check
         self._validator: Any = None
         self._masks = masks
         self._owner = masks.new_owner()
@@ -102,15 +104,22 @@ class CompiledGrammar:
         caller): {"valid", "error" (None or what is wrong), "ignored_keywords" (not enforced)}."""
         if self.kind != "json_schema":
             raise GrammarError(f"validate_output checks JSON-schema outputs, not {self.kind}")
-        schema = json.loads(self.spec)
+        if not self.notes and self._matches(text):  # the automaton enforced the whole schema
+            return {"valid": True, "error": None, "ignored_keywords": []}
         if self._validator is None:
             try:
-                self._validator = schema_validator(schema)
+                self._schema = json.loads(self.spec)
+                self._validator = schema_validator(self._schema)
             except Exception as e:  # a broken schema is reported, never raised into the engine
                 error = f"the schema could not be checked: {type(e).__name__}: {e}"
                 return {"valid": False, "error": error, "ignored_keywords": list(self.notes)}
-        error = validate_json_output(schema, text, self._validator)
+        error = validate_json_output(self._schema, text, self._validator)
         return {"valid": error is None, "error": error, "ignored_keywords": list(self.notes)}
+
+    def _matches(self, text: str) -> bool:
+        """Whether `text` is a whole match of the grammar (an output cut short is not)."""
+        state = self.automaton.walk(self.initial_state, text.encode("utf-8", "surrogatepass"))
+        return state != self.automaton.dead and self.is_final(state)
 
     def matcher(self, max_rollback: int = 64) -> GrammarMatcher:
         """A fresh per-request matcher at the start of the grammar."""

@@ -236,6 +236,33 @@ def test_compile_is_cached_and_async(compiler):
     assert m.accept_string("yyx") and m.accept_token(EOS)
 
 
+def test_a_vocabulary_without_usable_tokens_is_a_grammar_error():
+    # the EOS token and one spelling plane 16 (never generated): nothing a grammar could allow
+    compiler = GrammarCompiler(TokenVocabulary([None, "\U00100000".encode()], [0]))
+    with pytest.raises(GrammarError, match="no usable tokens"):
+        compiler.compile("regex", "a")
+
+
+def test_lenient_validation_skips_jsonschema_only_for_whole_matches(compiler, monkeypatch):
+    grammar = compiler.compile("json_schema", {"enum": [12, 21]}, lenient=True)
+    assert grammar.lenient and grammar.notes == ()  # nothing had to be skipped
+    with monkeypatch.context() as m:
+        m.setattr("radixlm.constrained.grammar.schema_validator", _no_validator)
+        assert grammar.validate_output("12") == {
+            "valid": True,
+            "error": None,
+            "ignored_keywords": [],
+        }
+    # an output cut short (here by max_new_tokens) is checked: valid JSON, not valid for the schema
+    report = grammar.validate_output("1")
+    assert report["valid"] is False and "is not one of" in report["error"]
+    assert not compiler.compile("json_schema", {"enum": [12, 21]}).lenient
+
+
+def _no_validator(schema):
+    raise AssertionError("jsonschema ran for an output the automaton had already checked")
+
+
 def test_compile_timeout_is_a_grammar_error():
     slow = GrammarCompiler(FakeTokenizer(), vocab_size=40, compile_timeout=0.05)
     big = "(" + "|".join(f"a{{{n}}}b" for n in range(200, 400)) + ")"
