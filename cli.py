@@ -250,7 +250,8 @@ def _serve(args: argparse.Namespace) -> int:
     )
     # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish for the
     # graceful timeout (then cancels them, which aborts their generations), and runs the app's
-    # shutdown, which stops the engine (and its process, which ignores those signals itself). Its access log is off: the app logs each request itself.
+    # shutdown, which stops the engine (and its process, which ignores those signals itself).
+    # Its access log is off: the app logs each request itself.
     uvicorn.run(
         app,
         host=args.host,

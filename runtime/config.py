@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 
 def default_cache_dir() -> str:
@@ -92,3 +93,14 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, model_path: str | None = None, **kwargs: Any) -> EngineConfig:
+        """The config of `radixlm.Engine(model_path, **kwargs)`; ValueError naming any unknown
+        option (and the valid ones) or bad value."""
+        unknown = sorted(set(kwargs) - cls.field_names())
+        if unknown:
+            raise ValueError(
+                f"unknown engine option(s) {unknown}; valid: {sorted(cls.field_names())}"
+            )
+        return cls(model_path=model_path, **kwargs)

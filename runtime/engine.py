@@ -14,7 +14,6 @@ import logging
 import os
 import queue
 import random
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -25,6 +24,7 @@ import torch
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.engine_core import EngineCore, kv_pool_tokens
+from radixlm.runtime.histogram import Histogram
 from radixlm.runtime.memory_pool import KVPool
 from radixlm.runtime.model_config import ModelConfig
 from radixlm.runtime.request import LogprobRequest, Req
@@ -42,12 +42,7 @@ class Engine:
     batched together by the engine core, which runs in its own thread."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
-        unknown = sorted(set(kwargs) - EngineConfig.field_names())
-        if unknown:
-            raise ValueError(
-                f"unknown engine option(s) {unknown}; valid: {sorted(EngineConfig.field_names())}"
-            )
-        self.config = config = EngineConfig(model_path=model_path, **kwargs)
+        self.config = config = EngineConfig.from_kwargs(model_path, **kwargs)
         t0 = time.perf_counter()
         from radixlm.runtime import model_loader
         from radixlm.runtime.models.llama import LlamaForCausalLM
@@ -92,7 +87,7 @@ class Engine:
         )
         self._core = EngineCore(config, mc, model, kv_pool, self.context_len, self.device)
         self._grammar_compiler = None  # built on the first constrained request
-        self._grammar_times = _Histogram(GRAMMAR_COMPILE_BUCKETS)
+        self._grammar_times = Histogram(GRAMMAR_COMPILE_BUCKETS)
         self._profiler: Any = None
         self._rng = random.Random(config.random_seed)
         self._ids = itertools.count()
@@ -448,27 +443,6 @@ def _resolver(loop, fut):
         loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(out))
 
     return deliver
-
-
-class _Histogram:
-    """Bucket counts of a duration, observed from any thread."""
-
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self._counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self._sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, seconds: float) -> None:
-        index = next((i for i, b in enumerate(self.buckets) if seconds <= b), len(self.buckets))
-        with self._lock:
-            self._counts[index] += 1
-            self._sum += seconds
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        return {"buckets": list(self.buckets), "counts": counts, "sum": total, "count": sum(counts)}
 
 
 def _broadcast(value: Any, count: int, name: str) -> list[Any]:

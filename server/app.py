@@ -54,6 +54,7 @@ def create_app(
         api_key=api_key or None,
         owns_engine=owns_engine,
         extra_server_info=dict(server_info or {}),
+        json_whitespace=backend.engine_config().get("json_whitespace", "compact"),
     )
 
     @contextlib.asynccontextmanager

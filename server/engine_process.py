@@ -29,12 +29,17 @@ import logging
 import multiprocessing
 import signal
 import socket
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
 from radixlm.server.backend import LocalEngineBackend, ModelInfo, TokenizerSide
 from radixlm.server.errors import APIError, internal_error, unavailable
 from radixlm.server.ipc import (
+    ENGINE_CALLS,
+    ERROR,
+    INVALID,
+    UNAVAILABLE,
     Abort,
     Accepted,
     Call,
@@ -52,6 +57,8 @@ from radixlm.server.ipc import (
     ToEngine,
     ToServer,
     Update,
+    error_kind,
+    exception_for,
     read_frame,
     read_frame_blocking,
 )
@@ -80,12 +87,7 @@ class EngineProcessBackend(TokenizerSide):
         from radixlm.runtime.config import EngineConfig
 
         kwargs = dict(engine_kwargs or {})
-        unknown = sorted(set(kwargs) - EngineConfig.field_names())
-        if unknown:
-            raise ValueError(
-                f"unknown engine option(s) {unknown}; valid: {sorted(EngineConfig.field_names())}"
-            )
-        EngineConfig(**kwargs)  # bad values fail here, before a process is started
+        EngineConfig.from_kwargs(**kwargs)  # bad options fail here, before a process is started
         self._codec = Codec(ToServer)
         self._sock, theirs = socket.socketpair()
         self._process = multiprocessing.get_context("spawn").Process(
@@ -116,10 +118,6 @@ class EngineProcessBackend(TokenizerSide):
         self._info = ModelInfo(**ready.model_info)
         self._engine_config = {**ready.engine_config, "engine_pid": self._process.pid}
 
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
-
     # ---- GenerationBackend ----------------------------------------------------------------
 
     def model_info(self) -> ModelInfo:
@@ -141,7 +139,7 @@ class EngineProcessBackend(TokenizerSide):
         top_logprobs_num: int | None = None,
     ) -> _RemoteStream:
         outbox = await self._channel()
-        self._check_alive(RuntimeError)
+        self._check_alive(RuntimeError)  # what the in-process engine raises once shut down
         rid = next(self._ids)
         message = Generate(
             rid,
@@ -206,9 +204,11 @@ class EngineProcessBackend(TokenizerSide):
             )
         (message,) = self._codec.decode(body)
         if isinstance(message, StartupFailed):
-            if message.kind == "invalid":
-                raise ValueError(message.message)
-            raise RuntimeError(f"the engine failed to start: {message.message}")
+            raise exception_for(
+                message.kind,
+                message.message,
+                lambda m: RuntimeError(f"the engine failed to start: {m}"),
+            )
         if not isinstance(message, Ready):
             raise RuntimeError(f"the engine process sent {type(message).__name__} before Ready")
         return message
@@ -266,10 +266,13 @@ class EngineProcessBackend(TokenizerSide):
             if future is not None and not future.done():
                 if message.error is None:
                     future.set_result(message.value)
-                elif message.error_kind == "invalid":
-                    future.set_exception(ValueError(message.error))
                 else:
-                    future.set_exception(internal_error(f"the engine failed: {message.error}"))
+                    error = exception_for(
+                        message.error_kind or ERROR,
+                        message.error,
+                        lambda m: internal_error(f"the engine failed: {m}"),
+                    )
+                    future.set_exception(error)
         elif isinstance(message, Accepted):
             stream = self._streams.get(message.rid)
             if stream is not None and not stream.accepted.done():
@@ -277,7 +280,12 @@ class EngineProcessBackend(TokenizerSide):
         elif isinstance(message, Rejected):
             stream = self._streams.pop(message.rid, None)
             if stream is not None and not stream.accepted.done():
-                stream.accepted.set_exception(_rejection(message))
+                error = exception_for(
+                    message.kind,
+                    message.message,
+                    lambda m: internal_error(f"the engine failed to take the request: {m}"),
+                )
+                stream.accepted.set_exception(error)
         elif isinstance(message, Failed):
             stream = self._streams.get(message.rid)
             if stream is not None:
@@ -285,7 +293,7 @@ class EngineProcessBackend(TokenizerSide):
         else:
             logger.warning("unexpected message from the engine process: %r", message)
 
-    def _check_alive(self, error: type[Exception]) -> None:
+    def _check_alive(self, error: Callable[[str], Exception]) -> None:
         if self._lost is not None or self._closed:
             raise error(self._lost or "the engine is shut down")
 
@@ -301,8 +309,7 @@ class EngineProcessBackend(TokenizerSide):
 
     async def _call(self, method: str, arg: str | None = None) -> Any:
         outbox = await self._channel()
-        if self._lost is not None or self._closed:
-            raise unavailable(self._lost or "the engine is shut down")
+        self._check_alive(unavailable)
         cid = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[cid] = future
@@ -324,14 +331,6 @@ class EngineProcessBackend(TokenizerSide):
             self._writer.close()
         else:
             self._sock.close()
-
-
-def _rejection(message: Rejected) -> Exception:
-    if message.kind == "invalid":
-        return ValueError(message.message)
-    if message.kind == "unavailable":
-        return RuntimeError(message.message)
-    return internal_error(f"the engine failed to take the request: {message.message}")
 
 
 class _RemoteStream:
@@ -406,9 +405,9 @@ def run_engine_process(sock: socket.socket, engine_kwargs: dict[str, Any], log_l
 
         engine = Engine(**engine_kwargs)
     except Exception as e:
-        if not isinstance(e, ValueError):
+        kind = error_kind(e)
+        if kind != INVALID:
             logger.exception("the engine failed to start")
-        kind = "invalid" if isinstance(e, ValueError) else "error"
         with contextlib.suppress(OSError):
             sock.sendall(codec.frame([codec.encode(StartupFailed(kind, str(e)))]))
         return
@@ -490,13 +489,13 @@ class _EngineServer:
                 logprob_start_len=message.logprob_start_len,
                 top_logprobs_num=message.top_logprobs_num,
             )
-        except (ValueError, TypeError) as e:
-            self._send(Rejected(rid, "invalid", str(e)))
-        except RuntimeError as e:
-            self._send(Rejected(rid, "unavailable", str(e)))
+        except RuntimeError as e:  # the engine is shut down
+            self._send(Rejected(rid, UNAVAILABLE, str(e)))
         except Exception as e:
-            logger.exception("engine process: request %d failed validation", rid)
-            self._send(Rejected(rid, "error", f"{type(e).__name__}: {e}"))
+            kind, text = _failure(e)
+            if kind != INVALID:
+                logger.exception("engine process: request %d failed validation", rid)
+            self._send(Rejected(rid, kind, text))
         else:
             self._held[rid] = stream
             self._send(Accepted(rid))
@@ -530,21 +529,21 @@ class _EngineServer:
             closing.add_done_callback(self._tasks.discard)
 
     async def _call(self, message: Call) -> None:
-        backend = self._backend
         try:
-            if message.method == "flush_cache":
-                value: Any = await backend.flush_cache()
-            elif message.method == "stats":
-                value = await backend.stats()
-            elif message.method == "start_profile":
-                value = await backend.start_profile(str(message.arg))
-            elif message.method == "stop_profile":
-                value = await backend.stop_profile()
-            else:
+            if message.method not in ENGINE_CALLS:
                 raise ValueError(f"unknown engine call {message.method!r}")
-            self._send(CallResult(message.cid, value))
-        except ValueError as e:
-            self._send(CallResult(message.cid, error=str(e), error_kind="invalid"))
+            method = getattr(self._backend, message.method)
+            args = () if message.arg is None else (message.arg,)
+            self._send(CallResult(message.cid, await method(*args)))
         except Exception as e:
-            logger.exception("engine process: %s failed", message.method)
-            self._send(CallResult(message.cid, error=f"{type(e).__name__}: {e}"))
+            kind, text = _failure(e)
+            if kind != INVALID:
+                logger.exception("engine process: %s failed", message.method)
+            self._send(CallResult(message.cid, error=text, error_kind=kind))
+
+
+def _failure(exc: Exception) -> tuple[str, str]:
+    """(error_kind, message) of a failure in the engine process: bad input in its own words,
+    anything else with the exception's type."""
+    kind = error_kind(exc)
+    return kind, str(exc) if kind == INVALID else f"{type(exc).__name__}: {exc}"

@@ -27,10 +27,18 @@ def sse_event(content: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def read_json(request: Request, type: type[T] | None = None) -> T | Any:
-    """The request body decoded as JSON (into `type`, when given); a 400 for anything malformed."""
+_REQUIRED: Any = object()
+
+
+async def read_json(
+    request: Request, type: type[T] | None = None, *, empty: Any = _REQUIRED
+) -> T | Any:
+    """The request body decoded as JSON (into `type`, when given); a 400 for anything malformed.
+    An empty body is a 400 too, unless `empty` is given: then that is returned for it."""
     body = await request.body()
     if not body.strip():
+        if empty is not _REQUIRED:
+            return empty
         raise bad_request("the request body is empty; send a JSON object")
     try:
         if type is None:

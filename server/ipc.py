@@ -13,7 +13,9 @@ them, so a long generation costs O(new tokens) per step on the wire, not O(all t
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -65,7 +67,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 
 
 class StartupFailed(msgspec.Struct, tag=True, array_like=True):
-    kind: str  # "invalid" (bad options: a ValueError) or "error"
+    kind: str  # an error_kind: "invalid" (bad options) or "error"
     message: str
 
 
@@ -75,7 +77,7 @@ class Accepted(msgspec.Struct, tag=True, array_like=True):
 
 class Rejected(msgspec.Struct, tag=True, array_like=True):
     rid: int
-    kind: str  # "invalid" (the client's fault), "unavailable" (shut down) or "error"
+    kind: str  # an error_kind: "invalid" (the client's fault), "unavailable" (shut down), "error"
     message: str
 
 
@@ -103,11 +105,37 @@ class CallResult(msgspec.Struct, tag=True, array_like=True):
     cid: int
     value: Any = None
     error: str | None = None
-    error_kind: str | None = None  # "invalid" for a ValueError
+    error_kind: str | None = None  # an error_kind: "invalid" or "error"
 
 
 ToEngine = Generate | Start | Abort | Call
 ToServer = Ready | StartupFailed | Accepted | Rejected | Update | Failed | CallResult
+
+
+# ---- failures ------------------------------------------------------------------------------
+
+# An engine-side failure crosses the channel as a kind and a message; the server raises it again
+# as the in-process engine would have raised it, so both backends fail alike.
+INVALID = "invalid"  # the caller's fault: a 400
+UNAVAILABLE = "unavailable"  # the engine is shut down: a 503
+ERROR = "error"  # anything else: the engine's fault
+
+
+def error_kind(exc: BaseException) -> str:
+    """INVALID for what the engine raises on bad input (ValueError; TypeError for sampling
+    params of the wrong type), ERROR for anything else."""
+    return INVALID if isinstance(exc, (ValueError, TypeError)) else ERROR
+
+
+def exception_for(kind: str, message: str, failed: Callable[[str], Exception]) -> Exception:
+    """The server-side exception for a failure that crossed as `kind`: ValueError (INVALID) or
+    RuntimeError (UNAVAILABLE), as the in-process engine raises them, else `failed(message)`."""
+    if kind == INVALID:
+        return ValueError(message)
+    if kind == UNAVAILABLE:
+        return RuntimeError(message)
+    return failed(message)
+
 
 _HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 1 << 30
@@ -221,7 +249,10 @@ class DeltaEncoder:
 
     def update(self, snapshot: dict[str, Any], finished: bool) -> Update:
         text = snapshot["text"]
-        keep = len(self._text) if text.startswith(self._text) else _common_prefix(self._text, text)
+        if text.startswith(self._text):  # the usual case, checked at C speed
+            keep = len(self._text)
+        else:
+            keep = len(os.path.commonprefix([self._text, text]))
         self._text = text
         ids = snapshot["output_ids"]
         new_ids = ids[self._ids :] if len(ids) >= self._ids else ids  # never shrinks in practice
@@ -262,11 +293,3 @@ class SnapshotBuilder:
             meta[key] = list(items)
         # every snapshot owns its lists: a consumer may keep one while the next arrives
         return {"text": self._text, "output_ids": list(self._ids), "meta_info": meta}
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -1,16 +1,18 @@
 """Server metrics in the Prometheus text format (version 0.0.4), written by hand.
 
 One `Metrics` object per app (no module globals: two servers in one process must not mix their
-counts). Updated from the event loop only, so no locks.
+counts). Updated from the event loop only.
 """
 
 from __future__ import annotations
 
-import bisect
+import contextlib
 import math
 import time
 from collections import defaultdict
 from typing import Any
+
+from radixlm.runtime.histogram import Histogram
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -18,49 +20,12 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 PREFIX = "radixlm_"
 
 
-class Histogram:
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...]) -> None:
-        self.name = name
-        self.help = help
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self, out: list[str]) -> None:
-        out.append(f"# HELP {self.name} {self.help}")
-        out.append(f"# TYPE {self.name} histogram")
-        cumulative = 0
-        for bound, n in zip((*self.buckets, math.inf), self.counts):
-            cumulative += n
-            out.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {cumulative}')
-        out.append(f"{self.name}_sum {_number(self.sum)}")
-        out.append(f"{self.name}_count {self.count}")
-
-
 class Metrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time from a request's arrival to its first output token.",
-            TTFT_BUCKETS,
-        )
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between two consecutive output tokens of a request.",
-            ITL_BUCKETS,
-        )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Time from a generation's arrival to its last token.",
-            E2E_BUCKETS,
-        )
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.cached_tokens = 0
@@ -77,8 +42,24 @@ class Metrics:
 
     def render(self, engine_stats: dict[str, Any] | None) -> str:
         out: list[str] = []
-        for hist in (self.ttft, self.itl, self.e2e):
-            hist.render(out)
+        _histogram(
+            out,
+            "time_to_first_token_seconds",
+            "Time from a request's arrival to its first output token.",
+            self.ttft,
+        )
+        _histogram(
+            out,
+            "inter_token_latency_seconds",
+            "Time between two consecutive output tokens of a request.",
+            self.itl,
+        )
+        _histogram(
+            out,
+            "e2e_request_latency_seconds",
+            "Time from a generation's arrival to its last token.",
+            self.e2e,
+        )
         _counter(out, "prompt_tokens_total", "Prompt tokens processed.", self.prompt_tokens)
         _counter(out, "generation_tokens_total", "Tokens generated.", self.generation_tokens)
         _counter(
@@ -200,13 +181,14 @@ def _engine_metrics(out: list[str], stats: dict[str, Any]) -> None:
     _counter(out, "engine_steps_total", "Forward steps run by the engine.", stats.get("num_steps"))
     grammar = stats.get("grammar_compile_seconds")
     if isinstance(grammar, dict):
-        _engine_histogram(
-            out,
-            PREFIX + "grammar_compile_seconds",
-            "Time a constrained request waited for its grammar (a compile, or a cache hit).",
-            grammar,
-        )
-    # anything else the engine reports (e.g. grammar compile times, once it has them)
+        with contextlib.suppress(ValueError):  # a malformed one is left out, not a failed scrape
+            _histogram(
+                out,
+                "grammar_compile_seconds",
+                "Time a constrained request waited for its grammar (a compile, or a cache hit).",
+                Histogram.from_snapshot(grammar),
+            )
+    # any other number the engine reports, as a gauge
     known = {
         "num_running_reqs",
         "num_waiting_reqs",
@@ -225,20 +207,16 @@ def _engine_metrics(out: list[str], stats: dict[str, Any]) -> None:
             _gauge(out, "engine_" + _metric_name(key), f"Engine statistic {key}.", value)
 
 
-def _engine_histogram(out: list[str], name: str, help: str, data: dict[str, Any]) -> None:
-    """A histogram the engine keeps (bucket bounds, per-bucket counts with +Inf last, sum)."""
-    try:
-        hist = Histogram(name, help, tuple(float(b) for b in data["buckets"]))
-        counts = [int(c) for c in data["counts"]]
-        total = float(data["sum"])
-    except (KeyError, TypeError, ValueError):
-        return
-    if len(counts) != len(hist.counts):
-        return
-    hist.counts = counts
-    hist.sum = total
-    hist.count = sum(counts)
-    hist.render(out)
+def _histogram(out: list[str], name: str, help: str, hist: Histogram) -> None:
+    data = hist.snapshot()
+    out.append(f"# HELP {PREFIX}{name} {help}")
+    out.append(f"# TYPE {PREFIX}{name} histogram")
+    cumulative = 0
+    for bound, n in zip((*data["buckets"], math.inf), data["counts"]):
+        cumulative += n
+        out.append(f'{PREFIX}{name}_bucket{{le="{_number(bound)}"}} {cumulative}')
+    out.append(f"{PREFIX}{name}_sum {_number(data['sum'])}")
+    out.append(f"{PREFIX}{name}_count {data['count']}")
 
 
 def _counter(out: list[str], name: str, help: str, value: Any) -> None:

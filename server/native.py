@@ -431,8 +431,7 @@ PROFILER_DIR_ENV = "RADIXLM_TORCH_PROFILER_DIR"
 async def start_profile(request: Request) -> Response:
     """Profile the engine (torch.profiler) until /stop_profile; the trace goes into `output_dir`
     of the body, else $RADIXLM_TORCH_PROFILER_DIR, else the system's temporary folder."""
-    body = await request.body()
-    payload = await read_json(request) if body.strip() else {}
+    payload = await read_json(request, empty={})
     if not isinstance(payload, dict):
         raise bad_request("the body of /start_profile must be a JSON object (or empty)")
     unknown = sorted(set(payload) - {"output_dir"})

@@ -163,8 +163,13 @@ def _apply_response_format(params: dict[str, Any], fmt: ResponseFormat | None) -
     _set_constraint(params, "json_schema", json.dumps(schema), "response_format")
 
 
+def _constraints(params: dict[str, Any]) -> list[str]:
+    """The output constraints `params` already carry (the engine takes at most one)."""
+    return [k for k in ("regex", "json_schema", "ebnf") if k in params]
+
+
 def _set_constraint(params: dict[str, Any], kind: str, value: str, param: str) -> None:
-    others = [k for k in ("regex", "json_schema", "ebnf") if k in params]
+    others = _constraints(params)
     if others:
         raise bad_request(f"{param} cannot be combined with {others[0]}", param)
     params[kind] = value
@@ -467,10 +472,9 @@ async def chat_completions(request: Request) -> Response:
     # with "auto", calls follow their schemas once opened (unless a response_format constrains
     # the whole output already); streamed, calls then go out as deltas while generated
     stream_calls = plan.constrained
-    if plan.mode == "auto" and not any(k in params for k in ("regex", "json_schema", "ebnf")):
-        whitespace = state.backend.engine_config().get("json_whitespace", "compact")
+    if plan.mode == "auto" and not _constraints(params):
         try:
-            params["regex"] = auto_output_regex(plan, whitespace)
+            params["regex"] = auto_output_regex(plan, state.json_whitespace)
         except ValueError as e:
             raise bad_request(f"cannot enforce the tools' parameter schemas: {e}", "tools") from e
         stream_calls = True
@@ -614,11 +618,10 @@ async def _chat_events(
             continue
         p.final = snap
         reason = _finish_reason(meta)
-        parsed = parse_output(text, plan)
         if p.calls is not None and p.calls.count:
             if reason != "length":  # a call cut off by max_tokens stays "length"
                 reason = "tool_calls"
-        elif parsed.tool_calls:
+        elif (parsed := parse_output(text, plan)).tool_calls:
             deltas = [
                 {"index": k, **call}  # id, type and the whole function (name, arguments)
                 for k, call in enumerate(parsed.tool_calls)

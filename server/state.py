@@ -60,6 +60,7 @@ class ServerState:
     owns_engine: bool = True
     extra_server_info: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
+    json_whitespace: str = "compact"  # the engine's, for the tool-call grammars the server builds
 
     def accepts_model(self, name: str | None) -> bool:
         return name is None or name in (

@@ -15,12 +15,15 @@ the conversation as the same tagged blocks.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.constrained import regex_text as rt
+from radixlm.constrained.json_schema import JsonSchemaOptions, json_schema_to_regex
 from radixlm.server.errors import bad_request
 
 CALL_OPEN = "<tool_call>"
@@ -161,19 +164,19 @@ def auto_output_regex(plan: ToolPlan, whitespace: str = "compact") -> str:
     """For tool_choice "auto": any text, in which every `<tool_call>` block holds one call that
     follows its tool's schema (at most one block without parallel calls). GrammarError (a
     ValueError) for a parameter schema the engine cannot enforce."""
-    from radixlm.constrained.json_schema import JsonSchemaOptions, json_schema_to_regex
+    tools = json.dumps(plan.offered, sort_keys=True, ensure_ascii=False)
+    return _auto_output_regex(tools, plan.parallel, whitespace)
 
-    calls = [_call_schema(t["function"]) for t in plan.offered]
+
+@functools.lru_cache(maxsize=64)
+def _auto_output_regex(tools: str, parallel: bool, whitespace: str) -> str:
+    # keyed on the offered tools' canonical JSON: clients send the same tools with every turn
+    calls = [_call_schema(t["function"]) for t in json.loads(tools)]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     call = json_schema_to_regex(schema, JsonSchemaOptions(whitespace=whitespace))
-    free = _text_without(CALL_OPEN)
     pad = r"[ \n]{0,2}"
-    block = f"{_literal(CALL_OPEN)}{pad}(?:{call}){pad}{_literal(CALL_CLOSE)}{free}"
-    return f"{free}(?:{block}){'*' if plan.parallel else '?'}"
-
-
-def _literal(text: str) -> str:
-    return "".join(f"\\x{ord(c):02x}" if ord(c) < 128 else c for c in text)
+    block = f"{rt.lit(CALL_OPEN)}{pad}(?:{call}){pad}{rt.lit(CALL_CLOSE)}{_FREE_TEXT}"
+    return f"{_FREE_TEXT}(?:{block}){'*' if parallel else '?'}"
 
 
 def _text_without(marker: str) -> str:
@@ -181,14 +184,24 @@ def _text_without(marker: str) -> str:
     there): the automaton that counts how much of the marker was just seen, written out."""
     if marker[0] in marker[1:]:
         raise ValueError("the marker's first character must not recur in it")
-    first = _literal(marker[0])
+    first = rt.lit(marker[0])
+
+    def other_than(text: str) -> str:
+        return rt.class_regex(rt.complement(rt.chars(text)))  # type: ignore[return-value]
+
     # from "marker[0] seen", back to it (another marker[0] after a partial match) or out of it
-    again = "|".join(_literal(marker[1:j]) + first for j in range(1, len(marker)))
+    again = "|".join(rt.lit(marker[1:j]) + first for j in range(1, len(marker)))
     out = "|".join(
-        _literal(marker[1:j]) + f"[^{first}{_literal(marker[j])}]" for j in range(1, len(marker))
+        rt.lit(marker[1:j]) + other_than(marker[0] + marker[j]) for j in range(1, len(marker))
     )
-    partial = "|".join(_literal(marker[1:j]) for j in range(2, len(marker)))
-    return f"(?:[^{first}]|{first}(?:{again})*(?:{out}))*(?:{first}(?:{again})*(?:{partial})?)?"
+    partial = "|".join(rt.lit(marker[1:j]) for j in range(2, len(marker)))
+    return (
+        f"(?:{other_than(marker[0])}|{first}(?:{again})*(?:{out}))*"
+        f"(?:{first}(?:{again})*(?:{partial})?)?"
+    )
+
+
+_FREE_TEXT = _text_without(CALL_OPEN)  # any text without a `<tool_call>` in it
 
 
 class ToolCallStreamer:

@@ -3,16 +3,41 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def sse_payloads(lines: Iterable[str]) -> list[Any]:
+    """The `data:` payloads of an SSE body's lines, decoded, with the final [DONE] kept as a
+    string."""
+    out: list[Any] = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def wait_idle(get_stats: Callable[[], dict], timeout: float) -> dict:
+    """Poll the engine's stats until no request runs or waits; its stats then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = get_stats()
+        if stats["num_running_reqs"] + stats["num_waiting_reqs"] == 0:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engine still runs requests: {stats}")
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager

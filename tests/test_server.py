@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
 import pytest
 from fastapi.testclient import TestClient
 
+from radixlm.runtime.histogram import Histogram
 from radixlm.server.app import create_app
+from radixlm.server.metrics import Metrics
 from radixlm.server.state import ServerLimits
+from tests.live_server import sse_payloads
 
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0.0}
@@ -20,16 +22,6 @@ GREEDY = {"temperature": 0.0}
 def client(engine):
     with TestClient(create_app(engine, owns_engine=False)) as c:
         yield c
-
-
-def sse_payloads(response) -> list:
-    """The `data:` payloads of an SSE body, decoded, with the final [DONE] kept as a string."""
-    out = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: ") :]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 # ---- native API ----------------------------------------------------------------------------
@@ -107,7 +99,7 @@ def test_generate_stream_is_cumulative_and_ends_with_done(client):
     with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
-        events = sse_payloads(r)
+        events = sse_payloads(r.iter_lines())
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert len(chunks) == 5
@@ -122,7 +114,7 @@ def test_generate_stream_is_cumulative_and_ends_with_done(client):
 def test_generate_stream_of_a_batch_is_indexed(client):
     body = {"text": ["Hi", "Yes"], "sampling_params": {"max_new_tokens": 2}, "stream": True}
     with client.stream("POST", "/generate", json=body) as r:
-        events = sse_payloads(r)
+        events = sse_payloads(r.iter_lines())
     assert events[-1] == "[DONE]"
     finals = [e for e in events[:-1] if e["meta_info"]["finish_reason"] is not None]
     assert sorted(e["index"] for e in finals) == [0, 1]
@@ -248,7 +240,7 @@ def test_completion_echo_logprobs_and_stream(client):
     body["stream"] = True
     body["stream_options"] = {"include_usage": True}
     with client.stream("POST", "/v1/completions", json=body) as r:
-        events = sse_payloads(r)
+        events = sse_payloads(r.iter_lines())
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]
@@ -279,7 +271,7 @@ def test_chat_completion_and_its_stream_agree(client):
         "/v1/chat/completions",
         json={**body, "stream": True, "stream_options": {"include_usage": True}},
     ) as r:
-        events = sse_payloads(r)
+        events = sse_payloads(r.iter_lines())
     assert events[-1] == "[DONE]"
     chunks = [e for e in events[:-1] if e["choices"]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -460,6 +452,27 @@ def parse_prometheus(text: str) -> dict[str, float]:
             samples[name] = float(m.group(4))
     assert types, "no metric declared"
     return samples
+
+
+def test_the_engines_histograms_render_from_their_snapshots():
+    hist = Histogram((0.1, 1.0))
+    for seconds in (0.1, 0.5, 3.0):  # a value on a bound falls in that bound's bucket
+        hist.observe(seconds)
+    snapshot = hist.snapshot()
+    assert snapshot == {
+        "buckets": [0.1, 1.0],
+        "counts": [1, 1, 1],
+        "sum": snapshot["sum"],
+        "count": 3,
+    }
+    s = parse_prometheus(Metrics("m").render({"grammar_compile_seconds": snapshot}))
+    name = "radixlm_grammar_compile_seconds"
+    assert [s[f'{name}_bucket{{le="{le}"}}'] for le in ("0.1", "1", "+Inf")] == [1, 2, 3]
+    assert s[name + "_count"] == 3 and s[name + "_sum"] == pytest.approx(3.6)
+    for malformed in ({"buckets": [1.0], "counts": [1]}, {"buckets": [1.0]}, {"counts": "x"}):
+        text = Metrics("m").render({"grammar_compile_seconds": malformed})
+        assert name not in text  # left out; the rest of the scrape still answers
+        assert "radixlm_time_to_first_token_seconds_count 0" in text
 
 
 def test_metrics_are_prometheus_text(client):

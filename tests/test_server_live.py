@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.live_server import free_port, serve_in_thread
+from tests.live_server import free_port, serve_in_thread, wait_idle
 
 API_KEY = "test-key"
 
@@ -22,17 +22,6 @@ API_KEY = "test-key"
 def base_url(engine):
     with serve_in_thread(engine, API_KEY) as url:
         yield url
-
-
-def wait_idle(engine, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = engine.get_stats()
-        if stats["num_running_reqs"] + stats["num_waiting_reqs"] == 0:
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the engine still runs requests: {stats}")
-        time.sleep(0.05)
 
 
 # ---- the official openai client ------------------------------------------------------------
@@ -140,7 +129,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def test_a_closed_stream_aborts_its_generation(base_url, engine):
-    wait_idle(engine)
+    wait_idle(engine.get_stats, 10.0)
     body = {"text": "Count to a million:", "sampling_params": LONG, "stream": True}
     with (
         httpx.Client(timeout=30) as client,
@@ -156,19 +145,19 @@ def test_a_closed_stream_aborts_its_generation(base_url, engine):
                 break
         assert engine.get_stats()["num_running_reqs"] == 1
         lines.close()
-    stats = wait_idle(engine)  # aborted long before its 2000 tokens
+    stats = wait_idle(engine.get_stats, 10.0)  # aborted long before its 2000 tokens
     assert stats["generated_tokens"] > 0
     metrics = httpx.get(base_url + "/metrics", headers=AUTH).text
     assert 'radixlm_errors_total{kind="client_disconnected"}' in metrics
 
 
 def test_a_client_that_gives_up_waiting_aborts_its_generation(base_url, engine):
-    wait_idle(engine)
+    wait_idle(engine.get_stats, 10.0)
     before = engine.get_stats()["generated_tokens"]
     body = {"text": "Count to a million:", "sampling_params": LONG}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(base_url + "/generate", json=body, headers=AUTH, timeout=1.0)
-    stats = wait_idle(engine)
+    stats = wait_idle(engine.get_stats, 10.0)
     assert 0 < stats["generated_tokens"] - before < 2000
 
 

@@ -16,8 +16,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from radixlm.server.ipc import Codec, DeltaEncoder, SnapshotBuilder, ToServer
-from tests.live_server import free_port
+from radixlm.server.errors import APIError, internal_error
+from radixlm.server.ipc import (
+    Codec,
+    DeltaEncoder,
+    SnapshotBuilder,
+    ToServer,
+    error_kind,
+    exception_for,
+)
+from tests.live_server import free_port, sse_payloads, wait_idle
 
 GREEDY = {"temperature": 0.0}
 LONG = {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}
@@ -56,16 +64,6 @@ class Server:
     def stats(self) -> dict:
         return httpx.get(self.url + "/server_info", timeout=10).json()["internal_states"][0]
 
-    def wait_idle(self, timeout: float = 15.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stats()
-            if stats["num_running_reqs"] + stats["num_waiting_reqs"] == 0:
-                return stats
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the engine still runs requests: {stats}")
-            time.sleep(0.05)
-
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -86,15 +84,6 @@ def pid_exists(pid: int) -> bool:
     # a zombie (exited, not yet reaped by its parent) counts as gone
     status = Path(f"/proc/{pid}/status")
     return not (status.exists() and "\nState:\tZ" in status.read_text())
-
-
-def sse_payloads(lines) -> list:
-    out = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: ") :]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +127,24 @@ def test_deltas_rebuild_every_snapshot():
             assert rebuilt["meta_info"]["output_token_logprobs"] == [list(x) for x in lps]
     assert kept[1]["output_ids"] == [1]  # an earlier snapshot is not changed by later ones
     assert len(kept[2]["meta_info"]["output_token_logprobs"]) == 2
+
+
+def test_engine_failures_cross_as_the_exceptions_the_in_process_engine_raises():
+    def failed(message: str) -> Exception:
+        return internal_error(f"the engine failed: {message}")
+
+    for exc, raised in (
+        (ValueError("bad"), ValueError),
+        (TypeError("sampling params must be a dict"), ValueError),  # bad input too
+        (KeyError("x"), APIError),
+        (RuntimeError("boom"), APIError),  # a crash, not a shut-down engine
+    ):
+        error = exception_for(error_kind(exc), str(exc), failed)
+        assert type(error) is raised, exc
+        assert str(exc) in str(error)
+    assert isinstance(exception_for("unavailable", "shut down", failed), RuntimeError)
+    error = exception_for("error", "KeyError: 'x'", failed)
+    assert isinstance(error, APIError) and error.status == 500
 
 
 # ---- requests ------------------------------------------------------------------------------
@@ -229,7 +236,7 @@ def test_bad_input_is_a_400_from_the_engine_process(server, sampling_params, nee
 
 
 def test_a_closed_stream_aborts_and_frees_its_kv(server):
-    server.wait_idle()
+    wait_idle(server.stats, 15.0)
     body = {"text": "Count to a million:", "sampling_params": LONG, "stream": True}
     with (
         httpx.Client(timeout=30) as client,
@@ -246,7 +253,7 @@ def test_a_closed_stream_aborts_and_frees_its_kv(server):
             < (running["kv_pool_capacity_tokens"])
         )  # the request holds slots of its own
         lines.close()
-    stats = server.wait_idle()
+    stats = wait_idle(server.stats, 15.0)
     # every slot is free or held by the prefix cache: nothing is left to the aborted request
     assert (
         stats["kv_pool_free_tokens"] + stats["radix_cache_tokens"]
@@ -256,11 +263,11 @@ def test_a_closed_stream_aborts_and_frees_its_kv(server):
 
 
 def test_a_client_that_gives_up_waiting_aborts_its_generation(server):
-    before = server.wait_idle()["generated_tokens"]
+    before = wait_idle(server.stats, 15.0)["generated_tokens"]
     body = {"text": "Count to a million:", "sampling_params": LONG}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/generate", json=body, timeout=1.0)
-    stats = server.wait_idle()
+    stats = wait_idle(server.stats, 15.0)
     assert 0 < stats["generated_tokens"] - before < 2000
 
 
@@ -282,7 +289,7 @@ def test_metrics_cache_flush_and_grammar_compile_time(server):
         assert name in metrics
     count = re.search(r"^radixlm_grammar_compile_seconds_count (\d+)$", metrics, re.M)
     assert count is not None and int(count.group(1)) >= 1
-    server.wait_idle()
+    wait_idle(server.stats, 15.0)
     assert httpx.post(server.url + "/flush_cache").status_code == 200
     assert server.stats()["radix_cache_tokens"] == 0
 

@@ -26,6 +26,7 @@ from radixlm.server.tools import (
     parse_output,
     plan_tools,
 )
+from tests.live_server import sse_payloads
 
 WEATHER = {
     "type": "function",
@@ -280,14 +281,6 @@ class ScriptedBackend:
         pass
 
 
-def sse_payloads(response) -> list:
-    return [
-        json.loads(line[6:])
-        for line in response.iter_lines()
-        if line.startswith("data: ") and line != "data: [DONE]"
-    ]
-
-
 def test_named_tool_choice_constrains_and_returns_tool_calls():
     backend = ScriptedBackend('{"name": "get_weather", "arguments": {"city": "Paris"}}')
     with TestClient(create_app(backend)) as c:
@@ -322,7 +315,8 @@ def test_auto_tool_calls_stream_as_deltas_after_content():
             "stream": True,
         }
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            chunks = sse_payloads(r)
+            *chunks, done = sse_payloads(r.iter_lines())
+        assert done == "[DONE]"
     # auto: the text is free, a call follows its schema once opened
     assert "json_schema" not in backend.calls[0]
     auto = re.compile(backend.calls[0]["regex"], re.DOTALL)
@@ -356,7 +350,8 @@ def test_required_parallel_calls_stream_each_call_as_it_is_generated():
             "stream": True,
         }
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            chunks = sse_payloads(r)
+            *chunks, done = sse_payloads(r.iter_lines())
+        assert done == "[DONE]"
     assert "json_schema" in backend.calls[0]
     calls: dict[int, dict[str, Any]] = {}
     order = []
@@ -415,8 +410,23 @@ def test_auto_regex_frees_the_text_and_constrains_opened_calls():
         '<tool_call>{"name":"get_weather","arguments":{}}</tool_call>',  # city is required
         '<tool_call>{"name":"get_weather","arguments":{"city":"Rome","unit":"kelvin"}}</tool_call>',
         '<tool_call>{"name":"nope","arguments":{}}</tool_call>',
+        "a\U0010ffff",  # plane 16 (the grammar's end sentinel) is never generated text
+        "<\U0010ffff",
+        "<t\U0010ffff",
     ):
         assert not parallel.fullmatch(text), text
+
+
+def test_auto_regex_is_built_once_per_set_of_tools():
+    plan = plan_tools(_tools(WEATHER, TIME), "auto", True)
+    assert auto_output_regex(plan) is auto_output_regex(
+        plan_tools(_tools(WEATHER, TIME), "auto", True)
+    )
+    assert auto_output_regex(plan) != auto_output_regex(plan_tools(_tools(WEATHER), "auto", True))
+    assert auto_output_regex(plan) != auto_output_regex(
+        plan_tools(_tools(WEATHER, TIME), "auto", False)
+    )
+    assert auto_output_regex(plan) != auto_output_regex(plan, "flexible")
 
 
 def test_tool_choice_none_leaves_text_alone():
