@@ -39,6 +39,7 @@ from radixlm.server.ipc import (
     ENGINE_CALLS,
     ERROR,
     INVALID,
+    REQUEST_INVALID,
     UNAVAILABLE,
     Abort,
     Accepted,
@@ -492,7 +493,7 @@ class _EngineServer:
         except RuntimeError as e:  # the engine is shut down
             self._send(Rejected(rid, UNAVAILABLE, str(e)))
         except Exception as e:
-            kind, text = _failure(e)
+            kind, text = _failure(e, REQUEST_INVALID)
             if kind != INVALID:
                 logger.exception("engine process: request %d failed validation", rid)
             self._send(Rejected(rid, kind, text))
@@ -542,8 +543,8 @@ class _EngineServer:
             self._send(CallResult(message.cid, error=text, error_kind=kind))
 
 
-def _failure(exc: Exception) -> tuple[str, str]:
-    """(error_kind, message) of a failure in the engine process: bad input in its own words,
-    anything else with the exception's type."""
-    kind = error_kind(exc)
+def _failure(exc: Exception, invalid: tuple[type[BaseException], ...] = (ValueError,)):
+    """(error_kind, message) of a failure in the engine process: bad input (`invalid`) in its own
+    words, anything else with the exception's type."""
+    kind = error_kind(exc, invalid)
     return kind, str(exc) if kind == INVALID else f"{type(exc).__name__}: {exc}"

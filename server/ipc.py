@@ -121,10 +121,14 @@ UNAVAILABLE = "unavailable"  # the engine is shut down: a 503
 ERROR = "error"  # anything else: the engine's fault
 
 
-def error_kind(exc: BaseException) -> str:
-    """INVALID for what the engine raises on bad input (ValueError; TypeError for sampling
-    params of the wrong type), ERROR for anything else."""
-    return INVALID if isinstance(exc, (ValueError, TypeError)) else ERROR
+# what a request's own checks raise on bad input: TypeError too (sampling params of the wrong type);
+# elsewhere (start-up, engine calls) a TypeError is a bug, not the caller's fault
+REQUEST_INVALID: tuple[type[BaseException], ...] = (ValueError, TypeError)
+
+
+def error_kind(exc: BaseException, invalid: tuple[type[BaseException], ...] = (ValueError,)) -> str:
+    """INVALID for what the engine raises on bad input (`invalid`), ERROR for anything else."""
+    return INVALID if isinstance(exc, invalid) else ERROR
 
 
 def exception_for(kind: str, message: str, failed: Callable[[str], Exception]) -> Exception:

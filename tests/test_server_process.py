@@ -18,6 +18,7 @@ import pytest
 
 from radixlm.server.errors import APIError, internal_error
 from radixlm.server.ipc import (
+    REQUEST_INVALID,
     Codec,
     DeltaEncoder,
     SnapshotBuilder,
@@ -133,13 +134,14 @@ def test_engine_failures_cross_as_the_exceptions_the_in_process_engine_raises():
     def failed(message: str) -> Exception:
         return internal_error(f"the engine failed: {message}")
 
-    for exc, raised in (
-        (ValueError("bad"), ValueError),
-        (TypeError("sampling params must be a dict"), ValueError),  # bad input too
-        (KeyError("x"), APIError),
-        (RuntimeError("boom"), APIError),  # a crash, not a shut-down engine
+    for exc, invalid, raised in (
+        (ValueError("bad"), (ValueError,), ValueError),
+        (TypeError("sampling params must be a dict"), REQUEST_INVALID, ValueError),  # bad input
+        (TypeError("a bug at start-up"), (ValueError,), APIError),  # elsewhere a TypeError is not
+        (KeyError("x"), REQUEST_INVALID, APIError),
+        (RuntimeError("boom"), REQUEST_INVALID, APIError),  # a crash, not a shut-down engine
     ):
-        error = exception_for(error_kind(exc), str(exc), failed)
+        error = exception_for(error_kind(exc, invalid), str(exc), failed)
         assert type(error) is raised, exc
         assert str(exc) in str(error)
     assert isinstance(exception_for("unavailable", "shut down", failed), RuntimeError)
