@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.tensors import to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -143,9 +144,9 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         if sampled:
             dev = logits.device
-            idx = torch.tensor(sampled, device=dev)
+            idx = _to_device(sampled, torch.int64, dev)
             probs = _filtered_probs(logits[idx], [rows[i].params for i in sampled])
-            noise = exponential_noise(torch.tensor(seeds, device=dev), probs.shape[-1])
+            noise = exponential_noise(_to_device(seeds, torch.int64, dev), probs.shape[-1])
             token_ids[idx] = (probs / noise).argmax(dim=-1)
         return token_ids
 
@@ -193,25 +194,21 @@ def _sample_fused(
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device`; to CUDA through pinned memory without a sync."""
-    if device.type != "cuda":
-        return torch.tensor(data, dtype=dtype, device=device)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    """A host list as a tensor on `device`, without waiting for the device's queued work."""
+    return to_device(torch.tensor(data, dtype=dtype), device)
 
 
 def _apply_penalties(logits: torch.Tensor, r: SamplingRow) -> None:
     p = r.params
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(
-            sorted(set(r.input_ids) | set(r.output_ids)), dtype=torch.long, device=logits.device
-        )
+        seen = _to_device(sorted(set(r.input_ids) | set(r.output_ids)), torch.long, logits.device)
         if len(seen):
             vals = logits[seen]
             logits[seen] = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
             )
     if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
-        out = torch.tensor(r.output_ids, dtype=torch.long, device=logits.device)
+        out = _to_device(r.output_ids, torch.long, logits.device)
         counts = torch.bincount(out, minlength=logits.shape[-1])[: logits.shape[-1]].to(
             logits.dtype
         )
@@ -222,10 +219,10 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     """Softmax at each row's temperature, then min-p, top-k and top-p, for all rows at once
     (renormalization is not needed: the exponential race samples in proportion to what is left)."""
     dev, dtype = logits.device, logits.dtype
-    temps = torch.tensor([p.temperature for p in params], dtype=dtype, device=dev).unsqueeze(1)
+    temps = _to_device([p.temperature for p in params], dtype, dev).unsqueeze(1)
     probs = torch.softmax(logits / temps, dim=-1)
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=dtype, device=dev).unsqueeze(1)
+        min_p = _to_device([p.min_p for p in params], dtype, dev).unsqueeze(1)
         probs = torch.where(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0, probs)
     use_top_p = any(p.top_p < 1.0 for p in params)
     if not use_top_p and not any(p.top_k > 0 for p in params):
@@ -236,10 +233,10 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     width = vocab if use_top_p else min(max(ks), vocab)
     vals, order = probs.topk(width, dim=-1)  # sorted, largest first
     rank = torch.arange(width, device=dev)
-    keep = rank < torch.tensor(ks, device=dev).unsqueeze(1)
+    keep = rank < _to_device(ks, torch.int64, dev).unsqueeze(1)
     if use_top_p:
         # the smallest set of top tokens whose mass reaches top_p (of the row's mass after min-p)
-        top_p = torch.tensor([p.top_p for p in params], dtype=dtype, device=dev).unsqueeze(1)
+        top_p = _to_device([p.top_p for p in params], dtype, dev).unsqueeze(1)
         before = vals.cumsum(dim=-1) - vals
         # (rows without top-p keep everything: rounding in the cumulative sum must not cut them)
         keep &= (before < top_p * probs.sum(dim=-1, keepdim=True)) | (top_p >= 1.0)
@@ -252,7 +249,7 @@ def _apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow], which: l
     bitmask = allocate_token_bitmask(len(which), logits.shape[-1])
     for j, i in enumerate(which):
         rows[i].grammar.fill_next_token_bitmask(bitmask, j)
-    idx = torch.tensor(which, device=logits.device)
+    idx = _to_device(which, torch.int64, logits.device)
     masked = logits[idx]
     apply_token_bitmask_(masked, bitmask.to(logits.device, non_blocking=True))
     logits[idx] = masked
