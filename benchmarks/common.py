@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import random
 import subprocess
@@ -47,8 +48,11 @@ SHAPES = {
 
 
 def shape_folder(name: str, tokenizer_folder: Path | None = None) -> Path:
-    """A folder with config.json and a tokenizer (by default the embedded model's): enough for
-    load_format='dummy'."""
+    """A folder with config.json and a tokenizer: enough for load_format='dummy'. The tokenizer
+    comes from `tokenizer_folder`, else the folder named by RADIXLM_BENCH_TOKENIZER, else the
+    embedded default model."""
+    if tokenizer_folder is None and os.environ.get("RADIXLM_BENCH_TOKENIZER"):
+        tokenizer_folder = Path(os.environ["RADIXLM_BENCH_TOKENIZER"])
     if tokenizer_folder is None:
         from radixlm.runtime.config import default_cache_dir
         from radixlm.runtime.model_loader import resolve_model_folder
