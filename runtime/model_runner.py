@@ -16,7 +16,7 @@ import torch
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.sampler import Sampler, SamplingRow, top_logprobs
 from radixlm.runtime.scheduler import ScheduledReq
-from radixlm.runtime.tensors import int64_tensor, to_device
+from radixlm.runtime.tensors import int64_tensor, packed_to_device, to_device
 
 
 @dataclass(slots=True)
@@ -245,15 +245,10 @@ class ModelRunner:
         prefix_lens = [it.start for it in items]
         token_rows = [r for r, n in zip(rows, extend_lens) for _ in range(n)]
         # every index list travels to the device in one copy
-        t, b = len(input_ids), len(items)
-        packed = to_device(
-            int64_tensor(
-                input_ids + positions + token_rows + rows + extend_lens + prefix_lens + logits_rows
-            ),
+        ids_t, pos_t, token_rows_t, req_rows, extend_t, prefix_t, logits_t = packed_to_device(
+            [input_ids, positions, token_rows, rows, extend_lens, prefix_lens, logits_rows],
             self.device,
         )
-        ids_t, pos_t, token_rows_t = packed[: 3 * t].view(3, t)
-        req_rows, extend_t, prefix_t = packed[3 * t : 3 * t + 3 * b].view(3, b)
         if pending:
             flat = [x for pair in pending for x in pair]
             at, pool_rows = to_device(int64_tensor(flat), self.device).view(-1, 2).unbind(1)
@@ -266,7 +261,7 @@ class ModelRunner:
             prefix_lens=prefix_t,
             extend_lens=extend_t,
             seq_lens=prefix_t + extend_t,
-            logits_indices=packed[3 * t + 3 * b :],
+            logits_indices=logits_t,
             extend_lens_cpu=extend_lens,
             prefix_lens_cpu=prefix_lens,
             num_multi=sum(1 for n in extend_lens if n > 1),

@@ -174,14 +174,17 @@ def _sample_fused(
     parameters sent in two non-blocking copies."""
     dev = logits.device
     params = [rows[i].params for i in sampled]
+    # each parameter row starts on a 16-byte boundary (padded to 4 columns), so the kernel is
+    # compiled once, not once per alignment its pointers take as the batch size changes
+    pad = [0] * (-len(sampled) % 4)
     ints = _to_device(
-        [sampled, seeds, [p.top_k for p in params]], torch.int64, dev
-    )  # (3, R): logits row, seed, top-k
+        [sampled + pad, seeds + pad, [p.top_k for p in params] + pad], torch.int64, dev
+    )[:, : len(sampled)]  # (3, R): logits row, seed, top-k
     floats = _to_device(
-        [[getattr(p, f) for p in params] for f in ("temperature", "top_p", "min_p")],
+        [[getattr(p, f) for p in params] + pad for f in ("temperature", "top_p", "min_p")],
         torch.float32,
         dev,
-    )  # (3, R)
+    )[:, : len(sampled)]  # (3, R)
     ids = _sampling_kernels().sample(
         logits, ints[0], ints[1], ints[2], floats[0], floats[1], floats[2],
         bisects=any(p.top_k > 0 or p.top_p < 1.0 for p in params),

@@ -25,3 +25,18 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def packed_to_device(sections: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Several int lists to `device` in one copy, as views of one buffer. Each view starts on a
+    16-byte boundary: Triton compiles a kernel once per alignment of its pointer arguments, so
+    views at odd offsets would compile new variants (seconds each) as batch sizes change."""
+    flat: list[int] = []
+    starts = []
+    for values in sections:
+        starts.append(len(flat))
+        flat += values
+        if len(flat) % 2:
+            flat.append(0)
+    buf = to_device(int64_tensor(flat), device)
+    return [buf[s : s + len(v)] for s, v in zip(starts, sections)]
