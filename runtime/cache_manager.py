@@ -81,22 +81,19 @@ class CacheManager:
         self.rows.write(req.pool_row, req.kv_len, slots)
         req.kv_len += num_tokens
 
-    def extend_many(self, reqs: list[Req], counts: list[int]) -> None:
-        """`extend` for several requests at once (a step's decodes): one allocation and one write
-        into the request table instead of one per request."""
-        slots = self._allocate(sum(counts))
+    def extend_decodes(self, reqs: list[Req]) -> tuple[list[int], list[int]]:
+        """`extend` by one token for each of `reqs` (a step's decodes) with one allocation and one
+        write into the request table; returns their rows and their new lengths."""
+        slots = self._allocate(len(reqs))
         rows: list[int] = []
-        positions: list[int] = []
-        for req, n in zip(reqs, counts):
-            kv_len = req.kv_len
-            if n == 1:
-                rows.append(req.pool_row)
-                positions.append(kv_len)
-            else:
-                rows += [req.pool_row] * n
-                positions += range(kv_len, kv_len + n)
-            req.kv_len = kv_len + n
-        self.rows.write_scattered(rows, positions, slots)
+        seq_lens: list[int] = []
+        for req in reqs:
+            n = req.kv_len + 1
+            req.kv_len = n
+            rows.append(req.pool_row)
+            seq_lens.append(n)
+        self.rows.write_next(rows, seq_lens, slots)
+        return rows, seq_lens
 
     def truncate(self, req: Req, length: int) -> None:
         """Forget the K/V of positions `length..kv_len` of `req` (its own slots, not the cache's)."""

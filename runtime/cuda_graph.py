@@ -3,9 +3,10 @@
 A decode step of a small model is a few hundred short kernels; launched one by one from Python the
 GPU waits on the host between them. Here the whole forward of a decode batch (embedding, every layer,
 the final norm and the LM head) is captured once per bucket batch size and replayed: a batch is
-padded up to the next bucket, its inputs (per request: token, request row, sequence length, and
-whether the token is still only on the device in `token_buf`) go to the device in one copy, and one
-replay computes the logits.
+padded up to the next bucket, its inputs (per request: its row in the request table and its
+sequence length) go to the device in one copy, and one replay computes the logits. Each request's
+input is its newest token, which the previous step sampled into `token_buf`: the graph reads it
+there, so a step can be launched before the previous one's tokens reach the host.
 
 Padding rows have sequence length 0: they write their K/V to the padding slot 0, attend to nothing
 (the decode kernel gives a zero output for an empty sequence) and their logits are ignored. The
@@ -57,11 +58,10 @@ class DecodeGraphs:
         self.buckets = graph_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         n = self.max_batch
-        # rows: input token, request row in req_to_token, sequence length including the new token,
-        # 1 where the input token is to be read from token_buf instead
-        self._inputs = torch.zeros((4, n), dtype=torch.int64, device=self.device)
+        # rows: request row in req_to_token, sequence length including the new token
+        self._inputs = torch.zeros((2, n), dtype=torch.int64, device=self.device)
         # two host buffers used in turn: a step may be launched before the previous one's copy ran
-        self._staging = [torch.zeros(4 * n, dtype=torch.int64) for _ in range(2)]
+        self._staging = [torch.zeros(2 * n, dtype=torch.int64) for _ in range(2)]
         if capture:
             self._staging = [b.pin_memory() for b in self._staging]
         self._flip = 0
@@ -81,19 +81,16 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.max_batch
 
-    def run(
-        self, tokens: list[int], rows: list[int], seq_lens: list[int], on_device: list[bool]
-    ) -> torch.Tensor:
-        """Logits (len(tokens), vocab) in float32 of one decode step. The returned tensor is a view
-        of the graph's output buffer: read it before the next call."""
-        bs = len(tokens)
+    def run(self, rows: list[int], seq_lens: list[int]) -> torch.Tensor:
+        """Logits (len(rows), vocab) in float32 of one decode step: request row `rows[i]` computes
+        its newest token, at position `seq_lens[i] - 1`, reading it from `token_buf`. The returned
+        tensor is a view of the graph's output buffer: read it before the next call."""
+        bs = len(rows)
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
         pad = [0] * (bucket - bs)
-        staging = self._staging[self._flip][: 4 * bucket].view(4, bucket)
+        staging = self._staging[self._flip][: 2 * bucket].view(2, bucket)
         self._flip ^= 1
-        staging.view(-1).copy_(
-            int64_tensor(tokens + pad + rows + pad + seq_lens + pad + on_device + pad)
-        )
+        staging.view(-1).copy_(int64_tensor(rows + pad + seq_lens + pad))
         self._inputs[:, :bucket].copy_(staging, non_blocking=True)
         graph = self._graphs.get(bucket)
         if graph is None:  # not captured
@@ -103,13 +100,13 @@ class DecodeGraphs:
 
     def rows_on_device(self, bs: int) -> torch.Tensor:
         """The request rows of the last `run` of `bs` requests, on the device."""
-        return self._inputs[1, :bs]
+        return self._inputs[0, :bs]
 
     # ---- capture --------------------------------------------------------------------------
 
     def _forward(self, bs: int) -> torch.Tensor:
-        tokens, rows, seq_lens, on_device = self._inputs[:, :bs]
-        tokens = torch.where(on_device.bool(), self.token_buf[rows], tokens)
+        rows, seq_lens = self._inputs[:, :bs]
+        tokens = self.token_buf[rows]
         positions = (seq_lens - 1).clamp(min=0)
         slots = self.req_to_token[rows, positions].long()
         batch = ForwardBatch(

@@ -121,7 +121,7 @@ class Engine:
             return self._stream_sync(reqs[0])
         done: queue.Queue[dict[str, Any]] = queue.Queue()
         for req in reqs:
-            self._core.submit(req, _final_only(lambda out: done.put(out)))
+            self._core.submit(req, _final_only(lambda out: done.put(out)), progress=False)
         outs = {}
         for _ in reqs:
             out = done.get()
@@ -152,7 +152,7 @@ class Engine:
         futures = []
         for req in reqs:
             fut = loop.create_future()
-            self._core.submit(req, _final_only(_resolver(loop, fut)))
+            self._core.submit(req, _final_only(_resolver(loop, fut)), progress=False)
             futures.append(fut)
         results = list(await asyncio.gather(*futures))
         return results[0] if single and len(results) == 1 else results

@@ -105,6 +105,7 @@ class EngineCore:
         self.overlap = not config.disable_overlap_schedule
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
+        self._progress: dict[str, Sink] = {}  # the sinks that also want every step's progress
         self._reqs: dict[str, Req] = {}
         self._stop = threading.Event()
         self.num_steps = 0
@@ -112,15 +113,18 @@ class EngineCore:
         self.num_jump_forward_tokens = 0
         self.num_overlapped_steps = 0  # steps launched before the previous one was applied
         self._num_lockstep = 0  # unfinished requests whose steps need the previous step's tokens
+        self._num_not_greedy = 0  # unfinished requests that are not plain greedy
         self._thread = threading.Thread(target=self._loop, name="radixlm-core", daemon=True)
         self._thread.start()
 
     # ---- client side (any thread) ---------------------------------------------------------
 
-    def submit(self, req: Req, sink: Sink) -> None:
+    def submit(self, req: Req, sink: Sink, progress: bool = True) -> None:
+        """Queue `req`; `sink(req, finished)` is called on the core thread when it finishes and,
+        with `progress`, after every step that gives it tokens too."""
         if self._stop.is_set():
             raise RuntimeError("the engine is shut down")
-        self._inbox.put(("add", (req, sink)))
+        self._inbox.put(("add", (req, sink, progress)))
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
@@ -163,12 +167,14 @@ class EngineCore:
                     inflight = None
                 continue
             try:
-                handle = self.runner.launch(plan)
+                handle = self.runner.launch(plan, greedy_only=not self._num_not_greedy)
             except Exception as e:  # a failed step fails its requests, never the engine
                 self._fail_step(plan, e)
                 continue
             self.num_steps += 1
-            for item in plan:
+            for req in plan.decodes:
+                req.num_pending += 1
+            for item in plan.items:
                 item.req.num_pending += item.samples
                 if item.start < len(item.req.input_ids):
                     # share the prompt before it finishes: later steps, queued behind this one,
@@ -196,12 +202,23 @@ class EngineCore:
         except Exception as e:
             self._fail_step(plan, e)
             return
-        extras = results.extras
-        for i, (item, token) in enumerate(zip(plan, results.tokens)):
+        tokens, extras = results.tokens, results.extras
+        apply = self._apply
+        if extras:
+            for i, req in enumerate(plan.decodes):
+                if req.num_pending:
+                    req.num_pending -= 1
+                apply(req, tokens[i], extras.get(i))
+        else:
+            for req, token in zip(plan.decodes, tokens):
+                if req.num_pending:
+                    req.num_pending -= 1
+                apply(req, token, None)
+        for i, item in enumerate(plan.items, len(plan.decodes)):
             req = item.req
             if item.samples and req.num_pending:
                 req.num_pending -= 1
-            self._apply(req, token, extras.get(i) if extras else None)
+            apply(req, tokens[i], extras.get(i) if extras else None)
 
     def _fail_step(self, plan, e: Exception) -> None:
         logger.error("step failed: %s\n%s", e, traceback.format_exc())
@@ -218,10 +235,16 @@ class EngineCore:
         while True:
             kind, payload = msg
             if kind == "add":
-                req, sink = payload
+                req, sink, progress = payload
                 self._reqs[req.rid] = req
                 self._sinks[req.rid] = sink
+                if progress:
+                    self._progress[req.rid] = sink
+                req.max_output_len = min(
+                    req.params.max_new_tokens, self.context_len - len(req.input_ids)
+                )
                 self._num_lockstep += req.needs_lockstep
+                self._num_not_greedy += not req.plain_greedy
                 self.scheduler.add(req)
             elif kind == "abort":
                 req = self._reqs.get(payload)
@@ -249,14 +272,13 @@ class EngineCore:
             req.input_top_logprobs.extend(extra.input_top_logprobs)
         if token is None:
             return
-        p = req.params
-        if p.max_new_tokens == 0:  # prompt scoring only
-            req.finish({"type": "length", "length": 0})
-            self._finish(req)
-            return
-        if req.first_token_time is None:
-            req.first_token_time = time.perf_counter()
         output_ids = req.output_ids
+        if not output_ids:
+            if req.params.max_new_tokens == 0:  # prompt scoring only
+                req.finish({"type": "length", "length": 0})
+                self._finish(req)
+                return
+            req.first_token_time = time.perf_counter()
         output_ids.append(token)
         self.num_generated_tokens += 1
         if req.logprob.return_logprob:
@@ -267,25 +289,21 @@ class EngineCore:
         if grammar is not None and not grammar.accept_token(token):
             self._fail(req, f"internal error: the grammar refused the sampled token {token}")
             return
-        # finished? (a grammar that accepted EOS is complete, whatever ignore_eos says)
-        if token in p.stop_token_ids or (
-            (not p.ignore_eos or grammar is not None) and token in req.eos_token_ids
-        ):
+        if token in req.finish_token_ids:
             req.finish({"type": "stop", "matched": token})
         else:
-            req.detokenizer.add_one(token)
-            if (
-                req.detokenizer.matched_stop is not None
-                or len(output_ids) >= p.max_new_tokens
-                or len(req.input_ids) + len(output_ids) >= self.context_len
-            ):
+            detokenizer = req.detokenizer
+            detokenizer.add_one(token)
+            if detokenizer.matched_stop is not None or len(output_ids) >= req.max_output_len:
                 self._check_stop_or_length(req)
             elif grammar is not None and self.config.enable_jump_forward:
                 self._jump_forward(req)
         if req.status is ReqStatus.FINISHED:
             self._finish(req)
         else:
-            self._sinks[req.rid](req, False)
+            sink = self._progress.get(req.rid)
+            if sink is not None:
+                sink(req, False)
 
     def _check_stop_or_length(self, req: Req) -> None:
         p = req.params
@@ -339,6 +357,8 @@ class EngineCore:
             req.grammar_validation = grammar.validate_output(req.detokenizer.text)
         if self._reqs.pop(req.rid, None) is not None:
             self._num_lockstep -= req.needs_lockstep
+            self._num_not_greedy -= not req.plain_greedy
+        self._progress.pop(req.rid, None)
         sink = self._sinks.pop(req.rid, None)
         if sink is not None:
             sink(req, True)

@@ -122,9 +122,10 @@ class ReqToTokenPool:
         if self.host is not self.table:
             self.table[row, start : start + len(slots)] = to_device(slots, self.table.device)
 
-    def write_scattered(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
-        """table[rows[i], positions[i]] = slots[i] for all i, in one indexed write."""
-        index = int64_tensor(rows + positions).view(2, -1)
+    def write_next(self, rows: list[int], seq_lens: list[int], slots: torch.Tensor) -> None:
+        """table[rows[i], seq_lens[i] - 1] = slots[i] for all i, in one indexed write."""
+        index = int64_tensor(rows + seq_lens).view(2, -1)
+        index[1] -= 1
         slots = slots.to(torch.int32)
         self.host[index[0], index[1]] = slots
         if self.host is not self.table:

@@ -15,7 +15,7 @@ import torch
 
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.sampler import Sampler, SamplingRow, top_logprobs
-from radixlm.runtime.scheduler import ScheduledReq
+from radixlm.runtime.scheduler import ScheduledReq, StepPlan
 from radixlm.runtime.tensors import int64_tensor, packed_to_device, to_device
 
 
@@ -93,41 +93,42 @@ class ModelRunner:
         buf = torch.zeros(self.token_buf.shape[0], dtype=torch.int64)
         return buf.pin_memory() if self.device.type == "cuda" else buf
 
-    def launch(self, plan: list[ScheduledReq]) -> StepHandle:
+    def launch(self, plan: StepPlan, greedy_only: bool = False) -> StepHandle:
         """Queue one step on the device. Sampling without log-probabilities does not wait for
-        the device; anything else is finished here (the handle is then `ready`)."""
+        the device; anything else is finished here (the handle is then `ready`). `greedy_only`
+        says every request is plain greedy, so none need be checked."""
         input_lp_rows: dict[int, list[tuple[int, int]]] = {}
-        if self._graphable(plan):  # single-token decodes: one logits row per item, plan order
-            items, order = plan, None
-            logits = self._run_graph(items)
+        order: list[int] | None = None
+        items: list[ScheduledReq] = []
+        if self._graphable(plan):  # decodes only: one logits row each, in plan order
+            reqs = plan.decodes
+            row_logits = self.graphs.run(plan.rows, plan.seq_lens)
             self.num_graph_steps += 1
-            which = [i for i, it in enumerate(items) if it.samples]
-            logit_rows = which
+            pool_rows = self.graphs.rows_on_device(len(reqs))
+            at = None  # the sampled rows are the plan's, in order
         else:  # multi-token items first
-            order = sorted(range(len(plan)), key=lambda i: plan[i].num_tokens == 1)
-            items = [plan[i] for i in order]
+            plan_items = list(plan)
+            order = sorted(range(len(plan_items)), key=lambda i: plan_items[i].num_tokens == 1)
+            items = [plan_items[i] for i in order]
             batch, which, logit_rows, input_lp_rows = self._build_batch(items)
             logits = self.model(batch, self.backend)  # (L, V)
-
-        row_logits = logits
-        if len(logit_rows) != logits.shape[0] or logit_rows != list(range(len(logit_rows))):
-            row_logits = logits[to_device(int64_tensor(logit_rows), logits.device)]
+            row_logits = logits
+            if len(logit_rows) != logits.shape[0] or logit_rows != list(range(len(logit_rows))):
+                row_logits = logits[to_device(int64_tensor(logit_rows), logits.device)]
+            reqs = [items[i].req for i in which]
+            pool_rows = None
+            at = [order[i] for i in which]  # plan index of each sampled row
         rows: list[SamplingRow] = []
         tokens = None
-        if which:
-            reqs = [items[i].req for i in which]
-            if all(r.plain_greedy for r in reqs):  # no sampling rows to build
+        if reqs:
+            if greedy_only or all(r.plain_greedy for r in reqs):  # no sampling rows to build
                 tokens = row_logits.argmax(dim=-1)
             else:
                 rows = [_sampling_row(r) for r in reqs]
                 tokens = self.sampler.sample_ids(row_logits, rows)
-            if order is None and len(which) == len(items):
-                pool_rows = self.graphs.rows_on_device(len(items))
-            else:
+            if pool_rows is None:
                 pool_rows = to_device(int64_tensor([r.pool_row for r in reqs]), self.device)
             self.token_buf[pool_rows] = tokens
-        # plan index of each sampled item
-        at = which if order is None else [order[i] for i in which]
 
         def finish(host: torch.Tensor | None = None) -> StepResults:
             out: list[int | None]
@@ -135,8 +136,8 @@ class ModelRunner:
             if tokens is None:
                 out = [None] * len(plan)
             else:
-                ids = host[: len(which)].tolist() if host is not None else tokens.tolist()
-                if len(ids) == len(plan) and order is None:
+                ids = host[: len(reqs)].tolist() if host is not None else tokens.tolist()
+                if at is None:
                     out = ids
                 else:
                     out = [None] * len(plan)
@@ -145,7 +146,7 @@ class ModelRunner:
                 if any(r.want_logprob for r in rows):
                     for j, (lp, top) in enumerate(self.sampler.logprobs(row_logits, rows, ids)):
                         if rows[j].want_logprob:
-                            extras[at[j]] = ReqStepResult(lp, top)
+                            extras[j if at is None else at[j]] = ReqStepResult(lp, top)
             for i, entries in input_lp_rows.items():
                 result = extras.setdefault(order[i], ReqStepResult())
                 self._input_logprobs(logits, items[i], entries, result)
@@ -153,7 +154,7 @@ class ModelRunner:
 
         if tokens is None or input_lp_rows or any(r.want_logprob for r in rows):
             return StepHandle.done(finish())
-        host = self._host_tokens[self._flip][: len(which)]
+        host = self._host_tokens[self._flip][: len(reqs)]
         self._flip ^= 1
         host.copy_(tokens, non_blocking=True)
         event = None
@@ -173,31 +174,11 @@ class ModelRunner:
         """Whether this item's last input token is still on the device only."""
         return it.start + it.num_tokens > it.req.num_tokens
 
-    def _run_graph(self, items: list[ScheduledReq]) -> torch.Tensor:
-        tokens, rows, seq_lens, on_device = [], [], [], []
-        for it in items:
-            req, pos = it.req, it.start
-            prompt = req.input_ids
-            pending = self._pending_input(it)  # then read from token_buf on the device
-            if pending:
-                tokens.append(0)
-            elif pos < len(prompt):
-                tokens.append(prompt[pos])
-            else:
-                tokens.append(req.output_ids[pos - len(prompt)])
-            on_device.append(pending)
-            rows.append(req.pool_row)
-            seq_lens.append(pos + 1)
-        return self.graphs.run(tokens, rows, seq_lens, on_device)
-
-    def _graphable(self, plan: list[ScheduledReq]) -> bool:
-        """A step of single-token decodes only, small enough for a captured graph."""
-        return (
-            self.graphs is not None
-            and self.graphs.can_run(len(plan))
-            and all(it.num_tokens == 1 for it in plan)
-            and not any(it.req.wants_input_logprobs for it in plan)
-        )
+    def _graphable(self, plan: StepPlan) -> bool:
+        """A step of single-token decodes only, small enough for a captured graph. (Their input
+        is each request's newest token, which was sampled into token_buf: the graph reads it
+        there, whether or not it has reached the host.)"""
+        return self.graphs is not None and not plan.items and self.graphs.can_run(len(plan))
 
     # ---- batch ----------------------------------------------------------------------------
 

@@ -52,6 +52,9 @@ class Req:
     # output tokens sampled on the device but not applied yet (overlapped scheduling): the next
     # step may already compute them, reading them from the device
     num_pending: int = 0
+    # the most output tokens it may have: max_new_tokens, or fewer where the context ends (set by
+    # the engine core when it takes the request)
+    max_output_len: int = 0
 
     # log-probabilities gathered so far: (logprob, token_id) and top lists
     input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
@@ -84,6 +87,15 @@ class Req:
             and not self.logprob.return_logprob
             and not p.has_penalties
         )
+
+    @functools.cached_property
+    def finish_token_ids(self) -> frozenset[int]:
+        """Tokens that end the output: the stop tokens, and EOS unless ignored (a grammar that
+        accepted EOS is complete, whatever ignore_eos says)."""
+        p = self.params
+        if p.ignore_eos and self.grammar is None:
+            return frozenset(p.stop_token_ids)
+        return frozenset(p.stop_token_ids) | self.eos_token_ids
 
     @functools.cached_property
     def needs_lockstep(self) -> bool:

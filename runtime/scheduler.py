@@ -36,6 +36,32 @@ class ScheduledReq:
         return f"ScheduledReq({self.req.rid!r}, start={self.start}, num_tokens={self.num_tokens})"
 
 
+class StepPlan:
+    """One step's work. The requests that decode one token, nearly all of a busy step, are kept
+    as parallel lists (no object per request per step); anything else (prompt chunks, a decode
+    of several tokens after jump-forward) is a ScheduledReq in `items`. Results come in the order
+    decodes, then items, which is also the order iterating a plan gives (as ScheduledReq)."""
+
+    __slots__ = ("decodes", "rows", "seq_lens", "items")
+
+    def __init__(self) -> None:
+        self.decodes: list[Req] = []  # each computes its newest token and samples the next
+        self.rows: list[int] = []  # request-table row of each decode
+        self.seq_lens: list[int] = []  # its length including the token computed
+        self.items: list[ScheduledReq] = []
+
+    def __len__(self) -> int:
+        return len(self.decodes) + len(self.items)
+
+    def __iter__(self):
+        for req, seq_len in zip(self.decodes, self.seq_lens):
+            yield ScheduledReq(req, seq_len - 1, 1, True)
+        yield from self.items
+
+    def __repr__(self) -> str:
+        return f"StepPlan({len(self.decodes)} decodes, items={self.items!r})"
+
+
 class Scheduler:
     def __init__(
         self,
@@ -74,22 +100,22 @@ class Scheduler:
 
     # ---- planning -------------------------------------------------------------------------
 
-    def schedule(self) -> list[ScheduledReq]:
+    def schedule(self) -> StepPlan:
         """Plan the next step; reserves the KV slots it needs. Empty when there is nothing to run."""
-        plan = self._schedule_decodes()
+        plan = StepPlan()
+        prefilling = self._schedule_decodes(plan)
         budget = self.chunk_budget
         # prompts already partly computed continue first
-        for req in self.running:
+        for req in prefilling:
             if budget <= 0:
                 break
-            if not req.prefill_done:
-                item = self._extend(req, min(budget, req.num_tokens - req.kv_len))
-                if item is None:
-                    break
-                plan.append(item)
-                budget -= item.num_tokens
+            item = self._extend(req, min(budget, req.num_tokens - req.kv_len))
+            if item is None:
+                break
+            plan.items.append(item)
+            budget -= item.num_tokens
         if budget > 0 and self.waiting and self._admission_due():
-            plan.extend(self._admit_waiting(budget))
+            plan.items.extend(self._admit_waiting(budget))
         if not plan and self.running and not any(r.num_pending for r in self.running):
             # nothing fits: free memory by preempting, then plan again (progress is guaranteed
             # because a lone request always fits; with tokens pending, applying them comes first)
@@ -112,32 +138,42 @@ class Scheduler:
         self._deferred += 1
         return False
 
-    def _schedule_decodes(self) -> list[ScheduledReq]:
-        # a decoding request computes its newest token, or several when jump-forward appended text
-        # (not one whose pending token already ends it: it finishes when that token is applied)
+    def _schedule_decodes(self, plan: StepPlan) -> list[Req]:
+        """Put the decoding requests into `plan`; return those still in prefill (in order).
+
+        A decoding request computes its newest token, or several when jump-forward appended text;
+        not one whose pending token already ends it (it finishes when that token is applied)."""
         decoding: list[Req] = []
         counts: list[int] = []
+        prefilling: list[Req] = []
         for r in self.running:
             prompt_len, kv_len, pending = len(r.input_ids), r.kv_len, r.num_pending
+            if kv_len < prompt_len:
+                prefilling.append(r)
+                continue
             num_out = len(r.output_ids)
             n = prompt_len + num_out + pending - kv_len  # r.sched_len - r.kv_len
-            if kv_len < prompt_len or n <= 0:
-                continue  # still in prefill, or nothing new
-            if pending and num_out + pending >= r.params.max_new_tokens:
-                continue
+            if n <= 0 or (pending and num_out + pending >= r.params.max_new_tokens):
+                continue  # nothing new, or finishing
             decoding.append(r)
             counts.append(n)
         if not decoding:
-            return []
+            return prefilling
         total = sum(counts)
         while decoding and not self.cache.can_extend(total):
             self._preempt(decoding.pop())  # the newest
             total -= counts.pop()
-        # each ends at its newest token: every one samples
-        plan = [ScheduledReq(r, r.kv_len, n, True) for r, n in zip(decoding, counts)]
-        if plan:
-            self.cache.extend_many(decoding, counts)
-        return plan
+        if total != len(decoding):  # some decode several tokens: they go as items
+            for r, n in zip(decoding, counts):
+                if n > 1:
+                    start = r.kv_len
+                    self.cache.extend(r, n)
+                    plan.items.append(ScheduledReq(r, start, n, True))
+            decoding = [r for r, n in zip(decoding, counts) if n == 1]
+        if decoding:
+            plan.decodes = decoding
+            plan.rows, plan.seq_lens = self.cache.extend_decodes(decoding)
+        return prefilling
 
     def _extend(self, req: Req, n: int) -> ScheduledReq | None:
         if n <= 0 or not self.cache.can_extend(n):
