@@ -17,7 +17,7 @@ import time
 import torch
 
 import radixlm
-from benchmarks.common import commit, device_line
+from benchmarks.common import commit, device_line, shape_folder
 from radixlm.runtime.cuda_graph import DecodeGraphs
 
 
@@ -31,8 +31,9 @@ def main() -> None:
     args = ap.parse_args()
     n = args.requests
     eng = radixlm.Engine(
-        disable_radix_cache=True, max_running_requests=n, max_total_tokens=n * 420, device="cpu"
-    )
+        str(shape_folder("smollm2-135m")), load_format="dummy", disable_radix_cache=True,
+        max_running_requests=n, max_total_tokens=n * 420, device="cpu",
+    )  # fmt: skip
     runner = eng._core.runner
     logits = torch.randn(n, 1000)
     runner.model = lambda batch, backend: logits[: len(batch.logits_indices)]

@@ -130,7 +130,7 @@ def gpu_workload(args) -> None:
 
     with radixlm.Engine(
         str(folder), load_format="dummy", disable_radix_cache=True,
-        max_running_requests=args.max_running, cuda_graph_max_bs=min(args.max_running, 512),
+        max_running_requests=args.max_running, cuda_graph_max_bs=args.max_running,
     ) as eng:  # fmt: skip
         eng.generate(input_ids=prompts[:64], sampling_params=params[:64])  # warm-up
         t = time.perf_counter()

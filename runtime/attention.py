@@ -24,6 +24,7 @@ _CPU_PIECE_BYTES = 8 << 20
 
 class TorchAttentionBackend:
     rotates_qk = False  # takes q and k rotated already (the model applies rope)
+    pads_tokens = False  # prefill batches come unpadded (ForwardBatch.padding is 0)
 
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
         self.kv_pool = kv_pool
@@ -109,6 +110,8 @@ class TritonAttentionBackend:
     first use (for a CUDA graph, in its warm-up before capture) and reused afterwards.
     """
 
+    pads_tokens = True  # prefill batches may carry padding rows (ForwardBatch.padding)
+
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, num_q_heads: int) -> None:
         from radixlm.kernels import fused
         from radixlm.kernels import triton_attention as ta
@@ -155,9 +158,12 @@ class TritonAttentionBackend:
                 scratch=self._decode_scratch(batch.batch_size),
             )  # fmt: skip
         # one launch for the whole ragged batch; single-token requests are extends of length 1
+        out = torch.empty_like(q)
+        if batch.padding:  # rows no request writes: zeros, not whatever the memory held (a NaN
+            out[-batch.padding :].zero_()  # there would reach the padding slot's K/V)
         return ta.extend_attention(
             q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.prefix_lens,
-            batch.extend_lens, sm_scale, max_extend_len=max(batch.extend_lens_cpu),
+            batch.extend_lens, sm_scale, max_extend_len=max(batch.extend_lens_cpu), out=out,
         )  # fmt: skip
 
 

@@ -27,6 +27,9 @@ class ForwardBatch:
     extend_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
     num_multi: int
+    # trailing token rows of no request (shapes padded to few sizes): position 0, K/V written to
+    # the padding slot 0, never in logits_indices
+    padding: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -34,6 +37,7 @@ class ForwardBatch:
 
     @property
     def num_tokens(self) -> int:
+        """Token rows, padding included."""
         return int(self.input_ids.shape[0])
 
     @property

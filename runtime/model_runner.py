@@ -112,8 +112,9 @@ class ModelRunner:
             items = [plan_items[i] for i in order]
             batch, which, logit_rows, input_lp_rows = self._build_batch(items)
             logits = self.model(batch, self.backend)  # (L, V)
-            row_logits = logits
-            if len(logit_rows) != logits.shape[0] or logit_rows != list(range(len(logit_rows))):
+            if logit_rows == list(range(len(logit_rows))):
+                row_logits = logits[: len(logit_rows)]  # (logits may have padding rows after)
+            else:
                 row_logits = logits[to_device(int64_tensor(logit_rows), logits.device)]
             reqs = [items[i].req for i in which]
             pool_rows = None
@@ -185,6 +186,7 @@ class ModelRunner:
     def _build_batch(self, items: list[ScheduledReq]):
         input_ids: list[int] = []
         positions: list[int] = []
+        token_rows: list[int] = []  # the request row of each token
         rows: list[int] = []
         logits_rows: list[int] = []
         which: list[int] = []  # items that sample
@@ -203,6 +205,7 @@ class ModelRunner:
                 pending.append((len(input_ids), req.pool_row))
                 input_ids.append(0)
             positions.extend(range(it.start, it.start + it.num_tokens))
+            token_rows += [req.pool_row] * it.num_tokens
             rows.append(req.pool_row)
             if req.wants_input_logprobs:
                 entries = self._input_logprob_positions(it)
@@ -224,7 +227,18 @@ class ModelRunner:
 
         extend_lens = [it.num_tokens for it in items]
         prefix_lens = [it.start for it in items]
-        token_rows = [r for r, n in zip(rows, extend_lens) for _ in range(n)]
+        num_multi = sum(1 for n in extend_lens if n > 1)
+        padding = 0
+        if num_multi and self.backend.pads_tokens:
+            # cuBLAS chooses a kernel for each new matmul shape (~0.25 ms of host time a call, the
+            # first time); as prompt chunks and decodes mix, nearly every step would be a new
+            # shape. Padded to a few sizes, they are soon all known. The padding rows are tokens of
+            # no request: position 0, K/V written to the padding slot 0, logits never taken.
+            padding = _padded(len(input_ids)) - len(input_ids)
+            input_ids += [0] * padding
+            positions += [0] * padding
+            token_rows += [0] * padding
+            logits_rows += [0] * (_padded(len(logits_rows)) - len(logits_rows))
         # every index list travels to the device in one copy
         ids_t, pos_t, token_rows_t, req_rows, extend_t, prefix_t, logits_t = packed_to_device(
             [input_ids, positions, token_rows, rows, extend_lens, prefix_lens, logits_rows],
@@ -234,10 +248,13 @@ class ModelRunner:
             flat = [x for pair in pending for x in pair]
             at, pool_rows = to_device(int64_tensor(flat), self.device).view(-1, 2).unbind(1)
             ids_t[at] = self.token_buf[pool_rows]
+        out_cache_loc = self.req_to_token[token_rows_t, pos_t].long()
+        if padding:
+            out_cache_loc[-padding:] = 0
         batch = ForwardBatch(
             input_ids=ids_t,
             positions=pos_t,
-            out_cache_loc=self.req_to_token[token_rows_t, pos_t].long(),
+            out_cache_loc=out_cache_loc,
             req_pool_indices=req_rows,
             prefix_lens=prefix_t,
             extend_lens=extend_t,
@@ -245,7 +262,8 @@ class ModelRunner:
             logits_indices=logits_t,
             extend_lens_cpu=extend_lens,
             prefix_lens_cpu=prefix_lens,
-            num_multi=sum(1 for n in extend_lens if n > 1),
+            num_multi=num_multi,
+            padding=padding,
         )
         return batch, which, sample_logit_rows, input_lp_rows
 
@@ -297,3 +315,10 @@ def _sampling_row(req) -> SamplingRow:
         top_logprobs_num=req.logprob.top_logprobs_num if req.logprob.return_logprob else 0,
         grammar=req.grammar,
     )
+
+
+def _padded(n: int) -> int:
+    """`n` rounded up to a step of 1/16 of the next power of two (at least 16, at most 256): at
+    most a few percent more rows, and few distinct sizes."""
+    step = min(256, max(16, (1 << max(n - 1, 0).bit_length()) // 16))
+    return -(-n // step) * step

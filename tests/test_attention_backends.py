@@ -63,3 +63,45 @@ def test_padded_decode_graph_path_matches_eager(tiny_model_folder):
         lps_a = [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]]
         lps_b = [lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]]
         assert max(abs(x - y) for x, y in zip(lps_a, lps_b)) < 1e-4
+
+
+def test_padded_prefill_rows_leave_outputs_and_the_padding_slot_alone(
+    tiny_model_folder, monkeypatch
+):
+    """Prefill batches on the Triton backend are padded to a few sizes (runtime/model_runner.py
+    `_padded`); the padding rows must not change any request's tokens, and must leave the padding
+    slot's K/V finite even when fresh buffers hold NaN (as uninitialized memory may)."""
+    import torch
+
+    from radixlm.runtime.model_runner import _padded
+
+    assert [_padded(n) for n in (1, 16, 17, 100, 1000, 1025, 8193)] == [
+        16, 16, 32, 112, 1024, 1152, 8448,
+    ]  # fmt: skip
+    prompts = [list(range(300, 300 + n)) for n in (5, 19, 41)]  # 65 tokens: 15 rows of padding
+    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    with radixlm.Engine(tiny_model_folder, attention_backend="torch") as eng:
+        want = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(
+        torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan"))
+        if (kw.get("dtype") or t.dtype).is_floating_point else real_empty_like(t, **kw)
+    )  # fmt: skip
+    with radixlm.Engine(tiny_model_folder, attention_backend="triton") as eng:
+        paddings = []
+        build = eng._core.runner._build_batch
+        eng._core.runner._build_batch = lambda items: (
+            lambda out: paddings.append(out[0].padding) or out
+        )(build(items))
+        got = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        pool = eng._core.kv_pool
+        assert all(torch.isfinite(k[0]).all() and torch.isfinite(v[0]).all()
+                   for k, v in zip(pool.k, pool.v))  # fmt: skip
+    assert any(paddings), paddings
+    for a, b in zip(want, got):
+        assert a["output_ids"] == b["output_ids"]
+        for (lp_a, _, _), (lp_b, _, _) in zip(
+            a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        ):
+            assert abs(lp_a - lp_b) < 1e-4
