@@ -81,9 +81,10 @@ class CacheManager:
         self.rows.write(req.pool_row, req.kv_len, slots)
         req.kv_len += num_tokens
 
-    def extend_decodes(self, reqs: list[Req]) -> tuple[list[int], list[int]]:
+    def extend_decodes(self, reqs: list[Req]) -> tuple[list[int], list[int], torch.Tensor]:
         """`extend` by one token for each of `reqs` (a step's decodes) with one allocation and one
-        write into the request table; returns their rows and their new lengths."""
+        write into the request table's host copy; returns their rows, their new lengths and the
+        new tokens' slots. The step that computes them writes the slots into the device table."""
         slots = self._allocate(len(reqs))
         rows: list[int] = []
         seq_lens: list[int] = []
@@ -92,8 +93,8 @@ class CacheManager:
             req.kv_len = n
             rows.append(req.pool_row)
             seq_lens.append(n)
-        self.rows.write_next(rows, seq_lens, slots)
-        return rows, seq_lens
+        self.rows.write_next_host(rows, seq_lens, slots)
+        return rows, seq_lens, slots
 
     def truncate(self, req: Req, length: int) -> None:
         """Forget the K/V of positions `length..kv_len` of `req` (its own slots, not the cache's)."""

@@ -3,14 +3,16 @@
 A decode step of a small model is a few hundred short kernels; launched one by one from Python the
 GPU waits on the host between them. Here the whole forward of a decode batch (embedding, every layer,
 the final norm and the LM head) is captured once per bucket batch size and replayed: a batch is
-padded up to the next bucket, its inputs (per request: its row in the request table and its
-sequence length) go to the device in one copy, and one replay computes the logits. Each request's
+padded up to the next bucket, its inputs (per request: its row in the request table, its
+sequence length and the KV slot of its new token) go to the device in one copy, and one replay
+writes the slots into the request table, computes the logits and their argmax. Each request's
 input is its newest token, which the previous step sampled into `token_buf`: the graph reads it
-there, so a step can be launched before the previous one's tokens reach the host.
+there, so a step can be launched before the previous one's tokens reach the host; the argmax goes
+back into `token_buf` (a sampled step overwrites it afterwards).
 
-Padding rows have sequence length 0: they write their K/V to the padding slot 0, attend to nothing
-(the decode kernel gives a zero output for an empty sequence) and their logits are ignored. The
-positions and KV slots of the real rows are derived inside the graph from the `req_to_token` table.
+Padding rows point at the request table's padding row, which no request owns, with sequence length
+0 and slot 0: they write their K/V to the padding slot, attend to nothing (the decode kernel gives
+a zero output for an empty sequence), and their logits and tokens are ignored.
 """
 
 from __future__ import annotations
@@ -47,28 +49,32 @@ class DecodeGraphs:
         token_buf: torch.Tensor,
         max_batch: int,
         capture: bool = True,
+        padding_row: int | None = None,
     ) -> None:
         """With capture=False (a CPU test of the padding logic) each call runs the padded forward
-        eagerly instead of replaying a graph."""
+        eagerly instead of replaying a graph. `padding_row` (by default the table's last row, which
+        ReqToTokenPool never hands out) is where padding rows point."""
         self.model = model
         self.backend = backend
         self.req_to_token = req_to_token
         self.token_buf = token_buf  # the newest sampled token of each request row
+        self.padding_row = req_to_token.shape[0] - 1 if padding_row is None else padding_row
         self.device = req_to_token.device
         self.buckets = graph_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         n = self.max_batch
-        # rows: request row in req_to_token, sequence length including the new token
-        self._inputs = torch.zeros((2, n), dtype=torch.int64, device=self.device)
+        # rows: request row in req_to_token, sequence length including the new token, its KV slot
+        self._inputs = torch.zeros((3, n), dtype=torch.int64, device=self.device)
+        self._inputs[0] = self.padding_row
         # two host buffers used in turn: a step may be launched before the previous one's copy ran
-        self._staging = [torch.zeros(2 * n, dtype=torch.int64) for _ in range(2)]
+        self._staging = [torch.zeros(3 * n, dtype=torch.int64) for _ in range(2)]
         if capture:
             self._staging = [b.pin_memory() for b in self._staging]
         self._flip = 0
         self._arange = torch.arange(n, dtype=torch.int64, device=self.device)
         self._ones = torch.ones(n, dtype=torch.int64, device=self.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (logits, argmax)
         if not capture:
             return
         t0 = time.perf_counter()
@@ -81,22 +87,31 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.max_batch
 
-    def run(self, rows: list[int], seq_lens: list[int]) -> torch.Tensor:
-        """Logits (len(rows), vocab) in float32 of one decode step: request row `rows[i]` computes
-        its newest token, at position `seq_lens[i] - 1`, reading it from `token_buf`. The returned
-        tensor is a view of the graph's output buffer: read it before the next call."""
+    def run(
+        self, rows: list[int], seq_lens: list[int], slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step: request row `rows[i]` computes its newest token (read from
+        `token_buf`) at position `seq_lens[i] - 1` into KV slot `slots[i]` (CPU int64). Returns
+        the logits (len(rows), vocab) in float32 and their argmax, which is also left in
+        `token_buf`: views of the graph's output buffers, to be read before the next call."""
         bs = len(rows)
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
-        pad = [0] * (bucket - bs)
-        staging = self._staging[self._flip][: 2 * bucket].view(2, bucket)
+        pad = bucket - bs
+        staging = self._staging[self._flip][: 3 * bucket].view(3, bucket)
         self._flip ^= 1
-        staging.view(-1).copy_(int64_tensor(rows + pad + seq_lens + pad))
+        staging[:2].view(-1).copy_(
+            int64_tensor(rows + [self.padding_row] * pad + seq_lens + [0] * pad)
+        )
+        staging[2, :bs] = slots
+        staging[2, bs:] = 0
         self._inputs[:, :bucket].copy_(staging, non_blocking=True)
         graph = self._graphs.get(bucket)
         if graph is None:  # not captured
-            return self._forward(bucket)[:bs]
-        graph.replay()
-        return self._logits[bucket][:bs]
+            logits, tokens = self._forward(bucket)
+        else:
+            graph.replay()
+            logits, tokens = self._outputs[bucket]
+        return logits[:bs], tokens[:bs]
 
     def rows_on_device(self, bs: int) -> torch.Tensor:
         """The request rows of the last `run` of `bs` requests, on the device."""
@@ -104,15 +119,14 @@ class DecodeGraphs:
 
     # ---- capture --------------------------------------------------------------------------
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        rows, seq_lens = self._inputs[:, :bs]
-        tokens = self.token_buf[rows]
+    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, seq_lens, slots = self._inputs[:, :bs]
         positions = (seq_lens - 1).clamp(min=0)
-        slots = self.req_to_token[rows, positions].long()
+        self.req_to_token[rows, positions] = slots.to(self.req_to_token.dtype)
         batch = ForwardBatch(
-            input_ids=tokens,
+            input_ids=self.token_buf[rows],
             positions=positions,
-            out_cache_loc=torch.where(seq_lens > 0, slots, torch.zeros_like(slots)),
+            out_cache_loc=slots,
             req_pool_indices=rows,
             prefix_lens=positions,
             extend_lens=self._ones[:bs],
@@ -122,10 +136,13 @@ class DecodeGraphs:
             prefix_lens_cpu=[0] * bs,  # unused by the graph-safe backend
             num_multi=0,
         )
-        return self.model(batch, self.backend)
+        logits = self.model(batch, self.backend)
+        tokens = logits.argmax(dim=-1)
+        self.token_buf[rows] = tokens
+        return logits, tokens
 
     def _capture_all(self) -> None:
-        self._inputs.zero_()  # every row is padding while capturing
+        self._inputs[1:].zero_()  # every row is padding while capturing
         pool = None
         stream = torch.cuda.Stream(self.device)
         for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
@@ -137,7 +154,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._logits[bs] = self._forward(bs)
+                self._outputs[bs] = self._forward(bs)
             pool = graph.pool()
             self._graphs[bs] = graph
         torch.cuda.synchronize(self.device)

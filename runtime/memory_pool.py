@@ -92,7 +92,8 @@ class ReqToTokenPool:
     """Rows of slot indices, one per running request: table[row, pos] is the slot of position pos.
 
     The table lives on the model's device; on a GPU a host copy is kept in step, so that reading a
-    row (when a request finishes or is cached) never waits for the GPU."""
+    row (when a request finishes or is cached) never waits for the GPU. The last row is never
+    handed out: the padding rows of a decode graph point at it (`padding_row`)."""
 
     def __init__(self, max_requests: int, max_context: int, device: torch.device) -> None:
         self.table = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
@@ -101,7 +102,8 @@ class ReqToTokenPool:
             if self.table.device.type == "cpu"
             else torch.zeros_like(self.table, device="cpu")
         )
-        self._free_rows = list(range(max_requests - 1, -1, -1))
+        self.padding_row = max_requests - 1
+        self._free_rows = list(range(max_requests - 2, -1, -1))
         self.max_requests = max_requests
 
     @property
@@ -122,16 +124,13 @@ class ReqToTokenPool:
         if self.host is not self.table:
             self.table[row, start : start + len(slots)] = to_device(slots, self.table.device)
 
-    def write_next(self, rows: list[int], seq_lens: list[int], slots: torch.Tensor) -> None:
-        """table[rows[i], seq_lens[i] - 1] = slots[i] for all i, in one indexed write."""
+    def write_next_host(self, rows: list[int], seq_lens: list[int], slots: torch.Tensor) -> None:
+        """host[rows[i], seq_lens[i] - 1] = slots[i] for all i: the slots of a step's decodes.
+        The device copy is written by that step itself, from its inputs (ModelRunner), which
+        saves a copy and a kernel a step."""
         index = int64_tensor(rows + seq_lens).view(2, -1)
         index[1] -= 1
-        slots = slots.to(torch.int32)
-        self.host[index[0], index[1]] = slots
-        if self.host is not self.table:
-            dev = self.table.device
-            packed = to_device(torch.cat((index.view(-1), slots.long())), dev).view(3, -1)
-            self.table[packed[0], packed[1]] = packed[2].to(torch.int32)
+        self.host[index[0], index[1]] = slots.to(torch.int32)
 
     def read(self, row: int, length: int) -> torch.Tensor:
         return self.host[row, :length].to(torch.int64)

@@ -100,13 +100,16 @@ class ModelRunner:
         input_lp_rows: dict[int, list[tuple[int, int]]] = {}
         order: list[int] | None = None
         items: list[ScheduledReq] = []
+        greedy = None  # the graph's argmax, already in token_buf
         if self._graphable(plan):  # decodes only: one logits row each, in plan order
             reqs = plan.decodes
-            row_logits = self.graphs.run(plan.rows, plan.seq_lens)
+            row_logits, greedy = self.graphs.run(plan.rows, plan.seq_lens, plan.slots)
             self.num_graph_steps += 1
             pool_rows = self.graphs.rows_on_device(len(reqs))
             at = None  # the sampled rows are the plan's, in order
         else:  # multi-token items first
+            if plan.decodes and self.req_to_token.device.type != "cpu":
+                self._write_decode_slots(plan)
             plan_items = list(plan)
             order = sorted(range(len(plan_items)), key=lambda i: plan_items[i].num_tokens == 1)
             items = [plan_items[i] for i in order]
@@ -123,13 +126,14 @@ class ModelRunner:
         tokens = None
         if reqs:
             if greedy_only or all(r.plain_greedy for r in reqs):  # no sampling rows to build
-                tokens = row_logits.argmax(dim=-1)
+                tokens = greedy if greedy is not None else row_logits.argmax(dim=-1)
             else:
                 rows = [_sampling_row(r) for r in reqs]
                 tokens = self.sampler.sample_ids(row_logits, rows)
-            if pool_rows is None:
-                pool_rows = to_device(int64_tensor([r.pool_row for r in reqs]), self.device)
-            self.token_buf[pool_rows] = tokens
+            if tokens is not greedy:
+                if pool_rows is None:
+                    pool_rows = to_device(int64_tensor([r.pool_row for r in reqs]), self.device)
+                self.token_buf[pool_rows] = tokens
 
         def finish(host: torch.Tensor | None = None) -> StepResults:
             out: list[int | None]
@@ -174,6 +178,13 @@ class ModelRunner:
     def _pending_input(it: ScheduledReq) -> bool:
         """Whether this item's last input token is still on the device only."""
         return it.start + it.num_tokens > it.req.num_tokens
+
+    def _write_decode_slots(self, plan: StepPlan) -> None:
+        """The device table's entries for the plan's decodes (the scheduler wrote the host's)."""
+        rows, positions, slots = packed_to_device(
+            [plan.rows, [n - 1 for n in plan.seq_lens], plan.slots.tolist()], self.device
+        )
+        self.req_to_token[rows, positions] = slots.to(self.req_to_token.dtype)
 
     def _graphable(self, plan: StepPlan) -> bool:
         """A step of single-token decodes only, small enough for a captured graph. (Their input

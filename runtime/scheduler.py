@@ -13,10 +13,14 @@ once admitted: one that could never fit alone is refused when it is submitted.
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from radixlm.radix_cache.ordering import order_waiting
 from radixlm.runtime.cache_manager import CacheManager
 from radixlm.runtime.request import Req, ReqStatus
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ScheduledReq:
@@ -42,12 +46,15 @@ class StepPlan:
     of several tokens after jump-forward) is a ScheduledReq in `items`. Results come in the order
     decodes, then items, which is also the order iterating a plan gives (as ScheduledReq)."""
 
-    __slots__ = ("decodes", "rows", "seq_lens", "items")
+    __slots__ = ("decodes", "rows", "seq_lens", "slots", "items")
 
     def __init__(self) -> None:
         self.decodes: list[Req] = []  # each computes its newest token and samples the next
         self.rows: list[int] = []  # request-table row of each decode
         self.seq_lens: list[int] = []  # its length including the token computed
+        # the KV slot of each decode's token (CPU int64): in the request table's host copy, and
+        # written into the device copy by the step (ModelRunner)
+        self.slots: torch.Tensor | None = None
         self.items: list[ScheduledReq] = []
 
     def __len__(self) -> int:
@@ -172,7 +179,7 @@ class Scheduler:
             decoding = [r for r, n in zip(decoding, counts) if n == 1]
         if decoding:
             plan.decodes = decoding
-            plan.rows, plan.seq_lens = self.cache.extend_decodes(decoding)
+            plan.rows, plan.seq_lens, plan.slots = self.cache.extend_decodes(decoding)
         return prefilling
 
     def _extend(self, req: Req, n: int) -> ScheduledReq | None:

@@ -42,7 +42,7 @@ def test_padded_decode_graph_path_matches_eager(tiny_model_folder):
 
     prompts = [list(range(200, 200 + n)) for n in (3, 9, 17, 30, 5)]  # 5 requests: bucket 8
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-    outs, calls = [], []
+    outs, calls, plain, sampled = [], [], [], []
     for graphs in (False, True):
         with radixlm.Engine(tiny_model_folder, attention_backend="triton") as eng:
             runner = eng._core.runner
@@ -57,7 +57,17 @@ def test_padded_decode_graph_path_matches_eager(tiny_model_folder):
             outs.append(
                 eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
             )
+            # plain greedy (the graph's own argmax) and seeded sampling, over the same rows
+            plain.append(eng.generate(input_ids=prompts, sampling_params=params))
+            sampled.append(
+                eng.generate(
+                    input_ids=prompts, sampling_params={**params, "temperature": 0.9, "seed": 3}
+                )
+            )
     assert 5 in calls  # decode steps of all five went through the padded path
+    assert [o["output_ids"] for o in plain[0]] == [o["output_ids"] for o in plain[1]]
+    assert [o["output_ids"] for o in plain[0]] == [o["output_ids"] for o in outs[0]]
+    assert [o["output_ids"] for o in sampled[0]] == [o["output_ids"] for o in sampled[1]]
     for a, b in zip(*outs):
         assert a["output_ids"] == b["output_ids"]
         lps_a = [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]]
