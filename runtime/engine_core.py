@@ -210,15 +210,41 @@ class EngineCore:
                     req.num_pending -= 1
                 apply(req, tokens[i], extras.get(i))
         else:
-            for req, token in zip(plan.decodes, tokens):
-                if req.num_pending:
-                    req.num_pending -= 1
-                apply(req, token, None)
+            self._apply_decodes(plan.decodes, tokens)
         for i, item in enumerate(plan.items, len(plan.decodes)):
             req = item.req
             if item.samples and req.num_pending:
                 req.num_pending -= 1
             apply(req, tokens[i], extras.get(i) if extras else None)
+
+    def _apply_decodes(self, reqs: list[Req], tokens: list[int]) -> None:
+        """`_apply` for a step's decodes when no request asked for log-probabilities, with the
+        common case inline: a plain request (no grammar, stop strings or log-probabilities) that
+        is running, has a first token already, and that this token does not finish."""
+        progress = self._progress
+        running = ReqStatus.RUNNING
+        plain = 0
+        for req, token in zip(reqs, tokens):
+            if req.num_pending:
+                req.num_pending -= 1
+            out = req.output_ids
+            if (
+                req.plain_output
+                and req.status is running
+                and out
+                and token not in req.finish_token_ids
+                and len(out) + 1 < req.max_output_len
+            ):
+                out.append(token)
+                req.detokenizer.add_one(token)
+                plain += 1
+                if progress:
+                    sink = progress.get(req.rid)
+                    if sink is not None:
+                        sink(req, False)
+            else:
+                self._apply(req, token, None)
+        self.num_generated_tokens += plain
 
     def _fail_step(self, plan, e: Exception) -> None:
         logger.error("step failed: %s\n%s", e, traceback.format_exc())

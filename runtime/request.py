@@ -89,6 +89,16 @@ class Req:
         )
 
     @functools.cached_property
+    def plain_output(self) -> bool:
+        """Applying a token is appending it: no grammar to advance, no stop strings to look for,
+        no log-probabilities to record."""
+        return (
+            self.grammar is None
+            and not self.logprob.return_logprob
+            and not (self.detokenizer is not None and self.detokenizer.stop)
+        )
+
+    @functools.cached_property
     def finish_token_ids(self) -> frozenset[int]:
         """Tokens that end the output: the stop tokens, and EOS unless ignored (a grammar that
         accepted EOS is complete, whatever ignore_eos says)."""

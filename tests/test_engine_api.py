@@ -82,6 +82,20 @@ def test_stop_token_ids_and_min_new_tokens(engine):
     assert held["output_ids"][0] != first and len(held["output_ids"]) >= 2
 
 
+def test_a_stop_token_mid_output_ends_it_there_and_every_token_is_counted(engine):
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    free = engine.generate(PROMPTS, params)
+    stops = [o["output_ids"][4] for o in free]  # each output's fifth token
+    before = engine.get_stats()["generated_tokens"]
+    outs = engine.generate(PROMPTS, [{**params, "stop_token_ids": [t]} for t in stops])
+    for f, o, t in zip(free, outs, stops):
+        cut = f["output_ids"].index(t) + 1
+        assert o["output_ids"] == f["output_ids"][:cut]
+        assert o["meta_info"]["finish_reason"] == {"type": "stop", "matched": t}
+    counted = engine.get_stats()["generated_tokens"] - before
+    assert counted == sum(len(o["output_ids"]) for o in outs)
+
+
 def test_streaming_is_cumulative_and_ends_with_the_full_result(engine):
     params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
     chunks = list(engine.generate("Emoji test: 🙂🚀 are", params, stream=True))
