@@ -101,3 +101,33 @@ def test_cuda_graph_decode_equals_eager_decode(default_model_folder, dtype):
         # bf16 logits near 8-16 are spaced 0.0625 apart: the two paths run different matmul
         # kernels (the graph path's GEMV choices are tuned from replays), so allow two such steps.
         assert abs(x[0] - y[0]) < (1e-3 if dtype == "float32" else 0.125)
+
+
+def test_graph_decode_equals_eager_on_random_weights_with_padded_prefill(default_model_folder):
+    """float32, random weights of the default model's shape, prompts of many lengths (prefill
+    steps padded to few sizes), greedy and seeded sampling mixed: graph steps (request-table write
+    and argmax inside the graph) give exactly the eager path's tokens."""
+    import random
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(100, 30000) for _ in range(rng.randint(5, 300))] for _ in range(40)]
+    params = [
+        {"max_new_tokens": 20 + i % 7, "temperature": 0, "ignore_eos": True}
+        | ({"temperature": 0.8, "seed": i} if i % 3 == 1 else {})
+        for i in range(40)
+    ]
+    outs = []
+    for disable in (True, False):
+        with radixlm.Engine(
+            default_model_folder, load_format="dummy", dtype="float32",
+            disable_cuda_graph=disable, max_running_requests=64,
+        ) as eng:  # fmt: skip
+            batch = eng.generate(input_ids=prompts, sampling_params=params)
+            alone = [
+                eng.generate(input_ids=p, sampling_params=q)
+                for p, q in zip(prompts[:6], params[:6])
+            ]
+            outs.append(([o["output_ids"] for o in batch + alone], eng.get_stats()["graph_steps"]))
+    (eager, no_graphs), (graphed, graph_steps) = outs
+    assert no_graphs == 0 and graph_steps > 0
+    assert eager == graphed
