@@ -11,6 +11,10 @@
   the wall time of the `generate` call, and over the span from the first GPU activity to the last
   (the call's own host work before and after, submitting the requests and assembling their
   outputs, left out). The same call untraced gives the rate without the profiler's overhead.
+  Kernel intervals leave out the GPU's own gaps between the kernels of a graph (a few hundred
+  kernels a step for a small model); so, in one more untraced call, CUDA events around every graph
+  replay give each decode step's GPU time from its first kernel to its last, against the span from
+  the first replay to the last (the input and output copies around each replay count as idle).
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ def busy(shape: str) -> str:
         t0 = time.perf_counter()
         eng.generate(input_ids=prompts, sampling_params=params)
         untraced = time.perf_counter() - t0
+        replays, inside, between = replay_spans(eng, prompts, params)
         # device activity only: tracing every host-side op would slow the host being measured
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
@@ -96,8 +101,32 @@ def busy(shape: str) -> str:
     return (
         f"| {shape} | 64 x 256 tokens | {wall:.3f} s | {tokens / wall:.0f} tok/s "
         f"({tokens / untraced:.0f} untraced) | {covered / 1e6:.3f} s | {covered / 1e6 / wall:.1%} "
-        f"| {span:.3f} s | {covered / 1e6 / span:.1%} |"
+        f"| {span:.3f} s | {covered / 1e6 / span:.1%} | {replays} replays: {inside:.3f} s of "
+        f"{between:.3f} s = {inside / between:.1%} |"
     )
+
+
+def replay_spans(eng, prompts, params) -> tuple[int, float, float]:
+    """CUDA events before and after every graph replay of one `generate` call: the replays, their
+    GPU time in seconds, and the seconds from the first replay's start to the last one's end."""
+    pairs = []
+    real = torch.cuda.CUDAGraph.replay
+
+    def timed(graph) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        real(graph)
+        end.record()
+        pairs.append((start, end))
+
+    torch.cuda.CUDAGraph.replay = timed
+    try:
+        eng.generate(input_ids=prompts, sampling_params=params)
+    finally:
+        torch.cuda.CUDAGraph.replay = real
+    torch.cuda.synchronize()
+    inside = sum(a.elapsed_time(b) for a, b in pairs) / 1e3
+    return len(pairs), inside, pairs[0][0].elapsed_time(pairs[-1][1]) / 1e3
 
 
 def main() -> None:
@@ -117,7 +146,7 @@ def main() -> None:
             print(line, flush=True)
     print(
         "\n| shape | decode batch | wall | rate | GPU busy | share of wall | GPU span "
-        "| share of span |\n|---|---|---|---|---|---|---|---|"
+        "| share of span | graph replays (CUDA events) |\n|---|---|---|---|---|---|---|---|---|"
     )
     print(busy(args.busy_shape), flush=True)
 
