@@ -40,15 +40,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gemv_kernels times GPU kernels: no CUDA device here")
 
-    from radixlm.kernels.gemv import (
-        CONFIGS,
-        GemvConfig,
-        LinearDispatch,
-        choice_key,
-        gemv,
-        graph_ms,
-    )
+    from radixlm.kernels.gemv import CONFIGS, GemvConfig, gemv
     from radixlm.runtime.layers import RMSNorm
+    from radixlm.runtime.matmul_dispatch import LinearDispatch, choice_key, graph_ms
 
     SWEEP = CONFIGS + [
         GemvConfig(bn, bk, nw, ns, sk)

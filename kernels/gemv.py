@@ -16,27 +16,22 @@ x's dtype before the weight, the product rounded again. They call the rounding h
 kernels/fused.py (their one-kernel twins), so the two round alike.
 
 Whether a kernel beats cuBLAS (and the separate norm / SiLU kernel before it) depends on the shape
-and the GPU, so `LinearDispatch.tune` times every candidate once per weight shape at start-up and
-keeps the fastest; the plain torch path (`runtime.layers.PlainMatmuls`) stays the oracle and the
-default.
+and the GPU, so `runtime.matmul_dispatch.LinearDispatch` times every candidate in CONFIGS /
+FUSED_CONFIGS once per weight shape at start-up and keeps the fastest; the plain torch path
+(`runtime.layers.PlainMatmuls`) stays the oracle and the default.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from radixlm.kernels import fused
 from radixlm.kernels.fused import add_rounded, norm_then_weight, silu_mul_rounded
-from radixlm.runtime.layers import PlainMatmuls
 
 MAX_ROWS = 4  # x rows the kernel takes; more go to cuBLAS
 
@@ -282,160 +277,3 @@ def fused_gemv_enabled() -> bool:
     """Tune the norm / SiLU prologue kernels, unless RADIXLM_DISABLE_FUSED=1 (every fused kernel
     off) or RADIXLM_DISABLE_FUSED_GEMV=1 (only these)."""
     return not fused.switched_off() and os.environ.get("RADIXLM_DISABLE_FUSED_GEMV") != "1"
-
-
-ChoiceKey = tuple[str, int, int, int, bool]  # (op, rows of x, N, K, whether the linear has a bias)
-
-
-def choice_key(op: str, rows: int, linear: torch.nn.Linear) -> ChoiceKey:
-    """The key of `LinearDispatch.choice` and `.timings` for `op` at `rows` rows before `linear`."""
-    n, k = linear.weight.shape
-    return (op, rows, n, k, linear.bias is not None)
-
-
-class LinearDispatch(PlainMatmuls):
-    """Per (op, rows of x, weight shape, bias or not: `choice_key`): the plain path (cuBLAS, after
-    a separate norm or SiLU kernel for the fused ops) or a Triton kernel with its best tile,
-    whichever measured faster. Empty (everything on the plain path) until `tune` has run for a
-    shape."""
-
-    def __init__(self) -> None:
-        self.choice: dict[ChoiceKey, GemvConfig | None] = {}
-        # per choice key, (ms, tile) of each tile that ran and matched the plain path, fastest first
-        self.timings: dict[ChoiceKey, list[tuple[float, GemvConfig]]] = {}
-
-    def _chosen(
-        self, op: str, x: torch.Tensor, linear: torch.nn.Linear, rows: torch.Tensor | None = None
-    ) -> GemvConfig | None:
-        m = x.shape[0] if rows is None else rows.shape[0]
-        if x.dim() != 2 or m > MAX_ROWS or x.stride(-1) != 1:
-            return None
-        return self.choice.get(choice_key(op, m, linear))
-
-    def __call__(self, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-        config = self._chosen("linear", x, linear)
-        if config is not None:
-            return gemv(x, linear.weight, linear.bias, config)
-        return F.linear(x, linear.weight, linear.bias)
-
-    def norm_linear(self, x, residual, norm, linear, rows=None):
-        op = "rms_norm" if residual is None else "rms_norm_residual"
-        # with `rows`, the kernel takes only those rows (the norm is per row)
-        config = self._chosen(op, x, linear, rows)
-        if (
-            config is None
-            or norm.weight.dtype != x.dtype
-            or (residual is not None and residual.shape != x.shape)
-        ):
-            return super().norm_linear(x, residual, norm, linear, rows)
-        if rows is not None:
-            x, residual = x[rows], None if residual is None else residual[rows]
-        elif residual is not None and residual.stride(-1) != 1:
-            residual = residual.contiguous()
-        y, summed = gemv_rms_norm(
-            x, residual, norm.weight, norm.eps, linear.weight, linear.bias, config
-        )
-        if rows is not None:
-            return y, None
-        return y, x if summed is None else summed
-
-    def silu_linear(self, gate_up, linear):
-        config = self._chosen("silu_and_mul", gate_up, linear)
-        if config is None:
-            return super().silu_linear(gate_up, linear)
-        return gemv_silu_and_mul(gate_up, linear.weight, linear.bias, config)
-
-    def tune(
-        self, linear: torch.nn.Linear, rows: int, op: str = "linear", norm=None
-    ) -> tuple[float, float]:
-        """Time the plain path of `op` and each candidate kernel on random input of `rows` rows (in
-        a CUDA graph: `graph_ms`) and keep the fastest (a kernel only on a clear win). For the
-        fused ops the plain path is the norm (`norm`, the model's RMSNorm) or SiLU kernel and then
-        this dispatch's linear, so tune "linear" for the shape first. Returns (plain ms, chosen
-        ms)."""
-        key = choice_key(op, rows, linear)
-        plain, kernel = self._candidate_calls(op, linear, rows, norm)
-        want = plain(linear).float()
-        base = graph_ms(plain, linear)
-        candidates = CONFIGS
-        if op != "linear":
-            ranked = self.timings.get(choice_key("linear", rows, linear), [])
-            fastest = [c for _, c in ranked[:2]]
-            candidates = fastest + [c for c in FUSED_CONFIGS if c not in fastest]
-        timed = []
-        for config in candidates:
-            call = functools.partial(kernel, config)
-            try:
-                got = call(linear)
-            except Exception:  # a tile this GPU cannot run (shared memory, registers)
-                continue
-            if not torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2):
-                continue
-            timed.append((graph_ms(call, linear), config))
-        timed.sort(key=lambda t: t[0])
-        self.timings[key] = timed
-        best, best_ms = None, base
-        if timed and timed[0][0] < base * 0.97:  # a clear win only
-            best_ms, best = timed[0]
-        self.choice[key] = best
-        return base, best_ms
-
-    def _candidate_calls(self, op: str, linear: torch.nn.Linear, rows: int, norm):
-        """(the plain path, a kernel given its tile) of `op` on fixed random inputs, each a function
-        of the linear layer (or a copy of its weight: see `graph_ms`) returning y."""
-        w = linear.weight
-        x = torch.randn(rows, w.shape[1], device=w.device, dtype=w.dtype)
-        if op == "linear":
-            return (
-                lambda lin: F.linear(x, lin.weight, lin.bias),
-                lambda c, lin: gemv(x, lin.weight, lin.bias, c),
-            )
-        if op == "silu_and_mul":
-            gate_up = torch.randn(rows, 2 * w.shape[1], device=w.device, dtype=w.dtype)
-            return (
-                lambda lin: PlainMatmuls.silu_linear(self, gate_up, lin),
-                lambda c, lin: gemv_silu_and_mul(gate_up, lin.weight, lin.bias, c),
-            )
-        if op not in OPS or norm is None:
-            raise ValueError(f"unknown op {op!r} (one of {OPS}; the norm ops need the norm)")
-        res = torch.randn_like(x) if op == "rms_norm_residual" else None
-        return (
-            lambda lin: PlainMatmuls.norm_linear(self, x, res, norm, lin)[0],
-            lambda c, lin: gemv_rms_norm(x, res, norm.weight, norm.eps, lin.weight, lin.bias, c)[0],
-        )
-
-
-_L2_SPILL_BYTES = 256 << 20  # weight copies read per replay: beyond any GPU's L2
-
-
-def graph_ms(call: Callable[[torch.nn.Linear], object], linear: torch.nn.Linear) -> float:
-    """Milliseconds per `call(linear)` as a decode step's CUDA graph runs it: replayed from a graph,
-    back to back with no host in between, over copies of the weight that together overflow L2 (in
-    a step each layer's weights come from memory)."""
-    w, b = linear.weight, linear.bias
-    copies = max(1, min(512, _L2_SPILL_BYTES // (w.numel() * w.element_size())))
-    linears = [linear]
-    try:
-        while len(linears) < copies:
-            linears.append(SimpleNamespace(weight=w.clone(), bias=b))
-    except torch.cuda.OutOfMemoryError:  # fewer copies: some reads may hit L2
-        pass
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and warm up outside the capture
-        for lin in linears[:2]:
-            call(lin)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for lin in linears:
-            call(lin)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 5
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / (reps * len(linears))

@@ -42,9 +42,10 @@ def use_cuda_graphs(config, device, backend) -> bool:
 
 def tune_batch1_matmuls(model) -> None:
     """For each weight shape, time cuBLAS against the Triton GEMV at batch 1 and route the layer
-    to the faster (kernels/gemv.py); then the same for each norm or SiLU with the matmul after it,
+    to the faster (runtime/matmul_dispatch.py); then the same for each norm or SiLU with the matmul after it,
     fused into one kernel or not. Before graph capture, so graphs record the choice."""
-    from radixlm.kernels.gemv import LinearDispatch, fused_gemv_enabled
+    from radixlm.kernels.gemv import fused_gemv_enabled
+    from radixlm.runtime.matmul_dispatch import LinearDispatch
 
     dispatch = LinearDispatch()
     seen = {}

@@ -3,7 +3,7 @@
 On CUDA, RMSNorm (with its residual add), the rotary embedding and SiLU-and-multiply each run as one
 fused Triton kernel (kernels/fused.py) with the same rounding; the torch code here is the CPU path
 and their oracle. `PlainMatmuls` is every matmul of a layer with the op before it (a norm, SiLU):
-on CUDA a tuned `kernels.gemv.LinearDispatch` may run the two as one kernel.
+on CUDA a tuned `runtime.matmul_dispatch.LinearDispatch` may run the two as one kernel.
 """
 
 from __future__ import annotations

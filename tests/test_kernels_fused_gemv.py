@@ -14,13 +14,12 @@ import torch.nn.functional as F  # noqa: E402
 
 from radixlm.kernels.gemv import (  # noqa: E402
     GemvConfig,
-    LinearDispatch,
-    choice_key,
     gemv,
     gemv_rms_norm,
     gemv_silu_and_mul,
 )
 from radixlm.runtime.layers import PlainMatmuls, RMSNorm, silu_and_mul  # noqa: E402
+from radixlm.runtime.matmul_dispatch import LinearDispatch, choice_key  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"

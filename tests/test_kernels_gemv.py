@@ -10,14 +10,8 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 import torch.nn.functional as F  # noqa: E402
 
-from radixlm.kernels.gemv import (  # noqa: E402
-    CONFIGS,
-    GemvConfig,
-    LinearDispatch,
-    choice_key,
-    gemv,
-    graph_ms,
-)
+from radixlm.kernels.gemv import CONFIGS, GemvConfig, gemv  # noqa: E402
+from radixlm.runtime.matmul_dispatch import LinearDispatch, choice_key, graph_ms  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32

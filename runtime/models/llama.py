@@ -27,7 +27,7 @@ class FusableMatmul(NamedTuple):
 
 
 class Attention(nn.Module):
-    matmul = PlainMatmuls()  # replaced by a kernels.gemv.LinearDispatch on CUDA
+    matmul = PlainMatmuls()  # replaced by a runtime.matmul_dispatch.LinearDispatch on CUDA
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -161,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         return [*out, FusableMatmul(op, self.lm_head, self.norm)]
 
     def use_matmul(self, matmul: PlainMatmuls) -> None:
-        """Route every matmul through `matmul` (e.g. a tuned kernels.gemv.LinearDispatch)."""
+        """Route every matmul through `matmul` (e.g. a tuned runtime.matmul_dispatch.LinearDispatch)."""
         for m in self.modules():
             if isinstance(m, (Attention, MLP, DecoderLayer, LlamaForCausalLM)):
                 m.matmul = matmul
