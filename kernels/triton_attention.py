@@ -99,7 +99,7 @@ def _decode_partial_kernel(
     ReqToToken,  # (R, C) int32
     ReqPoolIndices,  # (B,)
     SeqLens,  # (B,)
-    PartialOut,  # (>=B, Hq, NUM_KV_SPLITS, D) fp32
+    PartialOut,  # (>=B, Hq, NUM_KV_SPLITS, D) fp32; with one split, the output (B, Hq, D)
     PartialLse,  # (>=B, Hq, NUM_KV_SPLITS) fp32, log2 units
     qk_scale,  # sm_scale * log2(e)
     num_kv_splits,
@@ -312,6 +312,11 @@ def decode_attention(
     block_h = max(16, min(64, triton.next_power_of_2(group)))
     head_blocks = triton.cdiv(group, block_h)
     partial_out, partial_lse = scratch
+    # one split: its normalized output is the answer, written straight into `out` (the merge
+    # kernel would only copy it)
+    po, po_strides = partial_out, partial_out.stride()[:3]
+    if num_kv_splits == 1:
+        po, po_strides = out, (out.stride(0), out.stride(1), 0)
     _decode_partial_kernel[(batch, num_kv_heads * head_blocks, num_kv_splits)](
         q,
         k_pool,
@@ -319,7 +324,7 @@ def decode_attention(
         req_to_token,
         req_pool_indices,
         seq_lens,
-        partial_out,
+        po,
         partial_lse,
         sm_scale * _LOG2E,
         num_kv_splits,
@@ -330,9 +335,7 @@ def decode_attention(
         v_pool.stride(0),
         v_pool.stride(1),
         req_to_token.stride(0),
-        partial_out.stride(0),
-        partial_out.stride(1),
-        partial_out.stride(2),
+        *po_strides,
         partial_lse.stride(0),
         partial_lse.stride(1),
         GROUP=group,
@@ -346,6 +349,8 @@ def decode_attention(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if num_kv_splits == 1:
+        return out
     _decode_merge_kernel[(batch, num_q_heads)](
         partial_out,
         partial_lse,

@@ -227,6 +227,7 @@ DECODE_CASES = [
     ([7, 50, 21], 2, 3, 64, 2),
     ([3, 26], 2, 2, 96, 4),  # a head dim that is not a power of two
     ([250, 1], 1, 4, 64, 2),  # a split several tiles long
+    ([9, 1, 40, 77], 2, 3, 64, 1),  # one split: written straight into the output
 ]
 
 
@@ -252,9 +253,10 @@ def test_decode_random_batches(seed: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_half_precision(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_half_precision(dtype: torch.dtype, splits: int) -> None:
     b = Batch([8, 0, 44], [1, 1, 1], 2, 4, 128, dtype, seed=6)
-    out = run_decode(b, num_kv_splits=4)
+    out = run_decode(b, num_kv_splits=splits)
     assert out.dtype == dtype
     assert_close(out, expected_decode(b), dtype)
 
@@ -270,12 +272,14 @@ def test_decode_into_preallocated_buffers_for_a_smaller_batch() -> None:
         run_decode(b, scratch=scratch, num_kv_splits=2)
 
 
-def test_decode_padded_request_with_no_tokens_gives_zeros() -> None:
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_padded_request_with_no_tokens_gives_zeros(splits: int) -> None:
     # a CUDA-graph batch is padded with requests of seq_len 0; they must not produce NaN
     b = Batch([6, 0, 13], [1, 1, 1], 1, 4, 64, torch.float32, seed=8)
     seq_lens = b.seq_lens.clone()
     seq_lens[1] = 0
-    out = ta.decode_attention(
+    out = torch.full_like(b.q, float("nan"))  # whatever the buffer held before
+    ta.decode_attention(
         b.q,
         b.k_pool,
         b.v_pool,
@@ -283,7 +287,8 @@ def test_decode_padded_request_with_no_tokens_gives_zeros() -> None:
         b.req_pool_indices,
         seq_lens,
         b.sm_scale,
-        num_kv_splits=3,
+        num_kv_splits=splits,
+        out=out,
     )
     assert (out[1] == 0).all()
     assert_close(out[[0, 2]], expected_decode(b)[[0, 2]], torch.float32)
