@@ -125,6 +125,8 @@ def replay_spans(eng, prompts, params) -> tuple[int, float, float]:
     finally:
         torch.cuda.CUDAGraph.replay = real
     torch.cuda.synchronize()
+    if not pairs:
+        raise SystemExit("no decode step replayed a CUDA graph: nothing to time")
     inside = sum(a.elapsed_time(b) for a, b in pairs) / 1e3
     return len(pairs), inside, pairs[0][0].elapsed_time(pairs[-1][1]) / 1e3
 

@@ -60,6 +60,7 @@ class CacheManager:
     def admit(self, req: Req, match: MatchResult) -> None:
         """Give `req` a row holding the matched prefix, and lock that prefix for it."""
         req.pool_row = self.rows.allocate()
+        req.token_in_buf = False  # a new row: nothing sampled into its token_buf entry yet
         self.prefix_cache.lock(match.node)
         req.locked_node = match.node
         req.locked_len = req.kv_len = len(match.slots)

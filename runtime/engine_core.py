@@ -101,7 +101,10 @@ class EngineCore:
                 tune_batch1_matmuls(model)
 
             max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 256)
-            graphs = DecodeGraphs(model, backend, self.rows.table, token_buf, max_bs)
+            graphs = DecodeGraphs(
+                model, backend, self.rows.table, token_buf, max_bs,
+                padding_row=self.rows.padding_row,
+            )  # fmt: skip
         self.runner = ModelRunner(model, backend, self.rows.table, device, graphs, token_buf)
         self.overlap = not config.disable_overlap_schedule
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -176,7 +179,9 @@ class EngineCore:
             for req in plan.decodes:
                 req.num_pending += 1
             for item in plan.items:
-                item.req.num_pending += item.samples
+                if item.samples:
+                    item.req.num_pending += 1
+                    item.req.token_in_buf = True
                 if item.start < len(item.req.input_ids):
                     # share the prompt before it finishes: later steps, queued behind this one,
                     # may read these slots at once
@@ -250,9 +255,15 @@ class EngineCore:
     def _fail_step(self, plan, e: Exception) -> None:
         logger.error("step failed: %s\n%s", e, traceback.format_exc())
         for item in plan:
-            item.req.num_pending = 0
-            if not item.req.is_finished:
-                self._fail(item.req, f"internal error during the forward step: {e}")
+            req = item.req
+            req.num_pending = 0
+            if req.is_finished:
+                continue
+            keep = max(item.start, req.locked_len)
+            if req.pool_row is not None and req.kv_len > keep:
+                # the step's positions have no K/V: they must not reach the prefix cache
+                self.cache.truncate(req, keep)
+            self._fail(req, f"internal error during the forward step: {e}")
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -373,6 +384,7 @@ class EngineCore:
         self.num_jump_forward_tokens += len(full) - len(ids)
         extra = full[len(ids) :]
         ids.extend(extra)
+        req.token_in_buf = False  # its newest tokens are forced ones, on the host
         req.detokenizer.add(extra)
         self._check_stop_or_length(req)
 

@@ -244,7 +244,8 @@ class ModelRunner:
             # cuBLAS chooses a kernel for each new matmul shape (~0.25 ms of host time a call, the
             # first time); as prompt chunks and decodes mix, nearly every step would be a new
             # shape. Padded to a few sizes, they are soon all known. The padding rows are tokens of
-            # no request: position 0, K/V written to the padding slot 0, logits never taken.
+            # no request: position 0, K/V written to the padding slot 0, never a logits row. The
+            # logits rows are padded with copies of row 0, computed and ignored.
             padding = _padded(len(input_ids)) - len(input_ids)
             input_ids += [0] * padding
             positions += [0] * padding

@@ -52,6 +52,10 @@ class Req:
     # output tokens sampled on the device but not applied yet (overlapped scheduling): the next
     # step may already compute them, reading them from the device
     num_pending: int = 0
+    # whether its newest token was sampled into token_buf[pool_row] by a launched step, so that a
+    # step computing just that token can read it there (false after admission to a new row and
+    # after tokens are appended on the host, by jump-forward)
+    token_in_buf: bool = False
     # the most output tokens it may have: max_new_tokens, or fewer where the context ends (set by
     # the engine core when it takes the request)
     max_output_len: int = 0

@@ -170,13 +170,15 @@ class Scheduler:
         while decoding and not self.cache.can_extend(total):
             self._preempt(decoding.pop())  # the newest
             total -= counts.pop()
-        if total != len(decoding):  # some decode several tokens: they go as items
+        if total != len(decoding) or not all(r.token_in_buf for r in decoding):
+            # those that compute several tokens (after jump-forward), or one whose input is on the
+            # host only (a resumed request's last chunk left one token), go as items
             for r, n in zip(decoding, counts):
-                if n > 1:
+                if n > 1 or not r.token_in_buf:
                     start = r.kv_len
                     self.cache.extend(r, n)
                     plan.items.append(ScheduledReq(r, start, n, True))
-            decoding = [r for r, n in zip(decoding, counts) if n == 1]
+            decoding = [r for r, n in zip(decoding, counts) if n == 1 and r.token_in_buf]
         if decoding:
             plan.decodes = decoding
             plan.rows, plan.seq_lens, plan.slots = self.cache.extend_decodes(decoding)

@@ -115,3 +115,79 @@ def test_padded_prefill_rows_leave_outputs_and_the_padding_slot_alone(
             a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
         ):
             assert abs(lp_a - lp_b) < 1e-4
+
+
+def test_graph_decodes_read_each_requests_newest_token_after_preemption(tiny_model_folder):
+    """A preempted request resumes on a new request row by recomputing its tokens in prompt
+    chunks; when a chunk stops one token short of its newest token, the next step computes that
+    token as a one-token decode whose input is on the host only (nothing was sampled into the new
+    row's token_buf entry). Every graph step must read each request's newest token: checked at
+    each launch, with freed rows' token_buf entries scribbled over as a next owner would."""
+    from radixlm.runtime.cuda_graph import DecodeGraphs
+
+    prompts = [list(range(400 + 7 * i, 410 + 7 * i)) for i in range(4)]
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    outs, checked, wrong, host_inputs = [], [], [], []
+    for graphs in (False, True):
+        with radixlm.Engine(
+            tiny_model_folder, attention_backend="triton", disable_radix_cache=True,
+            max_total_tokens=60, chunked_prefill_size=9,  # (scheduling hits the case here)
+        ) as eng:  # fmt: skip
+            core, runner = eng._core, eng._core.runner
+            if graphs:
+                runner.graphs = DecodeGraphs(
+                    runner.model, runner.backend, runner.req_to_token, runner.token_buf,
+                    max_batch=16, capture=False,
+                )  # fmt: skip
+                runner.launch = _checking_graph_inputs(runner, checked, wrong)
+                core.scheduler.schedule = _noting_host_input_decodes(
+                    core.scheduler.schedule, host_inputs
+                )
+            release = core.cache.release
+
+            def release_and_scribble(req, release=release, buf=runner.token_buf):
+                if req.pool_row is not None:
+                    buf[req.pool_row] = 5
+                release(req)
+
+            core.cache.release = release_and_scribble
+            outs.append(
+                [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+            )
+            stats = eng.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["graph_steps"] > 0, stats
+    # the case at stake arose, and went as an eager item reading the host's token; no graph step
+    # read a stale token_buf entry
+    assert host_inputs
+    assert not wrong, (wrong, len(checked))
+    assert outs[0] == outs[1]
+
+
+def _checking_graph_inputs(runner, checked: list, wrong: list):
+    """`runner.launch`, first checking for a graph step that token_buf holds the newest token of
+    every decode whose newest token is known on the host (pending ones are sampled into it)."""
+    launch = runner.launch
+
+    def wrapped(plan, greedy_only=False):
+        if runner._graphable(plan):
+            for req, row, seq_len in zip(plan.decodes, plan.rows, plan.seq_lens):
+                if not req.num_pending:
+                    checked.append(req.rid)
+                    if int(runner.token_buf[row]) != req.all_ids[seq_len - 1]:
+                        wrong.append((req.rid, seq_len))
+        return launch(plan, greedy_only)
+
+    return wrapped
+
+
+def _noting_host_input_decodes(schedule, noted: list):
+    """`schedule`, noting the one-token decodes planned as items (their input on the host)."""
+
+    def wrapped():
+        plan = schedule()
+        noted.extend(
+            it for it in plan.items if it.num_tokens == 1 and it.start >= len(it.req.input_ids)
+        )
+        return plan
+
+    return wrapped

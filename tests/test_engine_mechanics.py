@@ -109,3 +109,35 @@ def test_request_too_large_for_the_pool_is_refused_and_others_still_run(tiny_mod
             sampling_params={"max_new_tokens": 20, "ignore_eos": True},
         )
         assert len(out["output_ids"]) == 20
+
+
+def test_a_failed_step_fails_its_requests_and_leaves_no_uncomputed_kv_in_the_cache(
+    tiny_model_folder,
+):
+    prompt = list(range(500, 540))
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with radixlm.Engine(tiny_model_folder) as eng:
+        want = eng.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+    with radixlm.Engine(tiny_model_folder) as eng:
+        runner = eng._core.runner
+        model, calls = runner.model, []
+
+        def fails_once(batch, backend):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected failure")
+            return model(batch, backend)
+
+        runner.model = fails_once
+        failed = eng.generate(input_ids=prompt, sampling_params=params)
+        reason = failed["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "injected failure" in reason["message"], reason
+        # the failed step computed nothing: none of its positions may go into the prefix cache
+        assert eng.get_stats()["radix_cache_tokens"] == 0
+        again = eng.generate(input_ids=prompt, sampling_params=params)
+        assert again["output_ids"] == want
+        stats = eng.get_stats()
+        assert (
+            stats["kv_pool_free_tokens"] + stats["radix_cache_tokens"]
+            == stats["kv_pool_capacity_tokens"]
+        )
