@@ -6,9 +6,10 @@ the final norm and the LM head) is captured once per bucket batch size and repla
 padded up to the next bucket, its inputs (per request: its row in the request table, its
 sequence length and the KV slot of its new token) go to the device in one copy, and one replay
 writes the slots into the request table, computes the logits and their argmax. Each request's
-input is its newest token, which the previous step sampled into `token_buf`: the graph reads it
-there, so a step can be launched before the previous one's tokens reach the host; the argmax goes
-back into `token_buf` (a sampled step overwrites it afterwards).
+input is its newest token, which an earlier step sampled into `token_buf` (the scheduler plans
+only such requests here: `Req.token_in_buf`): the graph reads it there, so a step can be launched
+before the previous one's tokens reach the host; the argmax goes back into `token_buf` (a sampled
+step overwrites it afterwards).
 
 Padding rows point at the request table's padding row, which no request owns, with sequence length
 0 and slot 0: they write their K/V to the padding slot, attend to nothing (the decode kernel gives
