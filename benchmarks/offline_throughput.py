@@ -82,10 +82,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--hf-requests", type=int, default=100)
     ap.add_argument(
-        "--max-running", type=int, default=256, help="with --shape: concurrent requests"
-    )
+        "--max-running", type=int, default=None,
+        help="with --shape: concurrent requests (default: all of them, at once)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.shape:
+        args.max_running = args.max_running or args.requests
         return gpu_workload(args)
 
     from transformers import AutoModelForCausalLM
