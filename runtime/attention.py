@@ -108,6 +108,12 @@ class TritonAttentionBackend:
     Decode splits each sequence into as many pieces as keep the GPU busy at that batch size, so
     the split count and its scratch buffers are kept per power-of-two batch size; they are made on
     first use (for a CUDA graph, in its warm-up before capture) and reused afterwards.
+
+    Where flash-attn is installed (2.1 or later; fp16 or bf16 on CUDA), prompt steps go through its
+    varlen kernel instead of the Triton extend kernel: each request's keys, prefix included, are
+    gathered from the pool once a step, and the causal mask is aligned to the last key, as a chunk
+    after a cached prefix needs. Decode stays on Triton (the gather would copy every key a step).
+    RADIXLM_DISABLE_FLASH_ATTN=1 keeps Triton everywhere.
     """
 
     pads_tokens = True  # prefill batches may carry padding rows (ForwardBatch.padding)
@@ -125,6 +131,11 @@ class TritonAttentionBackend:
         self.req_to_token = req_to_token
         self.num_q_heads = num_q_heads
         self._scratch: dict[int, object] = {}
+        pool = kv_pool.k[0]
+        half = pool.is_cuda and pool.dtype in (torch.float16, torch.bfloat16)
+        self.flash = flash_varlen() if half else None  # flash_attn_varlen_func, or None
+        self._keys_for: ForwardBatch | None = None
+        self._keys: tuple = ()
 
     def _decode_scratch(self, batch_size: int):
         ta = self.ta
@@ -161,10 +172,66 @@ class TritonAttentionBackend:
         out = torch.empty_like(q)
         if batch.padding:  # rows no request writes: zeros, not whatever the memory held (a NaN
             out[-batch.padding :].zero_()  # there would reach the padding slot's K/V)
+        if self.flash is not None:
+            return self._extend_flash(q, k_pool, v_pool, batch, sm_scale, out)
         return ta.extend_attention(
             q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.prefix_lens,
             batch.extend_lens, sm_scale, max_extend_len=max(batch.extend_lens_cpu), out=out,
         )  # fmt: skip
+
+    def _extend_flash(self, q, k_pool, v_pool, batch: ForwardBatch, sm_scale: float, out):
+        slots, cu_q, cu_k, max_q, max_k = self._flash_keys(batch)
+        n = q.shape[0] - batch.padding
+        got = self.flash(
+            q[:n], k_pool[slots], v_pool[slots], cu_q, cu_k, max_q, max_k,
+            softmax_scale=sm_scale, causal=True,
+        )  # fmt: skip
+        if not batch.padding:
+            return got
+        out[:n] = got
+        return out
+
+    def _flash_keys(self, batch: ForwardBatch) -> tuple:
+        """The pool slot of every key of every request (its prefix, then its new tokens), packed
+        request after request, and the cumulative query and key lengths: once a step."""
+        if self._keys_for is batch:
+            return self._keys
+        dev = batch.seq_lens.device
+        seq_lens_cpu = [p + e for p, e in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)]
+        total = sum(seq_lens_cpu)
+        cu_q = F.pad(torch.cumsum(batch.extend_lens, 0), (1, 0)).to(torch.int32)
+        cu_k = F.pad(torch.cumsum(batch.seq_lens, 0), (1, 0))
+        owner = torch.repeat_interleave(
+            torch.arange(batch.batch_size, device=dev), batch.seq_lens, output_size=total
+        )
+        positions = torch.arange(total, device=dev) - cu_k[owner]
+        slots = self.req_to_token[batch.req_pool_indices[owner], positions].long()
+        self._keys_for = batch
+        self._keys = (
+            slots,
+            cu_q,
+            cu_k.to(torch.int32),
+            max(batch.extend_lens_cpu),
+            max(seq_lens_cpu),
+        )
+        return self._keys
+
+
+def flash_varlen():
+    """flash-attn's `flash_attn_varlen_func` when it is installed (2.1 or later: a causal mask
+    with fewer queries than keys aligned to the last key), else None."""
+    if os.environ.get("RADIXLM_DISABLE_FLASH_ATTN") == "1":
+        return None
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # not installed, or built for another torch or CUDA
+        return None
+    try:
+        version = tuple(int(x) for x in flash_attn.__version__.split(".")[:2])
+    except ValueError:
+        return None
+    return flash_attn_varlen_func if version >= (2, 1) else None
 
 
 def create_backend(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import radixlm
 
@@ -81,7 +82,6 @@ def test_padded_prefill_rows_leave_outputs_and_the_padding_slot_alone(
     """Prefill batches on the Triton backend are padded to a few sizes (runtime/model_runner.py
     `_padded`); the padding rows must not change any request's tokens, and must leave the padding
     slot's K/V finite even when fresh buffers hold NaN (as uninitialized memory may)."""
-    import torch
 
     from radixlm.runtime.model_runner import _padded
 
@@ -191,3 +191,51 @@ def _noting_host_input_decodes(schedule, noted: list):
         return plan
 
     return wrapped
+
+
+def fake_flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):
+    """flash-attn's varlen attention as documented (2.1+: GQA by head groups; with causal and
+    fewer queries than keys, query j of n sees the keys up to n_keys - n + j), in plain torch."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        assert qe - qs <= max_q and ke - ks <= max_k
+        qi = q[qs:qe].float()
+        ki = k[ks:ke].float().repeat_interleave(group, 1)
+        vi = v[ks:ke].float().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", qi, ki) * softmax_scale
+        if causal:
+            nq, nk = qe - qs, ke - ks
+            visible = torch.arange(nk)[None, :] <= (nk - nq + torch.arange(nq))[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vi).to(q.dtype)
+    return out
+
+
+def test_flash_attn_prompt_path_gathers_prefix_and_new_keys(tiny_model_folder):
+    """Where flash-attn is installed, prompt steps go through its varlen kernel (here a torch
+    stand-in with its documented semantics, flash-attn not being installed): chunked prompts after
+    cached prefixes, mixed with decodes, padded, must give the torch oracle's results."""
+    shared = list(range(600, 640))
+    prompts = [shared + list(range(700 + 9 * i, 705 + 11 * i)) for i in range(5)]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    outs, calls = {}, []
+    for backend in ("torch", "triton"):
+        with radixlm.Engine(
+            tiny_model_folder, attention_backend=backend, chunked_prefill_size=24
+        ) as eng:
+            if backend == "triton":
+                eng._core.runner.backend.flash = lambda *a, **kw: (
+                    calls.append(1) or fake_flash_varlen(*a, **kw)
+                )
+            first = eng.generate(input_ids=prompts[0], sampling_params=params, return_logprob=True)
+            rest = eng.generate(input_ids=prompts[1:], sampling_params=params, return_logprob=True)
+            outs[backend] = [first, *rest]
+    assert calls
+    for a, b in zip(outs["torch"], outs["triton"]):
+        assert a["output_ids"] == b["output_ids"]
+        for (lp_a, _, _), (lp_b, _, _) in zip(
+            a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        ):
+            assert abs(lp_a - lp_b) < 1e-4
