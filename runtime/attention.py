@@ -109,11 +109,12 @@ class TritonAttentionBackend:
     the split count and its scratch buffers are kept per power-of-two batch size; they are made on
     first use (for a CUDA graph, in its warm-up before capture) and reused afterwards.
 
-    Where flash-attn is installed (2.1 or later; fp16 or bf16 on CUDA), prompt steps go through its
-    varlen kernel instead of the Triton extend kernel: each request's keys, prefix included, are
-    gathered from the pool once a step, and the causal mask is aligned to the last key, as a chunk
-    after a cached prefix needs. Decode stays on Triton (the gather would copy every key a step).
-    RADIXLM_DISABLE_FLASH_ATTN=1 keeps Triton everywhere.
+    Where flash-attn is installed (2.1 or later; fp16 or bf16 on an Ampere or newer GPU, head dim
+    up to 256), the prompt chunks of a step go through its varlen kernel instead of the Triton
+    extend kernel: their keys, prefix included, are gathered from the pool once a step, and the
+    causal mask is aligned to the last key, as a chunk after a cached prefix needs. The step's
+    one-token requests (decodes) stay on the Triton decode kernel: gathering their keys would copy
+    every running request's KV each step. RADIXLM_DISABLE_FLASH_ATTN=1 keeps Triton everywhere.
     """
 
     pads_tokens = True  # prefill batches may carry padding rows (ForwardBatch.padding)
@@ -131,9 +132,7 @@ class TritonAttentionBackend:
         self.req_to_token = req_to_token
         self.num_q_heads = num_q_heads
         self._scratch: dict[int, object] = {}
-        pool = kv_pool.k[0]
-        half = pool.is_cuda and pool.dtype in (torch.float16, torch.bfloat16)
-        self.flash = flash_varlen() if half else None  # flash_attn_varlen_func, or None
+        self.flash = flash_varlen(kv_pool.k[0])  # flash_attn_varlen_func, or None
         self._keys_for: ForwardBatch | None = None
         self._keys: tuple = ()
 
@@ -180,47 +179,63 @@ class TritonAttentionBackend:
         )  # fmt: skip
 
     def _extend_flash(self, q, k_pool, v_pool, batch: ForwardBatch, sm_scale: float, out):
-        slots, cu_q, cu_k, max_q, max_k = self._flash_keys(batch)
-        n = q.shape[0] - batch.padding
-        got = self.flash(
-            q[:n], k_pool[slots], v_pool[slots], cu_q, cu_k, max_q, max_k,
+        """The prompt chunks (the batch's first `num_multi` requests) through flash-attn, the
+        one-token requests after them through the Triton decode kernel."""
+        m, slots, cu_q, cu_k, max_q, max_k = self._flash_keys(batch)
+        out[:m] = self.flash(
+            q[:m], k_pool[slots], v_pool[slots], cu_q, cu_k, max_q, max_k,
             softmax_scale=sm_scale, causal=True,
         )  # fmt: skip
-        if not batch.padding:
-            return got
-        out[:n] = got
+        n, multi = q.shape[0] - batch.padding, batch.num_multi
+        if n > m:
+            self.ta.decode_attention(
+                q[m:n], k_pool, v_pool, self.req_to_token, batch.req_pool_indices[multi:],
+                batch.seq_lens[multi:], sm_scale, out=out[m:n],
+                scratch=self._decode_scratch(batch.batch_size - multi),
+            )  # fmt: skip
         return out
 
     def _flash_keys(self, batch: ForwardBatch) -> tuple:
-        """The pool slot of every key of every request (its prefix, then its new tokens), packed
-        request after request, and the cumulative query and key lengths: once a step."""
+        """For the prompt chunks: their query rows, the pool slot of each of their keys (prefix,
+        then new tokens) packed request after request, and the cumulative query and key lengths
+        with their maxima. Once a step."""
         if self._keys_for is batch:
             return self._keys
-        dev = batch.seq_lens.device
-        seq_lens_cpu = [p + e for p, e in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)]
-        total = sum(seq_lens_cpu)
-        cu_q = F.pad(torch.cumsum(batch.extend_lens, 0), (1, 0)).to(torch.int32)
-        cu_k = F.pad(torch.cumsum(batch.seq_lens, 0), (1, 0))
+        multi = batch.num_multi
+        extend_cpu = batch.extend_lens_cpu[:multi]
+        seq_cpu = [p + e for p, e in zip(batch.prefix_lens_cpu[:multi], extend_cpu)]
+        seq_lens = batch.seq_lens[:multi]
+        total, dev = sum(seq_cpu), seq_lens.device
+        cu_q = F.pad(torch.cumsum(batch.extend_lens[:multi], 0), (1, 0)).to(torch.int32)
+        cu_k = F.pad(torch.cumsum(seq_lens, 0), (1, 0))
         owner = torch.repeat_interleave(
-            torch.arange(batch.batch_size, device=dev), batch.seq_lens, output_size=total
+            torch.arange(multi, device=dev), seq_lens, output_size=total
         )
         positions = torch.arange(total, device=dev) - cu_k[owner]
         slots = self.req_to_token[batch.req_pool_indices[owner], positions].long()
         self._keys_for = batch
         self._keys = (
+            sum(extend_cpu),
             slots,
             cu_q,
             cu_k.to(torch.int32),
-            max(batch.extend_lens_cpu),
-            max(seq_lens_cpu),
+            max(extend_cpu),
+            max(seq_cpu),
         )
         return self._keys
 
 
-def flash_varlen():
-    """flash-attn's `flash_attn_varlen_func` when it is installed (2.1 or later: a causal mask
-    with fewer queries than keys aligned to the last key), else None."""
-    if os.environ.get("RADIXLM_DISABLE_FLASH_ATTN") == "1":
+def flash_varlen(pool: torch.Tensor):
+    """flash-attn's `flash_attn_varlen_func` for a KV pool (slots, heads, head_dim) when flash-attn
+    is installed (2.1 or later: a causal mask with fewer queries than keys aligned to the last key)
+    and runs there (fp16 or bf16, an Ampere or newer GPU, head dim up to 256), else None."""
+    if (
+        os.environ.get("RADIXLM_DISABLE_FLASH_ATTN") == "1"
+        or not pool.is_cuda
+        or pool.dtype not in (torch.float16, torch.bfloat16)
+        or pool.shape[-1] > 256
+        or torch.cuda.get_device_capability(pool.device) < (8, 0)
+    ):
         return None
     try:
         import flash_attn

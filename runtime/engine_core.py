@@ -261,7 +261,9 @@ class EngineCore:
                 continue
             keep = max(item.start, req.locked_len)
             if req.pool_row is not None and req.kv_len > keep:
-                # the step's positions have no K/V: they must not reach the prefix cache
+                # the step's positions have no K/V: they must not reach the prefix cache. (A step
+                # that fails after its launch has shared its prompt chunk with the cache already;
+                # only a device error fails there, which leaves the engine unusable anyway.)
                 self.cache.truncate(req, keep)
             self._fail(req, f"internal error during the forward step: {e}")
 

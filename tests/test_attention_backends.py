@@ -196,6 +196,10 @@ def _noting_host_input_decodes(schedule, noted: list):
 def fake_flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):
     """flash-attn's varlen attention as documented (2.1+: GQA by head groups; with causal and
     fewer queries than keys, query j of n sees the keys up to n_keys - n + j), in plain torch."""
+    # what flash-attn checks
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.is_contiguous() and cu_k.is_contiguous()
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    assert q.shape[0] == int(cu_q[-1]) and k.shape[0] == v.shape[0] == int(cu_k[-1])
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
     for i in range(len(cu_q) - 1):
@@ -220,19 +224,30 @@ def test_flash_attn_prompt_path_gathers_prefix_and_new_keys(tiny_model_folder):
     shared = list(range(600, 640))
     prompts = [shared + list(range(700 + 9 * i, 705 + 11 * i)) for i in range(5)]
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
-    outs, calls = {}, []
+    outs, prompt_tokens, keys, mixes = {}, [], [], []
     for backend in ("torch", "triton"):
         with radixlm.Engine(
             tiny_model_folder, attention_backend=backend, chunked_prefill_size=24
         ) as eng:
             if backend == "triton":
                 eng._core.runner.backend.flash = lambda *a, **kw: (
-                    calls.append(1) or fake_flash_varlen(*a, **kw)
+                    prompt_tokens.append(a[0].shape[0])
+                    or keys.append(a[1].shape[0])
+                    or fake_flash_varlen(*a, **kw)
                 )
+                backend_obj = eng._core.runner.backend
+                extend = backend_obj._extend_flash
+
+                def noting(q, k_pool, v_pool, batch, sm_scale, out, extend=extend):
+                    mixes.append((batch.num_multi, batch.batch_size))
+                    return extend(q, k_pool, v_pool, batch, sm_scale, out)
+
+                backend_obj._extend_flash = noting
             first = eng.generate(input_ids=prompts[0], sampling_params=params, return_logprob=True)
             rest = eng.generate(input_ids=prompts[1:], sampling_params=params, return_logprob=True)
             outs[backend] = [first, *rest]
-    assert calls
+    assert prompt_tokens and max(keys) > max(prompt_tokens)  # chunks after cached prefixes
+    assert any(size > multi for multi, size in mixes)  # and steps mixing them with decodes
     for a, b in zip(outs["torch"], outs["triton"]):
         assert a["output_ids"] == b["output_ids"]
         for (lp_a, _, _), (lp_b, _, _) in zip(
