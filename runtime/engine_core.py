@@ -346,10 +346,9 @@ class EngineCore:
                 sink(req, False)
 
     def _check_stop_or_length(self, req: Req) -> None:
-        p = req.params
         if req.detokenizer.matched_stop is not None:
             req.finish({"type": "stop", "matched": req.detokenizer.matched_stop})
-        elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.context_len:
+        elif len(req.output_ids) >= req.max_output_len:
             req.finish({"type": "length", "length": len(req.output_ids)})
 
     def _jump_forward(self, req: Req) -> None:

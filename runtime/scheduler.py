@@ -153,6 +153,7 @@ class Scheduler:
         decoding: list[Req] = []
         counts: list[int] = []
         prefilling: list[Req] = []
+        plain = True  # every one computes one token, read from token_buf
         for r in self.running:
             prompt_len, kv_len, pending = len(r.input_ids), r.kv_len, r.num_pending
             if kv_len < prompt_len:
@@ -164,13 +165,15 @@ class Scheduler:
                 continue  # nothing new, or finishing
             decoding.append(r)
             counts.append(n)
+            if n != 1 or not r.token_in_buf:
+                plain = False
         if not decoding:
             return prefilling
         total = sum(counts)
         while decoding and not self.cache.can_extend(total):
             self._preempt(decoding.pop())  # the newest
             total -= counts.pop()
-        if total != len(decoding) or not all(r.token_in_buf for r in decoding):
+        if not plain:
             # those that compute several tokens (after jump-forward), or one whose input is on the
             # host only (a resumed request's last chunk left one token), go as items
             for r, n in zip(decoding, counts):
