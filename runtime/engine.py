@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -50,6 +51,9 @@ class Engine:
         self.device = torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
+        if config.chunked_prefill_size is None:  # resolved here, so the value in use is reported
+            chunk = 8192 if self.device.type == "cuda" else 2048
+            self.config = config = dataclasses.replace(config, chunked_prefill_size=chunk)
         dtype_name = (
             config.dtype
             if config.dtype != "auto"
@@ -431,9 +435,10 @@ def _top(entries):
 
 
 def _final_only(deliver):
-    def sink(req: Req, finished: bool) -> None:
-        if finished:
-            deliver(request_output(req))
+    """A sink for `submit(..., progress=False)`: called once, when the request finishes."""
+
+    def sink(req: Req, _finished: bool) -> None:
+        deliver(request_output(req))
 
     return sink
 

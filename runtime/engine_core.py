@@ -42,25 +42,30 @@ def use_cuda_graphs(config, device, backend) -> bool:
 
 def tune_batch1_matmuls(model) -> None:
     """For each weight shape, time cuBLAS against the Triton GEMV at batch 1 and route the layer
-    to the faster (runtime/matmul_dispatch.py); then the same for each norm or SiLU with the matmul after it,
-    fused into one kernel or not. Before graph capture, so graphs record the choice."""
+    to the faster (runtime/matmul_dispatch.py); then the same for each norm or SiLU with the
+    matmul after it, fused into one kernel or not. Before graph capture, so graphs record the
+    choice."""
     from radixlm.kernels.gemv import fused_gemv_enabled
-    from radixlm.runtime.matmul_dispatch import LinearDispatch
+    from radixlm.runtime.matmul_dispatch import LinearDispatch, choice_key
 
     dispatch = LinearDispatch()
     seen = {}
     for linear in model.linears():
-        key = ("linear", tuple(linear.weight.shape), linear.bias is not None)
+        key = choice_key("linear", 1, linear)
         if key not in seen:
             seen[key] = dispatch.tune(linear, rows=1)
     for op, linear, norm in model.fusable_matmuls() if fused_gemv_enabled() else []:
-        key = (op, tuple(linear.weight.shape), linear.bias is not None)
+        key = choice_key(op, 1, linear)
         if key not in seen:
             seen[key] = dispatch.tune(linear, rows=1, op=op, norm=norm)
     model.use_matmul(dispatch)
-    for (op, shape, _), (base, best) in seen.items():
+    for (op, _, n, k, _), (base, best) in seen.items():
         logger.info(
-            "batch-1 %s matmul %s: plain %.1f us, chosen %.1f us", op, shape, base * 1e3, best * 1e3
+            "batch-1 %s matmul %s: plain %.1f us, chosen %.1f us",
+            op,
+            (n, k),
+            base * 1e3,
+            best * 1e3,
         )
 
 
@@ -87,8 +92,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.cache,
             max_running_requests=config.max_running_requests,
-            chunked_prefill_size=config.chunked_prefill_size
-            or (8192 if device.type == "cuda" else 2048),
+            chunked_prefill_size=config.chunked_prefill_size,
             max_admission_delay=config.max_admission_delay,
             schedule_policy=config.schedule_policy,
         )

@@ -56,9 +56,12 @@ def default_tokenizer():
         return AutoTokenizer.from_pretrained(str(cache))
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=cache.name + ".tmp"))
-    tok.save_pretrained(str(tmp))
-    with contextlib.suppress(OSError):  # another process may have won the race
-        os.replace(tmp, cache)
+    try:
+        tok.save_pretrained(str(tmp))
+        with contextlib.suppress(OSError):  # another process may have won the race
+            os.replace(tmp, cache)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already unless the race was lost
     return tok
 
 

@@ -22,8 +22,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.constrained import regex_text as rt
-from radixlm.constrained.json_schema import JsonSchemaOptions, json_schema_to_regex
 from radixlm.server.errors import bad_request
 
 CALL_OPEN = "<tool_call>"
@@ -171,17 +169,30 @@ def auto_output_regex(plan: ToolPlan, whitespace: str = "compact") -> str:
 @functools.lru_cache(maxsize=64)
 def _auto_output_regex(tools: str, parallel: bool, whitespace: str) -> str:
     # keyed on the offered tools' canonical JSON: clients send the same tools with every turn
+    # (the grammar package loads torch: imported here, so the HTTP process starts without it)
+    from radixlm.constrained import regex_text as rt
+    from radixlm.constrained.json_schema import JsonSchemaOptions, json_schema_to_regex
+
+    free_text = _free_text()
     calls = [_call_schema(t["function"]) for t in json.loads(tools)]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     call = json_schema_to_regex(schema, JsonSchemaOptions(whitespace=whitespace))
     pad = r"[ \n]{0,2}"
-    block = f"{rt.lit(CALL_OPEN)}{pad}(?:{call}){pad}{rt.lit(CALL_CLOSE)}{_FREE_TEXT}"
-    return f"{_FREE_TEXT}(?:{block}){'*' if parallel else '?'}"
+    block = f"{rt.lit(CALL_OPEN)}{pad}(?:{call}){pad}{rt.lit(CALL_CLOSE)}{free_text}"
+    return f"{free_text}(?:{block}){'*' if parallel else '?'}"
+
+
+@functools.cache
+def _free_text() -> str:
+    """Any text without a `<tool_call>` in it."""
+    return _text_without(CALL_OPEN)
 
 
 def _text_without(marker: str) -> str:
     """A regex of every text that does not contain `marker` (whose first character occurs only
     there): the automaton that counts how much of the marker was just seen, written out."""
+    from radixlm.constrained import regex_text as rt
+
     if marker[0] in marker[1:]:
         raise ValueError("the marker's first character must not recur in it")
     first = rt.lit(marker[0])
@@ -199,9 +210,6 @@ def _text_without(marker: str) -> str:
         f"(?:{other_than(marker[0])}|{first}(?:{again})*(?:{out}))*"
         f"(?:{first}(?:{again})*(?:{partial})?)?"
     )
-
-
-_FREE_TEXT = _text_without(CALL_OPEN)  # any text without a `<tool_call>` in it
 
 
 class ToolCallStreamer:

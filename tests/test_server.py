@@ -188,6 +188,8 @@ def test_model_and_server_info(client, engine):
     for path in ("/server_info", "/get_server_info"):
         info = client.get(path).json()
         assert info["context_length"] == engine.context_len
+        # the prompt chunk size in use, not the option's unset default
+        assert info["chunked_prefill_size"] == engine._core.scheduler.chunk_budget > 0
         assert "num_running_reqs" in info["internal_states"][0]
         assert info["limits"]["max_n"] >= 1
 

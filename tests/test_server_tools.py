@@ -535,3 +535,17 @@ def test_auto_regex_constrains_a_call_the_real_model_opens(engine):
     arguments = json.loads(call["function"]["arguments"])
     jsonschema.validate(arguments, forecast["function"]["parameters"])
     assert arguments["city"] == "Paris"
+
+
+def test_the_http_routes_import_without_torch():
+    """The HTTP process only parses, renders and forwards; tool grammars load the grammar package
+    (and torch) only when a request needs one."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import radixlm.server.native, radixlm.server.openai_api, radixlm.server.metrics\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
