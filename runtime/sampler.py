@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.tensors import to_device
+from radixlm.runtime.tensors import int64_tensor, packed_to_device, to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -171,34 +171,32 @@ def _sample_fused(
     logits: torch.Tensor, rows: list[SamplingRow], sampled: list[int], seeds: list[int]
 ) -> torch.Tensor:
     """The fused kernel for the sampled rows (the greedy ones are an argmax), its per-row
-    parameters sent in two non-blocking copies."""
+    parameters sent in two non-blocking copies (aligned views: the kernel compiles once)."""
     dev = logits.device
     params = [rows[i].params for i in sampled]
-    # each parameter row starts on a 16-byte boundary (padded to 4 columns), so the kernel is
-    # compiled once, not once per alignment its pointers take as the batch size changes
-    pad = [0] * (-len(sampled) % 4)
-    ints = _to_device(
-        [sampled + pad, seeds + pad, [p.top_k for p in params] + pad], torch.int64, dev
-    )[:, : len(sampled)]  # (3, R): logits row, seed, top-k
-    floats = _to_device(
-        [[getattr(p, f) for p in params] + pad for f in ("temperature", "top_p", "min_p")],
-        torch.float32,
+    logit_rows, row_seeds, top_k = packed_to_device(
+        [sampled, seeds, [p.top_k for p in params]], dev
+    )
+    temperature, top_p, min_p = packed_to_device(
+        [[getattr(p, f) for p in params] for f in ("temperature", "top_p", "min_p")],
         dev,
-    )[:, : len(sampled)]  # (3, R)
+        torch.float32,
+    )
     ids = _sampling_kernels().sample(
-        logits, ints[0], ints[1], ints[2], floats[0], floats[1], floats[2],
+        logits, logit_rows, row_seeds, top_k, temperature, top_p, min_p,
         bisects=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
     )  # fmt: skip
     if len(sampled) == len(rows):
         return ids
     token_ids = logits.argmax(dim=-1)
-    token_ids[ints[0]] = ids
+    token_ids[logit_rows] = ids
     return token_ids
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device`, without waiting for the device's queued work."""
-    return to_device(torch.tensor(data, dtype=dtype), device)
+    host = int64_tensor(data) if dtype == torch.int64 else torch.tensor(data, dtype=dtype)
+    return to_device(host, device)
 
 
 def _apply_penalties(logits: torch.Tensor, r: SamplingRow) -> None:

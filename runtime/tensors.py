@@ -27,16 +27,23 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def packed_to_device(sections: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Several int lists to `device` in one copy, as views of one buffer. Each view starts on a
-    16-byte boundary: Triton compiles a kernel once per alignment of its pointer arguments, so
-    views at odd offsets would compile new variants (seconds each) as batch sizes change."""
-    flat: list[int] = []
+_TYPECODES = {torch.int64: "q", torch.float32: "f"}
+
+
+def packed_to_device(
+    sections: list[list], device: torch.device, dtype: torch.dtype = torch.int64
+) -> list[torch.Tensor]:
+    """Several lists (of ints for int64, of numbers for float32) to `device` in one copy, as views
+    of one buffer. Each view starts on a 16-byte boundary: Triton compiles a kernel once per
+    alignment of its pointer arguments, so views at odd offsets would compile new variants
+    (seconds each) as batch sizes change."""
+    per_16_bytes = 16 // torch.empty(0, dtype=dtype).element_size()
+    buf = array(_TYPECODES[dtype])
     starts = []
     for values in sections:
-        starts.append(len(flat))
-        flat += values
-        if len(flat) % 2:
-            flat.append(0)
-    buf = to_device(int64_tensor(flat), device)
-    return [buf[s : s + len(v)] for s, v in zip(starts, sections)]
+        starts.append(len(buf))
+        buf.extend(values)
+        buf.extend([0] * (-len(buf) % per_16_bytes))
+    host = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+    dev = to_device(host, device)
+    return [dev[s : s + len(v)] for s, v in zip(starts, sections)]

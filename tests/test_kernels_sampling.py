@@ -165,13 +165,16 @@ def test_sampler_routes_sampled_rows_through_the_kernel(monkeypatch):
     monkeypatch.setenv("RADIXLM_DISABLE_FUSED", "1")
     want = Sampler().sample_ids(logits, rows).tolist()
     monkeypatch.setattr(sampler_module, "_use_fused", lambda x: True)
-    monkeypatch.setattr(sampling, "sample", _with_block(sampling.sample))
+    launched = []
+    block = _with_block(sampling.sample)
+    monkeypatch.setattr(sampling, "sample", lambda *a, **kw: launched.append(1) or block(*a, **kw))
     assert Sampler().sample_ids(logits, rows).tolist() == want
     all_sampled = [r for r in rows if not r.params.is_greedy]
     assert Sampler().sample_ids(logits[1::3].contiguous(), all_sampled[::2]).tolist() == [
         want[1],
         want[4],
     ]
+    assert len(launched) == 2  # both through the kernel
 
 
 def _with_block(sample):

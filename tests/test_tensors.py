@@ -22,3 +22,12 @@ def test_packed_views_hold_their_lists_and_start_16_byte_aligned(lengths):
     base = views[0].data_ptr() - views[0].storage_offset() * 8
     for v in views:
         assert (v.data_ptr() - base) % 16 == 0
+
+
+def test_packed_float32_views_hold_their_lists_and_start_16_byte_aligned():
+    sections = [[0.5, 1.0, 0.25], [], [2.0], [0.125] * 5]
+    views = packed_to_device(sections, torch.device("cpu"), torch.float32)
+    assert [v.tolist() for v in views] == sections and views[0].dtype == torch.float32
+    base = views[0].data_ptr() - views[0].storage_offset() * 4
+    for v in views:
+        assert (v.data_ptr() - base) % 16 == 0
