@@ -41,7 +41,9 @@ _ENGINE_HELP = {
     "for benchmarks)",
     "cuda_graph_max_bs": "decode batches up to this size replay CUDA graphs (default: "
     "max_running_requests, at most 256)",
-    "disable_cuda_graph": "run every decode step eagerly (no CUDA graphs)",
+    "cuda_graph_max_prefill_tokens": "other steps (prompt chunks, with or without decodes) of up "
+    "to this many tokens replay CUDA graphs too (0: run them eagerly)",
+    "disable_cuda_graph": "run every step eagerly (no CUDA graphs)",
     "disable_overlap_schedule": "apply each step's tokens before scheduling the next (no overlap of "
     "host work with the GPU)",
     "grammar_compile_timeout": "seconds a grammar may take to compile before its request fails",

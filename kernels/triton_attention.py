@@ -386,6 +386,7 @@ def _extend_kernel(
     PrefixLens,  # (B,)
     ExtendLens,  # (B,)
     ExtendStarts,  # (B,) row of each request's first query in Q
+    Blocks,  # (2, NB) with BLOCK_MAP: each program's request and first new token
     qk_scale,  # sm_scale * log2(e)
     stride_qt,
     stride_qh,
@@ -396,6 +397,7 @@ def _extend_kernel(
     stride_ot,
     stride_oh,
     stride_rt,
+    stride_blocks,
     GROUP: tl.constexpr,
     GROUP_BLOCK: tl.constexpr,  # query heads of the group in one tile
     HEAD_BLOCKS: tl.constexpr,  # cdiv(GROUP, GROUP_BLOCK)
@@ -406,10 +408,17 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    BLOCK_MAP: tl.constexpr,  # program_id(0) indexes Blocks (request -1: nothing to do)
 ):
-    batch = tl.program_id(1)
+    if BLOCK_MAP:
+        batch = tl.load(Blocks + tl.program_id(0)).to(tl.int32)
+        if batch < 0:
+            return
+        tok0 = tl.load(Blocks + stride_blocks + tl.program_id(0)).to(tl.int32)
+    else:
+        batch = tl.program_id(1)
+        tok0 = tl.program_id(0) * TOKENS_PER_BLOCK
     extend_len = tl.load(ExtendLens + batch).to(tl.int32)
-    tok0 = tl.program_id(0) * TOKENS_PER_BLOCK
     if tok0 >= extend_len:
         return
     kv_head = tl.program_id(2) // HEAD_BLOCKS
@@ -571,6 +580,7 @@ def extend_attention(
     max_extend_len: int | None = None,
     extend_starts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    blocks: torch.Tensor | None = None,
     config: TileConfig | None = None,
 ) -> torch.Tensor:  # (T, Hq, D)
     """New tokens of a ragged batch attend to their request's prefix and, causally, to each other.
@@ -579,6 +589,11 @@ def extend_attention(
     `extend_lens.max()` on the host, a sync that a CUDA graph cannot capture. `extend_starts`
     (B,), the row of each request's first query in `q`, defaults to the exclusive cumsum of
     `extend_lens`.
+
+    `blocks` (2, NB) int, from `extend_blocks`, lists the tiles to compute instead: one program
+    each, for the request in row 0 (-1: none) from its new token in row 1, `tokens_per_block` new
+    tokens. The grid is then NB whatever the batch, so a CUDA graph of a fixed NB serves any batch
+    whose tiles fit (query rows of no tile are left as they are in `out`).
     """
     _check_pools(q, k_pool, v_pool)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -590,9 +605,9 @@ def extend_attention(
     _check_out(out, q)
     if num_tokens == 0 or batch == 0:
         return out
-    if max_extend_len is None:
+    if blocks is None and max_extend_len is None:
         max_extend_len = int(extend_lens.max())
-    if max_extend_len <= 0:
+    if blocks is None and max_extend_len <= 0:
         return out
     if extend_starts is None:
         extend_starts = torch.cumsum(extend_lens, 0) - extend_lens
@@ -601,7 +616,14 @@ def extend_attention(
     group_block = min(group, cfg.block_m)
     head_blocks = triton.cdiv(group, group_block)
     tokens_per_block = cfg.block_m // group_block
-    grid = (triton.cdiv(max_extend_len, tokens_per_block), batch, num_kv_heads * head_blocks)
+    if blocks is not None:
+        if blocks.dim() != 2 or blocks.shape[0] != 2 or blocks.stride(1) != 1:
+            raise ValueError(
+                f"blocks must be (2, NB) with a unit last stride, got {tuple(blocks.shape)}"
+            )
+        grid = (blocks.shape[1], 1, num_kv_heads * head_blocks)
+    else:
+        grid = (triton.cdiv(max_extend_len, tokens_per_block), batch, num_kv_heads * head_blocks)
     _extend_kernel[grid](
         q,
         k_pool,
@@ -612,6 +634,7 @@ def extend_attention(
         prefix_lens,
         extend_lens,
         extend_starts,
+        extend_lens if blocks is None else blocks,
         sm_scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -622,6 +645,7 @@ def extend_attention(
         out.stride(0),
         out.stride(1),
         req_to_token.stride(0),
+        0 if blocks is None else blocks.stride(0),
         GROUP=group,
         GROUP_BLOCK=group_block,
         HEAD_BLOCKS=head_blocks,
@@ -632,10 +656,32 @@ def extend_attention(
         BLOCK_N=cfg.block_n,
         DOT_PRECISION=_dot_precision(q),
         UPCAST_DOT=_upcast_dot(q),
+        BLOCK_MAP=blocks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return out
+
+
+def extend_tokens_per_block(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """New tokens per tile of `extend_attention` for these shapes (what `extend_blocks` needs)."""
+    group = num_q_heads // num_kv_heads
+    block_m = _extend_config(head_dim, dtype, device).block_m
+    return block_m // min(group, block_m)
+
+
+def extend_blocks(extend_lens: list[int], tokens_per_block: int) -> tuple[list[int], list[int]]:
+    """The tiles of a ragged batch, for `extend_attention(blocks=...)`: the request of each and
+    its first new token."""
+    reqs: list[int] = []
+    starts: list[int] = []
+    for i, n in enumerate(extend_lens):
+        first = range(0, n, tokens_per_block)
+        reqs += [i] * len(first)
+        starts += first
+    return reqs, starts
 
 
 # ---------------------------------------------------------------------------------------------

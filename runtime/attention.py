@@ -136,6 +136,13 @@ class TritonAttentionBackend:
         self._keys_for: ForwardBatch | None = None
         self._keys: tuple = ()
 
+    def extend_tokens_per_block(self) -> int:
+        """New tokens per extend tile: what ForwardBatch.extend_blocks counts in."""
+        k = self.kv_pool.k[0]
+        return self.ta.extend_tokens_per_block(
+            self.num_q_heads, k.shape[1], k.shape[2], k.dtype, k.device
+        )
+
     def _decode_scratch(self, batch_size: int):
         ta = self.ta
         key = 1 << max(0, batch_size - 1).bit_length()  # the next power of two
@@ -166,6 +173,11 @@ class TritonAttentionBackend:
             return ta.decode_attention(
                 q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.seq_lens, sm_scale,
                 scratch=self._decode_scratch(batch.batch_size),
+            )  # fmt: skip
+        if batch.extend_blocks is not None:  # a graph's step: tiles listed, padding rows zero
+            return ta.extend_attention(
+                q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.prefix_lens,
+                batch.extend_lens, sm_scale, blocks=batch.extend_blocks, out=torch.zeros_like(q),
             )  # fmt: skip
         # one launch for the whole ragged batch; single-token requests are extends of length 1
         out = torch.empty_like(q)

@@ -42,8 +42,11 @@ class EngineConfig:
     disable_radix_cache: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
     # CUDA graphs replay decode steps of up to this many requests (default: max_running_requests,
-    # at most 256); larger decode batches and prefill run eagerly. GPU with Triton attention only.
+    # at most 256); larger decode batches run as other steps. GPU with Triton attention only.
     cuda_graph_max_bs: int | None = None
+    # other steps (prompt chunks, mixed with decodes or not) of up to this many tokens replay
+    # CUDA graphs too, each of up to max_running_requests requests; 0: they run eagerly
+    cuda_graph_max_prefill_tokens: int = 2048
     disable_cuda_graph: bool = False
     # schedule and launch each step before the previous step's tokens reach the host
     disable_overlap_schedule: bool = False
@@ -71,6 +74,8 @@ class EngineConfig:
             bad("max_running_requests must be at least 1")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             bad("cuda_graph_max_bs must be at least 1")
+        if self.cuda_graph_max_prefill_tokens < 0:
+            bad("cuda_graph_max_prefill_tokens must be at least 0")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             bad("chunked_prefill_size must be at least 1")
         if self.max_admission_delay < 0:

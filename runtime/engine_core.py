@@ -96,10 +96,10 @@ class EngineCore:
             max_admission_delay=config.max_admission_delay,
             schedule_policy=config.schedule_policy,
         )
-        graphs = None
+        graphs = prefill_graphs = None
         token_buf = torch.zeros(self.rows.max_requests, dtype=torch.int64, device=device)
         if use_cuda_graphs(config, device, backend):
-            from radixlm.runtime.cuda_graph import DecodeGraphs
+            from radixlm.runtime.cuda_graph import DecodeGraphs, PrefillGraphs
 
             if os.environ.get("RADIXLM_DISABLE_GEMV") != "1":
                 tune_batch1_matmuls(model)
@@ -109,7 +109,15 @@ class EngineCore:
                 model, backend, self.rows.table, token_buf, max_bs,
                 padding_row=self.rows.padding_row,
             )  # fmt: skip
-        self.runner = ModelRunner(model, backend, self.rows.table, device, graphs, token_buf)
+            if config.cuda_graph_max_prefill_tokens:
+                prefill_graphs = PrefillGraphs(
+                    model, backend, self.rows.table, token_buf,
+                    config.cuda_graph_max_prefill_tokens, config.max_running_requests,
+                    padding_row=self.rows.padding_row,
+                )  # fmt: skip
+        self.runner = ModelRunner(
+            model, backend, self.rows.table, device, graphs, token_buf, prefill_graphs
+        )
         self.overlap = not config.disable_overlap_schedule
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
@@ -430,6 +438,7 @@ class EngineCore:
             "generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
             "graph_steps": self.runner.num_graph_steps,
+            "prefill_graph_steps": self.runner.num_prefill_graph_steps,
             "num_preemptions": self.scheduler.num_preemptions,
             "jump_forward_tokens": self.num_jump_forward_tokens,
             "overlapped_steps": self.num_overlapped_steps,

@@ -30,6 +30,11 @@ class ForwardBatch:
     # trailing token rows of no request (shapes padded to few sizes): position 0, K/V written to
     # the padding slot 0, never in logits_indices
     padding: int = 0
+    # a prompt step replayed from a CUDA graph (runtime/cuda_graph.py PrefillGraphs): the extend
+    # attention tiles as (2, NB) (request, first new token; request -1 past the batch's), since the
+    # host lists above describe the graph's capture, not this batch; padding rows then belong to no
+    # tile and attention leaves them zero
+    extend_blocks: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

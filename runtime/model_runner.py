@@ -9,7 +9,7 @@ before this one's tokens reach the host: a request whose newest token is still p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,27 @@ class StepResults:
     # per plan item, its new token; None where the step did not end at the request's newest token
     tokens: list[int | None]
     extras: dict[int, ReqStepResult]  # plan index -> log-probabilities, only where asked
+
+
+@dataclass(slots=True)
+class _StepLists:
+    """The index lists of an eager step, host side: one entry per token, per request (item), per
+    logits row."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    token_rows: list[int] = field(default_factory=list)  # the request row of each token
+    pending: list[tuple[int, int]] = field(default_factory=list)  # (token, row): in token_buf
+    rows: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    num_multi: int = 0  # items of more than one token
+    logits_rows: list[int] = field(default_factory=list)  # token rows that need logits
+    which: list[int] = field(default_factory=list)  # items that sample
+    sample_rows: list[int] = field(default_factory=list)  # their rows of the logits
+    input_lp_rows: dict[int, list[tuple[int, int]]] = field(
+        default_factory=dict
+    )  # item -> [(logits row, token index)]
 
 
 class StepHandle:
@@ -70,12 +91,14 @@ class ModelRunner:
         device: torch.device,
         graphs=None,
         token_buf: torch.Tensor | None = None,
+        prefill_graphs=None,
     ) -> None:
         self.model = model
         self.backend = backend
         self.req_to_token = req_to_token
         self.device = device
         self.graphs = graphs  # a cuda_graph.DecodeGraphs, or None
+        self.prefill_graphs = prefill_graphs  # a cuda_graph.PrefillGraphs, or None
         self.sampler = Sampler()
         # the newest sampled token of each request row, on the device
         self.token_buf = (
@@ -87,7 +110,8 @@ class ModelRunner:
         # step's copy never overwrites the previous step's before it is read
         self._host_tokens = [self._host_buffer(), self._host_buffer()]
         self._flip = 0
-        self.num_graph_steps = 0  # steps replayed from a CUDA graph
+        self.num_graph_steps = 0  # decode steps replayed from a CUDA graph
+        self.num_prefill_graph_steps = 0  # other steps replayed from a CUDA graph
 
     def _host_buffer(self) -> torch.Tensor:
         buf = torch.zeros(self.token_buf.shape[0], dtype=torch.int64)
@@ -113,8 +137,20 @@ class ModelRunner:
             plan_items = list(plan)
             order = sorted(range(len(plan_items)), key=lambda i: plan_items[i].num_tokens == 1)
             items = [plan_items[i] for i in order]
-            batch, which, logit_rows, input_lp_rows = self._build_batch(items)
-            logits = self.model(batch, self.backend)  # (L, V)
+            lists = self._step_lists(items)
+            which, logit_rows, input_lp_rows = lists.which, lists.sample_rows, lists.input_lp_rows
+            if (
+                self.prefill_graphs is not None
+                and not input_lp_rows
+                and self.prefill_graphs.can_run(len(lists.input_ids), len(items))
+            ):
+                logits = self.prefill_graphs.run(
+                    lists.input_ids, lists.positions, lists.token_rows, lists.pending,
+                    lists.rows, lists.prefix_lens, lists.extend_lens, lists.logits_rows,
+                )  # fmt: skip
+                self.num_prefill_graph_steps += 1
+            else:
+                logits = self.model(self._to_batch(lists), self.backend)  # (L, V)
             if logit_rows == list(range(len(logit_rows))):
                 row_logits = logits[: len(logit_rows)]  # (logits may have padding rows after)
             else:
@@ -194,16 +230,10 @@ class ModelRunner:
 
     # ---- batch ----------------------------------------------------------------------------
 
-    def _build_batch(self, items: list[ScheduledReq]):
-        input_ids: list[int] = []
-        positions: list[int] = []
-        token_rows: list[int] = []  # the request row of each token
-        rows: list[int] = []
-        logits_rows: list[int] = []
-        which: list[int] = []  # items that sample
-        sample_logit_rows: list[int] = []  # their rows of the logits
-        input_lp_rows: dict[int, list[tuple[int, int]]] = {}  # item -> [(logit_row, token index)]
-        pending: list[tuple[int, int]] = []  # (index in input_ids, request row)
+    def _step_lists(self, items: list[ScheduledReq]) -> _StepLists:
+        """The index lists of an eager step (multi-token items first), before the device."""
+        out = _StepLists()
+        input_ids, positions, token_rows = out.input_ids, out.positions, out.token_rows
         offset = 0
         for i, it in enumerate(items):
             req = it.req
@@ -212,12 +242,16 @@ class ModelRunner:
                 input_ids.extend(req.output_ids[start - len(prompt) : end - len(prompt)])
             else:
                 input_ids.extend(req.all_ids[start:end] if end > len(prompt) else prompt[start:end])
-            if self._pending_input(it):  # the newest token is on the device: fixed up below
-                pending.append((len(input_ids), req.pool_row))
+            if self._pending_input(it):  # the newest token is on the device: fixed up there
+                out.pending.append((len(input_ids), req.pool_row))
                 input_ids.append(0)
             positions.extend(range(it.start, it.start + it.num_tokens))
             token_rows += [req.pool_row] * it.num_tokens
-            rows.append(req.pool_row)
+            out.rows.append(req.pool_row)
+            out.extend_lens.append(it.num_tokens)
+            out.prefix_lens.append(it.start)
+            if it.num_tokens > 1:
+                out.num_multi += 1
             if req.wants_input_logprobs:
                 entries = self._input_logprob_positions(it)
                 first_token_pending = (
@@ -226,44 +260,48 @@ class ModelRunner:
                     and it.start == 0
                 )
                 if entries or first_token_pending:
-                    input_lp_rows[i] = []
+                    out.input_lp_rows[i] = []
                     for pos, token_index in entries:
-                        input_lp_rows[i].append((len(logits_rows), token_index))
-                        logits_rows.append(offset + pos - it.start)
+                        out.input_lp_rows[i].append((len(out.logits_rows), token_index))
+                        out.logits_rows.append(offset + pos - it.start)
             if it.samples:
-                which.append(i)
-                sample_logit_rows.append(len(logits_rows))
-                logits_rows.append(offset + it.num_tokens - 1)
+                out.which.append(i)
+                out.sample_rows.append(len(out.logits_rows))
+                out.logits_rows.append(offset + it.num_tokens - 1)
             offset += it.num_tokens
+        return out
 
-        extend_lens = [it.num_tokens for it in items]
-        prefix_lens = [it.start for it in items]
-        num_multi = sum(1 for n in extend_lens if n > 1)
+    def _to_batch(self, lists: _StepLists) -> ForwardBatch:
+        """An eager step's ForwardBatch: its lists on the device, in one copy."""
+        input_ids, positions, token_rows = lists.input_ids, lists.positions, lists.token_rows
+        logits_rows = lists.logits_rows
         padding = 0
-        if num_multi and self.backend.pads_tokens:
+        if lists.num_multi and self.backend.pads_tokens:
             # cuBLAS chooses a kernel for each new matmul shape (~0.25 ms of host time a call, the
             # first time); as prompt chunks and decodes mix, nearly every step would be a new
             # shape. Padded to a few sizes, they are soon all known. The padding rows are tokens of
             # no request: position 0, K/V written to the padding slot 0, never a logits row. The
             # logits rows are padded with copies of row 0, computed and ignored.
             padding = _padded(len(input_ids)) - len(input_ids)
-            input_ids += [0] * padding
-            positions += [0] * padding
-            token_rows += [0] * padding
-            logits_rows += [0] * (_padded(len(logits_rows)) - len(logits_rows))
-        # every index list travels to the device in one copy
+            input_ids = input_ids + [0] * padding
+            positions = positions + [0] * padding
+            token_rows = token_rows + [0] * padding
+            logits_rows = logits_rows + [0] * (_padded(len(logits_rows)) - len(logits_rows))
         ids_t, pos_t, token_rows_t, req_rows, extend_t, prefix_t, logits_t = packed_to_device(
-            [input_ids, positions, token_rows, rows, extend_lens, prefix_lens, logits_rows],
+            [
+                input_ids, positions, token_rows, lists.rows, lists.extend_lens,
+                lists.prefix_lens, logits_rows,
+            ],
             self.device,
-        )
-        if pending:
-            flat = [x for pair in pending for x in pair]
+        )  # fmt: skip
+        if lists.pending:
+            flat = [x for pair in lists.pending for x in pair]
             at, pool_rows = to_device(int64_tensor(flat), self.device).view(-1, 2).unbind(1)
             ids_t[at] = self.token_buf[pool_rows]
         out_cache_loc = self.req_to_token[token_rows_t, pos_t].long()
         if padding:
             out_cache_loc[-padding:] = 0
-        batch = ForwardBatch(
+        return ForwardBatch(
             input_ids=ids_t,
             positions=pos_t,
             out_cache_loc=out_cache_loc,
@@ -272,12 +310,11 @@ class ModelRunner:
             extend_lens=extend_t,
             seq_lens=prefix_t + extend_t,
             logits_indices=logits_t,
-            extend_lens_cpu=extend_lens,
-            prefix_lens_cpu=prefix_lens,
-            num_multi=num_multi,
+            extend_lens_cpu=lists.extend_lens,
+            prefix_lens_cpu=lists.prefix_lens,
+            num_multi=lists.num_multi,
             padding=padding,
         )
-        return batch, which, sample_logit_rows, input_lp_rows
 
     @staticmethod
     def _input_logprob_positions(it: ScheduledReq) -> list[tuple[int, int]]:

@@ -100,10 +100,10 @@ def test_padded_prefill_rows_leave_outputs_and_the_padding_slot_alone(
     )  # fmt: skip
     with radixlm.Engine(tiny_model_folder, attention_backend="triton") as eng:
         paddings = []
-        build = eng._core.runner._build_batch
-        eng._core.runner._build_batch = lambda items: (
-            lambda out: paddings.append(out[0].padding) or out
-        )(build(items))
+        build = eng._core.runner._to_batch
+        eng._core.runner._to_batch = lambda lists: (
+            lambda out: paddings.append(out.padding) or out
+        )(build(lists))
         got = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         pool = eng._core.kv_pool
         assert all(torch.isfinite(k[0]).all() and torch.isfinite(v[0]).all()
@@ -249,6 +249,64 @@ def test_flash_attn_prompt_path_gathers_prefix_and_new_keys(tiny_model_folder):
     assert prompt_tokens and max(keys) > max(prompt_tokens)  # chunks after cached prefixes
     assert any(size > multi for multi, size in mixes)  # and steps mixing them with decodes
     for a, b in zip(outs["torch"], outs["triton"]):
+        assert a["output_ids"] == b["output_ids"]
+        for (lp_a, _, _), (lp_b, _, _) in zip(
+            a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        ):
+            assert abs(lp_a - lp_b) < 1e-4
+
+
+def test_prompt_steps_padded_for_prefill_graphs_match_eager(tiny_model_folder):
+    """Prompt steps through PrefillGraphs (inputs padded to a bucket in one buffer, attention tiles
+    listed, a newest token still on the device read from token_buf), run eagerly here and replayed
+    on a GPU, give the ordinary path's tokens and log-probabilities: chunked prompts after cached
+    prefixes, mixed with decodes; a step wanting prompt log-probabilities stays eager."""
+    from radixlm.runtime.cuda_graph import PrefillGraphs, prefill_buckets
+
+    assert prefill_buckets(100) == [16, 32, 48, 64, 96, 128]
+    shared = list(range(600, 640))
+    prompts = [shared + list(range(700 + 9 * i, 705 + 11 * i)) for i in range(5)]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    sampled_params = {**params, "temperature": 0.8, "seed": 11}
+    outs, runs = [], []
+    for graphs in (False, True):
+        with radixlm.Engine(
+            tiny_model_folder, attention_backend="triton", chunked_prefill_size=24
+        ) as eng:
+            runner = eng._core.runner
+            if graphs:
+                runner.prefill_graphs = PrefillGraphs(
+                    runner.model, runner.backend, runner.req_to_token, runner.token_buf,
+                    max_tokens=40, max_reqs=6, capture=False,
+                    padding_row=eng._core.rows.padding_row,
+                )  # fmt: skip
+                run = runner.prefill_graphs.run
+
+                def noting(*a, run=run):
+                    runs.append((len(a[0]), len(a[3]), len(a[4])))  # tokens, pending, requests
+                    return run(*a)
+
+                runner.prefill_graphs.run = noting
+            first = eng.generate(input_ids=prompts[0], sampling_params=params, return_logprob=True)
+            rest = eng.generate(input_ids=prompts[1:], sampling_params=params, return_logprob=True)
+            sampled = eng.generate(input_ids=prompts[1:3], sampling_params=sampled_params)
+            before = len(runs)
+            with_input_lps = eng.generate(
+                input_ids=prompts[3], sampling_params=params, return_logprob=True,
+                logprob_start_len=0,
+            )  # fmt: skip
+            # (its decodes may: here no decode graphs are captured, so they go as other steps)
+            assert all(n == 1 for n, _, _ in runs[before:]), "its prompt step replayed a graph"
+            outs.append(([first, *rest], sampled, with_input_lps))
+            stats = eng.get_stats()
+    assert stats["prefill_graph_steps"] == len(runs) > 0
+    assert any(pending for _, pending, _ in runs)  # newest tokens read from token_buf
+    assert any(reqs > 1 for _, _, reqs in runs)  # chunks mixed with decodes
+    assert all(tokens <= 40 and reqs <= 6 for tokens, _, reqs in runs)
+    (eager, eager_sampled, eager_lps), (graphed, graphed_sampled, graphed_lps) = outs
+    assert [o["output_ids"] for o in eager_sampled] == [o["output_ids"] for o in graphed_sampled]
+    assert eager_lps["output_ids"] == graphed_lps["output_ids"]
+    for a, b in zip(eager, graphed):
         assert a["output_ids"] == b["output_ids"]
         for (lp_a, _, _), (lp_b, _, _) in zip(
             a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]

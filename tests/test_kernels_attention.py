@@ -200,6 +200,42 @@ def test_extend_with_hints_and_strided_output() -> None:
     assert wide[:, 0].isnan().all() and wide[:, -2:].isnan().all(), "wrote outside `out`"
 
 
+@pytest.mark.parametrize(
+    "prefix_lens,new_lens,num_kv_heads,group,dtype",
+    [
+        ([3, 11, 0], [9, 4, 1], 2, 2, torch.float32),
+        ([0, 40], [70, 1], 1, 3, torch.float32),  # several tiles of one request
+        ([5], [1], 3, 1, torch.float32),
+        ([2, 0], [33, 21], 1, 4, torch.bfloat16),
+    ],
+)
+def test_extend_over_a_padded_block_map_equals_the_plain_grid(
+    prefix_lens, new_lens, num_kv_heads, group, dtype
+) -> None:
+    """The grid of a CUDA graph: tiles listed in `blocks`, padded with request -1 past the batch's
+    own, and the token rows past the batch (graph padding) left as they were in `out`."""
+    b = Batch(prefix_lens, new_lens, num_kv_heads, group, 64, dtype, seed=len(new_lens))
+    tpb = ta.extend_tokens_per_block(b.q.shape[1], num_kv_heads, 64, dtype, DEVICE)
+    reqs, starts = ta.extend_blocks(new_lens, tpb)
+    assert len(reqs) == sum(-(-n // tpb) for n in new_lens)
+    pad = 5
+    blocks = torch.tensor([reqs + [-1] * pad, starts + [0] * pad], device=DEVICE)
+    rows = b.q.shape[0]
+    out = torch.full((rows + 3, *b.q.shape[1:]), 7.0, device=DEVICE, dtype=dtype)
+    q = torch.cat([b.q, torch.zeros(3, *b.q.shape[1:], device=DEVICE, dtype=dtype)])
+    ta.extend_attention(
+        q, b.k_pool, b.v_pool, b.req_to_token, b.req_pool_indices, b.prefix_lens,
+        b.extend_lens, b.sm_scale, blocks=blocks, out=out,
+    )  # fmt: skip
+    assert_close(out[:rows], expected_extend(b), dtype)
+    assert (out[rows:] == 7.0).all(), "wrote rows of no tile"
+    with pytest.raises(ValueError, match="blocks"):
+        ta.extend_attention(
+            q, b.k_pool, b.v_pool, b.req_to_token, b.req_pool_indices, b.prefix_lens,
+            b.extend_lens, b.sm_scale, blocks=blocks[0], out=out,
+        )  # fmt: skip
+
+
 def test_extend_rejects_mismatched_heads() -> None:
     b = Batch([2], [3], 3, 1, 64, torch.float32, seed=4)
     with pytest.raises(ValueError, match="multiple"):
