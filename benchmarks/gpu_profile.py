@@ -12,9 +12,10 @@
   (the call's own host work before and after, submitting the requests and assembling their
   outputs, left out). The same call untraced gives the rate without the profiler's overhead.
   Kernel intervals leave out the GPU's own gaps between the kernels of a graph (a few hundred
-  kernels a step for a small model); so, in one more untraced call, CUDA events around every graph
-  replay give each decode step's GPU time from its first kernel to its last, against the span from
-  the first replay to the last (the input and output copies around each replay count as idle).
+  kernels a step for a small model), which are not the host's doing; so, in one more untraced
+  call, CUDA events as each step's launch begins and ends give the GPU time of every step, from
+  its first work to its last, against the call's wall time: the GPU is idle for the host only
+  between steps (and before the first and after the last).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def busy(shape: str) -> str:
         t0 = time.perf_counter()
         eng.generate(input_ids=prompts, sampling_params=params)
         untraced = time.perf_counter() - t0
-        replays, inside, between = replay_spans(eng, prompts, params)
+        steps, inside, events_wall = step_spans(eng, prompts, params)
         # device activity only: tracing every host-side op would slow the host being measured
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
@@ -101,34 +102,38 @@ def busy(shape: str) -> str:
     return (
         f"| {shape} | 64 x 256 tokens | {wall:.3f} s | {tokens / wall:.0f} tok/s "
         f"({tokens / untraced:.0f} untraced) | {covered / 1e6:.3f} s | {covered / 1e6 / wall:.1%} "
-        f"| {span:.3f} s | {covered / 1e6 / span:.1%} | {replays} replays: {inside:.3f} s of "
-        f"{between:.3f} s = {inside / between:.1%} |"
+        f"| {span:.3f} s | {covered / 1e6 / span:.1%} | {steps} steps: {inside:.3f} s of "
+        f"{events_wall:.3f} s = **{inside / events_wall:.1%}** |"
     )
 
 
-def replay_spans(eng, prompts, params) -> tuple[int, float, float]:
-    """CUDA events before and after every graph replay of one `generate` call: the replays, their
-    GPU time in seconds, and the seconds from the first replay's start to the last one's end."""
-    pairs = []
-    real = torch.cuda.CUDAGraph.replay
+def step_spans(eng, prompts, params) -> tuple[int, float, float]:
+    """One untraced `generate` call with CUDA events recorded as each step's launch begins and
+    ends: (steps, seconds of GPU time from each step's first work to its last, summed, wall
+    seconds of the call). Steps run one after another on the stream, so the spans do not overlap;
+    what lies between them is the GPU waiting for the host."""
+    from radixlm.runtime.model_runner import ModelRunner
 
-    def timed(graph) -> None:
+    pairs = []
+    real = ModelRunner.launch
+
+    def timed(self, plan, greedy_only=False):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        real(graph)
+        handle = real(self, plan, greedy_only)
         end.record()
         pairs.append((start, end))
+        return handle
 
-    torch.cuda.CUDAGraph.replay = timed
+    ModelRunner.launch = timed
     try:
+        t0 = time.perf_counter()
         eng.generate(input_ids=prompts, sampling_params=params)
+        wall = time.perf_counter() - t0
     finally:
-        torch.cuda.CUDAGraph.replay = real
+        ModelRunner.launch = real
     torch.cuda.synchronize()
-    if not pairs:
-        raise SystemExit("no decode step replayed a CUDA graph: nothing to time")
-    inside = sum(a.elapsed_time(b) for a, b in pairs) / 1e3
-    return len(pairs), inside, pairs[0][0].elapsed_time(pairs[-1][1]) / 1e3
+    return len(pairs), sum(a.elapsed_time(b) for a, b in pairs) / 1e3, wall
 
 
 def main() -> None:
@@ -148,7 +153,8 @@ def main() -> None:
             print(line, flush=True)
     print(
         "\n| shape | decode batch | wall | rate | GPU busy | share of wall | GPU span "
-        "| share of span | graph replays (CUDA events) |\n|---|---|---|---|---|---|---|---|---|"
+        "| share of span | GPU time in steps (CUDA events) over wall |"
+        "\n|---|---|---|---|---|---|---|---|---|"
     )
     print(busy(args.busy_shape), flush=True)
 

@@ -53,6 +53,20 @@ class DecodeScratch(NamedTuple):
     partial_lse: torch.Tensor
 
 
+class DecodeRope(NamedTuple):
+    """The new token's unrotated k and v (B, Hkv, D), its position (B,), the rope tables
+    cos/sin (positions, D // 2) and its KV slot (B,): with these `decode_attention` takes q
+    unrotated and does what `kernels.fused.rope_store_kv_` would before it (rotating q, storing the
+    rotated k and v), saving that kernel's launch."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    loc: torch.Tensor
+
+
 def alloc_decode_scratch(
     max_batch: int,
     num_q_heads: int,
@@ -101,8 +115,18 @@ def _decode_partial_kernel(
     SeqLens,  # (B,)
     PartialOut,  # (>=B, Hq, NUM_KV_SPLITS, D) fp32; with one split, the output (B, Hq, D)
     PartialLse,  # (>=B, Hq, NUM_KV_SPLITS) fp32, log2 units
+    Knew,  # with ROPE: the new token's unrotated k (B, Hkv, D); v, position, tables, slot
+    Vnew,
+    Pos,
+    Cos,  # (positions, HEAD_DIM // 2)
+    Sin,
+    Loc,
     qk_scale,  # sm_scale * log2(e)
     num_kv_splits,
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -123,6 +147,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    ROPE: tl.constexpr,  # q unrotated; rotate it, and store the new k (rotated) and v first
 ):
     batch = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -146,6 +171,42 @@ def _decode_partial_kernel(
         mask=head_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # (BLOCK_H, BLOCK_D)
+    if ROPE:
+        # rotate-half rope as kernels/fused.py's rope_store_kv_ computes it (same expressions,
+        # fp32, rounded to the input's dtype): dim d pairs with d +- HEAD_DIM // 2
+        half: tl.constexpr = HEAD_DIM // 2
+        first = offs_d < half
+        partner = tl.where(first, offs_d + half, offs_d - half)
+        pos = tl.load(Pos + batch).to(tl.int64)
+        c = tl.load(Cos + pos * half + offs_d % half, mask=d_mask, other=0.0)
+        sn = tl.load(Sin + pos * half + offs_d % half, mask=d_mask, other=0.0)
+        qp = tl.load(
+            Q + batch * stride_qb + heads[:, None] * stride_qh + partner[None, :],
+            mask=head_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        qf = q.to(tl.float32)
+        q = tl.where(
+            first[None, :], qf * c[None, :] - qp * sn[None, :], qf * c[None, :] + qp * sn[None, :]
+        ).to(q.dtype)
+        # the program whose split holds the new token's position stores its K/V (one per kv
+        # head), and the barrier makes the store visible to the program's loads below
+        if (seq_len > 0) & (head_block == 0) & ((seq_len - 1) // tl.maximum(split_len, 1) == split):
+            slot = tl.load(Loc + batch).to(tl.int64)
+            kn = Knew + batch * stride_knb + kv_head * stride_knh
+            kf = tl.load(kn + offs_d, mask=d_mask, other=0.0)
+            kp = tl.load(kn + partner, mask=d_mask, other=0.0).to(tl.float32)
+            k_rot = tl.where(
+                first, kf.to(tl.float32) * c - kp * sn, kf.to(tl.float32) * c + kp * sn
+            ).to(kf.dtype)
+            k_ty = K.dtype.element_ty
+            tl.store(
+                K + slot * stride_ks + kv_head * stride_kh + offs_d, k_rot.to(k_ty), mask=d_mask
+            )
+            vn = tl.load(Vnew + batch * stride_vnb + kv_head * stride_vnh + offs_d, mask=d_mask)
+            v_ty = V.dtype.element_ty
+            tl.store(V + slot * stride_vs + kv_head * stride_vh + offs_d, vn.to(v_ty), mask=d_mask)
+        tl.debug_barrier()
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
@@ -271,13 +332,16 @@ def decode_attention(
     num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
     scratch: DecodeScratch | None = None,
+    rope: DecodeRope | None = None,
     config: TileConfig | None = None,
 ) -> torch.Tensor:  # (B, Hq, D)
     """One new token per request attends to its whole sequence in the pool (flash-decoding).
 
     For CUDA-graph capture pass `out` (B, Hq, D) and a `scratch` from `alloc_decode_scratch`;
     `num_kv_splits` then defaults to the scratch's. A request with seq_len 0 (a padded graph slot)
-    gets a zero output.
+    gets a zero output. With `rope` (DecodeRope) q comes unrotated (and is left so) and the new
+    token's K/V are not in the pool yet: the kernel rotates and stores them first (a request with
+    seq_len 0 stores nothing).
     """
     _check_pools(q, k_pool, v_pool)
     batch, num_q_heads, head_dim = q.shape
@@ -317,6 +381,12 @@ def decode_attention(
     po, po_strides = partial_out, partial_out.stride()[:3]
     if num_kv_splits == 1:
         po, po_strides = out, (out.stride(0), out.stride(1), 0)
+    if rope is not None:
+        if rope.k.stride(-1) != 1 or rope.v.stride(-1) != 1 or head_dim % 2:
+            raise ValueError("rope needs k and v with a unit last stride and an even head dim")
+        k_new, v_new, pos, cos, sin, loc = rope
+    else:  # (unused: any tensors of the right kinds)
+        k_new, v_new, pos, cos, sin, loc = q, q, seq_lens, q, q, seq_lens
     _decode_partial_kernel[(batch, num_kv_heads * head_blocks, num_kv_splits)](
         q,
         k_pool,
@@ -326,8 +396,18 @@ def decode_attention(
         seq_lens,
         po,
         partial_lse,
+        k_new,
+        v_new,
+        pos,
+        cos,
+        sin,
+        loc,
         sm_scale * _LOG2E,
         num_kv_splits,
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
         q.stride(0),
         q.stride(1),
         k_pool.stride(0),
@@ -346,6 +426,7 @@ def decode_attention(
         BLOCK_N=cfg.block_n,
         DOT_PRECISION=_dot_precision(q),
         UPCAST_DOT=_upcast_dot(q),
+        ROPE=rope is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

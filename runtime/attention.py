@@ -163,17 +163,22 @@ class TritonAttentionBackend:
         q is rotated in place and k rotated into the pool."""
         ta = self.ta
         k_pool, v_pool = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
+        if batch.is_decode:  # rope and the K/V store inside the decode kernel, when fused
+            fused = None
+            if rope is not None:
+                fused = ta.DecodeRope(k, v, rope.positions, rope.cos, rope.sin, batch.out_cache_loc)
+            else:
+                ta.store_kv(k_pool, v_pool, batch.out_cache_loc, k, v)
+            return ta.decode_attention(
+                q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.seq_lens, sm_scale,
+                scratch=self._decode_scratch(batch.batch_size), rope=fused,
+            )  # fmt: skip
         if rope is not None:
             self.fused.rope_store_kv_(
                 q, k, v, rope.positions, rope.cos, rope.sin, k_pool, v_pool, batch.out_cache_loc
             )
         else:
             ta.store_kv(k_pool, v_pool, batch.out_cache_loc, k, v)
-        if batch.is_decode:
-            return ta.decode_attention(
-                q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.seq_lens, sm_scale,
-                scratch=self._decode_scratch(batch.batch_size),
-            )  # fmt: skip
         if batch.extend_blocks is not None:  # a graph's step: tiles listed, padding rows zero
             return ta.extend_attention(
                 q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.prefix_lens,

@@ -308,6 +308,64 @@ def test_decode_into_preallocated_buffers_for_a_smaller_batch() -> None:
         run_decode(b, scratch=scratch, num_kv_splits=2)
 
 
+@pytest.mark.parametrize(
+    "prefix_lens,num_kv_heads,group,head_dim,dtype,splits",
+    [
+        ([6, 0, 13], 2, 3, 64, torch.float32, 1),
+        ([6, 0, 13], 2, 3, 64, torch.float32, 4),  # the new token in a later split
+        ([40, 3], 1, 4, 128, torch.float32, 3),
+        ([9, 21], 2, 2, 64, torch.bfloat16, 2),
+    ],
+)
+def test_decode_with_rope_equals_rope_store_then_decode(
+    prefix_lens, num_kv_heads, group, head_dim, dtype, splits
+) -> None:
+    """DecodeRope: the decode kernel rotates q and stores the new token's rotated k and v itself,
+    as kernels.fused.rope_store_kv_ followed by the plain decode kernel would; a padded request
+    (seq_len 0) stores nothing."""
+    from radixlm.kernels.fused import rope_store_kv_
+
+    b = Batch(prefix_lens, [1] * len(prefix_lens), num_kv_heads, group, head_dim, dtype, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    n = len(prefix_lens)
+    rows = b.req_pool_indices
+    loc = b.req_to_token[rows, b.seq_lens - 1].long()
+    k_new = torch.randn(n, num_kv_heads + 1, head_dim, generator=gen).to(dtype).to(DEVICE)[:, 1:]
+    v_new = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    angles = torch.arange(64)[:, None] * torch.rand(head_dim // 2, generator=gen)[None, :]
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    positions = (b.seq_lens - 1 + torch.tensor([3, 0, 5][:n], device=DEVICE)).contiguous()
+    seq_lens = b.seq_lens.clone()
+    padded_slot = None
+    if n == 3:  # request 1 is a graph's padding row: seq_len 0, stores nothing
+        seq_lens[1] = 0
+        padded_slot = int(loc[1])
+
+    ref_k, ref_v, q_ref = b.k_pool.clone(), b.v_pool.clone(), b.q.clone()
+    rope_store_kv_(q_ref, k_new, v_new, positions, cos, sin, ref_k, ref_v, loc)
+    want = ta.decode_attention(
+        q_ref, ref_k, ref_v, b.req_to_token, rows, seq_lens, b.sm_scale, num_kv_splits=splits
+    )
+    b.k_pool[loc] = float("nan")  # the new token's K/V are not in the pool yet
+    b.v_pool[loc] = float("nan")
+    if padded_slot is not None:
+        b.k_pool[padded_slot] = 0.5
+        b.v_pool[padded_slot] = 0.5
+    q_before = b.q.clone()
+    got = ta.decode_attention(
+        b.q, b.k_pool, b.v_pool, b.req_to_token, rows, seq_lens, b.sm_scale,
+        num_kv_splits=splits, rope=ta.DecodeRope(k_new, v_new, positions, cos, sin, loc),
+    )  # fmt: skip
+    assert torch.equal(b.q, q_before), "q must be left unrotated"
+    assert_close(got, want, dtype)
+    for i in range(n):
+        if i == 1 and padded_slot is not None:
+            assert (b.k_pool[padded_slot] == 0.5).all() and (b.v_pool[padded_slot] == 0.5).all()
+            continue
+        torch.testing.assert_close(b.k_pool[loc[i]], ref_k[loc[i]], atol=1e-6, rtol=1e-6)
+        assert torch.equal(b.v_pool[loc[i]], ref_v[loc[i]])
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_padded_request_with_no_tokens_gives_zeros(splits: int) -> None:
     # a CUDA-graph batch is padded with requests of seq_len 0; they must not produce NaN
