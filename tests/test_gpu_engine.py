@@ -75,8 +75,9 @@ def test_gpu_half_precision_diverges_only_where_cpu_was_unsure(
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graph_decode_equals_eager_decode(default_model_folder, dtype):
-    """Replayed decode graphs (batches padded to buckets) give the tokens and log-probabilities of
-    the eager path, for lone requests and batches of sizes between buckets."""
+    """Replayed graphs (decode batches padded to buckets, prompt steps to bucket token counts)
+    give the tokens and log-probabilities of the eager path, for lone requests and batches of
+    sizes between buckets (in bf16 up to near-ties)."""
     prompts = hundred_prompts()[:37]
     params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
     outs = []
@@ -90,17 +91,26 @@ def test_cuda_graph_decode_equals_eager_decode(default_model_folder, dtype):
             sampled = eng.generate(prompts[:5], {**params, "temperature": 0.8, "seed": 7})
         outs.append((alone, batch, sampled))
     (a0, b0, s0), (a1, b1, s1) = outs
-    assert a0["output_ids"] == a1["output_ids"]
+    ids0, ids1 = a0["output_ids"], a1["output_ids"]
+    lps0 = [lp for lp, _, _ in a0["meta_info"]["output_token_logprobs"]]
+    lps1 = [lp for lp, _, _ in a1["meta_info"]["output_token_logprobs"]]
+    if dtype == "float32":
+        assert ids0 == ids1
+    elif ids0 != ids1:
+        # bf16: the two paths' matmuls differ in shape (a graph's bucket against the eager
+        # padding) and so in kernel, which may flip a near-tie; then both picks are near the top
+        j = next(i for i, (x, y) in enumerate(zip(ids0, ids1)) if x != y)
+        assert abs(lps0[j] - lps1[j]) < 0.25, (j, lps0[j], lps1[j])
+        lps0, lps1 = lps0[:j], lps1[:j]
     same = sum(x["output_ids"] == y["output_ids"] for x, y in zip(b0, b1))
     assert same >= (36 if dtype == "float32" else 33), same  # bf16: batch shape may flip near-ties
     if dtype == "float32":  # (bf16: a padded batch shape may flip a sampled near-tie)
         assert [x["output_ids"] for x in s0] == [x["output_ids"] for x in s1]
-    for x, y in zip(
-        a0["meta_info"]["output_token_logprobs"], a1["meta_info"]["output_token_logprobs"]
-    ):
-        # bf16 logits near 8-16 are spaced 0.0625 apart: the two paths run different matmul
-        # kernels (the graph path's GEMV choices are tuned from replays), so allow two such steps.
-        assert abs(x[0] - y[0]) < (1e-3 if dtype == "float32" else 0.125)
+    for x, y in zip(lps0, lps1):
+        # bf16 logits of 16-32 are spaced 0.125 apart and the two paths run different matmul
+        # kernels (the graph path's GEMV choices are tuned from replays; its prompt step computes
+        # a bucket's rows), so allow two such steps. (Measured: 0.13 on a lone prompt's 2nd token.)
+        assert abs(x - y) < (1e-3 if dtype == "float32" else 0.25)
 
 
 def test_graph_decode_equals_eager_on_random_weights_with_padded_prefill(default_model_folder):
