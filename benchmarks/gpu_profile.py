@@ -1,11 +1,14 @@
 """Prefill compute efficiency and GPU busy time, on the GPU with random weights of real shapes.
 
-    python -m benchmarks.gpu_profile [--prefill-shape llama-3.1-8b] [--busy-shape smollm2-135m]
+    python -m benchmarks.gpu_profile [--prefill-shape llama-3.1-8b] [--short-shape smollm2-135m]
+        [--busy-shape smollm2-135m]
 
 - Prefill: one 8,192-token prompt in one forward (chunked_prefill_size 8192), time to the first
   token, FLOPs counted (2 x parameters x tokens for the matmuls, 2 x layers x hidden x tokens^2 for
   causal attention) against the bf16 matmul rate measured in the same run; and the time to first
   token of a 1,024-token prompt.
+- Short prompts: time to the first token of 32-token prompts, alone and 64 at once, with the prompt
+  step run eagerly and replayed from a CUDA graph, in the same run.
 - Busy: a decode-heavy batch of 64 requests (32-token prompts, 256 new tokens each) under the
   torch profiler, tracing device activity only; the union of GPU kernel and copy intervals over
   the wall time of the `generate` call, and over the span from the first GPU activity to the last
@@ -21,6 +24,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -68,6 +72,34 @@ def prefill(shape: str) -> list[str]:
                 f"{peak / 1e12:.0f} TFLOP/s | {flops / best / peak:.1%} |"
             )
     return lines
+
+
+def short_prompts(shape: str) -> list[str]:
+    """Time to the first token of short prompts (32 tokens, one new token; alone, and 64 at once),
+    with prompt steps run eagerly (`cuda_graph_max_prefill_tokens=0`) and replayed from graphs,
+    in the same run: median of 7 calls after a warm-up."""
+    folder = shape_folder(shape)
+    params = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+    medians = {}
+    for max_tokens in (0, 2048):
+        with radixlm.Engine(
+            str(folder), load_format="dummy", disable_radix_cache=True,
+            cuda_graph_max_prefill_tokens=max_tokens,
+        ) as eng:  # fmt: skip
+            for n in (1, 64):
+                prompts = random_prompts(n, 32, 32, 32000, seed=n)
+                eng.generate(input_ids=prompts, sampling_params=params)
+                times = []
+                for _ in range(7):
+                    t = time.perf_counter()
+                    eng.generate(input_ids=prompts, sampling_params=params)
+                    times.append(time.perf_counter() - t)
+                medians[max_tokens, n] = statistics.median(times)
+    return [
+        f"| {shape} | {n} x 32 tokens | {medians[0, n] * 1e3:.2f} ms | "
+        f"{medians[2048, n] * 1e3:.2f} ms | {medians[0, n] / medians[2048, n]:.1f}x |"
+        for n in (1, 64)
+    ]
 
 
 def busy(shape: str) -> str:
@@ -142,6 +174,7 @@ def main() -> None:
     )
     ap.add_argument("--prefill-shape", default="llama-3.1-8b", help="a shape, or none")
     ap.add_argument("--busy-shape", default="smollm2-135m")
+    ap.add_argument("--short-shape", default="smollm2-135m", help="a shape, or none")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_profile measures the GPU: no CUDA device here")
@@ -150,6 +183,11 @@ def main() -> None:
         print("\n| shape | prompt tokens | time to first token | achieved | bf16 matmul | share |")
         print("|---|---|---|---|---|---|")
         for line in prefill(args.prefill_shape):
+            print(line, flush=True)
+    if args.short_shape != "none":
+        print("\n| shape | prompts | first token, eager prompt step | from a graph | speed-up |")
+        print("|---|---|---|---|---|")
+        for line in short_prompts(args.short_shape):
             print(line, flush=True)
     print(
         "\n| shape | decode batch | wall | rate | GPU busy | share of wall | GPU span "

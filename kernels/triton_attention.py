@@ -6,12 +6,15 @@ queries are packed request after request, and the new tokens' K/V are already in
 
 - `decode_attention`: flash-decoding. Stage 1 runs one program per (request, kv head, kv split); it
   loads the whole query-head group of its kv head, so each K/V tile is read once for the group, and
-  writes a partial output and its log-sum-exp to scratch. Stage 2 merges the splits per query head.
-  Nothing in it reads a tensor on the host, so it can be captured in a CUDA graph.
+  writes a partial output and its log-sum-exp to scratch. Stage 2 merges the splits per query head
+  (with one split, stage 1 writes the output and stage 2 is skipped). Nothing in it reads a tensor
+  on the host, so it can be captured in a CUDA graph. Given `DecodeRope`, stage 1 also does the
+  rope and K/V store of the new token that would otherwise be a kernel of its own.
 - `extend_attention`: a ragged batch of prefix + new tokens, one program per (block of new tokens,
   request, kv head). Rows of a tile are (token, query head of the group) pairs, so GQA again reads
   each K/V tile once per group. Online softmax in fp32; the prefix is visible to every new token,
-  the new tokens are causal among themselves.
+  the new tokens are causal among themselves. For a CUDA graph, whose grid is fixed, the tiles can
+  instead be listed (`extend_blocks`), one program each.
 - `store_kv`: plain `index_copy_` (see its docstring for why).
 
 Pools may be fp32, fp16 or bf16; accumulation is fp32. Head dims that are not a power of two are

@@ -1,4 +1,5 @@
-"""Decode steps replayed from CUDA graphs.
+"""Steps replayed from CUDA graphs: decode steps (`DecodeGraphs`) and every other step of up to a
+few thousand tokens (`PrefillGraphs`, at the end of this module).
 
 A decode step of a small model is a few hundred short kernels; launched one by one from Python the
 GPU waits on the host between them. Here the whole forward of a decode batch (embedding, every layer,

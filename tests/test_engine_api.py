@@ -182,3 +182,21 @@ def test_input_logprobs_of_a_one_token_prompt(engine):
         logprob_start_len=0,
     )
     assert out["meta_info"]["input_token_logprobs"] == [(None, 504, None)]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"cuda_graph_max_prefill_tokens": -1},
+        {"cuda_graph_max_bs": 0},
+        {"max_running_requests": 0},
+        {"chunked_prefill_size": 0},
+        {"mem_fraction_static": 1.5},
+    ],
+)
+def test_bad_engine_options_are_refused_naming_the_option(options):
+    from radixlm.runtime.config import EngineConfig
+
+    (name,) = options
+    with pytest.raises(ValueError, match=name):
+        EngineConfig(**options)
