@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Engine": "radixlm.runtime.engine",
     "EngineConfig": "radixlm.runtime.config",
+    "EngineShutDown": "radixlm.errors",
     "SamplingParams": "radixlm.runtime.sampling_params",
 }
 # the program language (radixlm.lang, torch-free): `import radixlm as sgl` runs SGLang programs
@@ -28,6 +29,7 @@ _LANG_NAMES = (
 _LAZY.update(dict.fromkeys(_LANG_NAMES, "radixlm.lang"))
 
 if TYPE_CHECKING:
+    from radixlm.errors import EngineShutDown
     from radixlm.runtime.config import EngineConfig
     from radixlm.runtime.engine import Engine
     from radixlm.runtime.sampling_params import SamplingParams
@@ -44,4 +46,11 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "__version__", *_LANG_NAMES]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineShutDown",
+    "SamplingParams",
+    "__version__",
+    *_LANG_NAMES,
+]

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from radixlm.errors import EngineShutDown
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.engine_core import EngineCore, kv_pool_tokens
@@ -249,7 +250,7 @@ class Engine:
         top_logprobs_num,
     ):
         if self._closed:
-            raise RuntimeError("the engine is shut down")
+            raise EngineShutDown("the engine is shut down")
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt (text) and input_ids")
         single = isinstance(prompt, str) or (

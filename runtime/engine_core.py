@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from radixlm.errors import EngineShutDown
 from radixlm.radix_cache.base import NoPrefixCache
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.cache_manager import CacheManager
@@ -139,7 +140,7 @@ class EngineCore:
         """Queue `req`; `sink(req, finished)` is called on the core thread when it finishes and,
         with `progress`, after every step that gives it tokens too."""
         if self._stop.is_set():
-            raise RuntimeError("the engine is shut down")
+            raise EngineShutDown("the engine is shut down")
         self._inbox.put(("add", (req, sink, progress)))
 
     def abort(self, rid: str) -> None:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
+from radixlm.errors import EngineShutDown
 from radixlm.server.backend import LocalEngineBackend, ModelInfo, TokenizerSide
 from radixlm.server.errors import APIError, internal_error, unavailable
 from radixlm.server.ipc import (
@@ -140,7 +141,7 @@ class EngineProcessBackend(TokenizerSide):
         top_logprobs_num: int | None = None,
     ) -> _RemoteStream:
         outbox = await self._channel()
-        self._check_alive(RuntimeError)  # what the in-process engine raises once shut down
+        self._check_alive(EngineShutDown)  # as the in-process engine, once shut down
         rid = next(self._ids)
         message = Generate(
             rid,
@@ -490,7 +491,7 @@ class _EngineServer:
                 logprob_start_len=message.logprob_start_len,
                 top_logprobs_num=message.top_logprobs_num,
             )
-        except RuntimeError as e:  # the engine is shut down
+        except EngineShutDown as e:
             self._send(Rejected(rid, UNAVAILABLE, str(e)))
         except Exception as e:
             kind, text = _failure(e, REQUEST_INVALID)

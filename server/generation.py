@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import Request
 
+from radixlm.errors import EngineShutDown
 from radixlm.server.errors import APIError, bad_request, unavailable
 from radixlm.server.state import RequestUsage, ServerState
 
@@ -118,7 +119,7 @@ async def start(
     except (ValueError, TypeError) as e:
         await _close_all(streams)
         raise bad_request(str(e)) from e
-    except RuntimeError as e:  # the engine is shut down
+    except EngineShutDown as e:
         await _close_all(streams)
         raise unavailable(str(e)) from e
     return [_observed(state, s, usage) for s in streams]

@@ -20,6 +20,8 @@ from typing import Any
 
 import msgspec
 
+from radixlm.errors import EngineShutDown
+
 # ---- server -> engine ----------------------------------------------------------------------
 
 
@@ -133,11 +135,11 @@ def error_kind(exc: BaseException, invalid: tuple[type[BaseException], ...] = (V
 
 def exception_for(kind: str, message: str, failed: Callable[[str], Exception]) -> Exception:
     """The server-side exception for a failure that crossed as `kind`: ValueError (INVALID) or
-    RuntimeError (UNAVAILABLE), as the in-process engine raises them, else `failed(message)`."""
+    EngineShutDown (UNAVAILABLE), as the in-process engine raises them, else `failed(message)`."""
     if kind == INVALID:
         return ValueError(message)
     if kind == UNAVAILABLE:
-        return RuntimeError(message)
+        return EngineShutDown(message)
     return failed(message)
 
 

@@ -497,3 +497,25 @@ def test_metrics_are_prometheus_text(client):
     assert s["radixlm_num_running_reqs"] == 0
     assert 0 <= s["radixlm_kv_cache_usage_ratio"] <= 1
     assert 0 <= s["radixlm_cache_hit_rate"] <= 1
+
+
+def test_a_shut_down_engine_is_a_503_and_other_engine_failures_a_500(engine, monkeypatch):
+    """EngineShutDown (nothing more can run) answers 503; any other RuntimeError from the engine
+    is a failure of ours, 500, and not mistaken for a shut-down engine."""
+    from radixlm.errors import EngineShutDown
+
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2, **GREEDY}}
+    with TestClient(create_app(engine, owns_engine=False), raise_server_exceptions=False) as c:
+        for error, status in ((EngineShutDown("the engine is shut down"), 503),
+                              (RuntimeError("CUDA error: an illegal memory access"), 500)):  # fmt: skip
+
+            async def failing(*args, error=error, **kwargs):
+                raise error
+
+            monkeypatch.setattr(engine, "async_generate", failing)
+            r = c.post("/generate", json=body)
+            assert r.status_code == status, (r.status_code, r.text)
+            r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert r.status_code == status, (r.status_code, r.text)
+        monkeypatch.undo()
+        assert c.post("/generate", json=body).status_code == 200

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from radixlm.errors import EngineShutDown
 from radixlm.server.errors import APIError, internal_error
 from radixlm.server.ipc import (
     REQUEST_INVALID,
@@ -144,7 +145,7 @@ def test_engine_failures_cross_as_the_exceptions_the_in_process_engine_raises():
         error = exception_for(error_kind(exc, invalid), str(exc), failed)
         assert type(error) is raised, exc
         assert str(exc) in str(error)
-    assert isinstance(exception_for("unavailable", "shut down", failed), RuntimeError)
+    assert type(exception_for("unavailable", "shut down", failed)) is EngineShutDown
     error = exception_for("error", "KeyError: 'x'", failed)
     assert isinstance(error, APIError) and error.status == 500
 
