@@ -223,6 +223,11 @@ class Engine:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
 
+    def is_alive(self) -> bool:
+        """Whether the engine takes requests: not shut down, and not stopped by an internal error
+        (which then fails every request with its message)."""
+        return not self._closed and self._core.alive
+
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True

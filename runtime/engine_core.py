@@ -131,8 +131,13 @@ class EngineCore:
         self.num_overlapped_steps = 0  # steps launched before the previous one was applied
         self._num_lockstep = 0  # unfinished requests whose steps need the previous step's tokens
         self._num_not_greedy = 0  # unfinished requests that are not plain greedy
-        self._thread = threading.Thread(target=self._loop, name="radixlm-core", daemon=True)
+        self.error: str | None = None  # why the core thread stopped on its own, if it did
+        self._thread = threading.Thread(target=self._run, name="radixlm-core", daemon=True)
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return not self._stop.is_set() and self._thread.is_alive()
 
     # ---- client side (any thread) ---------------------------------------------------------
 
@@ -140,7 +145,7 @@ class EngineCore:
         """Queue `req`; `sink(req, finished)` is called on the core thread when it finishes and,
         with `progress`, after every step that gives it tokens too."""
         if self._stop.is_set():
-            raise EngineShutDown("the engine is shut down")
+            raise EngineShutDown(self._stopped_because())
         self._inbox.put(("add", (req, sink, progress)))
 
     def abort(self, rid: str) -> None:
@@ -148,6 +153,8 @@ class EngineCore:
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Run `fn` on the core thread between steps and return its result."""
+        if self._stop.is_set():
+            raise EngineShutDown(self._stopped_because())
         done: queue.Queue = queue.Queue(maxsize=1)
         self._inbox.put(("call", (fn, done)))
         ok, value = done.get(timeout=timeout)
@@ -160,7 +167,51 @@ class EngineCore:
         self._inbox.put(("stop", None))
         self._thread.join(timeout=30)
 
+    def _stopped_because(self) -> str:
+        if self.error is not None:
+            return f"the engine stopped after an internal error ({self.error})"
+        return "the engine is shut down"
+
     # ---- core thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """The core thread. Its loop runs in inference mode: the engine's tensors may have been
+        made under the caller's `torch.inference_mode()` (inference tensors take in-place updates
+        only there). An error escaping the loop is a bug of ours: it stops the engine and fails
+        every request, and every later call, with its message, rather than leaving them waiting."""
+        try:
+            with torch.inference_mode():
+                self._loop()
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            logger.exception("the engine core stopped on an internal error")
+            self._stop.set()
+            self._fail_everything(self._stopped_because())
+
+    def _fail_everything(self, message: str) -> None:
+        """Finish every request, queued or running, with `message`, and answer pending calls."""
+        reqs = list(self._reqs.values())
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                req, sink, _ = payload
+                self._sinks[req.rid] = sink
+                self._reqs[req.rid] = req
+                reqs.append(req)
+            elif kind == "call":
+                payload[1].put((False, EngineShutDown(message)))
+        for req in reqs:
+            try:
+                self._fail(req, message)
+            except Exception:  # the state may be what broke: still tell the caller
+                req.error = message
+                req.finish({"type": "abort", "message": message})
+                sink = self._sinks.pop(req.rid, None)
+                if sink is not None:
+                    sink(req, True)
 
     def _loop(self) -> None:
         """Schedule, launch, apply. With overlap on, step N+1 is scheduled and launched before

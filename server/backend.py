@@ -172,7 +172,7 @@ class LocalEngineBackend(TokenizerSide):
         return values
 
     def is_alive(self) -> bool:
-        return True  # it lives as long as this process
+        return self._engine.is_alive()
 
     def shutdown(self) -> None:
         self._engine.shutdown()

@@ -141,3 +141,53 @@ def test_a_failed_step_fails_its_requests_and_leaves_no_uncomputed_kv_in_the_cac
             stats["kv_pool_free_tokens"] + stats["radix_cache_tokens"]
             == stats["kv_pool_capacity_tokens"]
         )
+
+
+def test_an_engine_made_under_inference_mode_serves(tiny_model_folder):
+    """Its tensors are then inference tensors, which take in-place updates only in inference
+    mode: the core thread runs in it (before, its first update killed the thread and every
+    request waited forever)."""
+    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with radixlm.Engine(tiny_model_folder) as eng:
+        want = eng.generate(input_ids=[5, 6, 7], sampling_params=params)["output_ids"]
+    with torch.inference_mode(), radixlm.Engine(tiny_model_folder) as eng:
+        assert eng.generate(input_ids=[5, 6, 7], sampling_params=params)["output_ids"] == want
+
+
+def test_an_internal_error_stops_the_engine_and_fails_every_request_with_its_message(
+    tiny_model_folder,
+):
+    """A bug escaping the core loop (here in scheduling) must not leave callers waiting: the
+    running requests finish with the error, later calls raise EngineShutDown naming it, and the
+    engine reports itself dead."""
+    from radixlm.errors import EngineShutDown
+
+    params = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with radixlm.Engine(tiny_model_folder) as eng:
+        schedule = eng._core.scheduler.schedule
+        calls = [0]
+
+        def failing_schedule():
+            calls[0] += 1
+            if calls[0] == 5:
+                raise KeyError("a scheduling bug")
+            return schedule()
+
+        eng._core.scheduler.schedule = failing_schedule
+        results = []
+        worker = threading.Thread(
+            target=lambda: results.append(
+                eng.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=params)
+            )
+        )
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive(), "generate waited forever"
+        for out in results[0]:
+            reason = out["meta_info"]["finish_reason"]
+            assert reason["type"] == "abort" and "a scheduling bug" in reason["message"]
+        assert not eng.is_alive()
+        with pytest.raises(EngineShutDown, match="internal error.*a scheduling bug"):
+            eng.generate(input_ids=[1, 2], sampling_params=params)
+        with pytest.raises(EngineShutDown):
+            eng.flush_cache()
