@@ -161,6 +161,7 @@ def _launch(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     res_out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     m = x.shape[0]
     n = weight.shape[0]
@@ -169,7 +170,7 @@ def _launch(
             f"gemv takes up to {MAX_ROWS} rows of x and a weight (N, {k}), unit stride along K; "
             f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
         )
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
     block_m = max(1, triton.next_power_of_2(m))
@@ -215,10 +216,11 @@ def gemv_rms_norm(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig = GemvConfig(),
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rmsnorm(x + residual) * norm_weight) @ W.T + b, and x + residual (None without a residual),
     as RMSNorm then a linear layer would give them. x and residual (M, K), norm_weight (K,) of x's
-    dtype."""
+    dtype. The product is in `out_dtype` (default x's; float32: the float32 sums unrounded)."""
     if norm_weight.dtype != x.dtype or (residual is not None and residual.shape != x.shape):
         raise ValueError(
             "gemv_rms_norm takes a norm weight of x's dtype and a residual of its shape"
@@ -230,7 +232,7 @@ def gemv_rms_norm(
     )
     y = _launch(
         _RMS_NORM.value, x, x.shape[1], weight, bias, config,
-        residual=residual, norm_weight=norm_weight, eps=eps, res_out=res_out,
+        residual=residual, norm_weight=norm_weight, eps=eps, res_out=res_out, out_dtype=out_dtype,
     )  # fmt: skip
     return y, res_out
 

@@ -8,12 +8,16 @@ on CUDA a tuned `runtime.matmul_dispatch.LinearDispatch` may run the two as one 
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -67,10 +71,12 @@ class PlainMatmuls:
         norm: RMSNorm,
         linear: nn.Linear,
         rows: torch.Tensor | None = None,
+        float32: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(linear(norm(x + residual)), x + residual); without a residual, (linear(norm(x)), x).
         With `rows` (indices; the last norm, before the LM head) only those rows go through the
-        linear layer, and no residual comes back (None)."""
+        linear layer, and no residual comes back (None). With `float32` the linear's output is
+        float32, not rounded to x's dtype (`float32_linear`)."""
         if rows is not None:  # normalize only the rows that are used (a norm is per row)
             x = x[rows]
             residual = None if residual is None else residual[rows]
@@ -78,11 +84,41 @@ class PlainMatmuls:
             h, residual = norm(x), x
         else:
             h, residual = norm(x, residual)
-        return self(h, linear), None if rows is not None else residual
+        y = float32_linear(h, linear) if float32 else self(h, linear)
+        return y, None if rows is not None else residual
 
     def silu_linear(self, gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         """linear(silu(gate) * up) for gate_up = [gate | up] along the last dimension."""
         return self(silu_and_mul(gate_up), linear)
+
+
+def float32_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """linear(x) as float32, from the products of x's and the weight's values summed in float32,
+    without rounding the result to their half type: the LM head's logits. (Rounded to bf16, logits
+    of 16-32 move in steps of 0.125, and greedy decoding flips between near-tied tokens.) On CUDA
+    one matmul with a float32 output (a torch without one rounds, with a warning at start);
+    elsewhere through float32 copies."""
+    w, b = linear.weight, linear.bias
+    if x.dtype == torch.float32 and w.dtype == torch.float32:
+        return F.linear(x, w, b)
+    if x.is_cuda:
+        if not _mm_float32_output():  # (a copy of the weight a step would cost more): rounded
+            return F.linear(x, w, b).float()
+        y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
+        y = y.view(*x.shape[:-1], w.shape[0])
+        return y if b is None else y + b.float()
+    return F.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+@functools.cache
+def _mm_float32_output() -> bool:
+    """Whether this torch's CUDA matmul writes half-precision products as float32 (out_dtype)."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device="cuda")
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError):
+        logger.warning("this torch has no float32-output matmul: logits rounded to bf16/fp16")
+        return False
 
 
 class RotaryEmbedding(nn.Module):

@@ -54,7 +54,7 @@ class LinearDispatch(PlainMatmuls):
             return gemv.gemv(x, linear.weight, linear.bias, config)
         return F.linear(x, linear.weight, linear.bias)
 
-    def norm_linear(self, x, residual, norm, linear, rows=None):
+    def norm_linear(self, x, residual, norm, linear, rows=None, float32=False):
         op = "rms_norm" if residual is None else "rms_norm_residual"
         # with `rows`, the kernel takes only those rows (the norm is per row)
         config = self._chosen(op, x, linear, rows)
@@ -63,14 +63,15 @@ class LinearDispatch(PlainMatmuls):
             or norm.weight.dtype != x.dtype
             or (residual is not None and residual.shape != x.shape)
         ):
-            return super().norm_linear(x, residual, norm, linear, rows)
+            return super().norm_linear(x, residual, norm, linear, rows, float32)
         if rows is not None:
             x, residual = x[rows], None if residual is None else residual[rows]
         elif residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
         y, summed = gemv.gemv_rms_norm(
-            x, residual, norm.weight, norm.eps, linear.weight, linear.bias, config
-        )
+            x, residual, norm.weight, norm.eps, linear.weight, linear.bias, config,
+            out_dtype=torch.float32 if float32 else None,
+        )  # fmt: skip
         if rows is not None:
             return y, None
         return y, x if summed is None else summed

@@ -38,3 +38,22 @@ def varied_prompts() -> list[str]:
         "Numbers: " + " ".join(str(i * 7 % 97) for i in range(200)),
     ]
     return short + long
+
+
+def hundred_prompts() -> list[str]:
+    """The 24 varied prompts, 57 chat prompts and 19 plain ones (100): the numerics prompts."""
+    topics = ["rivers", "bread", "chess", "volcanoes", "jazz", "bees", "trains", "glass", "maps", "tea",
+              "owls", "clocks", "salt", "kites", "moss", "ink", "bridges", "wool", "comets"]  # fmt: skip
+    forms = [
+        "Tell me one fact about {}.",
+        "Write a haiku about {}.",
+        "Why do people like {}?",
+        "{}:",
+    ]
+    chats = [
+        f"<|im_start|>user\n{f.format(t)}<|im_end|>\n<|im_start|>assistant\n"
+        for t in topics
+        for f in forms[:3]
+    ]
+    plain = [forms[3].format(t.capitalize()) for t in topics]
+    return (varied_prompts() + chats + plain)[:100]

@@ -5,29 +5,11 @@ from __future__ import annotations
 import pytest
 
 import radixlm
-from tests.prompts import varied_prompts
+from tests.prompts import hundred_prompts
 
 pytestmark = pytest.mark.gpu
 
 TOKENS = 32
-
-
-def hundred_prompts() -> list[str]:
-    topics = ["rivers", "bread", "chess", "volcanoes", "jazz", "bees", "trains", "glass", "maps", "tea",
-              "owls", "clocks", "salt", "kites", "moss", "ink", "bridges", "wool", "comets"]  # fmt: skip
-    forms = [
-        "Tell me one fact about {}.",
-        "Write a haiku about {}.",
-        "Why do people like {}?",
-        "{}:",
-    ]
-    chats = [
-        f"<|im_start|>user\n{f.format(t)}<|im_end|>\n<|im_start|>assistant\n"
-        for t in topics
-        for f in forms[:3]
-    ]
-    plain = [forms[3].format(t.capitalize()) for t in topics]
-    return (varied_prompts() + chats + plain)[:100]
 
 
 @pytest.fixture(scope="module")

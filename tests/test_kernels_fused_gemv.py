@@ -293,3 +293,31 @@ def test_llama_decode_with_rope_fused_into_the_kv_store_equals_separate():
     (want, want_pool), (got, got_pool) = outs
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got_pool, want_pool, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+def test_lm_head_logits_in_float32_are_the_unrounded_sums(dtype, torch_path):
+    """The LM head's logits come out float32, the sums of the half-precision products not rounded
+    to the half type, on the kernel path (a float32 output) and on the plain path
+    (`float32_linear`), for the rows that need logits."""
+    n, k = SIZES[0]
+    w, b, x, res, norm = inputs(3, (n, k), dtype, seed=31)
+    h, _ = norm(x, res)
+    want = F.linear(h.float(), w.float(), b.float())
+    y, _ = gemv_rms_norm(x, res, norm.weight, norm.eps, w, b, TILES[0], out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
+    rounded = F.linear(h, w, b).float()  # what the float32 output avoids
+    assert (rounded - want).abs().max() > 10 * (y - want).abs().max()
+
+    linear = torch.nn.Linear(k, n).to(DEVICE, dtype)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+        linear.bias.copy_(b)
+    rows = torch.tensor([2, 0], device=DEVICE)
+    dispatch = LinearDispatch()
+    dispatch.choice[choice_key("rms_norm_residual", 2, linear)] = TILES[0]
+    for matmul in (PlainMatmuls(), dispatch):
+        got, none = matmul.norm_linear(x, res, norm, linear, rows=rows, float32=True)
+        assert got.dtype == torch.float32 and none is None
+        torch.testing.assert_close(got, want[rows], atol=1e-4, rtol=1e-4)

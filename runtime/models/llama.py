@@ -147,9 +147,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(rope, x, residual, batch, backend)
         logits, _ = self.matmul.norm_linear(
-            x, residual, self.norm, self.lm_head, rows=batch.logits_indices
+            x, residual, self.norm, self.lm_head, rows=batch.logits_indices, float32=True
         )
-        return logits.float()
+        return logits
 
     def linears(self) -> list[nn.Linear]:
         return [m for m in self.modules() if isinstance(m, nn.Linear)]
