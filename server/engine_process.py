@@ -440,10 +440,11 @@ class _EngineServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._out: Outbox | None = None
 
-    async def serve(self, sock: socket.socket) -> None:
+    async def serve(self, sock: socket.socket, poll: float = 0.5) -> None:
         sock.setblocking(False)
         reader, writer = await asyncio.open_connection(sock=sock)
         self._out = Outbox(self._codec, writer)
+        watch = asyncio.ensure_future(self._watch(writer, poll))
         try:
             while (body := await read_frame(reader)) is not None:
                 for message in self._codec.decode(body):
@@ -451,6 +452,7 @@ class _EngineServer:
         except ConnectionError as e:
             logger.warning("engine process: %s", e)
         finally:
+            watch.cancel()
             # the server is gone or shutting down: abort everything (freeing its KV) and stop
             work = [*self._preparing.values(), *self._running.values(), *self._tasks]
             for task in work:
@@ -459,6 +461,17 @@ class _EngineServer:
             for stream in self._held.values():
                 await stream.aclose()
             writer.close()
+
+    async def _watch(self, writer: asyncio.StreamWriter, poll: float) -> None:
+        """Close the channel once the engine has stopped on its own (an internal error, which
+        failed its requests): the server then answers 503 and reports itself unhealthy, as for an
+        engine process that died, instead of sending requests to an engine that refuses them."""
+        while self._backend.is_alive():
+            await asyncio.sleep(poll)
+        logger.error("engine process: the engine stopped; closing the channel")
+        if self._running:  # let the failed requests' last updates go out first
+            await asyncio.wait(list(self._running.values()), timeout=5)
+        writer.close()
 
     def _handle(self, message: Any) -> None:
         if isinstance(message, Generate):

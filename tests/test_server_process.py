@@ -4,10 +4,12 @@ killed engine process gives 503s and an unhealthy /health, never a hang; SIGTERM
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,12 +19,14 @@ import httpx
 import pytest
 
 from radixlm.errors import EngineShutDown
+from radixlm.server.engine_process import _EngineServer
 from radixlm.server.errors import APIError, internal_error
 from radixlm.server.ipc import (
     REQUEST_INVALID,
     Codec,
     DeltaEncoder,
     SnapshotBuilder,
+    ToEngine,
     ToServer,
     error_kind,
     exception_for,
@@ -394,3 +398,23 @@ def test_bad_engine_options_fail_before_serving(default_model_folder, tmp_path):
     )
     assert proc.returncode == 2
     assert "radixlm serve: error:" in proc.stderr
+
+
+def test_the_engine_process_closes_its_channel_once_its_engine_stopped():
+    """An engine stopped by an internal error refuses every request: its process then closes the
+    channel, so the server answers 503 and /health turns unhealthy (as for a dead process)."""
+
+    class Backend:
+        checks = 0
+
+        def is_alive(self) -> bool:
+            self.checks += 1
+            return self.checks < 3
+
+    ours, theirs = socket.socketpair()
+    backend = Backend()
+    asyncio.run(asyncio.wait_for(_EngineServer(backend, Codec(ToEngine)).serve(ours, 0.01), 10))
+    assert backend.checks == 3
+    theirs.settimeout(5)
+    assert theirs.recv(16) == b""  # closed, not merely quiet
+    theirs.close()
