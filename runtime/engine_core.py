@@ -110,10 +110,12 @@ class EngineCore:
                 model, backend, self.rows.table, token_buf, max_bs,
                 padding_row=self.rows.padding_row,
             )  # fmt: skip
+            # (a step holds at most a prompt chunk and a token of every running request)
+            most = config.chunked_prefill_size + config.max_running_requests
             if config.cuda_graph_max_prefill_tokens:
                 prefill_graphs = PrefillGraphs(
                     model, backend, self.rows.table, token_buf,
-                    config.cuda_graph_max_prefill_tokens, config.max_running_requests,
+                    min(config.cuda_graph_max_prefill_tokens, most), config.max_running_requests,
                     padding_row=self.rows.padding_row,
                 )  # fmt: skip
         self.runner = ModelRunner(
