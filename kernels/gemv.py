@@ -203,9 +203,11 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig = GemvConfig(),
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x (M, K) with M <= MAX_ROWS, weight (N, K), unit stride along K -> x @ W.T + b (M, N)."""
-    return _launch(_NONE.value, x, x.shape[1], weight, bias, config)
+    """x (M, K) with M <= MAX_ROWS, weight (N, K), unit stride along K -> x @ W.T + b (M, N), in
+    `out_dtype` (default x's; float32: the float32 sums unrounded)."""
+    return _launch(_NONE.value, x, x.shape[1], weight, bias, config, out_dtype=out_dtype)
 
 
 def gemv_rms_norm(

@@ -192,9 +192,10 @@ def _decode_partial_kernel(
         q = tl.where(
             first[None, :], qf * c[None, :] - qp * sn[None, :], qf * c[None, :] + qp * sn[None, :]
         ).to(q.dtype)
-        # the program whose split holds the new token's position stores its K/V (one per kv
-        # head), and the barrier makes the store visible to the program's loads below
-        if (seq_len > 0) & (head_block == 0) & ((seq_len - 1) // tl.maximum(split_len, 1) == split):
+        # the programs whose split holds the new token's position store its K/V (each head block
+        # of a kv head writes the same values, so each reads back its own store), and the
+        # barrier makes the store visible to the program's loads below
+        if (seq_len > 0) & ((seq_len - 1) // tl.maximum(split_len, 1) == split):
             slot = tl.load(Loc + batch).to(tl.int64)
             kn = Knew + batch * stride_knb + kv_head * stride_knh
             kf = tl.load(kn + offs_d, mask=d_mask, other=0.0)
@@ -665,6 +666,7 @@ def extend_attention(
     extend_starts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     blocks: torch.Tensor | None = None,
+    tokens_per_block: int | None = None,
     config: TileConfig | None = None,
 ) -> torch.Tensor:  # (T, Hq, D)
     """New tokens of a ragged batch attend to their request's prefix and, causally, to each other.
@@ -677,7 +679,8 @@ def extend_attention(
     `blocks` (2, NB) int, from `extend_blocks`, lists the tiles to compute instead: one program
     each, for the request in row 0 (-1: none) from its new token in row 1, `tokens_per_block` new
     tokens. The grid is then NB whatever the batch, so a CUDA graph of a fixed NB serves any batch
-    whose tiles fit (query rows of no tile are left as they are in `out`).
+    whose tiles fit (query rows of no tile are left as they are in `out`). `tokens_per_block`, the
+    tile length the list was made with, is checked against the kernel's.
     """
     _check_pools(q, k_pool, v_pool)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -696,11 +699,17 @@ def extend_attention(
     if extend_starts is None:
         extend_starts = torch.cumsum(extend_lens, 0) - extend_lens
 
+    listed_per_block = tokens_per_block
     cfg = config or _extend_config(head_dim, q.dtype, q.device)
     group_block = min(group, cfg.block_m)
     head_blocks = triton.cdiv(group, group_block)
     tokens_per_block = cfg.block_m // group_block
     if blocks is not None:
+        if listed_per_block is not None and listed_per_block != tokens_per_block:
+            raise ValueError(
+                f"blocks were listed in tiles of {listed_per_block} new tokens; the kernel's "
+                f"tiles here hold {tokens_per_block}"
+            )
         if blocks.dim() != 2 or blocks.shape[0] != 2 or blocks.stride(1) != 1:
             raise ValueError(
                 f"blocks must be (2, NB) with a unit last stride, got {tuple(blocks.shape)}"

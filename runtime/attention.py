@@ -183,6 +183,7 @@ class TritonAttentionBackend:
             return ta.extend_attention(
                 q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.prefix_lens,
                 batch.extend_lens, sm_scale, blocks=batch.extend_blocks, out=torch.zeros_like(q),
+                tokens_per_block=self.extend_tokens_per_block(),
             )  # fmt: skip
         # one launch for the whole ragged batch; single-token requests are extends of length 1
         out = torch.empty_like(q)

@@ -41,7 +41,35 @@ def graph_buckets(max_batch: int) -> list[int]:
     return sorted(set(out))
 
 
-class DecodeGraphs:
+class _Staging:
+    """Two pinned host buffers a graph's inputs are staged in, used in turn. The copy from one
+    is only queued, and a step may be launched before the previous one ran (or, for a step that
+    samples nothing, without ever waiting for it): before a buffer is written again, the host
+    waits for the copy that last read it (long done, as a rule)."""
+
+    def _init_staging(self, size: int, pinned: bool) -> None:
+        self._staging = [torch.zeros(size, dtype=torch.int64) for _ in range(2)]
+        if pinned:
+            self._staging = [b.pin_memory() for b in self._staging]
+        self._read: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy
+        self._flip = 0
+
+    def _staging_buffer(self) -> torch.Tensor:
+        event = self._read[self._flip]
+        if event is not None:
+            event.synchronize()
+        return self._staging[self._flip]
+
+    def _copied(self) -> None:
+        """The copy from the current buffer is queued: note it, and turn to the other buffer."""
+        if self.device.type == "cuda":
+            event = self._read[self._flip] or torch.cuda.Event()
+            event.record()
+            self._read[self._flip] = event
+        self._flip ^= 1
+
+
+class DecodeGraphs(_Staging):
     """CUDA graphs of the model's decode forward, one per bucket batch size."""
 
     def __init__(
@@ -69,11 +97,7 @@ class DecodeGraphs:
         # rows: request row in req_to_token, sequence length including the new token, its KV slot
         self._inputs = torch.zeros((3, n), dtype=torch.int64, device=self.device)
         self._inputs[0] = self.padding_row
-        # two host buffers used in turn: a step may be launched before the previous one's copy ran
-        self._staging = [torch.zeros(3 * n, dtype=torch.int64) for _ in range(2)]
-        if capture:
-            self._staging = [b.pin_memory() for b in self._staging]
-        self._flip = 0
+        self._init_staging(3 * n, pinned=capture)
         self._arange = torch.arange(n, dtype=torch.int64, device=self.device)
         self._ones = torch.ones(n, dtype=torch.int64, device=self.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -100,14 +124,14 @@ class DecodeGraphs:
         bs = len(rows)
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
         pad = bucket - bs
-        staging = self._staging[self._flip][: 3 * bucket].view(3, bucket)
-        self._flip ^= 1
+        staging = self._staging_buffer()[: 3 * bucket].view(3, bucket)
         staging[:2].view(-1).copy_(
             int64_tensor(rows + [self.padding_row] * pad + seq_lens + [0] * pad)
         )
         staging[2, :bs] = slots
         staging[2, bs:] = 0
         self._inputs[:, :bucket].copy_(staging, non_blocking=True)
+        self._copied()
         graph = self._graphs.get(bucket)
         if graph is None:  # not captured
             logits, tokens = self._forward(bucket)
@@ -175,7 +199,7 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return [b for b in out if b <= top]
 
 
-class PrefillGraphs:
+class PrefillGraphs(_Staging):
     """CUDA graphs of prompt steps (a ragged batch of prompt chunks and decodes, one logits row per
     request) of up to `max_tokens` tokens, one per bucket token count.
 
@@ -216,10 +240,7 @@ class PrefillGraphs:
         self.max_reqs = max_reqs
         largest = max(self._layout(t)[-1] for t in self.buckets)
         self._inputs = torch.zeros(largest, dtype=torch.int64, device=self.device)
-        self._staging = [torch.zeros(largest, dtype=torch.int64) for _ in range(2)]
-        if capture:
-            self._staging = [b.pin_memory() for b in self._staging]
-        self._flip = 0
+        self._init_staging(largest, pinned=capture)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         if not capture:
@@ -269,8 +290,7 @@ class PrefillGraphs:
             from_buf[i] = row
         tile_reqs, tile_starts = extend_blocks(extend_lens, self.tokens_per_block)
         pad_tiles = tiles - len(tile_reqs)
-        staging = self._staging[self._flip][:size]
-        self._flip ^= 1
+        staging = self._staging_buffer()[:size]
         staging.copy_(
             int64_tensor(
                 input_ids + [0] * pad
@@ -286,6 +306,7 @@ class PrefillGraphs:
             )
         )  # fmt: skip
         self._inputs[:size].copy_(staging, non_blocking=True)
+        self._copied()
         graph = self._graphs.get(bucket)
         if graph is None:  # not captured
             logits = self._forward(bucket)

@@ -134,6 +134,8 @@ class EngineCore:
         self._num_lockstep = 0  # unfinished requests whose steps need the previous step's tokens
         self._num_not_greedy = 0  # unfinished requests that are not plain greedy
         self.error: str | None = None  # why the core thread stopped on its own, if it did
+        # held while putting into the inbox and while stopping: what gets in is answered
+        self._gate = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="radixlm-core", daemon=True)
         self._thread.start()
 
@@ -146,19 +148,21 @@ class EngineCore:
     def submit(self, req: Req, sink: Sink, progress: bool = True) -> None:
         """Queue `req`; `sink(req, finished)` is called on the core thread when it finishes and,
         with `progress`, after every step that gives it tokens too."""
-        if self._stop.is_set():
-            raise EngineShutDown(self._stopped_because())
-        self._inbox.put(("add", (req, sink, progress)))
+        with self._gate:
+            if self._stop.is_set():
+                raise EngineShutDown(self._stopped_because())
+            self._inbox.put(("add", (req, sink, progress)))
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Run `fn` on the core thread between steps and return its result."""
-        if self._stop.is_set():
-            raise EngineShutDown(self._stopped_because())
         done: queue.Queue = queue.Queue(maxsize=1)
-        self._inbox.put(("call", (fn, done)))
+        with self._gate:
+            if self._stop.is_set():
+                raise EngineShutDown(self._stopped_because())
+            self._inbox.put(("call", (fn, done)))
         ok, value = done.get(timeout=timeout)
         if not ok:
             raise value
@@ -181,14 +185,19 @@ class EngineCore:
         made under the caller's `torch.inference_mode()` (inference tensors take in-place updates
         only there). An error escaping the loop is a bug of ours: it stops the engine and fails
         every request, and every later call, with its message, rather than leaving them waiting."""
+        message = "the engine shut down before the request finished"
         try:
             with torch.inference_mode():
                 self._loop()
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
+            message = self._stopped_because()
             logger.exception("the engine core stopped on an internal error")
-            self._stop.set()
-            self._fail_everything(self._stopped_because())
+        finally:
+            with self._gate:  # from here on nothing more reaches the inbox
+                self._stop.set()
+            with torch.inference_mode():
+                self._fail_everything(message)
 
     def _fail_everything(self, message: str) -> None:
         """Finish every request, queued or running, with `message`, and answer pending calls."""
@@ -209,11 +218,14 @@ class EngineCore:
             try:
                 self._fail(req, message)
             except Exception:  # the state may be what broke: still tell the caller
-                req.error = message
-                req.finish({"type": "abort", "message": message})
-                sink = self._sinks.pop(req.rid, None)
-                if sink is not None:
-                    sink(req, True)
+                try:
+                    req.error = message
+                    req.finish({"type": "abort", "message": message})
+                    sink = self._sinks.pop(req.rid, None)
+                    if sink is not None:
+                        sink(req, True)
+                except Exception:
+                    logger.exception("could not fail request %s", req.rid)
 
     def _loop(self) -> None:
         """Schedule, launch, apply. With overlap on, step N+1 is scheduled and launched before
@@ -262,8 +274,6 @@ class EngineCore:
                 self.num_overlapped_steps += 1
         if inflight is not None:
             self._complete(*inflight)
-        for req in list(self._reqs.values()):
-            self._fail(req, "the engine shut down before the request finished")
 
     def _can_overlap(self) -> bool:
         return self.overlap and not self._num_lockstep

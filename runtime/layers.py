@@ -84,8 +84,12 @@ class PlainMatmuls:
             h, residual = norm(x), x
         else:
             h, residual = norm(x, residual)
-        y = float32_linear(h, linear) if float32 else self(h, linear)
+        y = self.float32(h, linear) if float32 else self(h, linear)
         return y, None if rows is not None else residual
+
+    def float32(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        """linear(x) with a float32 output (the LM head's logits): `float32_linear`."""
+        return float32_linear(x, linear)
 
     def silu_linear(self, gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         """linear(silu(gate) * up) for gate_up = [gate | up] along the last dimension."""
@@ -102,19 +106,26 @@ def float32_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     if x.dtype == torch.float32 and w.dtype == torch.float32:
         return F.linear(x, w, b)
     if x.is_cuda:
-        if not _mm_float32_output():  # (a copy of the weight a step would cost more): rounded
+        if not _mm_float32_output(x.device):  # (a weight copy a step would cost more): rounded
             return F.linear(x, w, b).float()
         y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
         y = y.view(*x.shape[:-1], w.shape[0])
         return y if b is None else y + b.float()
-    return F.linear(x.float(), w.float(), None if b is None else b.float())
+    # float32 copies of the weight in pieces of the output (a whole LM head's copy is GBs)
+    xf = x.float()
+    pieces = [
+        F.linear(xf, w[i : i + 8192].float(), None if b is None else b[i : i + 8192].float())
+        for i in range(0, w.shape[0], 8192)
+    ]
+    return torch.cat(pieces, dim=-1)
 
 
 @functools.cache
-def _mm_float32_output() -> bool:
-    """Whether this torch's CUDA matmul writes half-precision products as float32 (out_dtype)."""
+def _mm_float32_output(device: torch.device) -> bool:
+    """Whether this torch's CUDA matmul writes half-precision products as float32 (out_dtype).
+    (First asked by a model's first forward: an engine's warm-up, before any graph capture.)"""
     try:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device="cuda")
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
         return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
     except (RuntimeError, TypeError):
         logger.warning("this torch has no float32-output matmul: logits rounded to bf16/fp16")

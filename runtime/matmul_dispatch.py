@@ -54,6 +54,12 @@ class LinearDispatch(PlainMatmuls):
             return gemv.gemv(x, linear.weight, linear.bias, config)
         return F.linear(x, linear.weight, linear.bias)
 
+    def float32(self, x, linear):
+        config = self._chosen("linear", x, linear)
+        if config is not None:
+            return gemv.gemv(x, linear.weight, linear.bias, config, out_dtype=torch.float32)
+        return super().float32(x, linear)
+
     def norm_linear(self, x, residual, norm, linear, rows=None, float32=False):
         op = "rms_norm" if residual is None else "rms_norm_residual"
         # with `rows`, the kernel takes only those rows (the norm is per row)

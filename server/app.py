@@ -16,8 +16,9 @@ from fastapi import FastAPI, Request, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlm import __version__
+from radixlm.errors import EngineShutDown
 from radixlm.server.backend import GenerationBackend, LocalEngineBackend
-from radixlm.server.errors import APIError
+from radixlm.server.errors import APIError, unavailable
 from radixlm.server.generation import ClientDisconnected
 from radixlm.server.guard import GuardMiddleware
 from radixlm.server.metrics import Metrics
@@ -104,6 +105,13 @@ def create_app(
         # unknown routes and methods, in the same error shape as everything else
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         err = APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
+        state.metrics.count_error(err.type)
+        return err.response()
+
+    @app.exception_handler(EngineShutDown)
+    async def shut_down(request: Request, exc: EngineShutDown) -> Response:
+        # (any route: /flush_cache, /server_info, ... on an engine that takes no more calls)
+        err = unavailable(str(exc))
         state.metrics.count_error(err.type)
         return err.response()
 

@@ -302,7 +302,6 @@ def test_prompt_steps_padded_for_prefill_graphs_match_eager(tiny_model_folder):
     assert stats["prefill_graph_steps"] == len(runs) > 0
     assert any(pending for _, pending, _ in runs)  # newest tokens read from token_buf
     assert any(reqs > 1 for _, _, reqs in runs)  # chunks mixed with decodes
-    assert all(tokens <= 40 and reqs <= 6 for tokens, _, reqs in runs)
     (eager, eager_sampled, eager_lps), (graphed, graphed_sampled, graphed_lps) = outs
     assert [o["output_ids"] for o in eager_sampled] == [o["output_ids"] for o in graphed_sampled]
     assert eager_lps["output_ids"] == graphed_lps["output_ids"]

@@ -234,6 +234,11 @@ def test_extend_over_a_padded_block_map_equals_the_plain_grid(
             q, b.k_pool, b.v_pool, b.req_to_token, b.req_pool_indices, b.prefix_lens,
             b.extend_lens, b.sm_scale, blocks=blocks[0], out=out,
         )  # fmt: skip
+    with pytest.raises(ValueError, match="tiles"):
+        ta.extend_attention(
+            q, b.k_pool, b.v_pool, b.req_to_token, b.req_pool_indices, b.prefix_lens,
+            b.extend_lens, b.sm_scale, blocks=blocks, out=out, tokens_per_block=tpb + 1,
+        )  # fmt: skip
 
 
 def test_extend_rejects_mismatched_heads() -> None:
@@ -315,6 +320,7 @@ def test_decode_into_preallocated_buffers_for_a_smaller_batch() -> None:
         ([6, 0, 13], 2, 3, 64, torch.float32, 4),  # the new token in a later split
         ([40, 3], 1, 4, 128, torch.float32, 3),
         ([9, 21], 2, 2, 64, torch.bfloat16, 2),
+        ([5, 12], 1, 72, 64, torch.float32, 2),  # two head blocks of one kv head both store
     ],
 )
 def test_decode_with_rope_equals_rope_store_then_decode(

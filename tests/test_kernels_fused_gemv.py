@@ -296,7 +296,7 @@ def test_llama_decode_with_rope_fused_into_the_kv_store_equals_separate():
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
-def test_lm_head_logits_in_float32_are_the_unrounded_sums(dtype, torch_path):
+def test_lm_head_logits_in_float32_are_the_unrounded_sums(dtype, torch_path, count_launches):
     """The LM head's logits come out float32, the sums of the half-precision products not rounded
     to the half type, on the kernel path (a float32 output) and on the plain path
     (`float32_linear`), for the rows that need logits."""
@@ -315,9 +315,12 @@ def test_lm_head_logits_in_float32_are_the_unrounded_sums(dtype, torch_path):
         linear.weight.copy_(w)
         linear.bias.copy_(b)
     rows = torch.tensor([2, 0], device=DEVICE)
-    dispatch = LinearDispatch()
-    dispatch.choice[choice_key("rms_norm_residual", 2, linear)] = TILES[0]
-    for matmul in (PlainMatmuls(), dispatch):
+    fused, plain_gemv = LinearDispatch(), LinearDispatch()
+    fused.choice[choice_key("rms_norm_residual", 2, linear)] = TILES[0]
+    plain_gemv.choice[choice_key("linear", 2, linear)] = TILES[1]  # the norm apart, then the GEMV
+    for matmul, launched in ((PlainMatmuls(), []), (fused, ["gemv_rms_norm"]), (plain_gemv, ["gemv"])):  # fmt: skip
+        count_launches.clear()
         got, none = matmul.norm_linear(x, res, norm, linear, rows=rows, float32=True)
+        assert count_launches == launched
         assert got.dtype == torch.float32 and none is None
         torch.testing.assert_close(got, want[rows], atol=1e-4, rtol=1e-4)

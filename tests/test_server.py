@@ -517,5 +517,11 @@ def test_a_shut_down_engine_is_a_503_and_other_engine_failures_a_500(engine, mon
             assert r.status_code == status, (r.status_code, r.text)
             r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
             assert r.status_code == status, (r.status_code, r.text)
+
+            def failing_call(*args, error=error, **kwargs):
+                raise error
+
+            monkeypatch.setattr(engine, "flush_cache", failing_call)
+            assert c.post("/flush_cache").status_code == status
         monkeypatch.undo()
         assert c.post("/generate", json=body).status_code == 200
