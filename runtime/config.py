@@ -35,8 +35,8 @@ class EngineConfig:
     # tokens of prompt computed in one step, at most (default: 8192 on GPU, 2048 on CPU)
     chunked_prefill_size: int | None = None
     # with many decodes running, waiting prompts are admitted together, after up to this many
-    # steps (a step that computes a prompt chunk runs eagerly instead of replaying a decode
-    # graph); 0 admits them at once
+    # steps (a step that computes a prompt chunk replays a prompt-step graph, or runs eagerly,
+    # instead of the cheaper decode graph); 0 admits them at once
     max_admission_delay: int = 16
     schedule_policy: str = "lpm"  # lpm: longest cached prefix first; fcfs: arrival order
     disable_radix_cache: bool = False
