@@ -255,3 +255,68 @@ def sample(
         PIVOTS=pivots, CAPACITY=capacity, CUT=CUT, MAX_PASSES=MAX_PASSES, num_warps=num_warps,
     )  # fmt: skip
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy
+
+
+@triton.jit
+def _argmax_chunks_kernel(logits_ptr, stride, vocab, val_ptr, idx_ptr, BLOCK: tl.constexpr):
+    """The max of one chunk of one row and its first index."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    cols = c * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + r * stride + cols, mask=cols < vocab, other=-float("inf"))
+    at = r * tl.num_programs(1) + c
+    tl.store(val_ptr + at, tl.max(x, axis=0))
+    tl.store(idx_ptr + at, c * BLOCK + tl.argmax(x, axis=0, tie_break_left=True))
+
+
+@triton.jit
+def _argmax_rows_kernel(
+    val_ptr, idx_ptr, chunks, out_ptr, buf_ptr, rows_ptr,
+    SCATTER: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """The first chunk holding a row's max gives its index (chunks are in index order)."""
+    r = tl.program_id(0)
+    c = tl.arange(0, BLOCK_C)
+    mask = c < chunks
+    v = tl.load(val_ptr + r * chunks + c, mask=mask, other=-float("inf"))
+    i = tl.load(idx_ptr + r * chunks + c, mask=mask, other=0)
+    first = tl.min(tl.where(mask & (v == tl.max(v, axis=0)), c, BLOCK_C), axis=0)
+    best = tl.sum(tl.where(c == first, i, 0), axis=0).to(tl.int64)
+    tl.store(out_ptr + r, best)
+    if SCATTER:
+        tl.store(buf_ptr + tl.load(rows_ptr + r), best)
+
+
+def argmax_rows(
+    logits: torch.Tensor,
+    into: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    block: int = 4096,
+) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` (B,) int64 for (B, V) logits with a unit stride along V: the first
+    index of each row's max, as torch gives it, in two short kernels (chunks of `block` tokens, then
+    their winners) where torch's reduction of one long row runs as one block of threads. With
+    `into` and `rows` (B,) it also writes `into[rows] = the result` (what a decode graph keeps in
+    `token_buf`), saving that kernel too. Launched without waiting for the device."""
+    b, vocab = logits.shape
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    if b == 0:
+        return out
+    if logits.stride(1) != 1:
+        raise ValueError("argmax_rows takes logits with a unit stride along the vocabulary")
+    chunks = triton.cdiv(vocab, block)
+    vals = torch.empty(b, chunks, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(b, chunks, dtype=torch.int64, device=logits.device)
+    _argmax_chunks_kernel[(b, chunks)](
+        logits, logits.stride(0), vocab, vals, idx, BLOCK=block, num_warps=8
+    )
+    scatter = into is not None and rows is not None
+    _argmax_rows_kernel[(b,)](
+        vals, idx, chunks, out, into if scatter else out, rows if scatter else out,
+        SCATTER=scatter, BLOCK_C=max(2, triton.next_power_of_2(chunks)), num_warps=1,
+    )  # fmt: skip
+    return out

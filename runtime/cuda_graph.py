@@ -27,6 +27,7 @@ import torch
 
 from radixlm.kernels.triton_attention import extend_blocks
 from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.sampler import greedy_ids
 from radixlm.runtime.tensors import int64_tensor
 
 logger = logging.getLogger(__name__)
@@ -164,8 +165,7 @@ class DecodeGraphs(_Staging):
             num_multi=0,
         )
         logits = self.model(batch, self.backend)
-        tokens = logits.argmax(dim=-1)
-        self.token_buf[rows] = tokens
+        tokens = greedy_ids(logits, into=self.token_buf, rows=rows)
         return logits, tokens
 
     def _capture_all(self) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixlm.runtime.forward_batch import ForwardBatch
-from radixlm.runtime.sampler import Sampler, SamplingRow, top_logprobs
+from radixlm.runtime.sampler import Sampler, SamplingRow, greedy_ids, top_logprobs
 from radixlm.runtime.scheduler import ScheduledReq, StepPlan
 from radixlm.runtime.tensors import int64_tensor, packed_to_device, to_device
 
@@ -162,7 +162,7 @@ class ModelRunner:
         tokens = None
         if reqs:
             if greedy_only or all(r.plain_greedy for r in reqs):  # no sampling rows to build
-                tokens = greedy if greedy is not None else row_logits.argmax(dim=-1)
+                tokens = greedy if greedy is not None else greedy_ids(row_logits)
             else:
                 rows = [_sampling_row(r) for r in reqs]
                 tokens = self.sampler.sample_ids(row_logits, rows)

@@ -218,3 +218,27 @@ def test_sampler_fused_and_torch_paths_agree_at_real_size(monkeypatch):
     got = Sampler().sample_ids(logits, rows).tolist()
     monkeypatch.setenv("RADIXLM_DISABLE_FUSED", "1")
     assert got == Sampler().sample_ids(logits, rows).tolist()
+
+
+@pytest.mark.parametrize("vocab,block", [(1000, 128), (257, 64), (49152, 4096)])
+def test_argmax_rows_is_torchs_argmax_ties_included(vocab, block):
+    """The first index of each row's max, as torch.argmax: ties within a chunk, across chunks
+    (the earlier chunk wins), at a partial last chunk, and rows of -inf but one; with `into` and
+    `rows` the result is also scattered."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab + 3, generator=gen)[:, :vocab]  # strided rows
+    top = float(logits.max()) + 1.0
+    logits[0, [5, 9]] = top  # a tie in one chunk
+    logits[1, [vocab - 1, block + 1]] = top  # a tie across chunks, one in the last chunk
+    logits[2, vocab - 1] = top  # the max in a partial last chunk
+    logits[3] = float("-inf")
+    logits[3, vocab // 2] = 0.0
+    logits[4] = logits[4].round()  # many ties
+    logits = logits.to(DEVICE)
+    want = logits.argmax(dim=-1)
+    assert torch.equal(sampling.argmax_rows(logits, block=block), want)
+    into = torch.full((10,), -1, dtype=torch.int64, device=DEVICE)
+    rows = torch.tensor([7, 0, 3, 9, 2, 5], device=DEVICE)
+    got = sampling.argmax_rows(logits, into=into, rows=rows, block=block)
+    assert torch.equal(got, want)
+    assert torch.equal(into[rows], want) and (into[[1, 4, 6, 8]] == -1).all()
