@@ -159,7 +159,9 @@ def _decode_partial_kernel(
 
     seq_len = tl.load(SeqLens + batch).to(tl.int32)
     req = tl.load(ReqPoolIndices + batch).to(tl.int64)
-    split_len = tl.cdiv(seq_len, num_kv_splits)
+    # at least a tile a split: a short sequence uses only its first few splits (the rest are
+    # empty and exit at once), as many splits of a few keys each cost more than they share
+    split_len = tl.maximum(tl.cdiv(seq_len, num_kv_splits), BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -195,7 +197,7 @@ def _decode_partial_kernel(
         # the programs whose split holds the new token's position store its K/V (each head block
         # of a kv head writes the same values, so each reads back its own store), and the
         # barrier makes the store visible to the program's loads below
-        if (seq_len > 0) & ((seq_len - 1) // tl.maximum(split_len, 1) == split):
+        if (seq_len > 0) & ((seq_len - 1) // split_len == split):
             slot = tl.load(Loc + batch).to(tl.int64)
             kn = Knew + batch * stride_knb + kv_head * stride_knh
             kf = tl.load(kn + offs_d, mask=d_mask, other=0.0)
