@@ -99,7 +99,6 @@ class DecodeGraphs(_Staging):
         self._inputs = torch.zeros((3, n), dtype=torch.int64, device=self.device)
         self._inputs[0] = self.padding_row
         self._init_staging(3 * n, pinned=capture)
-        self._arange = torch.arange(n, dtype=torch.int64, device=self.device)
         self._ones = torch.ones(n, dtype=torch.int64, device=self.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (logits, argmax)
@@ -159,7 +158,7 @@ class DecodeGraphs(_Staging):
             prefix_lens=positions,
             extend_lens=self._ones[:bs],
             seq_lens=seq_lens,
-            logits_indices=self._arange[:bs],
+            logits_indices=None,  # every row (no gather)
             extend_lens_cpu=[1] * bs,
             prefix_lens_cpu=[0] * bs,  # unused by the graph-safe backend
             num_multi=0,

@@ -22,7 +22,8 @@ class ForwardBatch:
     prefix_lens: torch.Tensor  # (B,) int64
     extend_lens: torch.Tensor  # (B,) int64
     seq_lens: torch.Tensor  # (B,) int64: prefix + extend
-    logits_indices: torch.Tensor  # (L,) int64: rows of the packed hidden states that need logits
+    # (L,) int64: rows of the packed hidden states that need logits; None: every row
+    logits_indices: torch.Tensor | None
     # host copies, for control flow without device syncs
     extend_lens_cpu: list[int]
     prefix_lens_cpu: list[int]

@@ -140,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
-        """Logits (L, vocab) in float32 for the rows `batch.logits_indices`."""
+        """Logits (L, vocab) in float32 for the rows `batch.logits_indices` (None: every row)."""
         x = self.embed_tokens(batch.input_ids)
         rope = self.rope.lookup(batch.positions)
         residual = None
