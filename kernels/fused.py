@@ -231,3 +231,42 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
         )
     return out
+
+
+@triton.jit
+def _decode_inputs_kernel(
+    rows_ptr, seq_lens_ptr, slots_ptr, table_ptr, stride_table, token_buf_ptr,
+    ids_ptr, positions_ptr, n, BLOCK: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    row = tl.load(rows_ptr + i, mask=mask, other=0)
+    pos = tl.maximum(tl.load(seq_lens_ptr + i, mask=mask, other=1) - 1, 0)
+    slot = tl.load(slots_ptr + i, mask=mask, other=0)
+    tl.store(table_ptr + row * stride_table + pos, slot.to(table_ptr.dtype.element_ty), mask=mask)
+    tl.store(ids_ptr + i, tl.load(token_buf_ptr + row, mask=mask, other=0), mask=mask)
+    tl.store(positions_ptr + i, pos, mask=mask)
+
+
+def decode_inputs(
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    req_to_token: torch.Tensor,
+    token_buf: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's inputs in one kernel: each request (row `rows[i]`, sequence length
+    `seq_lens[i]` with its new token, whose KV slot is `slots[i]`) writes the slot into
+    `req_to_token[row, position]` and reads its input token from `token_buf[row]`, position being
+    seq_len - 1 (0 for a padding row of length 0). Returns (input ids, positions), int64, as
+    `token_buf[rows]` and `(seq_lens - 1).clamp(min=0)` would."""
+    n = rows.shape[0]
+    ids = torch.empty(n, dtype=torch.int64, device=rows.device)
+    positions = torch.empty(n, dtype=torch.int64, device=rows.device)
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _decode_inputs_kernel[(triton.cdiv(n, block),)](
+            rows, seq_lens, slots, req_to_token, req_to_token.stride(0), token_buf,
+            ids, positions, n, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return ids, positions

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from radixlm.kernels import fused
 from radixlm.kernels.triton_attention import extend_blocks
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.sampler import greedy_ids
@@ -148,10 +149,16 @@ class DecodeGraphs(_Staging):
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows, seq_lens, slots = self._inputs[:, :bs]
-        positions = (seq_lens - 1).clamp(min=0)
-        self.req_to_token[rows, positions] = slots.to(self.req_to_token.dtype)
+        if fused.enabled(slots):  # one kernel for the few below
+            input_ids, positions = fused.decode_inputs(
+                rows, seq_lens, slots, self.req_to_token, self.token_buf
+            )
+        else:
+            positions = (seq_lens - 1).clamp(min=0)
+            self.req_to_token[rows, positions] = slots.to(self.req_to_token.dtype)
+            input_ids = self.token_buf[rows]
         batch = ForwardBatch(
-            input_ids=self.token_buf[rows],
+            input_ids=input_ids,
             positions=positions,
             out_cache_loc=slots,
             req_pool_indices=rows,

@@ -115,3 +115,20 @@ def test_rope_store_kv_equals_rope_then_store(dtype, heads):
     assert torch.equal(q, qk[:, :hq])  # the same kernel code as rope_
     assert torch.equal(got_pools, want_pools)  # rotated k and v at their slots, nothing else
     assert torch.equal(qk2[:, hq:], k_before)  # k itself untouched
+
+
+def test_decode_inputs_equal_the_torch_ops():
+    """One kernel for a decode graph's inputs: the request-table write, the input tokens from
+    token_buf and the positions, as the torch ops they replace (padding rows of length 0 too)."""
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randint(0, 500, (9, 40), generator=gen, dtype=torch.int32).to(DEVICE)
+    token_buf = torch.randint(0, 1000, (9,), generator=gen).to(DEVICE)
+    rows = torch.tensor([4, 0, 7, 8, 8], device=DEVICE)  # the last two: padding (row 8, length 0)
+    seq_lens = torch.tensor([5, 1, 40, 0, 0], device=DEVICE)
+    slots = torch.tensor([101, 102, 103, 0, 0], device=DEVICE)
+    want_table = table.clone()
+    positions = (seq_lens - 1).clamp(min=0)
+    want_table[rows, positions] = slots.to(torch.int32)
+    ids, got_positions = fused.decode_inputs(rows, seq_lens, slots, table, token_buf)
+    assert torch.equal(table, want_table)
+    assert torch.equal(ids, token_buf[rows]) and torch.equal(got_positions, positions)
