@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -43,11 +44,52 @@ def graph_buckets(max_batch: int) -> list[int]:
     return sorted(set(out))
 
 
-class _Staging:
-    """Two pinned host buffers a graph's inputs are staged in, used in turn. The copy from one
-    is only queued, and a step may be launched before the previous one ran (or, for a step that
-    samples nothing, without ever waiting for it): before a buffer is written again, the host
-    waits for the copy that last read it (long done, as a rule)."""
+class _BucketGraphs:
+    """What the two kinds of graphs share: one graph per bucket (`buckets`, `_forward(bucket)`
+    over the device buffer `_inputs`, `_padding_inputs(bucket)` filling it with padding), and two
+    pinned host buffers the inputs are staged in, used in turn. The copy from one is only queued,
+    and a step may be launched before the previous one ran (or, for a step that samples nothing,
+    without ever waiting for it): before a buffer is written again, the host waits for the copy
+    that last read it (long done, as a rule)."""
+
+    def _setup(self, model, backend, req_to_token, token_buf, padding_row, buckets) -> None:
+        self.model = model
+        self.backend = backend
+        self.req_to_token = req_to_token
+        self.token_buf = token_buf  # the newest sampled token of each request row
+        self.padding_row = req_to_token.shape[0] - 1 if padding_row is None else padding_row
+        self.device = req_to_token.device
+        self.buckets = buckets
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, Any] = {}
+
+    def _capture(self, what: str) -> None:
+        t0 = time.perf_counter()
+        self._capture_all()
+        logger.info(
+            "captured %s CUDA graphs for %d sizes up to %d in %.1fs",
+            what, len(self.buckets), self.buckets[-1], time.perf_counter() - t0,
+        )  # fmt: skip
+
+    def _capture_all(self) -> None:
+        """A graph per bucket, largest first (smaller graphs reuse its memory), each after two
+        warm-up runs (kernels compiled, cuBLAS's choices made, the backend's scratch allocated)."""
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        for bucket in reversed(self.buckets):
+            self._padding_inputs(bucket)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(bucket)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._outputs[bucket] = self._forward(bucket)
+            pool = graph.pool()
+            self._graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
 
     def _init_staging(self, size: int, pinned: bool) -> None:
         self._staging = [torch.zeros(size, dtype=torch.int64) for _ in range(2)]
@@ -71,7 +113,7 @@ class _Staging:
         self._flip ^= 1
 
 
-class DecodeGraphs(_Staging):
+class DecodeGraphs(_BucketGraphs):
     """CUDA graphs of the model's decode forward, one per bucket batch size."""
 
     def __init__(
@@ -87,30 +129,15 @@ class DecodeGraphs(_Staging):
         """With capture=False (a CPU test of the padding logic) each call runs the padded forward
         eagerly instead of replaying a graph. `padding_row` (by default the table's last row, which
         ReqToTokenPool never hands out) is where padding rows point."""
-        self.model = model
-        self.backend = backend
-        self.req_to_token = req_to_token
-        self.token_buf = token_buf  # the newest sampled token of each request row
-        self.padding_row = req_to_token.shape[0] - 1 if padding_row is None else padding_row
-        self.device = req_to_token.device
-        self.buckets = graph_buckets(max_batch)
-        self.max_batch = self.buckets[-1]
-        n = self.max_batch
+        self._setup(model, backend, req_to_token, token_buf, padding_row, graph_buckets(max_batch))
+        self.max_batch = n = self.buckets[-1]
         # rows: request row in req_to_token, sequence length including the new token, its KV slot
         self._inputs = torch.zeros((3, n), dtype=torch.int64, device=self.device)
         self._inputs[0] = self.padding_row
         self._init_staging(3 * n, pinned=capture)
         self._ones = torch.ones(n, dtype=torch.int64, device=self.device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (logits, argmax)
-        if not capture:
-            return
-        t0 = time.perf_counter()
-        self._capture_all()
-        logger.info(
-            "captured decode CUDA graphs for %d batch sizes up to %d in %.1fs",
-            len(self.buckets), n, time.perf_counter() - t0,
-        )  # fmt: skip
+        if capture:  # (the outputs: logits and their argmax)
+            self._capture("decode")
 
     def can_run(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.max_batch
@@ -174,23 +201,9 @@ class DecodeGraphs(_Staging):
         tokens = greedy_ids(logits, into=self.token_buf, rows=rows)
         return logits, tokens
 
-    def _capture_all(self) -> None:
-        self._inputs[1:].zero_()  # every row is padding while capturing
-        pool = None
-        stream = torch.cuda.Stream(self.device)
-        for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compiles kernels and allocates the backend's scratch
-                    self._forward(bs)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._outputs[bs] = self._forward(bs)
-            pool = graph.pool()
-            self._graphs[bs] = graph
-        torch.cuda.synchronize(self.device)
+    def _padding_inputs(self, bs: int) -> None:
+        self._inputs[0] = self.padding_row  # every row is padding: length 0, slot 0
+        self._inputs[1:].zero_()
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
@@ -205,7 +218,7 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return [b for b in out if b <= top]
 
 
-class PrefillGraphs(_Staging):
+class PrefillGraphs(_BucketGraphs):
     """CUDA graphs of prompt steps (a ragged batch of prompt chunks and decodes, one logits row per
     request) of up to `max_tokens` tokens, one per bucket token count.
 
@@ -234,29 +247,17 @@ class PrefillGraphs(_Staging):
         capture: bool = True,
         padding_row: int | None = None,
     ) -> None:
-        self.model = model
-        self.backend = backend
-        self.req_to_token = req_to_token
-        self.token_buf = token_buf
-        self.padding_row = req_to_token.shape[0] - 1 if padding_row is None else padding_row
-        self.device = req_to_token.device
+        self._setup(
+            model, backend, req_to_token, token_buf, padding_row, prefill_buckets(max_tokens)
+        )
         self.tokens_per_block = backend.extend_tokens_per_block()
-        self.buckets = prefill_buckets(max_tokens)
         self.max_tokens = self.buckets[-1]
         self.max_reqs = max_reqs
         largest = max(self._layout(t)[-1] for t in self.buckets)
         self._inputs = torch.zeros(largest, dtype=torch.int64, device=self.device)
         self._init_staging(largest, pinned=capture)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        if not capture:
-            return
-        t0 = time.perf_counter()
-        self._capture_all()
-        logger.info(
-            "captured prompt-step CUDA graphs for %d token counts up to %d in %.1fs",
-            len(self.buckets), self.max_tokens, time.perf_counter() - t0,
-        )  # fmt: skip
+        if capture:  # (the outputs: logits)
+            self._capture("prompt-step")
 
     def _layout(self, tokens: int) -> tuple[int, int, int]:
         """(requests, tiles, input length) of the bucket of `tokens` tokens. The inputs are four
@@ -350,26 +351,10 @@ class PrefillGraphs(_Staging):
         )
         return self.model(batch, self.backend)
 
-    def _capture_all(self) -> None:
+    def _padding_inputs(self, tokens: int) -> None:
+        """Every token padding (the padding row, not from token_buf), every tile empty."""
+        reqs, tiles, _ = self._layout(tokens)
         self._inputs.zero_()
-        pool = None
-        stream = torch.cuda.Stream(self.device)
-        for tokens in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-            reqs, tiles, size = self._layout(tokens)
-            # every token is padding, every tile empty
-            self._inputs[2 * tokens : 3 * tokens] = self.padding_row
-            self._inputs[3 * tokens : 4 * tokens] = -1
-            self._inputs[4 * (tokens + reqs) : 4 * (tokens + reqs) + tiles] = -1
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compiles kernels, lets cuBLAS choose its kernels
-                    self._forward(tokens)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._outputs[tokens] = self._forward(tokens)
-            pool = graph.pool()
-            self._graphs[tokens] = graph
-            self._inputs.zero_()
-        torch.cuda.synchronize(self.device)
+        self._inputs[2 * tokens : 3 * tokens] = self.padding_row
+        self._inputs[3 * tokens : 4 * tokens] = -1
+        self._inputs[4 * (tokens + reqs) : 4 * (tokens + reqs) + tiles] = -1
