@@ -311,3 +311,44 @@ def test_prompt_steps_padded_for_prefill_graphs_match_eager(tiny_model_folder):
             a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
         ):
             assert abs(lp_a - lp_b) < 1e-4
+
+
+def test_prefill_graph_layout_under_load_matches_eager(tiny_model_folder):
+    """Many requests with shared prefixes (radix hits), small chunks, a cap of 5 running (buckets
+    whose request lists fill up), greedy and seeded sampling, arriving in two waves: the padded
+    prompt-step path (run eagerly here) gives the tokens of the ordinary path."""
+    import random
+
+    from radixlm.runtime.cuda_graph import PrefillGraphs
+
+    rng = random.Random(9)
+    shared = [rng.randrange(100, 4000) for _ in range(30)]
+    prompts = [
+        (shared[: rng.randint(0, 30)] if i % 2 else [])
+        + [rng.randrange(100, 4000) for _ in range(rng.randint(1, 40))]
+        for i in range(12)
+    ]
+    params = [
+        {"max_new_tokens": rng.randint(3, 9), "temperature": 0, "ignore_eos": True}
+        | ({"temperature": 0.7, "seed": i} if i % 3 == 0 else {})
+        for i in range(12)
+    ]
+    outs, steps = [], []
+    for graphs in (False, True):
+        with radixlm.Engine(
+            tiny_model_folder, attention_backend="triton", chunked_prefill_size=16,
+            max_running_requests=5,
+        ) as eng:  # fmt: skip
+            runner = eng._core.runner
+            if graphs:
+                runner.prefill_graphs = PrefillGraphs(
+                    runner.model, runner.backend, runner.req_to_token, runner.token_buf,
+                    max_tokens=24, max_reqs=5, capture=False,
+                    padding_row=eng._core.rows.padding_row,
+                )  # fmt: skip
+            first = eng.generate(input_ids=prompts[:6], sampling_params=params[:6])
+            second = eng.generate(input_ids=prompts[6:], sampling_params=params[6:])
+            outs.append([o["output_ids"] for o in first + second])
+            steps.append(eng.get_stats()["prefill_graph_steps"])
+    assert steps[0] == 0 and steps[1] > 10, steps
+    assert outs[0] == outs[1]
