@@ -36,7 +36,9 @@ def main() -> None:
     )  # fmt: skip
     runner = eng._core.runner
     logits = torch.randn(n, 1000)
-    runner.model = lambda batch, backend: logits[: len(batch.logits_indices)]
+    runner.model = lambda batch, backend: logits[
+        : batch.num_tokens if batch.logits_indices is None else len(batch.logits_indices)
+    ]
     runner.graphs = DecodeGraphs(
         runner.model, runner.backend, runner.req_to_token, runner.token_buf, n, capture=False
     )

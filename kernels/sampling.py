@@ -267,10 +267,12 @@ def _argmax_chunks_kernel(logits_ptr, stride, vocab, val_ptr, idx_ptr, BLOCK: tl
     r = tl.program_id(0)
     c = tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(logits_ptr + r * stride + cols, mask=cols < vocab, other=-float("inf"))
+    x = tl.load(logits_ptr + r.to(tl.int64) * stride + cols, mask=cols < vocab, other=-float("inf"))
+    x = tl.where(x != x, float("inf"), x)  # a NaN wins, as in torch (and never a masked lane)
     at = r * tl.num_programs(1) + c
     tl.store(val_ptr + at, tl.max(x, axis=0))
-    tl.store(idx_ptr + at, c * BLOCK + tl.argmax(x, axis=0, tie_break_left=True))
+    best = c * BLOCK + tl.argmax(x, axis=0, tie_break_left=True)
+    tl.store(idx_ptr + at, tl.minimum(best, vocab - 1))
 
 
 @triton.jit

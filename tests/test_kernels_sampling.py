@@ -223,8 +223,8 @@ def test_sampler_fused_and_torch_paths_agree_at_real_size(monkeypatch):
 @pytest.mark.parametrize("vocab,block", [(1000, 128), (257, 64), (49152, 4096)])
 def test_argmax_rows_is_torchs_argmax_ties_included(vocab, block):
     """The first index of each row's max, as torch.argmax: ties within a chunk, across chunks
-    (the earlier chunk wins), at a partial last chunk, and rows of -inf but one; with `into` and
-    `rows` the result is also scattered."""
+    (the earlier chunk wins), at a partial last chunk, a row of -inf but one, a NaN; with `into`
+    and `rows` the result is also scattered."""
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(6, vocab + 3, generator=gen)[:, :vocab]  # strided rows
     top = float(logits.max()) + 1.0
@@ -234,6 +234,7 @@ def test_argmax_rows_is_torchs_argmax_ties_included(vocab, block):
     logits[3] = float("-inf")
     logits[3, vocab // 2] = 0.0
     logits[4] = logits[4].round()  # many ties
+    logits[5, 17] = float("nan")  # a NaN is the max, as in torch
     logits = logits.to(DEVICE)
     want = logits.argmax(dim=-1)
     assert torch.equal(sampling.argmax_rows(logits, block=block), want)
