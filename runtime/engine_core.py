@@ -51,14 +51,15 @@ def tune_batch1_matmuls(model) -> None:
 
     dispatch = LinearDispatch()
     seen = {}
+    head = getattr(model, "lm_head", None)  # its output is float32 (the logits)
     for linear in model.linears():
         key = choice_key("linear", 1, linear)
         if key not in seen:
-            seen[key] = dispatch.tune(linear, rows=1)
+            seen[key] = dispatch.tune(linear, rows=1, float32=linear is head)
     for op, linear, norm in model.fusable_matmuls() if fused_gemv_enabled() else []:
         key = choice_key(op, 1, linear)
         if key not in seen:
-            seen[key] = dispatch.tune(linear, rows=1, op=op, norm=norm)
+            seen[key] = dispatch.tune(linear, rows=1, op=op, norm=norm, float32=linear is head)
     model.use_matmul(dispatch)
     for (op, _, n, k, _), (base, best) in seen.items():
         logger.info(

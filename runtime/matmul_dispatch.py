@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from radixlm.kernels import gemv
 from radixlm.kernels.gemv import CONFIGS, FUSED_CONFIGS, MAX_ROWS, OPS, GemvConfig
-from radixlm.runtime.layers import PlainMatmuls
+from radixlm.runtime.layers import PlainMatmuls, float32_linear
 
 ChoiceKey = tuple[str, int, int, int, bool]  # (op, rows of x, N, K, whether the linear has a bias)
 
@@ -89,15 +89,20 @@ class LinearDispatch(PlainMatmuls):
         return gemv.gemv_silu_and_mul(gate_up, linear.weight, linear.bias, config)
 
     def tune(
-        self, linear: torch.nn.Linear, rows: int, op: str = "linear", norm=None
+        self,
+        linear: torch.nn.Linear,
+        rows: int,
+        op: str = "linear",
+        norm=None,
+        float32: bool = False,
     ) -> tuple[float, float]:
         """Time the plain path of `op` and each candidate kernel on random input of `rows` rows (in
         a CUDA graph: `graph_ms`) and keep the fastest (a kernel only on a clear win). For the
         fused ops the plain path is the norm (`norm`, the model's RMSNorm) or SiLU kernel and then
-        this dispatch's linear, so tune "linear" for the shape first. Returns (plain ms, chosen
-        ms)."""
+        this dispatch's linear, so tune "linear" for the shape first. `float32`: the layer's output
+        is float32 (the LM head: `float32_linear`), on both paths. Returns (plain ms, chosen ms)."""
         key = choice_key(op, rows, linear)
-        plain, kernel = self._candidate_calls(op, linear, rows, norm)
+        plain, kernel = self._candidate_calls(op, linear, rows, norm, float32)
         want = plain(linear).float()
         base = graph_ms(plain, linear)
         candidates = CONFIGS
@@ -123,15 +128,20 @@ class LinearDispatch(PlainMatmuls):
         self.choice[key] = best
         return base, best_ms
 
-    def _candidate_calls(self, op: str, linear: torch.nn.Linear, rows: int, norm):
+    def _candidate_calls(
+        self, op: str, linear: torch.nn.Linear, rows: int, norm, float32: bool = False
+    ):
         """(the plain path, a kernel given its tile) of `op` on fixed random inputs, each a function
         of the linear layer (or a copy of its weight: see `graph_ms`) returning y."""
         w = linear.weight
         x = torch.randn(rows, w.shape[1], device=w.device, dtype=w.dtype)
+        out = torch.float32 if float32 else None
         if op == "linear":
             return (
-                lambda lin: F.linear(x, lin.weight, lin.bias),
-                lambda c, lin: gemv.gemv(x, lin.weight, lin.bias, c),
+                (lambda lin: float32_linear(x, lin))
+                if float32
+                else (lambda lin: F.linear(x, lin.weight, lin.bias)),
+                lambda c, lin: gemv.gemv(x, lin.weight, lin.bias, c, out_dtype=out),
             )
         if op == "silu_and_mul":
             gate_up = torch.randn(rows, 2 * w.shape[1], device=w.device, dtype=w.dtype)
@@ -143,9 +153,9 @@ class LinearDispatch(PlainMatmuls):
             raise ValueError(f"unknown op {op!r} (one of {OPS}; the norm ops need the norm)")
         res = torch.randn_like(x) if op == "rms_norm_residual" else None
         return (
-            lambda lin: PlainMatmuls.norm_linear(self, x, res, norm, lin)[0],
+            lambda lin: PlainMatmuls.norm_linear(self, x, res, norm, lin, float32=float32)[0],
             lambda c, lin: gemv.gemv_rms_norm(
-                x, res, norm.weight, norm.eps, lin.weight, lin.bias, c
+                x, res, norm.weight, norm.eps, lin.weight, lin.bias, c, out_dtype=out
             )[0],
         )
 

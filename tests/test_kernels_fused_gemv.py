@@ -324,3 +324,19 @@ def test_lm_head_logits_in_float32_are_the_unrounded_sums(dtype, torch_path, cou
         assert count_launches == launched
         assert got.dtype == torch.float32 and none is None
         torch.testing.assert_close(got, want[rows], atol=1e-4, rtol=1e-4)
+
+
+def test_lm_head_tuning_times_the_float32_output_on_both_paths(torch_path):
+    """The LM head is tuned as it runs: its plain path and its kernels write float32."""
+    dtype = DTYPES[-1]  # a half type
+    n, k = SIZES[0]
+    w, _, _, _, norm = inputs(1, (n, k), dtype, seed=41)
+    linear = torch.nn.Linear(k, n, bias=False).to(DEVICE, dtype)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    dispatch = LinearDispatch()
+    for op in ("linear", "rms_norm_residual"):
+        plain, kernel = dispatch._candidate_calls(op, linear, 1, norm, float32=True)
+        want, got = plain(linear), kernel(TILES[0], linear)
+        assert want.dtype == got.dtype == torch.float32, op
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)

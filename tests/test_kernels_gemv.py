@@ -73,3 +73,11 @@ def test_tuning_finds_working_tiles_and_routes_to_a_path_no_slower_than_cublas()
     torch.testing.assert_close(dispatch(x, linear), F.linear(x, linear.weight), atol=TOL, rtol=TOL)
     # the routed path, timed again, is as fast as cuBLAS or faster (within timing noise)
     assert graph_ms(lambda lin: dispatch(x, lin), linear) < base * 1.1
+    # an LM head (float32 output) tunes and routes as it runs
+    head = LinearDispatch()
+    head.tune(linear, rows=1, float32=True)
+    logits = head.float32(x, linear)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(
+        logits, F.linear(x.float(), linear.weight.float()), atol=1e-2, rtol=1e-2
+    )
