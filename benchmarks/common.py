@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -108,3 +109,26 @@ def copy_bandwidth() -> float:
         y.copy_(x)
     torch.cuda.synchronize()
     return 2 * x.numel() * 20 / (time.perf_counter() - t)
+
+
+@contextlib.contextmanager
+def cuda_event_spans(owner: type, method: str):
+    """While active, every call of `owner.method` is bracketed by CUDA events recorded on the
+    current stream; yields the list the (start, end) pairs go into (read them after a sync)."""
+    pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    real = getattr(owner, method)
+
+    def timed(*args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = real(*args, **kwargs)
+        end.record()
+        pairs.append((start, end))
+        return result
+
+    setattr(owner, method, timed)
+    try:
+        yield pairs
+    finally:
+        setattr(owner, method, real)
+        torch.cuda.synchronize()

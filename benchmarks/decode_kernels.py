@@ -24,27 +24,19 @@ import time
 import torch
 
 import radixlm
-from benchmarks.common import commit, device_line, random_prompts, shape_folder
+from benchmarks.common import (
+    commit,
+    cuda_event_spans,
+    device_line,
+    random_prompts,
+    shape_folder,
+)
 
 
 def replay_times(eng, prompts, params) -> tuple[list[float], list[float]]:
     """(GPU ms of each graph replay, ms from each replay's end to the next one's start)."""
-    pairs = []
-    real = torch.cuda.CUDAGraph.replay
-
-    def timed(graph) -> None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        real(graph)
-        end.record()
-        pairs.append((start, end))
-
-    torch.cuda.CUDAGraph.replay = timed
-    try:
+    with cuda_event_spans(torch.cuda.CUDAGraph, "replay") as pairs:
         eng.generate(input_ids=prompts, sampling_params=params)
-    finally:
-        torch.cuda.CUDAGraph.replay = real
-    torch.cuda.synchronize()
     inside = [a.elapsed_time(b) for a, b in pairs]
     gaps = [pairs[i][1].elapsed_time(pairs[i + 1][0]) for i in range(len(pairs) - 1)]
     return inside, gaps

@@ -30,7 +30,14 @@ import time
 import torch
 
 import radixlm
-from benchmarks.common import SHAPES, commit, device_line, random_prompts, shape_folder
+from benchmarks.common import (
+    SHAPES,
+    commit,
+    cuda_event_spans,
+    device_line,
+    random_prompts,
+    shape_folder,
+)
 
 
 def matmul_rate() -> float:
@@ -146,25 +153,10 @@ def step_spans(eng, prompts, params) -> tuple[int, float, float]:
     what lies between them is the GPU waiting for the host."""
     from radixlm.runtime.model_runner import ModelRunner
 
-    pairs = []
-    real = ModelRunner.launch
-
-    def timed(self, plan, greedy_only=False):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        handle = real(self, plan, greedy_only)
-        end.record()
-        pairs.append((start, end))
-        return handle
-
-    ModelRunner.launch = timed
-    try:
+    with cuda_event_spans(ModelRunner, "launch") as pairs:
         t0 = time.perf_counter()
         eng.generate(input_ids=prompts, sampling_params=params)
         wall = time.perf_counter() - t0
-    finally:
-        ModelRunner.launch = real
-    torch.cuda.synchronize()
     return len(pairs), sum(a.elapsed_time(b) for a, b in pairs) / 1e3, wall
 
 

@@ -11,6 +11,18 @@ import radixlm
 pytest.importorskip("triton")
 
 
+def assert_same_outputs(want: list[dict], got: list[dict]) -> None:
+    """The same tokens, and their log-probabilities within 1e-4 (where they were asked for)."""
+    assert len(want) == len(got)
+    for a, b in zip(want, got):
+        assert a["output_ids"] == b["output_ids"]
+        lps_a = a["meta_info"].get("output_token_logprobs", [])
+        lps_b = b["meta_info"].get("output_token_logprobs", [])
+        assert len(lps_a) == len(lps_b)
+        for (lp_a, _, _), (lp_b, _, _) in zip(lps_a, lps_b):
+            assert abs(lp_a - lp_b) < 1e-4
+
+
 def test_triton_backend_matches_torch_backend_end_to_end(tiny_model_folder):
     prompts = [list(range(100, 100 + n)) for n in (1, 7, 33, 70)]
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -25,12 +37,7 @@ def test_triton_backend_matches_torch_backend_end_to_end(tiny_model_folder):
             ]
             batched = eng.generate(input_ids=prompts, sampling_params=params)
         outs[backend] = (alone, batched)
-    for a, b in zip(outs["torch"][0], outs["triton"][0]):
-        assert a["output_ids"] == b["output_ids"]
-        for (lp_a, _, _), (lp_b, _, _) in zip(
-            a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
-        ):
-            assert abs(lp_a - lp_b) < 1e-4
+    assert_same_outputs(outs["torch"][0], outs["triton"][0])
     assert [o["output_ids"] for o in outs["torch"][1]] == [
         o["output_ids"] for o in outs["triton"][1]
     ]
@@ -109,12 +116,7 @@ def test_padded_prefill_rows_leave_outputs_and_the_padding_slot_alone(
         assert all(torch.isfinite(k[0]).all() and torch.isfinite(v[0]).all()
                    for k, v in zip(pool.k, pool.v))  # fmt: skip
     assert any(paddings), paddings
-    for a, b in zip(want, got):
-        assert a["output_ids"] == b["output_ids"]
-        for (lp_a, _, _), (lp_b, _, _) in zip(
-            a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
-        ):
-            assert abs(lp_a - lp_b) < 1e-4
+    assert_same_outputs(want, got)
 
 
 def test_graph_decodes_read_each_requests_newest_token_after_preemption(tiny_model_folder):
@@ -248,12 +250,7 @@ def test_flash_attn_prompt_path_gathers_prefix_and_new_keys(tiny_model_folder):
             outs[backend] = [first, *rest]
     assert prompt_tokens and max(keys) > max(prompt_tokens)  # chunks after cached prefixes
     assert any(size > multi for multi, size in mixes)  # and steps mixing them with decodes
-    for a, b in zip(outs["torch"], outs["triton"]):
-        assert a["output_ids"] == b["output_ids"]
-        for (lp_a, _, _), (lp_b, _, _) in zip(
-            a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
-        ):
-            assert abs(lp_a - lp_b) < 1e-4
+    assert_same_outputs(outs["torch"], outs["triton"])
 
 
 def test_prompt_steps_padded_for_prefill_graphs_match_eager(tiny_model_folder):
@@ -305,12 +302,7 @@ def test_prompt_steps_padded_for_prefill_graphs_match_eager(tiny_model_folder):
     (eager, eager_sampled, eager_lps), (graphed, graphed_sampled, graphed_lps) = outs
     assert [o["output_ids"] for o in eager_sampled] == [o["output_ids"] for o in graphed_sampled]
     assert eager_lps["output_ids"] == graphed_lps["output_ids"]
-    for a, b in zip(eager, graphed):
-        assert a["output_ids"] == b["output_ids"]
-        for (lp_a, _, _), (lp_b, _, _) in zip(
-            a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
-        ):
-            assert abs(lp_a - lp_b) < 1e-4
+    assert_same_outputs(eager, graphed)
 
 
 def test_prefill_graph_layout_under_load_matches_eager(tiny_model_folder):
