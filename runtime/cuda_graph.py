@@ -223,7 +223,7 @@ class PrefillGraphs(_BucketGraphs):
     request) of up to `max_tokens` tokens, one per bucket token count.
 
     Launched eagerly, such a step costs the host a Python call and a kernel launch for each of a
-    few hundred kernels: ~12 ms on a lent H200's host for a 32-token prompt of a 30-layer model,
+    few hundred kernels: ~12 ms on an H200 machine's host for a 32-token prompt of a 30-layer model,
     whose kernels take under a millisecond. Here the step's index lists (the tokens, their
     positions and request rows; each request's row, prefix and new-token counts; the rows that
     need logits; the extend attention's tiles) go to the device in one copy and one replay runs
