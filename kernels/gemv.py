@@ -47,6 +47,12 @@ class GemvConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1  # programs along K; >1 adds a kernel summing their float32 partial sums
+    # products kept per lane and summed across the tile once, after the loop (no cross-warp sum,
+    # with its barrier, in every step); costs BLOCK_M * block_n * block_k float32 registers
+    late_sum: bool = False
+    # the next weight tile's load issued before this tile's products, and the first one before
+    # the norm prologue's pass over x: two tiles in flight per program
+    prefetch: bool = False
 
 
 @triton.jit
@@ -56,7 +62,8 @@ def _rms_norm_rstd(
     M,
 ):  # fmt: skip
     """1 / rms of each row of x (+ residual), (BLOCK_M,) float32; with `write_sum` the program also
-    stores the rounded sum to res_out (one program does, so no two write it)."""
+    stores the rounded sum to res_out (one program does, so no two write it). BLOCK_K here is as
+    wide as registers allow, so that a row of a model's width is one round of loads."""
     rows_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
     sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -81,27 +88,41 @@ def _gemv_kernel(
     stride_xm, stride_rm, stride_wn, stride_ym,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, LATE_SUM: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_at = w_ptr + rows_n[:, None] * stride_wn + cols[None, :]
+    if PREFETCH:  # the first tile on its way before the prologue's pass over x
+        w_next = tl.load(
+            w_at + k_start, mask=(rows_n[:, None] < N) & (k_start + cols[None, :] < k_end), other=0.0
+        )  # fmt: skip
     if PROLOGUE == _RMS_NORM:
         write_sum = (pid_n == 0) & (pid_k == 0)
         rstd = _rms_norm_rstd(
             x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, K, eps, write_sum,
-            HAS_RESIDUAL, BLOCK_M, BLOCK_K, M,
+            HAS_RESIDUAL, BLOCK_M, NORM_BLOCK, M,
         )  # fmt: skip
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    if LATE_SUM:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + cols
-        w = tl.load(
-            w_ptr + rows_n[:, None] * stride_wn + k[None, :],
-            mask=(rows_n[:, None] < N) & (k[None, :] < k_end), other=0.0,
-        ).to(tl.float32)  # fmt: skip
+        if PREFETCH:
+            w_tile = w_next
+            w_next = tl.load(
+                w_at + k0 + BLOCK_K,
+                mask=(rows_n[:, None] < N) & (k[None, :] + BLOCK_K < k_end), other=0.0,
+            )  # fmt: skip
+        else:
+            w_tile = tl.load(w_at + k0, mask=(rows_n[:, None] < N) & (k[None, :] < k_end), other=0.0)
+        w = w_tile.to(tl.float32)
         x_mask = (rows_m[:, None] < M) & (k[None, :] < k_end)
         x_at = x_ptr + rows_m[:, None] * stride_xm + k[None, :]
         if PROLOGUE == _RMS_NORM:
@@ -119,8 +140,13 @@ def _gemv_kernel(
             a = silu_mul_rounded(gate, up).to(tl.float32)
         else:
             a = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)
-        # (BLOCK_M, 1, BLOCK_K) * (1, BLOCK_N, BLOCK_K) summed over K
-        acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+        # (BLOCK_M, 1, BLOCK_K) * (1, BLOCK_N, BLOCK_K), summed over K now or after the loop
+        if LATE_SUM:
+            acc3 += a[:, None, :] * w[None, :, :]
+        else:
+            acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+    if LATE_SUM:
+        acc = tl.sum(acc3, axis=2)
     out_mask = (rows_m[:, None] < M) & (rows_n[None, :] < N)
     if SPLIT:  # float32 partial sums (split, M, N); _sum_splits_kernel finishes
         out = y_ptr + pid_k * M * N + rows_m[:, None] * N + rows_n[None, :]
@@ -148,6 +174,13 @@ def _sum_splits_kernel(
         acc += tl.load(b_ptr + rows_n, mask=rows_n < N, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + rows_m[:, None] * stride_ym + rows_n[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _norm_block(k: int, block_m: int, config: GemvConfig) -> int:
+    """The tile of the norm prologue's pass over x: as wide as 32 float32 values a thread allow,
+    so that a row of a model's width is one round of loads."""
+    room = 32 * 32 * config.num_warps // block_m
+    return min(triton.next_power_of_2(k), room)
 
 
 def _launch(
@@ -188,7 +221,8 @@ def _launch(
         y.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        NORM_BLOCK=_norm_block(k, block_m, config), LATE_SUM=config.late_sum,
+        PREFETCH=config.prefetch, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, 128),)](
@@ -254,14 +288,20 @@ def gemv_silu_and_mul(
     return _launch(_SILU_AND_MUL.value, gate_up, weight.shape[1], weight, bias, config)
 
 
-# Candidate tiles (block_n, block_k, num_warps, num_stages, split_k): short tiles for many programs
-# on short weights, split-K for long K over few output rows (down_proj).
+# Candidate tiles (block_n, block_k, num_warps, num_stages, split_k[, late_sum, prefetch]): short
+# tiles for many programs on short weights, split-K for long K over few output rows (down_proj);
+# the late-sum, prefetching ones hold two weight tiles and a float32 product a weight element.
+_T, _F = True, False
 CONFIGS = [
     GemvConfig(*c)
     for c in [
         (4, 2048, 4, 2, 1), (4, 1024, 2, 2, 1), (8, 1024, 4, 2, 1), (4, 2048, 8, 2, 1),
         (4, 1024, 4, 2, 1), (2, 1024, 4, 2, 1), (8, 512, 4, 3, 1), (8, 256, 4, 3, 1),
         (16, 256, 4, 3, 1), (4, 512, 2, 2, 1), (8, 512, 4, 3, 4), (4, 1024, 4, 2, 4),
+        (4, 512, 4, 1, 1, _T, _T), (8, 512, 4, 1, 1, _T, _T), (8, 256, 4, 1, 1, _T, _T),
+        (16, 256, 4, 1, 1, _T, _T), (4, 1024, 8, 1, 1, _T, _T), (8, 1024, 8, 1, 1, _T, _T),
+        (8, 512, 4, 1, 1, _T, _F), (4, 2048, 4, 1, 1, _F, _T), (8, 512, 4, 1, 4, _T, _T),
+        (4, 1024, 4, 1, 4, _T, _T),
     ]
 ]  # fmt: skip
 # The fused kernels try the fastest two tiles of the plain kernel for the shape, and these: more
@@ -270,7 +310,8 @@ FUSED_CONFIGS = [
     GemvConfig(*c)
     for c in [
         (8, 1024, 4, 2, 1), (8, 2048, 8, 2, 1), (16, 1024, 8, 2, 1), (16, 2048, 8, 2, 1),
-        (32, 512, 8, 2, 1), (8, 1024, 4, 2, 4),
+        (32, 512, 8, 2, 1), (8, 1024, 4, 2, 4), (16, 512, 8, 1, 1, _T, _T),
+        (32, 256, 8, 1, 1, _T, _T), (16, 256, 4, 1, 1, _T, _T), (8, 1024, 8, 1, 1, _T, _T),
     ]
 ]  # fmt: skip
 

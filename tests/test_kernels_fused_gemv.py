@@ -29,9 +29,19 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 SIZES = [(37, 100), (20, 300)] if not ON_GPU else [(6144, 4096), (4096, 14336), (960, 576)]
 # small tiles keep the interpreter fast; split_k 3 leaves a short last split
 TILES = (
-    [GemvConfig(8, 64, 4, 1, 1), GemvConfig(4, 64, 4, 1, 3)]
+    [
+        GemvConfig(8, 64, 4, 1, 1),
+        GemvConfig(4, 64, 4, 1, 3),
+        # one warp: the norm's pass over x takes several tiles at 3-4 rows
+        GemvConfig(4, 32, 1, 1, 2, late_sum=True, prefetch=True),
+    ]
     if not ON_GPU
-    else [GemvConfig(4, 2048, 4, 2, 1), GemvConfig(8, 512, 4, 3, 4)]
+    else [
+        GemvConfig(4, 2048, 4, 2, 1),
+        GemvConfig(8, 512, 4, 3, 4),
+        GemvConfig(16, 512, 8, 1, 1, late_sum=True, prefetch=True),
+        GemvConfig(8, 512, 4, 1, 4, late_sum=True, prefetch=True),
+    ]
 )
 
 

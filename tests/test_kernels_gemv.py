@@ -33,7 +33,13 @@ def test_gemv_matches_linear(rows, bias, size):
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
     # on the CPU, small tiles (the interpreter's time grows with the tile), one of them split-K
     configs = (
-        [GemvConfig(8, 64, 4, 1, 1), GemvConfig(4, 128, 4, 1, 2)]
+        [
+            GemvConfig(8, 64, 4, 1, 1),
+            GemvConfig(4, 128, 4, 1, 2),
+            GemvConfig(4, 32, 4, 1, 1, late_sum=True, prefetch=True),
+            GemvConfig(8, 32, 4, 1, 3, late_sum=True),
+            GemvConfig(4, 64, 4, 1, 2, prefetch=True),
+        ]
         if DEVICE.type == "cpu"
         else CONFIGS
     )
