@@ -59,7 +59,6 @@ ABLATIONS = {
     "gemv": "RADIXLM_DISABLE_GEMV",  # no start-up tuning: cuBLAS and separate kernels
     "fusedgemv": "RADIXLM_DISABLE_FUSED_GEMV",  # only the norm / SiLU fused into the GEMV
     "ropestore": "RADIXLM_DISABLE_FUSED_ROPE_STORE",  # only rope fused into the KV store
-    "merge": "RADIXLM_DISABLE_FUSED_MERGE",  # decode attention's split merge as its own kernel
 }
 
 

@@ -7,10 +7,7 @@ queries are packed request after request, and the new tokens' K/V are already in
 - `decode_attention`: flash-decoding. Stage 1 runs one program per (request, kv head, kv split); it
   loads the whole query-head group of its kv head, so each K/V tile is read once for the group, and
   writes a partial output and its log-sum-exp to scratch. Stage 2 merges the splits per query head
-  (with one split, stage 1 writes the output and stage 2 is skipped). Stage 2 runs inside stage 1:
-  the last program of a head block's splits to finish (an atomic count in the scratch) merges
-  them, which saves a launch a layer; RADIXLM_DISABLE_FUSED_MERGE=1 runs it as a kernel of its
-  own. Nothing in it reads a tensor
+  (with one split, stage 1 writes the output and stage 2 is skipped). Nothing in it reads a tensor
   on the host, so it can be captured in a CUDA graph. Given `DecodeRope`, stage 1 also does the
   rope and K/V store of the new token that would otherwise be a kernel of its own.
 - `extend_attention`: a ragged batch of prefix + new tokens, one program per (block of new tokens,
@@ -27,7 +24,6 @@ padded to the next one inside the kernels and masked.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -52,15 +48,12 @@ class DecodeScratch(NamedTuple):
     """fp32 buffers that stage 1 of decode writes and stage 2 reads.
 
     `partial_out` (max_batch, num_q_heads, num_kv_splits, head_dim) and `partial_lse`
-    (max_batch, num_q_heads, num_kv_splits); `arrivals` (max_batch, num_q_heads) int32 counts the
-    splits of a head block that are done, when the last of them merges (zero between calls).
-    Allocate once with `alloc_decode_scratch` and pass the same buffers to every call (a batch
-    smaller than max_batch uses the leading rows); calls that share them run one after another.
+    (max_batch, num_q_heads, num_kv_splits). Allocate once with `alloc_decode_scratch` and pass the
+    same buffers to every call (a batch smaller than max_batch uses the leading rows).
     """
 
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
-    arrivals: torch.Tensor
 
 
 class DecodeRope(NamedTuple):
@@ -90,7 +83,6 @@ def alloc_decode_scratch(
             max_batch, num_q_heads, num_kv_splits, head_dim, dtype=torch.float32, device=device
         ),
         torch.empty(max_batch, num_q_heads, num_kv_splits, dtype=torch.float32, device=device),
-        torch.zeros(max_batch, num_q_heads, dtype=torch.int32, device=device),
     )
 
 
@@ -126,8 +118,6 @@ def _decode_partial_kernel(
     SeqLens,  # (B,)
     PartialOut,  # (>=B, Hq, NUM_KV_SPLITS, D) fp32; with one split, the output (B, Hq, D)
     PartialLse,  # (>=B, Hq, NUM_KV_SPLITS) fp32, log2 units
-    Arrivals,  # with MERGE: (>=B, Hq) int32, zero on entry and left so
-    Out,  # with MERGE: (B, Hq, D)
     Knew,  # with ROPE: the new token's unrotated k (B, Hkv, D); v, position, tables, slot
     Vnew,
     Pos,
@@ -152,9 +142,6 @@ def _decode_partial_kernel(
     stride_pos,
     stride_plb,
     stride_plh,
-    stride_ob,
-    stride_oh,
-    stride_ab,
     GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -164,7 +151,6 @@ def _decode_partial_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     ROPE: tl.constexpr,  # q unrotated; rotate it, and store the new k (rotated) and v first
-    MERGE: tl.constexpr,  # the split that finishes last merges its head block's splits into Out
 ):
     batch = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -272,51 +258,6 @@ def _decode_partial_kernel(
         mask=head_mask[:, None] & d_mask[None, :],
     )
     tl.store(PartialLse + batch * stride_plb + heads * stride_plh + split, lse, mask=head_mask)
-    if MERGE:
-        # every thread's stores before the (release) count; the last split of the head block to
-        # arrive sees the others' (acquire), reading them from L2, and leaves the count at zero
-        tl.debug_barrier()
-        arrival = Arrivals + batch * stride_ab + tl.program_id(1)
-        if tl.atomic_add(arrival, 1, sem="acq_rel") == num_kv_splits - 1:
-            tl.debug_barrier()
-            _merge_splits(
-                PartialOut + batch * stride_pob + heads[:, None] * stride_poh + offs_d[None, :],
-                PartialLse + batch * stride_plb + heads * stride_plh,
-                Out + batch * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                num_kv_splits, stride_pos, head_mask, d_mask, BLOCK_H, BLOCK_D,
-            )  # fmt: skip
-            tl.store(arrival, 0)
-
-
-@triton.jit
-def _merge_splits(
-    part_at, lse_at, out_at, num_kv_splits, stride_pos, head_mask, d_mask,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Out = the splits' normalized outputs weighted by exp2(lse - max lse), for BLOCK_H heads
-    (`part_at`, `out_at` (BLOCK_H, BLOCK_D) pointers; `lse_at` (BLOCK_H,)); splits with no keys
-    (lse -inf) count for nothing and are not read, and a head with none gets zeros. The same
-    sums as `_decode_merge_kernel`, a split at a time."""
-    m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
-    for s in range(0, num_kv_splits):
-        m = tl.maximum(
-            m, tl.load(lse_at + s, mask=head_mask, other=-float("inf"), cache_modifier=".cg")
-        )
-    m = tl.where(m > -float("inf"), m, 0.0)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    denom = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for s in range(0, num_kv_splits):
-        lse = tl.load(lse_at + s, mask=head_mask, other=-float("inf"), cache_modifier=".cg")
-        used = lse > -float("inf")
-        w = tl.where(used, tl.exp2(lse - m), 0.0)
-        part = tl.load(
-            part_at + s * stride_pos, mask=used[:, None] & d_mask[None, :], other=0.0,
-            cache_modifier=".cg",
-        )  # fmt: skip
-        acc += part * w[:, None]
-        denom += w
-    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(out_at, out, mask=head_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -440,14 +381,12 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     block_h = max(16, min(64, triton.next_power_of_2(group)))
     head_blocks = triton.cdiv(group, block_h)
-    partial_out, partial_lse, arrivals = scratch
-    # one split: its normalized output is the answer, written straight into `out`; more: the
-    # last split of each head block to finish merges them (or, with RADIXLM_DISABLE_FUSED_MERGE=1,
-    # a second kernel does)
+    partial_out, partial_lse = scratch
+    # one split: its normalized output is the answer, written straight into `out` (the merge
+    # kernel would only copy it)
     po, po_strides = partial_out, partial_out.stride()[:3]
     if num_kv_splits == 1:
         po, po_strides = out, (out.stride(0), out.stride(1), 0)
-    merge = num_kv_splits > 1 and os.environ.get("RADIXLM_DISABLE_FUSED_MERGE") != "1"
     if rope is not None:
         if rope.k.stride(-1) != 1 or rope.v.stride(-1) != 1 or head_dim % 2:
             raise ValueError("rope needs k and v with a unit last stride and an even head dim")
@@ -463,8 +402,6 @@ def decode_attention(
         seq_lens,
         po,
         partial_lse,
-        arrivals,
-        out,
         k_new,
         v_new,
         pos,
@@ -487,9 +424,6 @@ def decode_attention(
         *po_strides,
         partial_lse.stride(0),
         partial_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        arrivals.stride(0),
         GROUP=group,
         HEAD_BLOCKS=head_blocks,
         HEAD_DIM=head_dim,
@@ -499,11 +433,10 @@ def decode_attention(
         DOT_PRECISION=_dot_precision(q),
         UPCAST_DOT=_upcast_dot(q),
         ROPE=rope is not None,
-        MERGE=merge,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if num_kv_splits == 1 or merge:
+    if num_kv_splits == 1:
         return out
     _decode_merge_kernel[(batch, num_q_heads)](
         partial_out,

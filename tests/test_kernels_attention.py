@@ -313,25 +313,6 @@ def test_decode_into_preallocated_buffers_for_a_smaller_batch() -> None:
         run_decode(b, scratch=scratch, num_kv_splits=2)
 
 
-@pytest.mark.parametrize("group", [1, 4, 24])  # 24: two head blocks a kv head
-def test_decode_merge_in_the_last_split_equals_the_merge_kernel(group, monkeypatch) -> None:
-    """The last split of a head block to finish merges the splits; the same scratch serves call
-    after call (its arrival counts are back at zero after each), and the result is the separate
-    merge kernel's. Empty splits (short sequences) and an empty request count too."""
-    b = Batch([70, 3, 0, 44], [1, 1, 1, 1], 2, group, 64, torch.float32, seed=8)
-    b.seq_lens[2] = 0  # a padded graph slot: no keys, zeros out
-    scratch = ta.alloc_decode_scratch(4, b.q.shape[1], 64, 5, DEVICE)
-    fused = [run_decode(b, scratch=scratch).clone() for _ in range(2)]
-    assert int(scratch.arrivals.abs().sum()) == 0
-    monkeypatch.setenv("RADIXLM_DISABLE_FUSED_MERGE", "1")
-    separate = run_decode(b, scratch=scratch)
-    assert torch.equal(fused[0], fused[1])
-    assert_close(fused[0], separate, torch.float32)
-    assert not fused[0][2].any()
-    want = expected_decode(b)
-    assert_close(fused[0][[0, 1, 3]], want[[0, 1, 3]], torch.float32)
-
-
 @pytest.mark.parametrize(
     "prefix_lens,num_kv_heads,group,head_dim,dtype,splits",
     [
