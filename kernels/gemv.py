@@ -121,7 +121,9 @@ def _gemv_kernel(
                 mask=(rows_n[:, None] < N) & (k[None, :] + BLOCK_K < k_end), other=0.0,
             )  # fmt: skip
         else:
-            w_tile = tl.load(w_at + k0, mask=(rows_n[:, None] < N) & (k[None, :] < k_end), other=0.0)
+            w_tile = tl.load(
+                w_at + k0, mask=(rows_n[:, None] < N) & (k[None, :] < k_end), other=0.0
+            )
         w = w_tile.to(tl.float32)
         x_mask = (rows_m[:, None] < M) & (k[None, :] < k_end)
         x_at = x_ptr + rows_m[:, None] * stride_xm + k[None, :]
