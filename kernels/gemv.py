@@ -53,6 +53,10 @@ class GemvConfig(NamedTuple):
     # the next weight tile's load issued before this tile's products, and the first one before
     # the norm prologue's pass over x: two tiles in flight per program
     prefetch: bool = False
+    # each tile's products through tl.dot, x's rows padded to 16: the weight loads feed an MMA,
+    # so Triton's software pipeline keeps `num_stages` tiles in flight (late_sum and prefetch
+    # do not apply)
+    dot: bool = False
 
 
 @triton.jit
@@ -89,7 +93,10 @@ def _gemv_kernel(
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, LATE_SUM: tl.constexpr, PREFETCH: tl.constexpr,
+    DOT: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
+    """With DOT, BLOCK_M is the MMA's 16 rows and ROWS the rows (a power of two) of x; else they
+    are the same."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,8 +113,11 @@ def _gemv_kernel(
         write_sum = (pid_n == 0) & (pid_k == 0)
         rstd = _rms_norm_rstd(
             x_ptr, res_ptr, res_out_ptr, stride_xm, stride_rm, K, eps, write_sum,
-            HAS_RESIDUAL, BLOCK_M, NORM_BLOCK, M,
+            HAS_RESIDUAL, ROWS, NORM_BLOCK, M,
         )  # fmt: skip
+        if ROWS != BLOCK_M:  # (ROWS,) -> (BLOCK_M,), the padding rows' 0
+            pick = rows_m[:, None] == tl.arange(0, ROWS)[None, :]
+            rstd = tl.sum(tl.where(pick, rstd[None, :], 0.0), axis=1)
     if LATE_SUM:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
@@ -124,7 +134,6 @@ def _gemv_kernel(
             w_tile = tl.load(
                 w_at + k0, mask=(rows_n[:, None] < N) & (k[None, :] < k_end), other=0.0
             )
-        w = w_tile.to(tl.float32)
         x_mask = (rows_m[:, None] < M) & (k[None, :] < k_end)
         x_at = x_ptr + rows_m[:, None] * stride_xm + k[None, :]
         if PROLOGUE == _RMS_NORM:
@@ -135,18 +144,21 @@ def _gemv_kernel(
                 )
                 x = add_rounded(x, r)
             nw = tl.load(norm_w_ptr + k, mask=k < k_end, other=0.0)
-            a = norm_then_weight(x, rstd[:, None], nw[None, :]).to(x.dtype).to(tl.float32)
+            a = norm_then_weight(x, rstd[:, None], nw[None, :]).to(x.dtype)
         elif PROLOGUE == _SILU_AND_MUL:
             gate = tl.load(x_at, mask=x_mask, other=0.0)
             up = tl.load(x_at + K, mask=x_mask, other=0.0)
-            a = silu_mul_rounded(gate, up).to(tl.float32)
+            a = silu_mul_rounded(gate, up)
         else:
-            a = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)
-        # (BLOCK_M, 1, BLOCK_K) * (1, BLOCK_N, BLOCK_K), summed over K now or after the loop
-        if LATE_SUM:
-            acc3 += a[:, None, :] * w[None, :, :]
-        else:
-            acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+            a = tl.load(x_at, mask=x_mask, other=0.0)
+        if DOT:  # (BLOCK_M, BLOCK_K) @ (BLOCK_K, BLOCK_N), float32 sums
+            acc = tl.dot(a.to(w_tile.dtype), tl.trans(w_tile), acc, input_precision="ieee")
+        else:  # (BLOCK_M, 1, BLOCK_K) * (1, BLOCK_N, BLOCK_K), summed over K now or after the loop
+            prod = a.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :]
+            if LATE_SUM:
+                acc3 += prod
+            else:
+                acc += tl.sum(prod, axis=2)
     if LATE_SUM:
         acc = tl.sum(acc3, axis=2)
     out_mask = (rows_m[:, None] < M) & (rows_n[None, :] < N)
@@ -208,7 +220,8 @@ def _launch(
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
-    block_m = max(1, triton.next_power_of_2(m))
+    rows = max(1, triton.next_power_of_2(m))
+    block_m = 16 if config.dot else rows
     # whole K tiles per split, and no empty split
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     splits = triton.cdiv(k, k_per_split)
@@ -223,13 +236,13 @@ def _launch(
         y.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        NORM_BLOCK=_norm_block(k, block_m, config), LATE_SUM=config.late_sum,
-        PREFETCH=config.prefetch, num_warps=config.num_warps, num_stages=config.num_stages,
+        NORM_BLOCK=_norm_block(k, rows, config), LATE_SUM=config.late_sum and not config.dot,
+        PREFETCH=config.prefetch and not config.dot, DOT=config.dot, ROWS=rows, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, 128),)](
             part, bias if bias is not None else weight, y, m, n, splits, y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=128, num_warps=4,
+            HAS_BIAS=bias is not None, BLOCK_M=rows, BLOCK_N=128, num_warps=4,
         )  # fmt: skip
     return y
 
@@ -290,9 +303,10 @@ def gemv_silu_and_mul(
     return _launch(_SILU_AND_MUL.value, gate_up, weight.shape[1], weight, bias, config)
 
 
-# Candidate tiles (block_n, block_k, num_warps, num_stages, split_k[, late_sum, prefetch]): short
-# tiles for many programs on short weights, split-K for long K over few output rows (down_proj);
-# the late-sum, prefetching ones hold two weight tiles and a float32 product a weight element.
+# Candidate tiles (block_n, block_k, num_warps, num_stages, split_k[, late_sum, prefetch, dot]):
+# short tiles for many programs on short weights, split-K for long K over few output rows
+# (down_proj); the late-sum, prefetching ones hold two weight tiles and a float32 product a weight
+# element; the dot ones pipeline `num_stages` weight tiles through shared memory.
 _T, _F = True, False
 CONFIGS = [
     GemvConfig(*c)
@@ -304,6 +318,10 @@ CONFIGS = [
         (16, 256, 4, 1, 1, _T, _T), (4, 1024, 8, 1, 1, _T, _T), (8, 1024, 8, 1, 1, _T, _T),
         (8, 512, 4, 1, 1, _T, _F), (4, 2048, 4, 1, 1, _F, _T), (8, 512, 4, 1, 4, _T, _T),
         (4, 1024, 4, 1, 4, _T, _T),
+        (32, 128, 4, 4, 1, _F, _F, _T), (32, 256, 4, 3, 1, _F, _F, _T),
+        (64, 128, 4, 4, 1, _F, _F, _T), (64, 128, 4, 6, 1, _F, _F, _T),
+        (16, 256, 4, 4, 1, _F, _F, _T), (32, 128, 4, 4, 2, _F, _F, _T),
+        (32, 256, 4, 3, 4, _F, _F, _T), (64, 128, 4, 4, 4, _F, _F, _T),
     ]
 ]  # fmt: skip
 # The fused kernels try the fastest two tiles of the plain kernel for the shape, and these: more
@@ -314,6 +332,8 @@ FUSED_CONFIGS = [
         (8, 1024, 4, 2, 1), (8, 2048, 8, 2, 1), (16, 1024, 8, 2, 1), (16, 2048, 8, 2, 1),
         (32, 512, 8, 2, 1), (8, 1024, 4, 2, 4), (16, 512, 8, 1, 1, _T, _T),
         (32, 256, 8, 1, 1, _T, _T), (16, 256, 4, 1, 1, _T, _T), (8, 1024, 8, 1, 1, _T, _T),
+        (32, 128, 4, 4, 1, _F, _F, _T), (64, 128, 4, 4, 1, _F, _F, _T),
+        (32, 256, 4, 3, 4, _F, _F, _T),
     ]
 ]  # fmt: skip
 

@@ -34,6 +34,7 @@ TILES = (
         GemvConfig(4, 64, 4, 1, 3),
         # one warp: the norm's pass over x takes several tiles at 3-4 rows
         GemvConfig(4, 32, 1, 1, 2, late_sum=True, prefetch=True),
+        GemvConfig(16, 32, 1, 2, 3, dot=True),  # x padded to 16 rows, the norm's as well
     ]
     if not ON_GPU
     else [
@@ -41,6 +42,8 @@ TILES = (
         GemvConfig(8, 512, 4, 3, 4),
         GemvConfig(16, 512, 8, 1, 1, late_sum=True, prefetch=True),
         GemvConfig(8, 512, 4, 1, 4, late_sum=True, prefetch=True),
+        GemvConfig(32, 128, 4, 4, 1, dot=True),
+        GemvConfig(32, 256, 4, 3, 4, dot=True),
     ]
 )
 

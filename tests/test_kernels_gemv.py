@@ -39,6 +39,8 @@ def test_gemv_matches_linear(rows, bias, size):
             GemvConfig(4, 32, 4, 1, 1, late_sum=True, prefetch=True),
             GemvConfig(8, 32, 4, 1, 3, late_sum=True),
             GemvConfig(4, 64, 4, 1, 2, prefetch=True),
+            GemvConfig(16, 32, 4, 2, 1, dot=True),
+            GemvConfig(16, 64, 4, 2, 3, dot=True),
         ]
         if DEVICE.type == "cpu"
         else CONFIGS
