@@ -27,6 +27,8 @@ class ModelInfo:
     chat_template_has_tools: bool
     kv_capacity_tokens: int | None = None  # the most tokens one request can hold in the KV pool
     chat_template: str | None = None  # the tokenizer's Jinja template, for remote program clients
+    # the most characters one token can stand for: a text longer than context x this cannot fit
+    max_token_chars: int | None = None
 
 
 class GenerationBackend(Protocol):
@@ -47,7 +49,10 @@ class GenerationBackend(Protocol):
     def token_texts(self, ids: list[int]) -> list[str]: ...
 
     def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str: ...
 
     async def stream(
@@ -102,12 +107,28 @@ class TokenizerSide:
         return out
 
     def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        kwargs = {"tools": tools} if tools else {}
+        """The prompt of a chat: the template's text with the generation prompt; `template_kwargs`
+        become template variables (e.g. `enable_thinking`)."""
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
         return self._tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **kwargs
         )
+
+
+def _longest_token(tokenizer: Any) -> int | None:
+    """The longest token's spelling in the vocabulary, in characters: an upper bound on what one
+    token decodes to (a byte-level token's spelling has a character a byte; None if unknown)."""
+    try:
+        return max(map(len, tokenizer.get_vocab()))
+    except Exception:  # a tokenizer without a vocabulary to list
+        return None
 
 
 class LocalEngineBackend(TokenizerSide):
@@ -127,6 +148,7 @@ class LocalEngineBackend(TokenizerSide):
             chat_template_has_tools=isinstance(template, str) and "tools" in template,
             chat_template=template if isinstance(template, str) else None,
             kv_capacity_tokens=engine.get_stats().get("kv_pool_capacity_tokens"),
+            max_token_chars=_longest_token(engine.tokenizer),
         )
 
     def model_info(self) -> ModelInfo:

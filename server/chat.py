@@ -18,11 +18,43 @@ from radixlm.server.tools import (
 _ROLES = {"system", "user", "assistant", "tool"}
 
 
+# apply_chat_template's own parameters: not template variables, so not for chat_template_kwargs
+_TEMPLATE_CALL_PARAMS = frozenset(
+    [
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    ]
+)
+
+
 def render_chat_prompt(
-    backend: GenerationBackend, messages: list[ChatMessage], plan: ToolPlan
+    backend: GenerationBackend,
+    messages: list[ChatMessage],
+    plan: ToolPlan,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     if not messages:
         raise bad_request("messages must hold at least one message", "messages")
+    for key in template_kwargs or {}:
+        if key in _TEMPLATE_CALL_PARAMS:
+            raise bad_request(
+                f"chat_template_kwargs.{key} is set by the server, not a template variable; "
+                "leave it out",
+                "chat_template_kwargs",
+            )
     native_tools = backend.model_info().chat_template_has_tools
     dicts = chat_messages(messages, native_tools)
     tools = None
@@ -34,6 +66,8 @@ def render_chat_prompt(
         else:
             _add_to_system(dicts, tools_system_prompt(plan))
     try:
+        if template_kwargs:
+            return backend.render_chat(dicts, tools, template_kwargs)
         return backend.render_chat(dicts, tools)
     except Exception as e:  # a template that raises on these messages (e.g. role order)
         raise bad_request(f"the model's chat template cannot render these messages: {e}") from e

@@ -70,6 +70,25 @@ def check_prompt(state: ServerState, input_ids: list[int], param: str = "prompt"
         )
 
 
+def check_text_fits(state: ServerState, text: str, param: str = "prompt") -> None:
+    """Refuse, before tokenizing it, a text too long for any tokenization to fit the context
+    (tokenizing megabytes of text takes seconds)."""
+    info = state.backend.model_info()
+    if info.max_token_chars is None:
+        return
+    tokens = info.context_len
+    if state.limits.max_prompt_tokens is not None:
+        tokens = min(tokens, state.limits.max_prompt_tokens)
+    most = 2 * tokens * info.max_token_chars  # twice the bound: never refuse what would fit
+    if len(text) > most:
+        raise bad_request(
+            f"the prompt has {len(text):,} characters, more than {tokens} tokens of this model "
+            "can hold: shorten it",
+            param,
+            code="context_length_exceeded",
+        )
+
+
 def check_max_new_tokens(state: ServerState, value: Any, param: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request(f"{param} must be an integer, got {value!r}", param)

@@ -31,6 +31,7 @@ from radixlm.server.generation import (
     check_max_new_tokens,
     check_n,
     check_prompt,
+    check_text_fits,
     collect,
     fan_out,
     finish_error,
@@ -223,6 +224,8 @@ def _prompts(state: ServerState, text: Any, input_ids: Any) -> tuple[list[list[i
         for t in texts:
             if not t:
                 raise bad_request("the prompt text is empty; give at least one character", "text")
+        for t in texts:
+            check_text_fits(state, t, "text")
         return [state.backend.tokenize(t) for t in texts], single
     if _is_ids(input_ids):
         return [list(input_ids)], True
@@ -305,7 +308,9 @@ def _usage(request: Request) -> RequestUsage | None:
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     state = _state(request)
-    req = parse_generate(state, await read_json(request))
+    payload = await read_json(request)
+    # tokenizing (long prompts take a while) off the event loop, which serves every stream
+    req = await asyncio.to_thread(parse_generate, state, payload)
     streams = await start(state, req.items, _usage(request))
     if req.stream:
         from fastapi.responses import StreamingResponse

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -22,6 +24,7 @@ from radixlm.server.generation import (
     check_max_new_tokens,
     check_n,
     check_prompt,
+    check_text_fits,
     collect,
     fan_out,
     finish_error,
@@ -116,6 +119,20 @@ def _sampling_params(
             max_tokens = min(max_tokens, state.limits.max_new_tokens)
     else:
         check_max_new_tokens(state, max_tokens, max_tokens_param)
+        if prompt_len + max_tokens > info.context_len:
+            raise bad_request(
+                f"{max_tokens_param}={max_tokens} and the prompt's {prompt_len} tokens exceed the "
+                f"model's context of {info.context_len} tokens: ask for at most "
+                f"{max(0, info.context_len - prompt_len)}, or leave it unset",
+                max_tokens_param,
+                code="context_length_exceeded",
+            )
+    if req.min_tokens is not None and req.min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens={req.min_tokens} exceeds the {max_tokens} new tokens this request can "
+            f"have ({max_tokens_param}, or what the context leaves)",
+            "min_tokens",
+        )
     params: dict[str, Any] = {"max_new_tokens": max_tokens}
     for name, engine_name in (
         ("temperature", "temperature"),
@@ -203,6 +220,44 @@ def _usage(finals: list[dict[str, Any]], n: int) -> dict[str, Any]:
     }
 
 
+def _live_usage(meta: dict[str, Any]) -> dict[str, Any]:
+    """One choice's usage so far: what `stream_options.continuous_usage_stats` puts in a chunk."""
+    prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _stream_usage(req: Any) -> tuple[bool, bool]:
+    """(a usage chunk at the end, the usage so far in every chunk)."""
+    options = req.stream_options
+    if options is None or not options.include_usage:
+        return False, False
+    return True, bool(options.continuous_usage_stats)
+
+
+def _keep_stop_strings(
+    streams: list[AsyncIterator[dict[str, Any]]],
+) -> list[AsyncIterator[dict[str, Any]]]:
+    """`no_stop_trim`: the stop string that ended a generation stays at the end of its text."""
+
+    async def keep(stream: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        async with contextlib.aclosing(stream):  # closing this aborts the generation
+            async for snap in stream:
+                reason = snap["meta_info"].get("finish_reason")
+                if (
+                    isinstance(reason, dict)
+                    and reason.get("type") == "stop"
+                    and isinstance(reason.get("matched"), str)
+                ):
+                    snap = {**snap, "text": snap["text"] + reason["matched"]}
+                yield snap
+
+    return [keep(s) for s in streams]
+
+
 def _sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(
         events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -262,6 +317,7 @@ def _completion_prompts(state: ServerState, prompt: Any) -> list[_Prompt]:
         if isinstance(item, str):
             if not item:
                 raise bad_request("the prompt is empty; give at least one character", "prompt")
+            check_text_fits(state, item, "prompt")
             out.append(_Prompt(backend.tokenize(item), item))
         else:
             bad = [t for t in item if not 0 <= t < vocab]
@@ -289,7 +345,8 @@ async def completions(request: Request) -> Response:
         raise bad_request("best_of other than n is not supported by this server", "best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs={req.logprobs} must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
-    prompts = _completion_prompts(state, req.prompt)
+    # tokenizing (long prompts take a while) off the event loop, which serves every stream
+    prompts = await asyncio.to_thread(_completion_prompts, state, req.prompt)
     check_batch(state, len(prompts) * n, "n")
     items = []
     for p in prompts:
@@ -314,6 +371,8 @@ async def completions(request: Request) -> Response:
         items.extend(fan_out(item, n))
     usage_log = getattr(request.state, "usage", None)
     streams = await start(state, items, usage_log)
+    if req.no_stop_trim:
+        streams = _keep_stop_strings(streams)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if req.stream:
@@ -389,7 +448,7 @@ async def _completion_events(
     rid: str,
     created: int,
 ) -> AsyncIterator[bytes]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage, continuous = _stream_usage(req)
     sent_text: dict[int, int] = {}
     sent_lp: dict[int, int] = {}
     offsets: dict[int, int] = {}
@@ -431,7 +490,8 @@ async def _completion_events(
             finals[index] = snap
         if delta or reason is not None or (logprobs and logprobs["tokens"]):
             yield chunk(
-                [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}]
+                [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}],
+                _live_usage(meta) if continuous else None,
             )
     if include_usage:
         ordered = [finals[i] for i in sorted(finals)]
@@ -458,9 +518,8 @@ async def chat_completions(request: Request) -> Response:
                 "top_logprobs",
             )
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    prompt = render_chat_prompt(state.backend, req.messages, plan)
-    ids = state.backend.tokenize(prompt)
-    check_prompt(state, ids, "messages")
+    # rendering and tokenizing (long chats take a while) off the event loop
+    ids = await asyncio.to_thread(_chat_prompt_ids, state, req, plan)
     max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_param = req.max_tokens, "max_tokens"
@@ -485,6 +544,8 @@ async def chat_completions(request: Request) -> Response:
         top_logprobs_num=req.top_logprobs or 0,
     )
     streams = await start(state, fan_out(item, n), getattr(request.state, "usage", None))
+    if req.no_stop_trim:
+        streams = _keep_stop_strings(streams)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if req.stream:
@@ -503,6 +564,14 @@ async def chat_completions(request: Request) -> Response:
             "usage": _usage(finals, n),
         }
     )
+
+
+def _chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+    prompt = render_chat_prompt(state.backend, req.messages, plan, req.chat_template_kwargs)
+    check_text_fits(state, prompt, "messages")
+    ids = state.backend.tokenize(prompt)
+    check_prompt(state, ids, "messages")
+    return ids
 
 
 def _chat_choice(
@@ -565,7 +634,7 @@ async def _chat_events(
     created: int,
     stream_calls: bool,
 ) -> AsyncIterator[bytes]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage, continuous = _stream_usage(req)
     progress = [
         _ChoiceProgress(ContentFilter(plan), ToolCallStreamer(plan) if stream_calls else None)
         for _ in streams
@@ -579,16 +648,18 @@ async def _chat_events(
             "model": state.served_model_name,
             "choices": choices,
         }
-        if include_usage:
-            body["usage"] = usage
+        if include_usage:  # the last chunk's, or with continuous_usage_stats the choice's so far
+            body["usage"] = usage if usage is not None else live
         return sse_event(body)
 
     def choice(index: int, delta: dict[str, Any], logprobs: Any = None, reason: Any = None):
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
+    live: dict[str, Any] | None = None
     async for index, snap in merge(streams):
         p = progress[index]
         meta = snap["meta_info"]
+        live = _live_usage(meta) if continuous else None
         if not p.started:
             p.started = True
             yield chunk([choice(index, {"role": "assistant", "content": ""})])

@@ -1,19 +1,27 @@
 """Request bodies of the OpenAI API, as msgspec structs (decoding is validation).
 
 Unknown fields are refused, as OpenAI does. Fields OpenAI defines that change nothing here (`user`,
-`metadata`, `store`, `service_tier`, ...) are accepted and ignored. A few SGLang extensions are
-accepted too (`top_k`, `min_p`, `repetition_penalty`, `regex`, `ebnf`, ...).
+`metadata`, `store`, `service_tier`, ...) are accepted and ignored. A few SGLang and vLLM extensions
+are accepted too (`top_k`, `min_p`, `repetition_penalty`, `regex`, `ebnf`, `chat_template_kwargs`,
+...). Fields the OpenAI spec marks nullable take null as their default, as clients that send every
+unset field as null expect.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    pass
+    # nullable fields whose null means this default (typed `T | None` so that null decodes)
+    _NULL_MEANS: ClassVar[dict[str, Any]] = {}
+
+    def __post_init__(self) -> None:
+        for name, default in self._NULL_MEANS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
 
 
 class _Lenient(msgspec.Struct, omit_defaults=True):
@@ -21,8 +29,10 @@ class _Lenient(msgspec.Struct, omit_defaults=True):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    _NULL_MEANS = {"include_usage": False, "continuous_usage_stats": False}
+    include_usage: bool | None = False
+    # vLLM's: the usage so far in every chunk (with include_usage)
+    continuous_usage_stats: bool | None = False
 
 
 class FunctionDef(_Lenient):
@@ -85,10 +95,11 @@ class ResponseFormat(_Strict):
 
 
 class _SamplingFields(_Strict):
+    _NULL_MEANS = {"n": 1, "stream": False}
     model: str | None = None
-    n: int = 1
+    n: int | None = 1
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -111,11 +122,12 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
+    _NULL_MEANS = {**_SamplingFields._NULL_MEANS, "echo": False}
     # a string, a list of strings, a list of token ids or a list of lists (checked by hand:
     # msgspec unions hold one array type at most)
     prompt: Any = None
     max_tokens: int | None = 16
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
@@ -124,15 +136,19 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    _NULL_MEANS = {**_SamplingFields._NULL_MEANS, "logprobs": False, "parallel_tool_calls": True}
     messages: list[ChatMessage] = msgspec.field(default_factory=list)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: str | ToolChoiceNamed | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True
+    # extra variables for the model's chat template (vLLM's and SGLang's name), e.g. Qwen3's
+    # {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
     # accepted, no effect here
     metadata: dict[str, Any] | None = None
     store: bool | None = None

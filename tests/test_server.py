@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -304,6 +305,115 @@ def test_chat_logprobs_and_n(client):
     assert out["usage"]["completion_tokens"] == 6
     again = client.post("/v1/chat/completions", json=body).json()
     assert [c["message"] for c in again["choices"]] == [c["message"] for c in out["choices"]]
+
+
+def test_nullable_fields_take_their_defaults(client):
+    """Clients that send every unset field as null (the OpenAI spec marks these nullable)."""
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "stream": None,
+        "n": None,
+        "logprobs": None,
+        "parallel_tool_calls": None,
+        "stream_options": {"include_usage": None, "continuous_usage_stats": None},
+        **GREEDY,
+    }
+    out = client.post("/v1/chat/completions", json=body)
+    assert out.status_code == 200, out.text
+    assert len(out.json()["choices"]) == 1 and out.json()["choices"][0]["logprobs"] is None
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "echo": None})
+    assert r.status_code == 200 and not r.json()["choices"][0]["text"].startswith(PROMPT)
+
+
+def test_chat_template_kwargs_become_template_variables(client, engine):
+    from radixlm.server.backend import TokenizerSide
+
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    tokenizer.chat_template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    side = TokenizerSide(tokenizer)
+    assert side.render_chat([{"role": "user", "content": "x"}], None, {"greeting": "Hi "}) == "Hi x"
+    messages = [{"role": "user", "content": "Hi"}]
+    body = {
+        "messages": messages,
+        "max_tokens": 2,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    body["chat_template_kwargs"] = {"tokenize": True}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "tokenize" in r.json()["error"]["message"]
+
+
+def test_no_stop_trim_keeps_the_stop_string_streamed_or_not(client):
+    free = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, **GREEDY})
+    text = free.json()["choices"][0]["text"]
+    stop = text.strip().split()[1]  # the second word, which the greedy output reaches
+    body = {"prompt": PROMPT, "max_tokens": 8, "stop": [stop], **GREEDY}
+    trimmed = client.post("/v1/completions", json=body).json()["choices"][0]
+    kept = client.post("/v1/completions", json={**body, "no_stop_trim": True}).json()
+    assert trimmed["finish_reason"] == "stop" and not trimmed["text"].endswith(stop)
+    assert kept["choices"][0]["text"] == trimmed["text"] + stop
+    with client.stream(
+        "POST", "/v1/completions", json={**body, "no_stop_trim": True, "stream": True}
+    ) as r:
+        chunks = [c for c in sse_payloads(r.iter_lines()) if c != "[DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == kept["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": "Count: one, two,"}], "max_tokens": 8}
+    free = client.post("/v1/chat/completions", json={**chat, **GREEDY}).json()
+    word = free["choices"][0]["message"]["content"].split()[0]
+    out = client.post(
+        "/v1/chat/completions", json={**chat, **GREEDY, "stop": [word], "no_stop_trim": True}
+    ).json()
+    assert out["choices"][0]["message"]["content"].endswith(word)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    for path, body in (
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        body = {
+            **body,
+            "max_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "ignore_eos": True,
+            **GREEDY,
+        }
+        with client.stream("POST", path, json=body) as r:
+            chunks = [c for c in sse_payloads(r.iter_lines()) if c != "[DONE]"]
+        usages = [c["usage"] for c in chunks]
+        assert all(u is not None for u in usages), path
+        done = [u["completion_tokens"] for u in usages[:-1]]
+        assert done == sorted(done) and done[-1] == 5, path
+        assert usages[-1]["completion_tokens"] == 5
+        assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+
+
+def test_max_tokens_beyond_the_context_and_min_tokens_beyond_max_are_400s(client, engine):
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": engine.context_len})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["param"] == "max_tokens" and "at most" in error["message"]
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4}
+    r = client.post("/v1/chat/completions", json={**body, "min_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    assert "min_tokens=5" in r.json()["error"]["message"]
+
+
+def test_a_text_too_long_for_the_context_is_refused_before_tokenizing(client, engine):
+    longest = max(map(len, engine.tokenizer.get_vocab()))
+    text = "a" * (2 * engine.context_len * longest + 1)
+    for path, body in (
+        ("/v1/completions", {"prompt": text}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+        ("/generate", {"text": text}),
+    ):
+        r = client.post(path, json=body)
+        assert r.status_code == 400, path
+        assert r.json()["error"]["code"] == "context_length_exceeded", path
+        assert "characters" in r.json()["error"]["message"], path
 
 
 # ---- bad input -----------------------------------------------------------------------------
