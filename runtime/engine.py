@@ -427,13 +427,33 @@ def request_output(req: Req, stream: bool = False) -> dict[str, Any]:
     if req.grammar_validation is not None:
         meta["grammar_validation"] = req.grammar_validation
     if req.logprob.return_logprob:
-        meta["input_token_logprobs"] = [(lp, t, None) for lp, t in req.input_token_logprobs]
-        meta["output_token_logprobs"] = [(lp, t, None) for lp, t in req.output_token_logprobs]
+        meta["input_token_logprobs"] = _results(req, "input_token_logprobs", _entry)
+        meta["output_token_logprobs"] = _results(req, "output_token_logprobs", _entry)
         if req.logprob.top_logprobs_num:
-            meta["input_top_logprobs"] = [_top(x) for x in req.input_top_logprobs]
-            meta["output_top_logprobs"] = [_top(x) for x in req.output_top_logprobs]
+            meta["input_top_logprobs"] = _results(req, "input_top_logprobs", _top)
+            meta["output_top_logprobs"] = _results(req, "output_top_logprobs", _top)
     text = req.detokenizer.stream_text if stream else req.detokenizer.text
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def _results(req: Req, name: str, convert) -> list[Any]:
+    """A copy of `req`'s log-probability list `name` in the results' form. The request's lists
+    only grow, so the entries converted before are kept on it and only the new ones converted:
+    a stream's snapshot every step is then a copy of references, where converting them all made
+    a long stream with top log-probabilities cost the core thread, and so every request in its
+    batch, more each step."""
+    source = getattr(req, name)
+    done = req.result_logprobs.setdefault(name, [])
+    if len(done) > len(source):  # (never: the lists only grow)
+        done.clear()
+    if len(done) < len(source):
+        done.extend(map(convert, source[len(done) :]))
+    return list(done)
+
+
+def _entry(entry):
+    lp, t = entry
+    return (lp, t, None)
 
 
 def _top(entries):

@@ -65,6 +65,9 @@ class Req:
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # the same in the results' form, converted as entries arrive (`engine.request_output`), so
+    # that a stream's snapshot each step costs a copy of references, not a conversion of all
+    result_logprobs: dict[str, list[Any]] = field(default_factory=dict, repr=False)
 
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

@@ -107,6 +107,27 @@ def test_streaming_is_cumulative_and_ends_with_the_full_result(engine):
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
 
 
+def test_streamed_logprobs_are_each_snapshots_own_and_end_as_the_full_result(engine):
+    """Snapshots' log-probability lists are converted as entries arrive (kept on the request);
+    each snapshot still owns lists as long as its tokens, which later steps do not change."""
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    kwargs = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3}
+    chunks = list(engine.generate("One, two, three,", params, stream=True, **kwargs))
+    full = engine.generate("One, two, three,", params, **kwargs)
+    assert len(chunks) >= 2
+    for chunk in chunks:
+        meta = chunk["meta_info"]
+        assert len(meta["output_token_logprobs"]) == len(chunk["output_ids"])
+        assert len(meta["output_top_logprobs"]) == len(chunk["output_ids"])
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == chunk["output_ids"]
+    assert (
+        chunks[0]["meta_info"]["output_token_logprobs"]
+        is not (chunks[-1]["meta_info"]["output_token_logprobs"])
+    )
+    for key in ("input_token_logprobs", "output_token_logprobs", "output_top_logprobs"):
+        assert chunks[-1]["meta_info"][key] == full["meta_info"][key], key
+
+
 def test_async_generate_and_async_stream(engine):
     async def main():
         params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
