@@ -689,7 +689,8 @@ async def _chat_events(
             continue
         p.final = snap
         reason = _finish_reason(meta)
-        if p.calls is not None and p.calls.count:
+        calls_found = p.calls is not None and p.calls.count > 0
+        if calls_found:
             if reason != "length":  # a call cut off by max_tokens stays "length"
                 reason = "tool_calls"
         elif (parsed := parse_output(text, plan)).tool_calls:
@@ -698,11 +699,9 @@ async def _chat_events(
                 for k, call in enumerate(parsed.tool_calls)
             ]
             yield chunk([choice(index, {"tool_calls": deltas})])
-            reason = "tool_calls"
-        elif plan.active:
-            rest = p.filter.rest(text)
-            if rest:
-                yield chunk([choice(index, {"content": rest})])
+            reason, calls_found = "tool_calls", True
+        if plan.active and (rest := p.filter.rest(text, calls_found)):
+            yield chunk([choice(index, {"content": rest})])
         yield chunk([choice(index, {}, None, reason)])
     if include_usage:
         finals = [p.final for p in progress if p.final is not None]

@@ -4,7 +4,9 @@ Calls are JSON objects `{"name": ..., "arguments": {...}}`. With `tool_choice` "
 named tool, the whole output is constrained by a JSON schema built from the tools' parameter
 schemas (an array of calls when parallel calls are allowed). With "auto", the model writes calls in
 `<tool_call>...</tool_call>` blocks (the Hermes/Qwen convention), or as its whole answer; a regex
-(`auto_output_regex`) leaves the text free and constrains each call once the model opens a block.
+(`auto_output_regex`) leaves the text free and constrains each call once the model opens a block;
+there, keywords the grammar cannot enforce (`uniqueItems`, `multipleOf`) are skipped, since the
+model need not call at all, while the constrained modes refuse a schema with them.
 Streamed, a call goes out as OpenAI's deltas while it is generated (`ToolCallStreamer`): a first one
 with its id and name, then pieces of its arguments.
 
@@ -60,13 +62,13 @@ class ToolPlan:
         """The JSON schema the whole output must follow, for the constrained modes."""
         if not self.constrained:
             return None
-        calls = [_call_schema(t["function"]) for t in self.offered]
+        calls, defs = _call_schemas([t["function"] for t in self.offered])
         if self.mode == "named":
-            return calls[0]
+            return _with_defs(calls[0], defs)
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
         if self.parallel:
-            return {"type": "array", "items": one, "minItems": 1}
-        return one
+            return _with_defs({"type": "array", "items": one, "minItems": 1}, defs)
+        return _with_defs(one, defs)
 
     def instructions(self) -> str:
         """How to call, for the system prompt."""
@@ -146,37 +148,93 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> Too
     return ToolPlan(mode=mode, tools=specs, name=name, parallel=parallel)
 
 
-def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {
-            "name": {"const": function["name"]},
-            "arguments": function["parameters"],
-        },
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
+def _call_schemas(
+    functions: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The schema of a call of each function, and the `$defs` their document needs at its root.
+
+    A parameter schema is nested in a larger document, so its local refs (`#/$defs/A`, `#`)
+    would resolve from that document's root: one with such refs moves to the root's
+    `$defs/<function name>` (a prefix of its own, so two tools' defs of one name never meet),
+    its refs rewritten to point there, and its call's arguments refer to it."""
+    calls, defs = [], {}
+    for function in functions:
+        name, arguments = function["name"], function["parameters"]
+        rebased = _rebase_refs(arguments, f"#/$defs/{name}")
+        if rebased != arguments:
+            defs[name] = rebased
+            arguments = {"$ref": f"#/$defs/{name}"}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    return calls, defs
+
+
+def _with_defs(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "$defs": defs} if defs else schema
+
+
+# keywords whose values are JSON data, not schemas (a `$ref` in them is no reference)
+_DATA_KEYWORDS = frozenset({"enum", "const", "examples", "default"})
+# keywords whose values map names to schemas (a name is not a keyword there)
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+)
+
+
+def _rebase_refs(schema: Any, root: str) -> Any:
+    """`schema` with each ref into itself (`#`, `#/...`) made to point under `root`, where the
+    schema will sit in a larger document. A subschema with its own `$id` is a resource its refs
+    resolve in, and stays as it is."""
+    if isinstance(schema, list):
+        return [_rebase_refs(s, root) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    ident = schema.get("$id")
+    if isinstance(ident, str) and not ident.startswith("#"):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value[:2] == "#/"):
+            out[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebase_refs(s, root) for name, s in value.items()}
+        else:
+            out[key] = _rebase_refs(value, root)
+    return out
 
 
 def auto_output_regex(plan: ToolPlan, whitespace: str = "compact") -> str:
     """For tool_choice "auto": any text, in which every `<tool_call>` block holds one call that
-    follows its tool's schema (at most one block without parallel calls). GrammarError (a
-    ValueError) for a parameter schema the engine cannot enforce."""
-    tools = json.dumps(plan.offered, sort_keys=True, ensure_ascii=False)
+    follows its tool's schema (at most one block without parallel calls), less the keywords the
+    grammar cannot enforce. GrammarError (a ValueError) for a parameter schema that cannot be
+    compiled even so (a ref that does not resolve, say)."""
+    # not sort_keys: the grammar writes an object's properties in its schema's order
+    tools = json.dumps(plan.offered, ensure_ascii=False)
     return _auto_output_regex(tools, plan.parallel, whitespace)
 
 
 @functools.lru_cache(maxsize=64)
 def _auto_output_regex(tools: str, parallel: bool, whitespace: str) -> str:
-    # keyed on the offered tools' canonical JSON: clients send the same tools with every turn
+    # keyed on the offered tools' JSON: clients send the same tools with every turn
     # (the grammar package loads torch: imported here, so the HTTP process starts without it)
     from radixlm.constrained import regex_text as rt
     from radixlm.constrained.json_schema import JsonSchemaOptions, json_schema_to_regex
 
     free_text = _free_text()
-    calls = [_call_schema(t["function"]) for t in json.loads(tools)]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    call = json_schema_to_regex(schema, JsonSchemaOptions(whitespace=whitespace))
+    calls, defs = _call_schemas([t["function"] for t in json.loads(tools)])
+    schema = _with_defs(calls[0] if len(calls) == 1 else {"anyOf": calls}, defs)
+    # lenient: a keyword the grammar cannot enforce must not refuse a request that may call
+    # no tool at all; the constrained modes, which demand a call, refuse it instead
+    options = JsonSchemaOptions(whitespace=whitespace, lenient=True)
+    call = json_schema_to_regex(schema, options)
     pad = r"[ \n]{0,2}"
     block = f"{rt.lit(CALL_OPEN)}{pad}(?:{call}){pad}{rt.lit(CALL_CLOSE)}{free_text}"
     return f"{free_text}(?:{block}){'*' if parallel else '?'}"
@@ -416,41 +474,74 @@ def _openai_call(call: dict[str, Any]) -> dict[str, Any]:
 
 
 class ContentFilter:
-    """While streaming with tool_choice=auto: which text is content to show now.
+    """While streaming with tool_choice=auto: which text is content to show now, so that the
+    content streamed is the content `parse_output` finds in the finished output.
 
-    Text stops being shown where a call opens; a suffix that may be the start of `<tool_call>`
-    is held back, and so is an output that starts like a bare JSON call, until it is decided."""
+    `<tool_call>` blocks are left out and the text between and after them is shown. Held back
+    until decided: a suffix that may be the start of `<tool_call>`, whitespace until text follows
+    it (whitespace before a call or at the end of an output with calls is not content), and an
+    output that starts like a bare JSON call. One difference remains: whitespace the output opens
+    with, before text that a call follows later, is shown, as it must be if no call follows."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.shown = 0
+        self.shown = 0  # the text before this is shown, held back, or inside a call
         self.in_call = False
+        self.calls = 0  # call blocks opened
+        self._call_start = 0  # where the last call block opened
+        self._held = ""  # whitespace not shown yet
+        self._started = False  # whether any content was shown
 
     def visible(self, text: str) -> str:
         """The new content to show, given the output so far."""
-        if self.plan.constrained or self.in_call:
+        if self.plan.constrained:
             return ""
         if self.shown == 0:
             head = text.lstrip()
             if not head or head[0] in "{[":
                 return ""  # maybe a bare JSON call: decided when the output is finished
-        pos = text.find(CALL_OPEN, self.shown)
-        if pos != -1:
-            self.in_call = True
-            end = pos
+        pieces = []
+        while True:
+            if self.in_call:
+                close = text.find(CALL_CLOSE, self.shown)
+                if close == -1:  # resume where a closing tag could still begin
+                    self.shown = max(self.shown, len(text) - len(CALL_CLOSE) + 1)
+                    break
+                self.shown, self.in_call = close + len(CALL_CLOSE), False
+            opened = text.find(CALL_OPEN, self.shown)
+            end = opened if opened != -1 else len(text) - _partial_suffix(text, CALL_OPEN)
+            if end > self.shown:
+                pieces.append(self._content(text[self.shown : end]))
+                self.shown = end
+            if opened == -1:
+                break
+            self.in_call, self._call_start = True, opened
+            self.calls += 1
+            self.shown = opened + len(CALL_OPEN)
+        return "".join(pieces)
+
+    def rest(self, text: str, calls_found: bool) -> str:
+        """At the end: the content not shown yet. Without calls the whole output is content, so
+        all of it that was not shown; with calls, the text after the last one less its trailing
+        whitespace (nothing of a call cut off, nor of an output that is a bare JSON call)."""
+        if not calls_found:
+            delta = self._held + text[self._call_start if self.in_call else self.shown :]
+        elif self.in_call or not self.calls:
+            delta = ""
         else:
-            end = len(text) - _partial_suffix(text, CALL_OPEN)
-        if end <= self.shown:
-            return ""
-        delta = text[self.shown : end]
-        self.shown = end
+            delta = self._content(text[self.shown :])
+        self.shown, self._held = len(text), ""
         return delta
 
-    def rest(self, text: str) -> str:
-        """At the end, when no call was found: everything not shown yet."""
-        delta = text[self.shown :]
-        self.shown = len(text)
-        return delta
+    def _content(self, piece: str) -> str:
+        """`piece` of content less the whitespace it ends with, which waits for more text."""
+        piece = self._held + piece
+        shown = piece.rstrip()
+        self._held = piece[len(shown) :]
+        if not self._started and self.calls:
+            shown = shown.lstrip()  # parse_output strips the content of an output with calls
+        self._started = self._started or bool(shown)
+        return shown
 
 
 def _partial_suffix(text: str, marker: str) -> int:

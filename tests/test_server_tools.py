@@ -4,6 +4,7 @@ allows it."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import AsyncIterator
@@ -52,6 +53,74 @@ TIME = {
             "type": "object",
             "properties": {"timezone": {"type": "string"}},
             "required": ["timezone"],
+        },
+    },
+}
+
+# as pydantic writes models: in $defs, referred to by $ref, one def referring to another
+ORDER = {
+    "type": "function",
+    "function": {
+        "name": "place_order",
+        "parameters": {
+            "type": "object",
+            "$defs": {
+                "Item": {
+                    "type": "object",
+                    "properties": {"sku": {"type": "string"}, "size": {"$ref": "#/$defs/Size"}},
+                    "required": ["sku", "size"],
+                    "additionalProperties": False,
+                },
+                "Size": {"enum": ["S", "M", "L"]},
+            },
+            "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
+            "required": ["items"],
+            "additionalProperties": False,
+        },
+    },
+}
+# a def of the same name as ORDER's, meaning something else, under draft 7's "definitions"
+REFUND = {
+    "type": "function",
+    "function": {
+        "name": "refund",
+        "parameters": {
+            "type": "object",
+            "definitions": {"Size": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "properties": {"size": {"$ref": "#/definitions/Size"}},
+            "required": ["size"],
+            "additionalProperties": False,
+        },
+    },
+}
+# a ref to the parameter schema's own root
+OUTLINE = {
+    "type": "function",
+    "function": {
+        "name": "outline",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "title": {"type": "string"},
+                "sections": {"type": "array", "items": {"$ref": "#"}},
+            },
+            "required": ["title"],
+            "additionalProperties": False,
+        },
+    },
+}
+TAG = {
+    "type": "function",
+    "function": {
+        "name": "tag",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+                "weight": {"type": "number", "multipleOf": 0.5},
+            },
+            "required": ["tags"],
+            "additionalProperties": False,
         },
     },
 }
@@ -132,6 +201,52 @@ def test_required_schema_is_an_array_of_calls_when_parallel():
     assert plan_of(tools=[WEATHER]).output_schema() is None  # auto: unconstrained
 
 
+def _output(plan, calls: list[dict[str, Any]]) -> str:
+    """The output that makes `calls`, as the plan's grammar spells it (compact JSON)."""
+    dump = functools.partial(json.dumps, separators=(",", ":"))
+    if plan.mode == "auto":
+        return "".join(f"<tool_call>{dump(call)}</tool_call>" for call in calls)
+    return dump(calls[0]) if plan.mode == "named" else dump(calls)
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["auto", "required", {"type": "function", "function": {"name": "refund"}}]
+)
+def test_parameter_schemas_with_local_refs_are_enforced_in_every_mode(tool_choice):
+    from radixlm.constrained.json_schema import json_schema_to_regex
+
+    plan = plan_of(tools=[ORDER, REFUND, OUTLINE], tool_choice=tool_choice)
+    if plan.mode == "auto":
+        grammar = re.compile(auto_output_regex(plan), re.DOTALL)
+        validator = None
+    else:
+        schema = plan.output_schema()
+        grammar = re.compile(json_schema_to_regex(schema), re.DOTALL)
+        validator = jsonschema.Draft202012Validator(schema)
+    order = {"name": "place_order", "arguments": {"items": [{"sku": "a1", "size": "M"}]}}
+    refund = {"name": "refund", "arguments": {"size": 2}}
+    outline = {
+        "name": "outline",
+        "arguments": {"title": "a", "sections": [{"title": "b", "sections": [{"title": "c"}]}]},
+    }
+    good = [refund] if plan.mode == "named" else [order, refund, outline]
+    bad = [
+        {"name": "refund", "arguments": {"size": "M"}},  # ORDER's Size, not its own
+        {"name": "refund", "arguments": {"size": 10}},
+    ]
+    if plan.mode != "named":
+        bad += [
+            {"name": "place_order", "arguments": {"items": [{"sku": "a1", "size": 2}]}},
+            {"name": "outline", "arguments": {"title": "a", "sections": [{"name": "b"}]}},
+        ]
+    for call in good:
+        assert grammar.fullmatch(_output(plan, [call])), call
+        assert validator is None or validator.is_valid(json.loads(_output(plan, [call])))
+    for call in bad:
+        assert not grammar.fullmatch(_output(plan, [call])), call
+        assert validator is None or not validator.is_valid(json.loads(_output(plan, [call])))
+
+
 # ---- parsing -------------------------------------------------------------------------------
 
 
@@ -170,14 +285,37 @@ def test_parse_bare_json_calls_and_refuse_the_rest():
 def test_content_filter_holds_back_what_may_open_a_call():
     f = ContentFilter(plan_of(tools=[WEATHER]))
     assert f.visible("Sure") == "Sure"
-    assert f.visible("Sure. <tool") == ". "  # "<tool" may begin a call
+    assert f.visible("Sure. <tool") == "."  # "<tool" may begin a call; " " waits for text
     assert f.visible("Sure. <tool_call>{") == ""
     assert f.visible('Sure. <tool_call>{"name"') == ""
     bare = ContentFilter(plan_of(tools=[WEATHER]))
     assert bare.visible('  {"na') == ""  # maybe a bare JSON call: held to the end
-    assert bare.rest('  {"nah": 1}') == '  {"nah": 1}'
+    assert bare.rest('  {"nah": 1}', calls_found=False) == '  {"nah": 1}'
     forced = ContentFilter(plan_of(tools=[WEATHER], tool_choice="required"))
     assert forced.visible("anything") == ""
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Sure. <tool_call>{"name": "get_time", "arguments": {}}</tool_call> Done.',
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n\nIt is noon.\n',
+        'A<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>B <tool',
+        'A <tool_call>{"name": "get_time", "arguments": {}}</tool_call> B <tool_call>{"na',
+        "No call here, just <tags> and < tool_call> \n",
+        '  {"nah": 1}',
+        '{"name": "get_time", "arguments": {}}',
+    ],
+)
+def test_content_filter_streams_the_content_parse_output_keeps(text, step):
+    plan = plan_of(tools=[WEATHER, TIME])
+    parsed = parse_output(text, plan)
+    f = ContentFilter(plan)
+    streamed = "".join(f.visible(text[:end]) for end in range(step, len(text) + step, step))
+    streamed += f.rest(text, calls_found=bool(parsed.tool_calls))
+    assert streamed == (parsed.content or "")
 
 
 # ---- prompts (the real chat template, which has no tool support) ---------------------------
@@ -370,6 +508,50 @@ def test_required_parallel_calls_stream_each_call_as_it_is_generated():
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_auto_streams_the_text_between_and_after_calls_as_it_returns_it():
+    script = (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '</tool_call>\nAnd the time:\n<tool_call>{"name": "get_time", "arguments": '
+        '{"timezone": "CET"}}</tool_call>\nBoth asked for.\n'
+    )
+    backend = ScriptedBackend(script)
+    body = {
+        "messages": [{"role": "user", "content": "Weather and time in Paris?"}],
+        "tools": [WEATHER, TIME],
+    }
+    with TestClient(create_app(backend)) as c:
+        whole = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            *chunks, done = sse_payloads(r.iter_lines())
+        assert done == "[DONE]"
+    assert whole["content"] == "Let me look.\n\nAnd the time:\n\nBoth asked for."
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == whole["content"]
+    heads = [tc for d in deltas for tc in d.get("tool_calls") or [] if "id" in tc]
+    names = [tc["function"]["name"] for tc in heads]
+    assert names == [tc["function"]["name"] for tc in whole["tool_calls"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_auto_tool_choice_skips_keywords_the_grammar_cannot_enforce():
+    backend = ScriptedBackend(
+        '<tool_call>{"name": "tag", "arguments": {"tags": ["a"]}}</tool_call>'
+    )
+    with TestClient(create_app(backend)) as c:
+        body = {"messages": [{"role": "user", "content": "Tag it."}], "tools": [TAG, TIME]}
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "tag"
+    auto = re.compile(backend.calls[0]["regex"], re.DOTALL)
+
+    def call(arguments: str) -> str:
+        return f'<tool_call>{{"name":"tag","arguments":{arguments}}}</tool_call>'
+
+    assert auto.fullmatch(call('{"tags":["a","a"],"weight":0.3}'))  # the two keywords skipped
+    assert not auto.fullmatch(call('{"tags":[1]}'))  # the rest of the schema still holds
+    assert not auto.fullmatch(call('{"weight":1}'))
+
+
 @pytest.mark.parametrize("step", [1, 2, 5, 100])
 def test_tool_call_streamer_rebuilds_the_arguments_whatever_the_steps(step):
     plan = plan_tools(_tools(WEATHER, TIME), "auto", True)
@@ -493,6 +675,48 @@ def test_two_turn_tool_loop_with_the_real_model(engine):
         )
         assert second.status_code == 200, second.text
         assert second.json()["usage"]["prompt_tokens"] > first.json()["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["auto", "required", {"type": "function", "function": {"name": "f"}}]
+)
+def test_tools_with_local_refs_are_served_in_every_mode(engine, tool_choice):
+    parameters = {
+        "type": "object",
+        "$defs": {"A": {"type": "string"}},
+        "properties": {"a": {"$ref": "#/$defs/A"}},
+    }
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    with TestClient(create_app(engine, owns_engine=False)) as c:
+        body = {
+            "messages": [{"role": "user", "content": "Call f."}],
+            "tools": [tool],
+            "tool_choice": tool_choice,
+            "max_tokens": 24,
+            "temperature": 0,
+        }
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    for call in r.json()["choices"][0]["message"].get("tool_calls") or []:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), parameters)
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "tag"}}]
+)
+def test_a_demanded_call_refuses_keywords_the_grammar_cannot_enforce(engine, tool_choice):
+    """A call the client demands must follow the schema: a keyword the grammar cannot enforce
+    is a 400 naming it, not a call that may break it."""
+    with TestClient(create_app(engine, owns_engine=False)) as c:
+        body = {
+            "messages": [{"role": "user", "content": "Tag it."}],
+            "tools": [TAG],
+            "tool_choice": tool_choice,
+            "max_tokens": 8,
+        }
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert "unsupported keyword 'uniqueItems'" in r.json()["error"]["message"]
 
 
 def engine_enforces_constraints(engine) -> bool:
