@@ -208,6 +208,16 @@ class GrammarMatcher:
     def state(self) -> int:
         return self._state
 
+    @property
+    def max_rollback(self) -> int:
+        """The most accepted tokens `rollback` can ever undo at once."""
+        return self._max_history
+
+    @property
+    def rollback_depth(self) -> int:
+        """How many of the tokens accepted so far `rollback` can undo now."""
+        return len(self._history)
+
     def is_terminated(self) -> bool:
         """EOS was accepted, or the grammar is complete and nothing but EOS may follow."""
         return self._terminated or self.grammar.is_dead_end(self._state)

@@ -72,8 +72,16 @@ class IncrementalDetokenizer:
         self._ids.extend(token_ids)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
-        if new_text.endswith("\ufffd"):
-            return  # an incomplete UTF-8 sequence: wait for the next token
+        if new_text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token,
+            # but the whole characters before it may already complete a stop string
+            settled = new_text.rstrip("\ufffd")[len(prefix_text) :]
+            if self.stop and settled:
+                search_from = max(0, len(self._text) - self._longest_stop + 1)
+                candidate = self._text + settled
+                if any(candidate.find(s, search_from) != -1 for s in self.stop):
+                    self._text = candidate
+                    self._find_stop(search_from)
+            return
         delta = new_text[len(prefix_text) :]
         self._read_offset = len(self._ids)
         self._prefix_offset = max(0, self._read_offset - _PREFIX_WINDOW)
@@ -94,8 +102,11 @@ class IncrementalDetokenizer:
         self._decode_pending()
         if self.matched_stop is None and self._read_offset < len(self._ids):
             prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            search_from = max(0, len(self._text) - self._longest_stop + 1)
             self._text += self._decode(self._ids[self._prefix_offset :])[len(prefix_text) :]
             self._read_offset = len(self._ids)
+            if self.stop:  # the released text may hold a stop string: trimmed like any other
+                self._find_stop(search_from)
 
     @property
     def stream_text(self) -> str:

@@ -17,7 +17,7 @@ import queue
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import torch
@@ -159,7 +159,13 @@ class Engine:
             fut = loop.create_future()
             self._core.submit(req, _final_only(_resolver(loop, fut)), progress=False)
             futures.append(fut)
-        results = list(await asyncio.gather(*futures))
+        try:
+            results = list(await asyncio.gather(*futures))
+        except asyncio.CancelledError:  # a caller's timeout: free the seats and KV slots too
+            for req in reqs:
+                if not req.is_finished:
+                    self._core.abort(req.rid)
+            raise
         return results[0] if single and len(results) == 1 else results
 
     def flush_cache(self) -> bool:
@@ -394,12 +400,12 @@ class Engine:
 
     async def _stream_async(self, req: Req, loop) -> AsyncIterator[dict[str, Any]]:
         updates: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._core.submit(
-            req,
-            lambda r, finished: loop.call_soon_threadsafe(
-                updates.put_nowait, request_output(r, stream=not finished)
-            ),
-        )
+
+        def sink(r: Req, finished: bool) -> None:
+            if not _post(loop, updates.put_nowait, request_output(r, stream=not finished)):
+                self._core.abort(r.rid)  # the consumer's event loop is gone: so is the consumer
+
+        self._core.submit(req, sink)
         try:
             while True:
                 out = await updates.get()
@@ -471,9 +477,21 @@ def _final_only(deliver):
 
 def _resolver(loop, fut):
     def deliver(out):
-        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(out))
+        _post(loop, lambda: fut.done() or fut.set_result(out))
 
     return deliver
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:
+    """Run `fn(*args)` on `loop`; False if the loop is closed (its caller has gone: an
+    `asyncio.run` that ended), with no one left to tell."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+        return False
+    return True
 
 
 def _broadcast(value: Any, count: int, name: str) -> list[Any]:

@@ -324,7 +324,7 @@ class EngineCore:
                 if progress:
                     sink = progress.get(req.rid)
                     if sink is not None:
-                        sink(req, False)
+                        self._deliver(req, sink, False)
             else:
                 self._apply(req, token, None)
         self.num_generated_tokens += plain
@@ -420,7 +420,7 @@ class EngineCore:
         else:
             sink = self._progress.get(req.rid)
             if sink is not None:
-                sink(req, False)
+                self._deliver(req, sink, False)
 
     def _check_stop_or_length(self, req: Req) -> None:
         if req.detokenizer.matched_stop is not None:
@@ -438,7 +438,8 @@ class EngineCore:
         none."""
         if req.logprob.return_logprob:
             return
-        text = req.grammar.jump_forward_string()
+        grammar = req.grammar
+        text = grammar.jump_forward_string()
         if not text:
             return
         tokenizer = req.detokenizer.tokenizer
@@ -446,14 +447,18 @@ class EngineCore:
         full = tokenizer.encode(tokenizer.decode(ids) + text, add_special_tokens=False)
         keep = _common_prefix_len(full, ids)
         dropped = ids[keep:]
-        full = full[: req.params.max_new_tokens]
+        # no further than the request may go, and no more forced tokens than the grammar can
+        # undo should one be refused (the rest come at the next jump)
+        full = full[: min(req.max_output_len, keep + grammar.max_rollback)]
         if len(full) <= len(ids) or len(req.input_ids) + keep < req.locked_len:
             return  # nothing gained, or the tokens to replace belong to the prefix cache
-        req.grammar.rollback(len(dropped))
-        accepted = req.grammar.accept_tokens(full[keep:])
+        if len(dropped) > grammar.rollback_depth:
+            return  # the model's own tokens to replace go back further than the grammar can undo
+        grammar.rollback(len(dropped))
+        accepted = grammar.accept_tokens(full[keep:])
         if accepted < len(full) - keep:  # restore the state the model's own tokens gave
-            req.grammar.rollback(accepted)
-            req.grammar.accept_tokens(dropped)
+            grammar.rollback(accepted)
+            grammar.accept_tokens(dropped)
             return
         if dropped:
             self.cache.truncate(req, min(req.kv_len, len(req.input_ids) + keep))
@@ -469,6 +474,10 @@ class EngineCore:
     def _finish(self, req: Req) -> None:
         self.scheduler.remove(req)
         req.detokenizer.flush()
+        matched = req.detokenizer.matched_stop
+        if matched is not None and (req.finish_reason or {}).get("type") in ("length", "stop"):
+            # a stop string the held bytes completed: the text ends there, so does the reason
+            req.finish_reason = {"type": "stop", "matched": matched}
         grammar = getattr(req.grammar, "grammar", None)
         if grammar is not None and grammar.lenient:  # skipped keywords: check what was made
             req.grammar_validation = grammar.validate_output(req.detokenizer.text)
@@ -478,7 +487,19 @@ class EngineCore:
         self._progress.pop(req.rid, None)
         sink = self._sinks.pop(req.rid, None)
         if sink is not None:
-            sink(req, True)
+            self._deliver(req, sink, True)
+
+    def _deliver(self, req: Req, sink: Sink, finished: bool) -> None:
+        """Run a request's sink: the caller's code (a closed event loop raises there), so an error
+        in it costs that request, aborted, and not the engine with everyone else's."""
+        try:
+            sink(req, finished)
+        except Exception:
+            logger.exception("the sink of request %s failed; it is aborted", req.rid)
+            self._progress.pop(req.rid, None)
+            self._sinks.pop(req.rid, None)
+            if not finished:
+                self.abort(req.rid)
 
     def _fail(self, req: Req, message: str) -> None:
         req.error = message

@@ -240,3 +240,24 @@ def test_ebnf_recursion_depth_is_checked():
 
     with pytest.raises(ValueError, match="ebnf_recursion_depth"):
         EngineConfig(ebnf_recursion_depth=-1)
+
+
+def test_jump_forward_after_a_long_free_run_never_rolls_back_past_the_grammars_memory(
+    tiny_model_folder,
+):
+    """Free text longer than the grammar can roll back (64 tokens), then a forced literal whose
+    canonical tokens would replace more of the model's own: jump-forward is skipped there (it
+    used to stop the engine with a GrammarError), and the output still matches."""
+    params = {
+        "max_new_tokens": 460,
+        "temperature": 1.0,
+        "seed": 3,
+        "regex": "[a-z]{400}-done-and-finished",
+    }
+    with radixlm.Engine(tiny_model_folder, enable_jump_forward=True) as eng:
+        outs = eng.generate(["Write:"] * 4, [{**params, "seed": s} for s in range(4)])
+        assert eng.is_alive()
+        assert eng.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] != "abort", out["meta_info"]
+        assert re.fullmatch("[a-z]{400}-done-and-finished", out["text"]), out["text"][-40:]

@@ -4,6 +4,7 @@ seeds, n, and clear errors for bad input."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -193,6 +194,72 @@ def test_detokenizer_never_splits_a_character_and_finds_stops_across_chunks(toke
     assert detok.matched_stop == "STOP"
     assert detok.text == "naïve café 🙂 — 東京 ok "
     assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
+
+
+def test_a_stop_string_completed_by_a_token_with_a_partial_character_is_found(tokenizer):
+    """A token such as ' ' + the first byte of a multi-byte character completes "User: " while
+    its last byte is held back: the stop is found then (not leaked by the flush at the end)."""
+    partial = next(
+        t
+        for t in range(tokenizer.vocab_size)
+        if (s := tokenizer.decode([t])).startswith(" ") and s.endswith("\ufffd") and len(s) == 2
+    )
+    ids = tokenizer.encode("Hello User:", add_special_tokens=False) + [partial]
+    detok = IncrementalDetokenizer(tokenizer, stop=["User: "])
+    detok.add(ids)
+    assert detok.matched_stop == "User: " and detok.text == "Hello "
+    # the same tokens a token at a time, then flushed: still trimmed at the stop
+    detok = IncrementalDetokenizer(tokenizer, stop=["User: "])
+    for t in ids:
+        detok.add_one(t)
+    detok.flush()
+    assert detok.matched_stop == "User: " and detok.text == "Hello "
+
+
+def test_flush_trims_a_stop_string_in_the_held_back_text(tokenizer):
+    # a stop string with the replacement character: only the flush's text can complete it
+    ids = tokenizer.encode("ok", add_special_tokens=False)
+    lone = tokenizer.encode("🙂", add_special_tokens=False)[:1]  # a partial character
+    detok = IncrementalDetokenizer(tokenizer, stop=["k\ufffd"])
+    detok.add(ids + lone)
+    assert detok.matched_stop is None
+    detok.flush()
+    assert detok.matched_stop == "k\ufffd" and detok.text == "o"
+
+
+def test_a_cancelled_async_generate_is_aborted_and_the_engine_lives(engine):
+    """A caller's timeout on a non-streaming async_generate frees its seat (and its asyncio.run
+    closing the loop does not stop the engine when the aborted result comes back)."""
+    params = {"max_new_tokens": 2000, "ignore_eos": True}
+
+    async def timed_out():
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(engine.async_generate("Count:", params), 0.3)
+
+    asyncio.run(timed_out())
+    deadline = time.monotonic() + 30
+    while engine.get_stats()["num_running_reqs"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.get_stats()["num_running_reqs"] == 0
+    assert engine.is_alive()
+    assert engine.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_a_sink_that_raises_costs_its_request_not_the_engine(engine):
+    req = engine._make_requests(
+        "Count:", {"max_new_tokens": 500, "ignore_eos": True}, None, False, None, None
+    )[0][0]
+
+    def sink(r, finished):
+        raise RuntimeError("the caller's code broke")
+
+    engine._core.submit(req, sink)
+    deadline = time.monotonic() + 30
+    while not req.is_finished and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert req.finish_reason["type"] == "abort"
+    assert engine.is_alive()
+    assert engine.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
 
 
 def test_input_logprobs_of_a_one_token_prompt(engine):
