@@ -39,7 +39,8 @@ class HttpClient:
             return e.status or 0
 
     def stream(self, path: str, payload: Any) -> Iterator[Any]:
-        """The decoded `data:` payloads of a server-sent-event stream, up to `[DONE]`."""
+        """The decoded `data:` payloads of a server-sent-event stream, up to `[DONE]`. An error
+        event, or a stream that ends without `[DONE]` (cut off), is a `BackendError`."""
         with self._open("POST", path, payload) as response:
             for raw in response:
                 line = raw.decode("utf-8").rstrip("\r\n")
@@ -49,9 +50,10 @@ class HttpClient:
                 if data == "[DONE]":
                     return
                 event = json.loads(data)
-                if isinstance(event, dict) and "error" in event and "text" not in event:
+                if isinstance(event, dict) and event.get("error"):
                     raise BackendError(f"{self.base_url}{path}: {_message(event)}")
                 yield event
+        raise BackendError(f"{self.base_url}{path}: the stream ended without [DONE]")
 
     def _open(self, method: str, path: str, payload: Any):
         url = self.base_url + path

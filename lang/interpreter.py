@@ -234,14 +234,18 @@ class StreamExecutor:
         elif isinstance(expr, CommitLazy):
             self.backend.commit_lazy_operations(self)
         elif isinstance(expr, ConcatenateAndAppend):
-            added = ""
-            for state in expr.states:
-                child = state.stream_executor
-                child.sync()
-                added += child.text_[child.fork_start_text_pos or 0 :]
-            self._fill(added)
+            self._concatenate_and_append(expr.states)
         else:
             raise TypeError(f"cannot execute {expr!r}")
+
+    def _concatenate_and_append(self, states: list[ProgramState]) -> None:
+        children = [state.stream_executor for state in states]
+        for child in children:
+            child.sync()
+        for child in children:
+            if child.error_ is not None:  # its text stops where it failed: nothing is appended
+                raise child.error_
+        self._fill("".join(child.text_[child.fork_start_text_pos or 0 :] for child in children))
 
     def _fill(self, value: str) -> None:
         self.text_ += str(value)
@@ -272,10 +276,16 @@ class StreamExecutor:
         key = name if name is not None else f"__gen_{uuid.uuid4().hex}"
         self.variables[key] = ""
         meta: dict[str, Any] | None = None
-        for chunk, meta in self.backend.generate_stream(self, params):
-            self.variables[key] += chunk
-            self.meta_info[key] = meta
-            self._fill(chunk)
+        try:
+            for chunk, meta in self.backend.generate_stream(self, params):
+                self.variables[key] += chunk
+                self.meta_info[key] = meta
+                self._fill(chunk)
+        except BaseException:
+            # the text so far is not the variable's value: reading it raises ProgramError
+            self.variables.pop(key, None)
+            self.meta_info.pop(key, None)
+            raise
         if name is None:
             self.variables.pop(key, None)
             self.meta_info.pop(key, None)
@@ -470,16 +480,7 @@ class ProgramStateGroup:
 
     def join(self, mode: str = "gather_variable") -> None:
         if mode == "gather_variable":
-            parent = self.src_state.stream_executor
-            known = set(parent.variables)
-            for state in self.states:
-                child = state.stream_executor
-                child.sync()
-                for name in child.variables.keys() - known:
-                    parent.variables.setdefault(name, []).append(child.variables[name])
-                    parent.meta_info.setdefault(name, []).append(child.meta_info.get(name))
-                if child.error_ is not None and parent.error_ is None:
-                    parent.error_ = child.error_
+            self._gather_variables()
         elif mode == "concate_and_append":
             self.src_state += ConcatenateAndAppend(self.states)
             self.src_state.stream_executor.sync()
@@ -488,8 +489,35 @@ class ProgramStateGroup:
         for state in self.states:
             state.stream_executor.end()
 
+    def _gather_variables(self) -> None:
+        """The forks' new variables as lists on the parent, item i from fork i. If a fork
+        failed, none is gathered (its items would be missing, the lists shifted): the parent
+        takes its error, and reading a gathered variable raises ProgramError naming it."""
+        parent = self.src_state.stream_executor
+        children = [state.stream_executor for state in self.states]
+        for child in children:
+            child.sync()
+        failed = next((c.error_ for c in children if c.error_ is not None), None)
+        if failed is not None:
+            if parent.error_ is None:
+                parent.error_ = failed
+            return
+        known = set(parent.variables)
+        for child in children:
+            for name in child.variables.keys() - known:
+                parent.variables.setdefault(name, []).append(child.variables[name])
+                parent.meta_info.setdefault(name, []).append(child.meta_info.get(name))
+
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
+
+    def __setitem__(self, i: int, state: Any) -> None:
+        # `forks[i] += expr` adds in place, then stores the same state back at i
+        if state is not self.states[i]:
+            raise TypeError(
+                f"forks[{i}] can only be assigned its own state back, as `forks[{i}] += expr` "
+                f"does (got a {type(state).__name__}); a fork cannot be replaced"
+            )
 
     def __iter__(self) -> Iterator[ProgramState]:
         return iter(self.states)

@@ -86,6 +86,7 @@ class RuntimeEndpoint(Backend):
         payload = {**self._payload(s, params), "stream": True}
         sent = 0
         for event in self._http.stream("/generate", payload):
+            _check(event)
             text = event["text"]
             yield text[sent:], event["meta_info"]
             sent = len(text)
@@ -186,6 +187,14 @@ class RuntimeEndpoint(Backend):
             self.model_info.get("model_path"),
         )
         return plain_template()
+
+
+def _check(out: dict[str, Any]) -> None:
+    """An output whose generation the engine failed (its text stops where it failed) is an
+    error, as `EngineBackend` treats it."""
+    error = out["meta_info"].get("error")
+    if error:
+        raise BackendError(f"generation failed: {error}")
 
 
 def _score_payload(text: Any, start: int, logprobs: bool) -> dict[str, Any]:

@@ -336,8 +336,13 @@ async def _sse(
     state: ServerState, req: NativeRequest, streams: list[AsyncIterator[dict[str, Any]]]
 ) -> AsyncIterator[bytes]:
     many = len(streams) > 1
+    merged = merge(streams)
     try:
-        async for index, snapshot in merge(streams):
+        async for index, snapshot in merged:
+            error = finish_error(snapshot["meta_info"])
+            if error is not None:  # the engine failed it: an error event, not its cut-off text
+                state.metrics.count_error("internal_error")
+                raise internal_error(f"generation failed: {error}")
             out = native_output(
                 state,
                 snapshot,
@@ -352,6 +357,8 @@ async def _sse(
         logger.exception("stream failed")
         state.metrics.count_error("internal_error")
         yield sse_event(internal_error(f"generation failed: {e}").body())
+    finally:
+        await merged.aclose()  # type: ignore[attr-defined]  # aborts a batch's other generations
     yield SSE_DONE
 
 

@@ -18,7 +18,7 @@ from radixlm.lang import backend as backend_module
 from radixlm.lang.backend import BackendError, resolve_backend
 from radixlm.lang.engine_backend import EngineBackend
 from radixlm.lang.interpreter import ProgramError
-from tests.live_server import serve_in_thread
+from tests.live_server import serve_in_thread, sse_payloads
 
 API_KEY = "lang-test-key"
 FRANCE = "What is the capital of France?"
@@ -383,6 +383,49 @@ def test_runtime_endpoint_gives_the_engine_backends_results(engine, server_url):
     assert isinstance(state.error(), BackendError) and "max_new_tokens" in str(state.error())
     with pytest.raises(BackendError, match="401"):
         sgl.RuntimeEndpoint(server_url, api_key="wrong")
+
+
+@sgl.function
+def count(s):
+    s += "Count: " + sgl.gen("n", max_tokens=16, ignore_eos=True, temperature=0)
+
+
+def test_a_generation_the_engine_fails_mid_stream_fails_the_remote_gen(tiny_model_folder):
+    """The server ends the stream with an error event, as SGLang's does; the streamed gen over
+    RuntimeEndpoint fails with the engine's message, and its variable is not set."""
+    import httpx
+
+    with sgl.Engine(tiny_model_folder) as engine:
+        runner = engine._core.runner
+        model, calls = runner.model, []
+
+        def fails_on_the_fourth_step(batch, backend):
+            calls.append(1)
+            if len(calls) == 4:
+                raise RuntimeError("injected failure")
+            return model(batch, backend)
+
+        runner.model = fails_on_the_fourth_step
+        with serve_in_thread(engine) as url:
+            body = {
+                "text": "Count: ",
+                "sampling_params": {"max_new_tokens": 16, "ignore_eos": True},
+                "stream": True,
+            }
+            with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
+                events = sse_payloads(r.iter_lines())
+            assert events[-1] == "[DONE]"
+            assert "text" not in events[-2]
+            error = events[-2]["error"]
+            assert error["code"] == 500 and "injected failure" in error["message"]
+
+            calls.clear()
+            state = count.run(backend=sgl.RuntimeEndpoint(url), stream=True)
+            state.sync()
+            assert isinstance(state.error(), BackendError)
+            assert "injected failure" in str(state.error())
+            with pytest.raises(ProgramError, match="injected failure"):
+                state["n"]
 
 
 def test_openai_backend_chats_and_refuses_what_the_api_cannot_express(engine, server_url):

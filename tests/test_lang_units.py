@@ -3,6 +3,8 @@ expressions and parameters, the interpreter over a scripted backend, and clear e
 
 from __future__ import annotations
 
+import io
+import re
 import subprocess
 import sys
 import threading
@@ -11,7 +13,13 @@ import pytest
 
 import radixlm as sgl
 from radixlm.lang import backend as backend_module
-from radixlm.lang.backend import Backend, choice_tokens, pad_logprobs, resolve_backend
+from radixlm.lang.backend import (
+    Backend,
+    BackendError,
+    choice_tokens,
+    pad_logprobs,
+    resolve_backend,
+)
 from radixlm.lang.chat_template import (
     ChatTemplate,
     derive_chat_template,
@@ -23,6 +31,7 @@ from radixlm.lang.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from radixlm.lang.http_client import HttpClient
 from radixlm.lang.interpreter import ProgramError
 from radixlm.lang.ir import REGEX_INT, GenParams, default_params
 
@@ -351,6 +360,112 @@ def test_stream_without_a_model():
     backend.gates[1].set()
     assert list(chunks) == ["three"]
     assert state.text() == "Count: one two three"
+
+
+class FailingBackend(ScriptedBackend):
+    """A generation after "fail " raises; a stream gives one piece, then raises."""
+
+    def generate(self, s, params):
+        if s.text_.endswith("fail "):
+            raise BackendError("the server failed")
+        return "ok", {}
+
+    def generate_stream(self, s, params):
+        yield "partial ", {}
+        raise BackendError("the server failed mid-stream")
+
+
+def test_a_fork_taken_by_index_adds_in_place():
+    @sgl.function
+    def prog(s):
+        forks = s.fork(2)
+        for i in range(2):
+            forks[i] += f"fork {i}: " + sgl.gen("v")
+        with pytest.raises(TypeError, match="its own state"):
+            forks[0] = forks[1]
+        with pytest.raises(TypeError, match="its own state"):
+            forks[1] = "text"
+        forks.join()
+
+    backend = ScriptedBackend(answers={"fork 0: ": "zero", "fork 1: ": "one"})
+    state = prog.run(backend=backend)
+    assert state.error() is None
+    assert state["v"] == ["zero", "one"]
+
+
+def test_a_failed_stream_leaves_no_partial_variable():
+    @sgl.function
+    def prog(s):
+        s += "Count: " + sgl.gen("n")
+
+    state = prog.run(backend=FailingBackend(), stream=True)
+    assert "".join(state.text_iter("n")) in ("", "partial ")
+    assert isinstance(state.error(), BackendError)
+    with pytest.raises(ProgramError, match="failed mid-stream"):
+        state["n"]
+    assert state.get_meta_info("n") is None
+
+
+def test_a_failed_fork_fails_the_gathered_variables_instead_of_shifting_them():
+    @sgl.function
+    def prog(s):
+        forks = s.fork(3)
+        forks += lambda i: f"fork {i} " + ("fail " if i == 1 else "") + sgl.gen("v")
+        forks.join()
+
+    state = prog.run(backend=FailingBackend())
+    assert isinstance(state.error(), BackendError)
+    with pytest.raises(ProgramError, match="the server failed"):
+        state["v"]
+
+
+def test_a_failed_fork_fails_concatenate_and_append():
+    @sgl.function
+    def prog(s):
+        s += "Q: "
+        forks = s.fork(2)
+        forks += lambda i: f"fork {i} " + ("fail " if i == 1 else "") + sgl.gen("v")
+        forks.join("concate_and_append")
+        s += "A: " + sgl.gen("after")
+
+    state = prog.run(backend=FailingBackend())
+    assert isinstance(state.error(), BackendError)
+    assert state.text() == "Q: "  # nothing of the forks appended, nothing generated after
+    with pytest.raises(ProgramError, match="the server failed"):
+        state["after"]
+
+
+def stub_sse(monkeypatch, body: bytes) -> sgl.RuntimeEndpoint:
+    """A RuntimeEndpoint whose every stream answers `body`, with no server."""
+    monkeypatch.setattr(HttpClient, "get", lambda self, path: {"model_path": "stub"})
+    monkeypatch.setattr(HttpClient, "_open", lambda self, method, path, payload: io.BytesIO(body))
+    return sgl.RuntimeEndpoint("http://127.0.0.1:9", chat_template="chatml")
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        (
+            b'data: {"text": "par", "meta_info": {}}\n\n'
+            b'data: {"text": "partial", "meta_info": {"error": "out of memory"}}\n\n'
+            b"data: [DONE]\n\n",
+            "out of memory",
+        ),
+        (b'data: {"text": "par", "meta_info": {}}\n\n', r"without \[DONE\]"),
+    ],
+    ids=["error-in-meta-info", "no-done"],
+)
+def test_a_remote_stream_that_failed_is_an_error(monkeypatch, body, match):
+    @sgl.function
+    def prog(s):
+        s += "Count: " + sgl.gen("n")
+
+    state = prog.run(backend=stub_sse(monkeypatch, body), stream=True)
+    state.sync()
+    assert isinstance(state.error(), BackendError)
+    assert re.search(match, str(state.error()))
+    with pytest.raises(ProgramError):
+        state["n"]
 
 
 def test_import_radixlm_and_the_language_stay_free_of_torch():
