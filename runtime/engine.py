@@ -28,7 +28,7 @@ from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.engine_core import EngineCore, kv_pool_tokens
 from radixlm.runtime.histogram import Histogram
 from radixlm.runtime.memory_pool import KVPool
-from radixlm.runtime.model_config import ModelConfig
+from radixlm.runtime.model_config import ModelConfig, generation_eos_ids
 from radixlm.runtime.request import LogprobRequest, Req
 from radixlm.runtime.sampling_params import SamplingParams
 
@@ -69,7 +69,7 @@ class Engine:
         self.tokenizer = model_loader.load_tokenizer(config.tokenizer_path or folder)
         hf_config = model_loader.load_hf_config(folder)
         self.model_config = mc = ModelConfig.from_hf(hf_config)
-        self.context_len = config.context_length or mc.max_position_embeddings
+        self.context_len = mc.context_limit(config.context_length)
 
         with torch.device("meta"):
             model = LlamaForCausalLM(mc, self.context_len + 1)
@@ -87,8 +87,10 @@ class Engine:
         kv_pool = KVPool(
             num_slots + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
-        self.eos_token_ids = frozenset(mc.eos_token_ids) | (
-            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        self.eos_token_ids = (
+            frozenset(mc.eos_token_ids)
+            | frozenset(generation_eos_ids(folder))
+            | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         )
         self._core = EngineCore(config, mc, model, kv_pool, self.context_len, self.device)
         self._grammar_compiler = None  # built on the first constrained request

@@ -1,11 +1,24 @@
-"""The model's shape, read from a Hugging Face config, in the few fields the runtime needs."""
+"""The model's shape, read from a Hugging Face config, in the few fields the runtime needs.
+
+A config that asks for math the runtime does not do (another activation, biases where it has none,
+a rope scaling it lacks) is refused here, before any weight is read, rather than run wrongly.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_type
+SUPPORTED_ROPE_SCALING = {  # rope_type -> the keys it needs
+    "linear": ("factor",),
+    "llama3": ("factor", "original_max_position_embeddings"),
+}
 
 
 @dataclass(frozen=True)
@@ -26,6 +39,9 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # RMSNorm on q and k per head before rope (Qwen3)
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # attention reaches only this many tokens back (Mistral v0.1, Qwen with use_sliding_window);
+    # the runtime attends to everything, which is the same within the window: `context_limit`
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -35,6 +51,7 @@ class ModelConfig:
                 f"model type {model_type!r} is not supported; radixlm runs "
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} decoders"
             )
+        _check_math(hf, model_type)
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         rope_theta, rope_scaling = _rope_settings(hf)
@@ -57,7 +74,69 @@ class ModelConfig:
             attention_bias=model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
             qk_norm=model_type == "qwen3",
             eos_token_ids=eos_ids,
+            sliding_window=_sliding_window(hf, model_type),
         )
+
+    def context_limit(self, requested: int | None) -> int:
+        """The context the runtime can serve exactly: `requested` (default the model's
+        max_position_embeddings), capped at a sliding window, past which full attention would
+        differ from the model's (refused if asked for explicitly)."""
+        context = requested or self.max_position_embeddings
+        window = self.sliding_window
+        if window is None or context <= window:
+            return context
+        if requested is not None:
+            raise ValueError(
+                f"context_length={requested} exceeds the model's sliding attention window of "
+                f"{window} tokens, which radixlm does not implement: ask for at most {window}"
+            )
+        logger.warning(
+            "the model attends over a sliding window of %d tokens; the context is capped there "
+            "(radixlm attends to every token, which is the same within the window)",
+            window,
+        )
+        return window
+
+
+def _check_math(hf: Any, model_type: str) -> None:
+    """Refuse what the model code would compute differently from the checkpoint's model."""
+    act = getattr(hf, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={act!r} is not supported; radixlm's MLP is SiLU-gated")
+    if getattr(hf, "mlp_bias", False):
+        raise ValueError("mlp_bias=True (biases on the MLP's projections) is not supported")
+    if model_type != "qwen2" and getattr(hf, "attention_bias", False):
+        raise ValueError(
+            "attention_bias=True (biases on q, k, v and o_proj) is not supported for "
+            f"{model_type}; Qwen2's q/k/v biases are"
+        )
+
+
+def _sliding_window(hf: Any, model_type: str) -> int | None:
+    window = getattr(hf, "sliding_window", None)
+    if not window:
+        return None
+    if model_type == "mistral":
+        return int(window)
+    layer_types = getattr(hf, "layer_types", None) or []
+    if getattr(hf, "use_sliding_window", False) or "sliding_attention" in layer_types:
+        return int(window)
+    return None
+
+
+def generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
+    """The EOS ids of the folder's generation_config.json, which may list more than config.json
+    (Llama-3-Instruct's first release: <|eot_id|> only there)."""
+    path = Path(folder) / "generation_config.json"
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        return (eos,)
+    if isinstance(eos, list):
+        return tuple(e for e in eos if isinstance(e, int) and not isinstance(e, bool))
+    return ()
 
 
 def _rope_settings(hf: Any) -> tuple[float, dict[str, Any] | None]:
@@ -72,5 +151,14 @@ def _rope_settings(hf: Any) -> tuple[float, dict[str, Any] | None]:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return theta, None
+    needs = SUPPORTED_ROPE_SCALING.get(rope_type)
+    if needs is None:
+        raise ValueError(
+            f"rope scaling {rope_type!r} is not supported yet; supported: default, "
+            + ", ".join(SUPPORTED_ROPE_SCALING)
+        )
+    missing = [k for k in needs if k not in scaling]
+    if missing:
+        raise ValueError(f"rope scaling {rope_type!r} needs {', '.join(missing)} in the config")
     scaling["rope_type"] = rope_type
     return theta, scaling

@@ -70,3 +70,57 @@ def test_prefill_and_decode_logprobs_match_transformers(family_folder):
         for j, t in enumerate(out["output_ids"]):
             row = ref[len(prompt) + j - 1]
             assert row.max().item() - row[t].item() < 1e-4
+
+
+def _config(config_class: str, **extra):
+    import transformers
+
+    return getattr(transformers, config_class)(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, **extra,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config_class", "extra", "message"),
+    [
+        ("LlamaConfig", {"hidden_act": "gelu"}, "hidden_act"),
+        ("LlamaConfig", {"mlp_bias": True}, "mlp_bias"),
+        ("LlamaConfig", {"attention_bias": True}, "attention_bias"),
+        ("LlamaConfig", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ],
+)
+def test_configs_the_model_code_would_compute_wrongly_are_refused(config_class, extra, message):
+    """Refused from the config, before any weight is read (each of these once loaded and ran,
+    or failed only after loading every weight)."""
+    from radixlm.runtime.model_config import ModelConfig
+
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(_config(config_class, **extra))
+
+
+def test_a_sliding_window_caps_the_context_and_refuses_more():
+    from radixlm.runtime.model_config import ModelConfig
+
+    mistral = ModelConfig.from_hf(_config("MistralConfig", sliding_window=1024))
+    assert mistral.sliding_window == 1024
+    assert mistral.context_limit(None) == 1024 and mistral.context_limit(512) == 512
+    with pytest.raises(ValueError, match="sliding attention window of 1024"):
+        mistral.context_limit(4096)
+    qwen = ModelConfig.from_hf(_config("Qwen2Config", use_sliding_window=True, sliding_window=256))
+    assert qwen.context_limit(None) == 256
+    plain = ModelConfig.from_hf(
+        _config("Qwen2Config", use_sliding_window=False, sliding_window=256)
+    )
+    assert plain.sliding_window is None and plain.context_limit(None) == 8192
+
+
+def test_eos_ids_of_the_generation_config_are_stop_tokens(tmp_path, tiny_model_folder):
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_folder, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    with radixlm.Engine(str(folder), load_format="dummy") as eng:
+        assert {2, 7} <= eng.eos_token_ids
