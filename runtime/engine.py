@@ -25,7 +25,7 @@ import torch
 from radixlm.errors import EngineShutDown
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
-from radixlm.runtime.engine_core import EngineCore, kv_pool_tokens
+from radixlm.runtime.engine_core import EngineCore, free_memory, kv_pool_tokens
 from radixlm.runtime.histogram import Histogram
 from radixlm.runtime.memory_pool import KVPool
 from radixlm.runtime.model_config import ModelConfig, generation_eos_ids
@@ -73,6 +73,7 @@ class Engine:
 
         with torch.device("meta"):
             model = LlamaForCausalLM(mc, self.context_len + 1)
+        _check_weights_fit(model, self.dtype, self.device)
         model = model.to(self.dtype).to_empty(device=self.device)
         if dummy:
             model.tie_weights_if_needed()
@@ -417,6 +418,21 @@ class Engine:
         finally:
             if not req.is_finished:
                 self._core.abort(req.rid)
+
+
+def _check_weights_fit(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a model whose weights cannot fit in what `device` has free (it would be killed
+    for memory part-way through loading instead)."""
+    need = sum(t.numel() for t in itertools.chain(model.parameters(), model.buffers()))
+    need *= dtype.itemsize
+    free = free_memory(device)
+    if need > free:
+        half = " or a half dtype (dtype='bfloat16')" if dtype == torch.float32 else ""
+        raise ValueError(
+            f"the model's weights take {need / 2**30:.1f} GiB in {str(dtype).split('.')[-1]}, "
+            f"more than the {free / 2**30:.1f} GiB free on {device}: use a smaller model{half}, "
+            "or another device"
+        )
 
 
 def request_output(req: Req, stream: bool = False) -> dict[str, Any]:

@@ -540,12 +540,8 @@ def kv_pool_tokens(
     )
     if config.max_total_tokens is not None:
         return config.max_total_tokens
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        fraction = config.mem_fraction_static or 0.85
-    else:
-        free = _available_host_memory()
-        fraction = config.mem_fraction_static or 0.25
+    free = free_memory(device)
+    fraction = config.mem_fraction_static or (0.85 if device.type == "cuda" else 0.25)
     tokens = int(free * fraction) // per_token
     # no use in more than every running request at full context
     tokens = min(tokens, config.max_running_requests * context_len)
@@ -555,6 +551,13 @@ def kv_pool_tokens(
             "lower the load, raise mem_fraction_static, or set max_total_tokens"
         )
     return tokens
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for new tensors on `device` (host: the kernel's MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return _available_host_memory()
 
 
 def _available_host_memory() -> int:

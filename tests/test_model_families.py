@@ -124,3 +124,13 @@ def test_eos_ids_of_the_generation_config_are_stop_tokens(tmp_path, tiny_model_f
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     with radixlm.Engine(str(folder), load_format="dummy") as eng:
         assert {2, 7} <= eng.eos_token_ids
+
+
+def test_weights_that_do_not_fit_in_free_memory_are_refused_before_loading(
+    tiny_model_folder, monkeypatch
+):
+    import radixlm.runtime.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "free_memory", lambda device: 1 << 20)
+    with pytest.raises(ValueError, match="weights take .* GiB in float32.*half dtype"):
+        radixlm.Engine(tiny_model_folder)
