@@ -14,6 +14,7 @@ from radixlm.lang.backend import Backend, BackendError, choice_tokens, pad_logpr
 from radixlm.lang.chat_template import ChatTemplate, derive_chat_template, plain_template
 from radixlm.lang.choices import TokenLogprobs
 from radixlm.lang.ir import GenParams
+from radixlm.runtime.prompt_tokens import encode_prompt
 
 if TYPE_CHECKING:
     from radixlm.lang.interpreter import StreamExecutor
@@ -68,7 +69,7 @@ class EngineBackend(Backend):
         """All choices in one engine call: each prompt is prefix + choice, scored from where the
         choice's tokens start (the prefix's KV comes from the radix cache)."""
         encode = self._encode
-        prefix_ids = encode(prefix) if prefix else []
+        prefix_ids = encode(prefix)  # (of an empty prefix: the BOS a tokenizer adds, if any)
         fulls, starts = [], []
         for choice in choices:
             ids = encode(prefix + choice)
@@ -115,8 +116,7 @@ class EngineBackend(Backend):
     # ---- helpers -------------------------------------------------------------------------
 
     def _encode(self, text: str) -> list[int]:
-        # as the engine tokenizes a text prompt: special tokens in the text are recognised
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_prompt(self.tokenizer, text)  # as the engine tokenizes a text prompt
 
     def _token_texts(self, ids: list[int]) -> list[str]:
         out = []

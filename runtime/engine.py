@@ -29,6 +29,7 @@ from radixlm.runtime.engine_core import EngineCore, free_memory, kv_pool_tokens
 from radixlm.runtime.histogram import Histogram
 from radixlm.runtime.memory_pool import KVPool
 from radixlm.runtime.model_config import ModelConfig, generation_eos_ids
+from radixlm.runtime.prompt_tokens import encode_prompt
 from radixlm.runtime.request import LogprobRequest, Req
 from radixlm.runtime.sampling_params import SamplingParams
 
@@ -322,7 +323,7 @@ class Engine:
         if isinstance(item, str):
             if not item:
                 raise ValueError("the prompt is empty; give at least one character")
-            return self.tokenizer.encode(item, add_special_tokens=False) or _raise_empty()
+            return encode_prompt(self.tokenizer, item) or _raise_empty()
         if (
             isinstance(item, list)
             and item

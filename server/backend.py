@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any, Protocol
 
+from radixlm.runtime.prompt_tokens import encode_prompt
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -89,9 +91,7 @@ class TokenizerSide:
         self._token_text: dict[int, str] = {}
 
     def tokenize(self, text: str) -> list[int]:
-        # as the engine does for a text prompt: special tokens written in the text (a chat
-        # template's markers) are recognised, none are added
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return encode_prompt(self._tokenizer, text)  # as the engine tokenizes a text prompt
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)

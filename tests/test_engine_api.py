@@ -288,3 +288,26 @@ def test_bad_engine_options_are_refused_naming_the_option(options):
     (name,) = options
     with pytest.raises(ValueError, match=name):
         EngineConfig(**options)
+
+
+class _BosTokenizer:
+    """Llama-like: encoding with special tokens puts BOS (1) in front; a character an id each."""
+
+    bos_token_id = 1
+
+    def encode(self, text, add_special_tokens=True):
+        written = text.startswith("<s>")  # the BOS marker written in the text
+        ids = ([1] if written else []) + [ord(c) for c in text[3 if written else 0 :]]
+        return ([1] if add_special_tokens else []) + ids
+
+
+def test_a_prompt_gets_the_bos_its_tokenizer_adds_once(tokenizer):
+    from radixlm.runtime.prompt_tokens import encode_prompt
+
+    bos = _BosTokenizer()
+    assert encode_prompt(bos, "ab") == [1, ord("a"), ord("b")]
+    assert encode_prompt(bos, "<s>ab") == [1, ord("a"), ord("b")]  # written in the text: once
+    assert encode_prompt(bos, "") == [1]
+    # SmolLM2's tokenizer adds none: its prompts are the text's tokens alone
+    text = "<|im_start|>user\nHi"
+    assert encode_prompt(tokenizer, text) == tokenizer.encode(text, add_special_tokens=False)
