@@ -9,7 +9,8 @@ bitmasks, jump-forward.
     matcher.accept_token(token)                             # False if the grammar forbids it
 
 Every grammar becomes a regex; compiling builds only its byte-level DFA (outlines-core's Index over
-the 256 single bytes), and each state's token mask is built on the state's first visit by walking
+the 256 single bytes, in a helper process that is killed when the compile's deadline passes;
+dfa_process.py), and each state's token mask is built on the state's first visit by walking
 the vocabulary trie through the DFA (automaton.py), then cached. The JSON schema converter is our
 own and refuses, naming keyword and location, whatever it cannot enforce exactly.
 """

@@ -1,7 +1,8 @@
 """The byte-level automaton of a regex, and the token masks it induces, built lazily.
 
 Compiling a grammar builds only the byte-level DFA of its regex: outlines-core's `Index` over a
-vocabulary of the 256 single bytes, which costs about what building the DFA costs. The token-level
+vocabulary of the 256 single bytes (built in a helper process, see dfa_process.py), which costs
+about what building the DFA costs; `ByteAutomaton` renumbers it into a dense table. The token-level
 view (which tokens may follow in a state) is computed the first time a state is visited, by walking
 the whole vocabulary through the DFA at once: the vocabulary is a trie laid out level by level
 (`TokenTrie`), so a prefix shared by many tokens is walked once, and each level is one vectorized
@@ -12,14 +13,13 @@ over the real vocabulary is the oracle the tests compare against).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
-from itertools import chain
-from typing import Any
 
 import numpy as np
 
+from radixlm.constrained.dfa_process import RawDfa
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.vocab import SENTINEL_BYTES, TokenVocabulary
 
@@ -33,12 +33,8 @@ _NODES_PER_LEVEL_OVERHEAD = 700
 _BUFFERED_WALK_NODES = 8000
 
 
-@cache
-def _byte_vocabulary() -> Any:
-    """An outlines-core Vocabulary of the 256 single bytes (token id = byte value)."""
-    from outlines_core import Vocabulary
-
-    return Vocabulary(256, {bytes([b]): [b] for b in range(256)})
+def _int64(values: array) -> np.ndarray:
+    return np.frombuffer(values, dtype=np.uintc).astype(np.int64)
 
 
 def _renumbering(original: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
@@ -62,22 +58,15 @@ class ByteAutomaton:
     multiply; `accepting[s]`: the text so far is a complete match.
     """
 
-    def __init__(self, regex: str, sentinel: bool) -> None:
-        from outlines_core import Index
-
-        index = Index(regex, _byte_vocabulary())
-        transitions: dict[int, dict[int, int]] = index.get_transitions()
-        n = len(transitions)
+    def __init__(self, dfa: RawDfa, sentinel: bool) -> None:
+        original = _int64(dfa.states)
+        n = len(original)
         self.n_states = n
         self.dead = n
-        original = np.fromiter(transitions.keys(), dtype=np.int64, count=n)
         renumber = _renumbering(original)
-        rows = list(transitions.values())
-        counts = np.fromiter(map(len, rows), dtype=np.int64, count=n)
-        total = int(counts.sum())
+        counts = _int64(dfa.counts)
         src = np.repeat(np.arange(n, dtype=np.int64), counts)
-        keys = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=total)
-        dsts = np.fromiter(chain.from_iterable(map(dict.values, rows)), dtype=np.int64, count=total)
+        keys, dsts = _int64(dfa.keys), _int64(dfa.targets)
         is_byte = keys < 256  # the EOS pseudo-token of final states is not a byte
         dense = np.full((256, n + 1), n, dtype=np.int32)  # (byte, state)
         dense[keys[is_byte], src[is_byte]] = renumber(dsts[is_byte])
@@ -90,17 +79,16 @@ class ByteAutomaton:
         self.byte_class = byte_class
         self.n_classes = len(class_of)
         table = np.ascontiguousarray(dense[firsts].T).reshape(-1)  # (state, class) flat
-        self.initial = int(renumber(np.asarray([index.get_initial_state()]))[0])
+        self.initial = int(renumber(np.asarray([dfa.initial]))[0])
         if sentinel:
             # the end-of-match sentinel may follow exactly where the user's text is complete
             state = np.arange(n + 1, dtype=np.int64)
             for b in SENTINEL_BYTES:
                 state = table[state * self.n_classes + self.byte_class[b]].astype(np.int64)
-            finals = renumber(np.fromiter(index.get_final_states(), np.int64))
-            accepting = np.isin(state, finals)
+            accepting = np.isin(state, renumber(_int64(dfa.finals)))
         else:
             accepting = np.zeros(n + 1, dtype=bool)
-            accepting[renumber(np.fromiter(index.get_final_states(), np.int64))] = True
+            accepting[renumber(_int64(dfa.finals))] = True
         accepting[n] = False
         self.accepting = accepting
         wide = (n + 1) * self.n_classes >= 2**31

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,6 +16,13 @@ from typing import Any
 
 from radixlm.constrained import regex_text as rt
 from radixlm.constrained.automaton import ByteAutomaton
+from radixlm.constrained.dfa_process import (
+    BuildStopped,
+    Deadline,
+    DfaBuilders,
+    DfaRefused,
+    TooManyStates,
+)
 from radixlm.constrained.ebnf import ebnf_to_regex
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.grammar import CompiledGrammar, MaskCache
@@ -24,6 +32,18 @@ from radixlm.constrained.vocab import TokenVocabulary
 
 KINDS = ("regex", "json_schema", "choice", "ebnf")
 _Key = tuple[str, str, bool]
+# The largest byte DFA a grammar may have. Of the MaskBench schemas the grammar benchmark compiles
+# (measured on half of them), half have under 400 states and 99% under 50k; the largest has 300k
+# (7 s to build). The cap leaves room above that and keeps the (256, states) int32 table that
+# renumbering a DFA holds for a moment under 1 GB. A counted repetition after an open-ended one,
+# `[ab]*a[ab]{n}`, needs 2**(n+1) states: n = 19 is refused once built (about 5 s), and n = 30,
+# which would build for hours, is stopped at the deadline instead.
+DEFAULT_MAX_STATES = 1_000_000
+
+
+class _CompileStopped(GrammarError):
+    """A build stopped before it finished (its deadline passed, the compiler closed): the request
+    fails, but nothing is cached, since under less load the same grammar may compile."""
 
 
 class GrammarCompiler:
@@ -32,11 +52,13 @@ class GrammarCompiler:
     tokenizer: a Hugging Face tokenizer (or a TokenVocabulary). vocab_size: the logits width,
     which may exceed the tokenizer (extra ids are never allowed). whitespace: "compact" or
     "flexible" JSON (or a regex for the whitespace between JSON tokens). compile_timeout: seconds
-    a compile may take before it fails with GrammarError (the work finishes in the background and
-    still lands in the cache). lenient: the default of `compile`'s own `lenient` (JSON schemas
-    skip the keywords we cannot enforce instead of being refused; outputs must then be checked,
-    see `CompiledGrammar.validate_output`). ebnf_recursion_depth: recursive EBNF rules are
-    unrolled this many levels (0: such grammars are refused).
+    from asking for a grammar to its compile failing with GrammarError; the build stops then too
+    (in its queue or its helper process, see dfa_process.py), so its worker is free for the next
+    one. max_states: the most states a grammar's byte DFA may have; a larger one is refused with
+    GrammarError (and cached as refused). lenient: the default of `compile`'s own `lenient` (JSON
+    schemas skip the keywords we cannot enforce instead of being refused; outputs must then be
+    checked, see `CompiledGrammar.validate_output`). ebnf_recursion_depth: recursive EBNF rules
+    are unrolled this many levels (0: such grammars are refused).
     """
 
     def __init__(
@@ -55,6 +77,7 @@ class GrammarCompiler:
         cache_size: int = 128,
         mask_cache_bytes: int = 256 << 20,
         max_workers: int = 2,
+        max_states: int = DEFAULT_MAX_STATES,
     ) -> None:
         if isinstance(tokenizer, TokenVocabulary):
             self.vocab = tokenizer
@@ -72,18 +95,23 @@ class GrammarCompiler:
             allow_unlisted_properties=allow_unlisted_properties,
         )
         self.compile_timeout = compile_timeout
+        if max_states < 1:
+            raise ValueError("max_states must be >= 1")
+        self.max_states = max_states
         if ebnf_recursion_depth < 0:
             raise ValueError("ebnf_recursion_depth must be >= 0")
         self.ebnf_recursion_depth = ebnf_recursion_depth
         self.masks = MaskCache(mask_cache_bytes)
         # keyed by (kind, spec text, lenient)
         self._cache: OrderedDict[_Key, CompiledGrammar | GrammarError] = OrderedDict()
-        self._inflight: dict[_Key, Future] = {}
+        # the compiles running now, and when each stops waiting for its helper
+        self._inflight: dict[_Key, tuple[Future, Deadline]] = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._max_workers = max_workers
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
+        self._builders = DfaBuilders()
 
     @property
     def vocab_size(self) -> int:
@@ -102,9 +130,7 @@ class GrammarCompiler:
         try:
             return future.result(timeout=self.compile_timeout)
         except FutureTimeout:
-            raise GrammarError(
-                f"compiling the {kind} took longer than {self.compile_timeout:g} s; simplify it"
-            ) from None
+            raise self._too_slow(kind) from None
 
     def compile_async(self, kind: str, spec: Any, *, lenient: bool | None = None) -> Future:
         """Like compile, in a worker thread: a Future of the CompiledGrammar (or GrammarError)."""
@@ -117,16 +143,7 @@ class GrammarCompiler:
         if inner.done():
             return inner
         outer: Future = Future()
-        timer = threading.Timer(
-            self.compile_timeout,
-            _fail,
-            (
-                outer,
-                GrammarError(
-                    f"compiling the {kind} took longer than {self.compile_timeout:g} s; simplify it"
-                ),
-            ),
-        )
+        timer = threading.Timer(self.compile_timeout, _fail, (outer, self._too_slow(kind)))
         timer.daemon = True
 
         def relay(f: Future) -> None:
@@ -151,17 +168,30 @@ class GrammarCompiler:
         return self.compile("choice", list(choices))
 
     def close(self) -> None:
+        """Stop compiling: queued compiles are dropped and those waiting on a helper process fail
+        with GrammarError. A later compile starts over."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        builders, self._builders = self._builders, DfaBuilders()
+        builders.close()
 
     def _executor(self) -> ThreadPoolExecutor:
-        # A forked child inherits the pool object but not its threads: start a new one there.
+        # A forked child inherits the pool object but not its threads, and the helper processes
+        # belong to the parent: it starts its own of both.
         if self._pool is None or self._pool_pid != os.getpid():
+            if self._pool_pid not in (0, os.getpid()):
+                self._builders = DfaBuilders()
             self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="grammar-compile")
             self._pool_pid = os.getpid()
             self._inflight.clear()
         return self._pool
+
+    def _too_slow(self, kind: str) -> GrammarError:
+        return _CompileStopped(
+            f"compiling the {kind} took longer than {self.compile_timeout:g} s; "
+            + _what_to_simplify(kind)
+        )
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -175,11 +205,13 @@ class GrammarCompiler:
                 f: Future = Future()
                 _fail(f, done) if isinstance(done, GrammarError) else _succeed(f, done)
                 return f
+            patience = time.monotonic() + self.compile_timeout
             running = self._inflight.get(key)
-            if running is not None:
-                return running
-            f = self._executor().submit(self._build, kind, key[1], key[2])
-            self._inflight[key] = f
+            if running is not None and running[1].extend(patience):
+                return running[0]  # the build now runs as long as its last caller waits
+            deadline = Deadline(patience)
+            f = self._executor().submit(self._build, kind, key[1], key[2], deadline)
+            self._inflight[key] = (f, deadline)
         f.add_done_callback(lambda fut, key=key: self._store(key, fut))
         return f
 
@@ -187,16 +219,21 @@ class GrammarCompiler:
         exc = fut.exception()
         value: CompiledGrammar | GrammarError = fut.result() if exc is None else exc  # type: ignore[assignment]
         with self._lock:
-            self._inflight.pop(key, None)
-            if not isinstance(value, (CompiledGrammar, GrammarError)):
-                return  # unexpected failures are not cached
+            if self._inflight.get(key, (None,))[0] is fut:
+                del self._inflight[key]
+            if isinstance(value, _CompileStopped) or not isinstance(
+                value, (CompiledGrammar, GrammarError)
+            ):
+                return  # stopped builds and unexpected failures are not cached
             self._cache[key] = value
             self._cache.move_to_end(key)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
 
-    def _build(self, kind: str, spec: str, lenient: bool = False) -> CompiledGrammar:
+    def _build(self, kind: str, spec: str, lenient: bool, deadline: Deadline) -> CompiledGrammar:
         try:
+            if deadline.remaining() <= 0:  # it waited in the queue past its callers' patience
+                raise self._too_slow(kind)
             regex, notes = self.to_regex(kind, spec, lenient)
             sentinel, parse_error = True, ""
             if kind == "regex":
@@ -204,7 +241,7 @@ class GrammarCompiler:
                     regex = translate_regex(regex)
                 except PatternError as e:
                     sentinel, parse_error = False, str(e)  # outlines-core reads it as written
-            return self._index(kind, spec, regex, notes, sentinel, parse_error, lenient)
+            return self._index(kind, spec, regex, notes, sentinel, deadline, parse_error, lenient)
         except GrammarError:
             raise
         except Exception as e:  # anything else is still this request's problem, never the engine's
@@ -241,6 +278,7 @@ class GrammarCompiler:
         regex: str,
         notes: tuple[str, ...],
         sentinel: bool,
+        deadline: Deadline,
         parse_error: str = "",
         lenient: bool = False,
     ) -> CompiledGrammar:
@@ -251,23 +289,46 @@ class GrammarCompiler:
         character appended: no state of the user's language is accepting any more, and "EOS
         allowed" reads "the sentinel may follow". Regexes we cannot re-read in our dialect go in
         unchanged (a narrower language, still sound).
+
+        The DFA is built in a helper process, which is killed if the deadline passes first, and
+        refused past `max_states` states.
         """
         if sentinel:
             regex = f"(?:{regex}){rt.escape_char(ord(rt.SENTINEL))}"
         try:
-            automaton = ByteAutomaton(regex, sentinel)
-        except Exception as e:
-            detail = str(e).splitlines()[0][:500]
+            dfa = self._builders.build(regex, self.max_states, deadline)
+        except BuildStopped as e:
+            if deadline.remaining() <= 0:
+                raise self._too_slow(kind) from None
+            raise _CompileStopped(f"compiling the {kind} stopped: {e}") from None
+        except TooManyStates:
+            raise GrammarError(self._too_many_states(kind)) from None
+        except DfaRefused as e:
             if kind == "regex":  # a user's regex: most likely its syntax
-                raise GrammarError(f"invalid regex: {parse_error or detail}") from None
+                raise GrammarError(f"invalid regex: {parse_error or e}") from None
             raise GrammarError(
                 f"the regex built from the {kind} is too large for the automaton builder "
-                f"({detail}); simplify it"
+                f"({e}); simplify it"
             ) from None
+        automaton = ByteAutomaton(dfa, sentinel)
         automaton.node_classes(self.vocab.trie)  # ready before the first mask
         return CompiledGrammar(
             kind, spec, regex, automaton, self.vocab, self.masks, notes, lenient=lenient
         )
+
+    def _too_many_states(self, kind: str) -> str:
+        what = "the regex" if kind == "regex" else f"the regex built from the {kind}"
+        limit = f"more than {self.max_states:,} automaton states"
+        return f"{what} needs {limit}; {_what_to_simplify(kind)}"
+
+
+def _what_to_simplify(kind: str) -> str:
+    if kind == "regex":
+        return (
+            "bound its repetitions (each count of a repetition after an open-ended one, "
+            "like [ab]*a[ab]{30}, doubles the automaton)"
+        )
+    return "simplify it (fewer alternatives, smaller length and item bounds, simpler patterns)"
 
 
 def _spec_key(kind: str, spec: Any) -> str:
@@ -297,4 +358,4 @@ def _succeed(f: Future, value: Any) -> None:
             f.set_result(value)
 
 
-__all__ = ["KINDS", "GrammarCompiler"]
+__all__ = ["DEFAULT_MAX_STATES", "KINDS", "GrammarCompiler"]

@@ -16,6 +16,14 @@ from radixlm.constrained import (
     bitmask_from_ids,
     ids_from_bitmask,
 )
+from radixlm.constrained.dfa_process import (
+    Deadline,
+    DfaBuilders,
+    DfaRefused,
+    RawDfa,
+    TooManyStates,
+    build_dfa,
+)
 
 TOKENS = [
     "<eos>",
@@ -270,6 +278,78 @@ def test_compile_timeout_is_a_grammar_error():
     with pytest.raises(GrammarError, match="took longer than"):
         slow.compile("regex", big)
     assert time.perf_counter() - start < 5
+
+
+# A counted repetition after an open-ended one: the DFA has 2**(n+1) states, and building it takes
+# about 4x longer for every 2 more (n = 20: several seconds past any deadline these tests set).
+def runaway(letter: str, n: int = 20) -> str:
+    return f"[ab]*{letter}[ab]{{{n}}}"
+
+
+def test_a_build_past_its_deadline_gives_its_worker_back():
+    compiler = GrammarCompiler(FakeTokenizer(), vocab_size=40, compile_timeout=1, max_workers=2)
+    stuck = [compiler.compile_async("regex", runaway(letter)) for letter in "ab"]  # both workers
+    for future in stuck:
+        with pytest.raises(GrammarError, match="took longer than 1 s; bound its repetitions"):
+            future.result()
+    start = time.perf_counter()
+    assert compiler.compile("regex", "ab?c").matcher().accept_string("abc")
+    assert time.perf_counter() - start < 1  # not queued behind the runaway builds
+
+
+def test_a_dfa_past_max_states_is_refused_with_what_to_simplify():
+    compiler = GrammarCompiler(FakeTokenizer(), vocab_size=40, max_states=1000)
+    start = time.perf_counter()
+    with pytest.raises(GrammarError, match="regex needs more than 1,000 automaton states; bound"):
+        compiler.compile("regex", runaway("a", 12))
+    with pytest.raises(GrammarError, match="json_schema needs more than 1,000 automaton states"):
+        compiler.compile("json_schema", {"type": "string", "pattern": "^[ab]*a[ab]{12}$"})
+    assert time.perf_counter() - start < 5
+    assert compiler.compile("regex", runaway("a", 6)).matcher().accept_string("aabababa")
+
+
+def test_a_grammar_that_ran_out_of_time_is_not_remembered_as_refused():
+    compiler = GrammarCompiler(FakeTokenizer(), vocab_size=40, compile_timeout=0.05)
+    with pytest.raises(GrammarError, match="took longer than"):
+        compiler.compile("regex", runaway("a", 14))  # ~0.3 s
+    compiler.compile_timeout = 60  # as if the machine were less busy now
+    assert compiler.compile("regex", runaway("a", 14)).automaton.n_states > 2**15
+
+
+def test_a_deadline_moves_later_only_until_it_has_passed():
+    deadline = Deadline(time.monotonic() + 0.05)
+    assert deadline.extend(time.monotonic() + 0.1)  # a second caller joins: it waits longer
+    assert deadline.remaining() > 0.05
+    time.sleep(0.1)
+    assert deadline.remaining() <= 0
+    assert not deadline.extend(time.monotonic() + 60)  # the build gave up: start another
+    assert deadline.remaining() <= 0
+
+
+def test_close_stops_a_running_build():
+    compiler = GrammarCompiler(FakeTokenizer(), vocab_size=40, compile_timeout=60)
+    future = compiler.compile_async("regex", runaway("a"))
+    time.sleep(0.3)
+    compiler.close()
+    with pytest.raises(GrammarError, match="stopped: the compiler was closed"):
+        future.result(timeout=5)
+
+
+def test_the_helper_process_builds_the_dfa_the_in_process_build_does():
+    builders = DfaBuilders()
+
+    def in_helper(regex: str) -> RawDfa:
+        return builders.build(regex, 1000, Deadline(time.monotonic() + 30))
+
+    try:
+        for regex in ("ab?c", runaway("a", 3), "(?:x|y)+\\U0010ffff", "[^a]\\u00e9{2,3}"):
+            assert in_helper(regex) == build_dfa(regex, 1000)
+        with pytest.raises(TooManyStates):
+            in_helper(runaway("a", 12))
+        with pytest.raises(DfaRefused):
+            in_helper("a(")
+    finally:
+        builders.close()
 
 
 def test_json_schema_on_tiny_vocab(compiler):
