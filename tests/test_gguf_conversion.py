@@ -1,8 +1,9 @@
 """GGUF files converted to Hugging Face folders: rope scaling as llama.cpp applies it (a linear
 factor, Llama 3.1's per-frequency factors) gives transformers' log-probabilities for the same model,
-scaling the runtime cannot run is refused by its GGUF key, and the weights are half precision. The
-GGUFs are tiny random Llamas written here, with the default model's tokenizer cut to its first
-1024 tokens (a whole vocabulary takes seconds to read, each time a GGUF is opened)."""
+scaling the runtime cannot run is refused by its GGUF key, and the weights of a large model are half
+precision (a small one's float32, exact). The GGUFs are tiny random Llamas written here, with the
+default model's tokenizer cut to its first 1024 tokens (a whole vocabulary takes seconds to read,
+each time a GGUF is opened)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import radixlm
+from radixlm.runtime import model_loader
 from radixlm.runtime.model_loader import default_model_path, resolve_model_folder
 
 VOCAB = 1024
@@ -241,14 +243,23 @@ def saved_dtypes(folder: Path) -> tuple[set[torch.dtype], str]:
     return dtypes, config.get("dtype", config.get("torch_dtype"))
 
 
-def test_the_default_gguf_converts_to_float16(default_model_folder):
-    # its Q4_1 and Q8_0 weights are closer in float16 than in bfloat16
-    assert saved_dtypes(Path(default_model_folder)) == ({torch.float16}, "float16")
+def test_the_default_gguf_converts_exactly_to_float32(default_model_folder):
+    # small: its dequantized Q4_1 and Q8_0 values kept exactly
+    assert saved_dtypes(Path(default_model_folder)) == ({torch.float32}, "float32")
+
+
+def test_a_large_gguf_converts_to_float16(tmp_path, weights, tokenizer_fields, monkeypatch):
+    # float16 is closer than bfloat16 to Q4_1 and Q8_0 values (as "large": the bound lowered)
+    monkeypatch.setattr(model_loader, "EXACT_GGUF_BYTES", 0)
+    path = write_gguf(tmp_path / "large.gguf", weights, tokenizer_fields)
+    folder = resolve_model_folder(str(path), str(tmp_path / "cache"))
+    assert saved_dtypes(folder) == ({torch.float16}, "float16")
 
 
 def test_a_gguf_with_values_beyond_float16_converts_to_bfloat16(
-    tmp_path, weights, tokenizer_fields
+    tmp_path, weights, tokenizer_fields, monkeypatch
 ):
+    monkeypatch.setattr(model_loader, "EXACT_GGUF_BYTES", 0)
     huge = dict(weights, **{"model.norm.weight": torch.full((TINY["hidden_size"],), 1e5)})
     path = write_gguf(tmp_path / "huge.gguf", huge, tokenizer_fields)
     folder = resolve_model_folder(str(path), str(tmp_path / "cache"))
