@@ -102,17 +102,33 @@ def _byte_vocabulary() -> Any:
     return Vocabulary(256, {bytes([b]): [b] for b in range(256)})
 
 
+# Put in front of every regex: outlines-core's builder also makes the DFA's unanchored start
+# (a match may begin anywhere), and there a bounded repetition that can hold its own opening
+# character (a JSON string of maxLength n holds escaped quotes) needs a subset of counts for every
+# place a match might have begun: exponential in n (maxLength 20 took 76 s for 167 states). A
+# character that occurs nowhere else can begin a match in one place only, which makes that part
+# linear; the anchored DFA wanted starts after it. Plane 16 is never generated (regex_text.py),
+# and this is not the end sentinel U+10FFFF.
+START_MARK = "\U0010fffe"
+_START_MARK_BYTES = START_MARK.encode()
+
+
 def build_dfa(regex: str, max_states: int) -> RawDfa:
     """The DFA of `regex` over single bytes, in this process; TooManyStates past `max_states`."""
     from outlines_core import Index
 
-    index = Index(regex, _byte_vocabulary())
+    index = Index(f"{START_MARK}(?:{regex})", _byte_vocabulary())
     transitions: dict[int, dict[int, int]] = index.get_transitions()
     if len(transitions) > max_states:
         raise TooManyStates(len(transitions))
+    initial = index.get_initial_state()
+    for byte in _START_MARK_BYTES:  # the state after the mark: where the regex itself starts
+        initial = transitions.get(initial, {}).get(byte)
+        if initial is None:
+            raise DfaRefused("the regex matches no text")
     rows = transitions.values()
     return RawDfa(
-        initial=index.get_initial_state(),
+        initial=initial,
         finals=array("I", index.get_final_states()),
         states=array("I", transitions.keys()),
         counts=array("I", map(len, rows)),

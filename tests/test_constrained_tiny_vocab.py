@@ -273,11 +273,27 @@ def _no_validator(schema):
 
 def test_compile_timeout_is_a_grammar_error():
     slow = GrammarCompiler(FakeTokenizer(), vocab_size=40, compile_timeout=0.05)
-    big = "(" + "|".join(f"a{{{n}}}b" for n in range(200, 400)) + ")"
     start = time.perf_counter()
     with pytest.raises(GrammarError, match="took longer than"):
-        slow.compile("regex", big)
+        slow.compile("regex", runaway("a", 22))  # a DFA of 2**23 states
     assert time.perf_counter() - start < 5
+
+
+def test_a_long_bounded_json_string_compiles_at_once_and_exactly(compiler):
+    """A JSON string's maxLength: its escapes can hold its own quote, which made outlines-core's
+    build of the unanchored DFA exponential in the bound (20: 76 s) until every regex got a start
+    mark. Exact still: 40 characters, escapes counting one each, and not 41."""
+    start = time.perf_counter()
+    grammar = compiler.compile("json_schema", {"type": "string", "maxLength": 40})
+    assert time.perf_counter() - start < 2
+    for text, ok in (
+        ('"' + "a" * 40 + '"', True),
+        ('"' + '\\"' * 40 + '"', True),
+        ('"' + "a" * 41 + '"', False),
+        ('"' + '\\"' * 41 + '"', False),
+    ):
+        matcher = grammar.matcher()
+        assert (matcher.accept_string(text) and matcher.is_accepting()) is ok, text
 
 
 # A counted repetition after an open-ended one: the DFA has 2**(n+1) states, and building it takes
