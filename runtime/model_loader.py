@@ -14,8 +14,10 @@ import inspect
 import json
 import logging
 import math
+import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,11 +95,7 @@ def resolve_model_folder(model_path: str | None, cache_dir: str, need_weights: b
 
 
 def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(
-        f"{GGUF_CONVERTER_VERSION}|{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()
-    ).hexdigest()[:16]
-    target = cache_dir / f"{gguf.stem}-{key}"
+    target = cache_dir / f"{gguf.stem}-{_gguf_key(gguf)}"
     if (target / "model.safetensors").is_file():
         return target
     logger.info("converting %s to safetensors in %s (once)", gguf.name, target)
@@ -112,7 +110,40 @@ def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    _remove_stale_conversions(cache_dir, gguf.stem, keep=target)
     return target
+
+
+_KEY_SPAN = 4 << 20  # bytes read from each end of a GGUF for its key
+
+
+def _gguf_key(gguf: Path) -> str:
+    """The converted folder's key: the converter's version and the file's content (its size, and
+    its first and last 4 MiB: the header with every setting and tensor name, and the last
+    tensors' data), not its path or time, so that the same file installed again (a fresh
+    virtual environment, another checkout) finds the folder converted before."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(f"{GGUF_CONVERTER_VERSION}|{size}|".encode())
+    with gguf.open("rb") as f:
+        digest.update(f.read(_KEY_SPAN))
+        f.seek(max(0, size - _KEY_SPAN))
+        digest.update(f.read(_KEY_SPAN))
+    return digest.hexdigest()[:16]
+
+
+def _remove_stale_conversions(cache_dir: Path, stem: str, keep: Path) -> None:
+    """After a conversion: the folders of other versions of this file (or of the converter), and
+    work folders a killed conversion left over a day ago, so the cache does not grow with every
+    reinstall."""
+    old = time.time() - 86400
+    for path in cache_dir.iterdir():
+        mine = re.fullmatch(re.escape(stem) + r"-[0-9a-f]{16}", path.name) is not None
+        stale = (mine and path != keep) or (
+            path.name.startswith(".convert-") and path.stat().st_mtime < old
+        )
+        if stale and path.is_dir():
+            logger.info("removing the stale conversion %s", path)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_hf_folder_from_gguf(gguf: Path, out: Path) -> None:

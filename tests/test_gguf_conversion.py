@@ -264,3 +264,28 @@ def test_a_gguf_with_values_beyond_float16_converts_to_bfloat16(
     path = write_gguf(tmp_path / "huge.gguf", huge, tokenizer_fields)
     folder = resolve_model_folder(str(path), str(tmp_path / "cache"))
     assert saved_dtypes(folder) == ({torch.bfloat16}, "bfloat16")
+
+
+def test_a_reinstalled_gguf_finds_its_conversion_and_a_new_version_replaces_it(
+    tmp_path, weights, tokenizer_fields
+):
+    """The converted folder is keyed by the file's content, not its path or time (a fresh virtual
+    environment installs the same file again), and converting another version of the file
+    removes the folder of the one before."""
+    cache = tmp_path / "cache"
+    for sub in "ac":
+        (tmp_path / sub).mkdir()
+    first = write_gguf(tmp_path / "a" / "tiny.gguf", weights, tokenizer_fields)
+    folder = resolve_model_folder(str(first), str(cache))
+    again = tmp_path / "b" / "tiny.gguf"
+    again.parent.mkdir()
+    again.write_bytes(first.read_bytes())  # another path, another time
+    assert resolve_model_folder(str(again), str(cache)) == folder
+    other = dict(weights, **{"model.norm.weight": weights["model.norm.weight"] * 2})
+    newer = write_gguf(tmp_path / "c" / "tiny.gguf", other, tokenizer_fields)
+    replaced = resolve_model_folder(str(newer), str(cache))
+    assert replaced != folder and replaced.is_dir() and not folder.exists()
+    unrelated = cache / "tiny-extra-0123456789abcdef"  # another model's folder stays
+    unrelated.mkdir()
+    resolve_model_folder(str(first), str(cache))
+    assert unrelated.is_dir() and not replaced.exists()
