@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 # Engine options: EngineConfig field -> help. Every field of EngineConfig becomes an option; one
@@ -20,9 +21,9 @@ _ENGINE_HELP = {
     "model_path": "a Hugging Face model folder (config.json, *.safetensors, tokenizer) or a GGUF "
     "file; default: the embedded SmolLM2-135M-Instruct",
     "tokenizer_path": "a tokenizer folder, when it is not the model's",
-    "device": "cuda or cpu (default: cuda when available)",
+    "device": "cpu, cuda or cuda:N (default: cuda when available)",
     "dtype": "weights and KV dtype: auto (bfloat16 on GPU, float32 on CPU), float32, float16, "
-    "bfloat16",
+    "bfloat16 (half and float: float16 and float32, as in SGLang)",
     "context_length": "the longest sequence (prompt + output) in tokens (default: the model's)",
     "mem_fraction_static": "the share of free memory given to the KV pool (default: 0.85 on GPU, "
     "0.25 on CPU)",
@@ -54,6 +55,15 @@ _ENGINE_HELP = {
 }
 
 
+def _dtype(text: str) -> str:
+    """A dtype name; SGLang's half and float are float16 and float32."""
+    return {"half": "float16", "float": "float32"}.get(text, text)
+
+
+# how an engine option's text is read, where that is not by its field's type
+_ENGINE_OPTION_TYPES: dict[str, Callable[[str], Any]] = {"dtype": _dtype}
+
+
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     from radixlm.runtime.config import EngineConfig
 
@@ -71,7 +81,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         elif kind is bool:
             group.add_argument(flag, dest=f.name, action="store_true", default=None, help=help)
         else:
-            group.add_argument(flag, dest=f.name, type=kind, default=None, help=help)
+            parse = _ENGINE_OPTION_TYPES.get(f.name, kind)
+            group.add_argument(flag, dest=f.name, type=parse, default=None, help=help)
 
 
 def _field_kind(f: dataclasses.Field) -> type:
@@ -109,6 +120,59 @@ class _HelpFormatter(argparse.HelpFormatter):
         return help
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)")
+    return port
+
+
+def _tensor_parallel_size(text: str) -> int:
+    if text.strip() != "1":
+        raise argparse.ArgumentTypeError(
+            "tensor parallelism is not supported: radixlm runs on one device"
+        )
+    return 1
+
+
+def _chat_template(text: str) -> str:
+    raise argparse.ArgumentTypeError(
+        "radixlm renders chats with the tokenizer's own chat template; to use another, copy the "
+        "model's tokenizer files to a folder, write the template to chat_template.jinja there, "
+        "and pass --tokenizer-path FOLDER"
+    )
+
+
+def _add_sglang_options(parser: argparse.ArgumentParser) -> None:
+    """SGLang's launch flags that radixlm takes with one meaning only, or refuses saying why."""
+    group = parser.add_argument_group("SGLang compatibility")
+    group.add_argument(
+        "--tensor-parallel-size",
+        "--tp-size",
+        "--tp",
+        dest="tensor_parallel_size",
+        type=_tensor_parallel_size,
+        default=None,
+        metavar="1",
+        help="only 1: radixlm runs on one device",
+    )
+    group.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted, no effect: radixlm runs its own model code, never a checkpoint's",
+    )
+    group.add_argument(
+        "--chat-template",
+        type=_chat_template,
+        default=None,
+        metavar="NAME_OR_FILE",
+        help="refused: chats use the tokenizer's own template (--tokenizer-path gives another)",
+    )
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixlm",
@@ -126,7 +190,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     net = serve.add_argument_group("server options")
     net.add_argument("--host", default="127.0.0.1", help="the address to listen on")
-    net.add_argument("--port", type=int, default=30000, help="the port to listen on")
+    net.add_argument("--port", type=_port, default=30000, help="the port to listen on")
     net.add_argument(
         "--api-key",
         default=None,
@@ -141,7 +205,8 @@ def _build_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--log-level",
         default="info",
-        choices=["debug", "info", "warning", "error"],
+        type=str.lower,
+        choices=["debug", "info", "warning", "error", "critical"],
         help="logging level; at info, one line per request (id, route, status, tokens in/out, "
         "cached tokens, latency)",
     )
@@ -192,6 +257,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="requests allowed at once before the rate applies (default: a tenth of a minute's)",
     )
     _add_engine_options(serve)
+    _add_sglang_options(serve)
     serve.set_defaults(run=_serve)
 
     gen = commands.add_parser(
@@ -211,6 +277,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     _add_engine_options(gen)
+    _add_sglang_options(gen)
     gen.set_defaults(run=_generate)
     return parser
 
@@ -220,7 +287,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    import radixlm
     from radixlm.server.app import create_app
     from radixlm.server.state import ServerLimits
 
@@ -236,33 +302,52 @@ def _serve(args: argparse.Namespace) -> int:
         rate_limit_per_minute=args.rate_limit,
         rate_limit_burst=args.rate_limit_burst,
     )
-    if args.engine_in_process:
-        engine: Any = radixlm.Engine(**_engine_kwargs(args))
-    else:
-        from radixlm.server.engine_process import EngineProcessBackend
-
-        engine = EngineProcessBackend(_engine_kwargs(args), log_level=args.log_level)
-    app = create_app(
-        engine,
-        api_key=args.api_key or os.environ.get("RADIXLM_API_KEY") or None,
-        served_model_name=args.served_model_name,
-        limits=limits,
-        owns_engine=True,
-        server_info={"host": args.host, "port": args.port},
-    )
-    # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish for the
-    # graceful timeout (then cancels them, which aborts their generations), and runs the app's
-    # shutdown, which stops the engine (and its process, which ignores those signals itself).
-    # Its access log is off: the app logs each request itself.
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=args.graceful_timeout,
-    )
+    engine = _start_engine(args)
+    try:
+        app = create_app(
+            engine,
+            api_key=args.api_key or os.environ.get("RADIXLM_API_KEY") or None,
+            served_model_name=args.served_model_name,
+            limits=limits,
+            owns_engine=True,
+            server_info={"host": args.host, "port": args.port},
+        )
+        # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish for
+        # the graceful timeout (then cancels them, which aborts their generations), and runs the
+        # app's shutdown, which stops the engine. Its access log is off: the app logs each request
+        # itself.
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=args.graceful_timeout,
+        )
+    finally:
+        # Whatever ended the server (uvicorn failing to start, too), the engine stops with it: its
+        # process ignores SIGINT/SIGTERM and would wait on the channel forever. A second shutdown,
+        # after the app's, does nothing.
+        engine.shutdown()
     return 0
+
+
+class _EngineStartFailed(Exception):
+    """The engine process failed to start; its own log has already said why in full."""
+
+
+def _start_engine(args: argparse.Namespace) -> Any:
+    """The engine `radixlm serve` runs: a `radixlm.Engine` in this process, or its process."""
+    import radixlm
+
+    if args.engine_in_process:
+        return radixlm.Engine(**_engine_kwargs(args))
+    from radixlm.server.engine_process import EngineProcessBackend
+
+    try:
+        return EngineProcessBackend(_engine_kwargs(args), log_level=args.log_level)
+    except RuntimeError as e:
+        raise _EngineStartFailed(str(e)) from e
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -297,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad options (EngineConfig, limits, prompt): say what, not a trace
         print(f"radixlm {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except _EngineStartFailed as e:
+        print(f"radixlm {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,9 @@ def default_cache_dir() -> str:
     return os.environ.get("RADIXLM_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "radixlm"
     )
+
+
+_DEVICE_NAME = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -24,7 +28,7 @@ class EngineConfig:
 
     model_path: str | None = None
     tokenizer_path: str | None = None
-    device: str | None = None  # "cuda" when available, else "cpu"
+    device: str | None = None  # cpu, cuda or cuda:N; default: "cuda" when available, else "cpu"
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     context_length: int | None = None  # default: the model's max_position_embeddings
     # KV pool size: a fraction of the memory free after loading the weights ...
@@ -64,6 +68,8 @@ class EngineConfig:
         def bad(msg: str) -> None:
             raise ValueError(f"EngineConfig: {msg}")
 
+        if self.device is not None and not _DEVICE_NAME.fullmatch(self.device):
+            bad(f"device={self.device!r}; use cpu, cuda or cuda:N (N: the GPU's index)")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             bad(f"dtype={self.dtype!r}; use one of auto, float32, float16, bfloat16")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:

@@ -53,6 +53,16 @@ class Engine:
         self.device = torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device={config.device!r}, but torch {torch.__version__} has no CUDA device "
+                "available; use device='cpu'"
+            )
+        if self.device.type == "cuda" and (self.device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(
+                f"device={config.device!r}, but torch sees only {torch.cuda.device_count()} "
+                "CUDA device(s), numbered from 0"
+            )
         if config.chunked_prefill_size is None:  # resolved here, so the value in use is reported
             chunk = 8192 if self.device.type == "cuda" else 2048
             self.config = config = dataclasses.replace(config, chunked_prefill_size=chunk)

@@ -1,9 +1,15 @@
-"""The command line: every engine option is documented and parses back into an EngineConfig."""
+"""The command line: every engine option is documented and parses back into an EngineConfig; bad
+options, SGLang's flags among them, are refused before an engine starts; a failed start is one line
+and leaves no engine behind."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import subprocess
+import sys
+
+import pytest
 
 from radixlm import cli
 from radixlm.runtime.config import EngineConfig
@@ -25,3 +31,143 @@ def test_switches_parse_both_ways():
     assert args.enable_jump_forward is False and args.disable_cuda_graph is True
     args = parser().parse_args(["--cuda-graph-max-bs", "64"])
     assert args.cuda_graph_max_bs == 64 and args.enable_jump_forward is None  # None: the default
+
+
+def parse_serve(*argv: str) -> argparse.Namespace:
+    return cli._build_parser().parse_args(["serve", *argv])
+
+
+def refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """What argparse says when it refuses `radixlm serve ARGV` (it exits with status 2)."""
+    with pytest.raises(SystemExit) as exit:
+        parse_serve(*argv)
+    assert exit.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_port_outside_0_to_65535_is_refused_before_the_model_loads(capsys):
+    assert "0-65535" in refusal(capsys, "--port", "70000")
+    assert "0-65535" in refusal(capsys, "--port", "-1")
+    assert "0-65535" in refusal(capsys, "--port", "http")
+    assert parse_serve("--port", "0").port == 0 and parse_serve("--port", "65535").port == 65535
+
+
+def test_an_unknown_device_is_refused_saying_which_are_known():
+    for device in ("tpu", "cuda:", "cuda:x", "CUDA", "mps"):
+        with pytest.raises(ValueError, match=r"use cpu, cuda or cuda:N"):
+            EngineConfig(device=device)
+    for device in ("cpu", "cuda", "cuda:0", "cuda:7"):
+        assert EngineConfig(device=device).device == device
+
+
+def test_generate_refuses_an_unknown_device_in_one_line(capsys):
+    assert cli.main(["generate", "hi", "--device", "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixlm generate: error: EngineConfig: device='tpu'")
+    assert err.count("\n") == 1
+
+
+def test_cuda_without_a_cuda_device_is_a_bad_option_before_the_model_loads(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["generate", "hi", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixlm generate: error: device='cuda', but torch")
+    assert "use device='cpu'" in err and err.count("\n") == 1
+
+
+def test_a_cuda_index_beyond_the_devices_is_a_bad_option(monkeypatch):
+    import torch
+
+    import radixlm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"device='cuda:1', but torch sees only 1 CUDA device"):
+        radixlm.Engine(device="cuda:1")
+
+
+def test_an_engine_process_that_fails_to_start_is_reported_in_one_line(monkeypatch, capsys):
+    from radixlm.server import engine_process
+
+    def fail_to_start(*args, **kwargs):
+        raise RuntimeError("the engine failed to start: out of memory")
+
+    monkeypatch.setattr(engine_process, "EngineProcessBackend", fail_to_start)
+    assert cli.main(["serve"]) == 1
+    err = capsys.readouterr().err
+    assert err == "radixlm serve: error: the engine failed to start: out of memory\n"
+
+
+@pytest.mark.parametrize("engine_in_process", [False, True])
+@pytest.mark.parametrize("failing", ["create_app", "uvicorn.run"])
+def test_serve_stops_the_engine_when_the_server_fails_to_start(
+    monkeypatch, engine_in_process, failing
+):
+    import uvicorn
+
+    import radixlm
+    from radixlm.server import app, engine_process
+
+    started = []
+
+    class FakeEngine:
+        def __init__(self, *args, **kwargs) -> None:
+            self.shutdowns = 0
+            started.append(self)
+
+        def shutdown(self) -> None:
+            self.shutdowns += 1
+
+    def fail(*args, **kwargs):
+        raise OverflowError("bind(): port must be 0-65535")
+
+    monkeypatch.setattr(engine_process, "EngineProcessBackend", FakeEngine)
+    monkeypatch.setattr(radixlm, "Engine", FakeEngine)
+    monkeypatch.setattr(app, "create_app", fail if failing == "create_app" else lambda *a, **k: 0)
+    monkeypatch.setattr(uvicorn, "run", fail)
+    argv = ["serve", "--engine-in-process"] if engine_in_process else ["serve"]
+    with pytest.raises(OverflowError):
+        cli.main(argv)
+    assert [engine.shutdowns for engine in started] == [1]
+
+
+def test_python_dash_m_radixlm_is_the_command(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "radixlm", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: radixlm") and "serve" in done.stdout
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--tp-size", "--tensor-parallel-size"])
+def test_tensor_parallelism_takes_one_device_only(capsys, flag):
+    assert parse_serve(flag, "1").tensor_parallel_size == 1
+    message = "tensor parallelism is not supported: radixlm runs on one device"
+    assert message in refusal(capsys, flag, "2")
+
+
+def test_sglang_dtype_names_mean_float16_and_float32():
+    assert cli._engine_kwargs(parse_serve("--dtype", "half")) == {"dtype": "float16"}
+    assert cli._engine_kwargs(parse_serve("--dtype", "float")) == {"dtype": "float32"}
+    assert parse_serve("--dtype", "bfloat16").dtype == "bfloat16"
+
+
+def test_log_levels_in_any_case_critical_included():
+    assert parse_serve("--log-level", "DEBUG").log_level == "debug"
+    assert parse_serve("--log-level", "critical").log_level == "critical"
+
+
+def test_trust_remote_code_is_accepted_and_changes_no_engine_option():
+    args = parse_serve("--trust-remote-code")
+    assert args.trust_remote_code is True and cli._engine_kwargs(args) == {}
+
+
+def test_a_chat_template_is_refused_saying_how_to_give_one(capsys):
+    err = refusal(capsys, "--chat-template", "chatml")
+    assert "the tokenizer's own chat template" in err and "--tokenizer-path" in err
