@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlm import __version__
 from radixlm.errors import EngineShutDown
-from radixlm.server.backend import GenerationBackend, LocalEngineBackend
+from radixlm.server.backend import GenerationBackend, LocalEngineBackend, engine_stats
 from radixlm.server.errors import APIError, unavailable
 from radixlm.server.generation import ClientDisconnected
 from radixlm.server.guard import GuardMiddleware
@@ -84,8 +84,8 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         try:
-            stats = await backend.stats()
-        except APIError as e:  # the engine process is gone: /health says so too
+            stats = await engine_stats(backend)
+        except APIError as e:  # the engine is gone (/health says so too) or did not answer
             logger.warning("engine stats unavailable: %s", e.message)
             stats = None
         except Exception:  # metrics must answer even when the engine does not

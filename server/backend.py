@@ -17,6 +17,11 @@ from pathlib import PurePath
 from typing import Any, Protocol
 
 from radixlm.runtime.prompt_tokens import encode_prompt
+from radixlm.server.errors import unavailable
+
+# How long /metrics and /server_info wait for the engine's stats: an engine stuck in a step (or a
+# stopped engine process) must not hold up the server's own metrics.
+ENGINE_STATS_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,18 @@ class GenerationBackend(Protocol):
     def shutdown(self) -> None: ...
 
 
+async def engine_stats(backend: GenerationBackend) -> dict[str, Any]:
+    """The engine's stats, or a 503 if it does not answer within ENGINE_STATS_TIMEOUT_S."""
+    timeout = ENGINE_STATS_TIMEOUT_S
+    try:
+        return await asyncio.wait_for(backend.stats(), timeout)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise unavailable(
+            f"the engine did not answer within {timeout:g} s: it is stuck or very busy "
+            "(/metrics still reports the server's own metrics)"
+        ) from None
+
+
 class TokenizerSide:
     """The text work of the HTTP side over a Hugging Face tokenizer: tokenizing prompts,
     rendering chats, decoding token ids for logprob texts and tool-call parsing."""
@@ -137,6 +154,7 @@ class LocalEngineBackend(TokenizerSide):
     def __init__(self, engine: Any) -> None:
         super().__init__(engine.tokenizer)
         self._engine = engine
+        self._stats_call: asyncio.Future[dict[str, Any]] | None = None
         template = getattr(engine.tokenizer, "chat_template", None) or ""
         config = engine.config
         self._info = ModelInfo(
@@ -177,7 +195,13 @@ class LocalEngineBackend(TokenizerSide):
         return await asyncio.to_thread(self._engine.flush_cache)
 
     async def stats(self) -> dict[str, Any]:
-        return await asyncio.to_thread(self._engine.get_stats)
+        # concurrent callers share one call: a stuck core then holds one worker thread, not one
+        # for each caller that gave up waiting
+        call = self._stats_call
+        if call is None or call.done() or call.get_loop() is not asyncio.get_running_loop():
+            call = asyncio.ensure_future(asyncio.to_thread(self._engine.get_stats))
+            self._stats_call = call
+        return dict(await asyncio.shield(call))
 
     async def start_profile(self, output_dir: str) -> None:
         await asyncio.to_thread(self._engine.start_profile, output_dir)

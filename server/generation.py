@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -116,13 +117,32 @@ def check_batch(state: ServerState, count: int, param: str) -> None:
         )
 
 
+def arrival(request: Request) -> float:
+    """When the request arrived (time.perf_counter()), as the guard noted it before the body was
+    read: the time to first token counts from here."""
+    arrived = getattr(request.state, "arrived", None)
+    return time.perf_counter() if arrived is None else arrived
+
+
 async def start(
-    state: ServerState, items: list[GenerationInput], usage: RequestUsage | None
+    state: ServerState,
+    items: list[GenerationInput],
+    usage: RequestUsage | None,
+    arrived: float,
 ) -> list[AsyncIterator[dict[str, Any]]]:
-    """Validate every item with the engine, then hand back their (not yet started) streams.
+    """Validate every item with the engine, then hand back their (not yet started) streams,
+    observed by the metrics: latencies from `arrived` (see `arrival`), token counts, outcomes.
 
     Nothing is queued until a stream is first advanced, so a bad item fails the whole request
     before any work is done."""
+    streams = await open_streams(state, items)
+    return [_observed(state, s, usage, arrived) for s in streams]
+
+
+async def open_streams(
+    state: ServerState, items: list[GenerationInput]
+) -> list[AsyncIterator[dict[str, Any]]]:
+    """`start` without the metrics: for the health probe, which is not user traffic."""
     streams = []
     try:
         for item in items:
@@ -141,13 +161,16 @@ async def start(
     except EngineShutDown as e:
         await _close_all(streams)
         raise unavailable(str(e)) from e
-    return [_observed(state, s, usage) for s in streams]
+    return streams
 
 
 async def _observed(
-    state: ServerState, stream: AsyncIterator[dict[str, Any]], usage: RequestUsage | None
+    state: ServerState,
+    stream: AsyncIterator[dict[str, Any]],
+    usage: RequestUsage | None,
+    arrived: float,
 ) -> AsyncIterator[dict[str, Any]]:
-    timer = state.metrics.timer()
+    timer = state.metrics.timer(arrived)
     finished = False
     try:
         async with contextlib.aclosing(stream):  # closing it aborts the engine request

@@ -17,8 +17,10 @@ logger = logging.getLogger("radixlm.server")
 
 Scope = dict[str, Any]
 
-# routes open without an API key (a load balancer's liveness probe)
-_PUBLIC_PATHS = {"/health"}
+# Routes open without an API key, as SGLang's: /health and /health_generate for a load balancer's
+# probes, /metrics for Prometheus (which scrapes without credentials by default).
+_PUBLIC_PATH_PREFIX = "/health"
+_PUBLIC_PATHS = {"/metrics"}
 # routes not counted against the rate limit
 _UNLIMITED_PATHS = {"/health", "/metrics"}
 
@@ -70,7 +72,7 @@ class GuardMiddleware:
         started = time.perf_counter()
         request_id = uuid.uuid4().hex[:12]
         usage = RequestUsage()
-        scope.setdefault("state", {})["usage"] = usage
+        scope.setdefault("state", {}).update(usage=usage, arrived=started)
         status = {"code": 0, "sent": False}
         metrics = self.state.metrics
 
@@ -119,7 +121,7 @@ class GuardMiddleware:
     def _check_access(self, scope: Scope) -> APIError | None:
         path = scope.get("path", "")
         key = None
-        if self.state.api_key is not None and path not in _PUBLIC_PATHS:
+        if self.state.api_key is not None and not _is_public(path):
             key = _bearer_token(scope)
             if key is None or not hmac.compare_digest(key.encode(), self.state.api_key.encode()):
                 return APIError(
@@ -175,6 +177,10 @@ class GuardMiddleware:
                 break
         whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         return _replay([whole], receive), None
+
+
+def _is_public(path: str) -> bool:
+    return path in _PUBLIC_PATHS or path.startswith(_PUBLIC_PATH_PREFIX)
 
 
 def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:

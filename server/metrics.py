@@ -34,13 +34,15 @@ class Metrics:
         self.http_requests: dict[str, int] = defaultdict(int)  # by status class
         self.in_flight = 0
 
-    def timer(self) -> GenerationTimer:
-        return GenerationTimer(self)
+    def timer(self, arrived: float) -> GenerationTimer:
+        """A timer for one generation of a request that arrived at `arrived` (time.perf_counter)."""
+        return GenerationTimer(self, arrived)
 
     def count_error(self, kind: str) -> None:
         self.errors[kind] += 1
 
     def render(self, engine_stats: dict[str, Any] | None) -> str:
+        """The metrics text; `engine_stats` None: the engine did not answer (its gauges left out)."""
         out: list[str] = []
         _histogram(
             out,
@@ -57,7 +59,7 @@ class Metrics:
         _histogram(
             out,
             "e2e_request_latency_seconds",
-            "Time from a generation's arrival to its last token.",
+            "Time from a request's arrival to its generation's last token.",
             self.e2e,
         )
         _counter(out, "prompt_tokens_total", "Prompt tokens processed.", self.prompt_tokens)
@@ -93,6 +95,12 @@ class Metrics:
             self.http_requests,
         )
         _gauge(out, "http_requests_in_flight", "HTTP requests being served.", self.in_flight)
+        _gauge(
+            out,
+            "engine_responsive",
+            "1 if the engine answered this scrape's request for its statistics in time, else 0.",
+            int(engine_stats is not None),
+        )
         if engine_stats is not None:
             _engine_metrics(out, engine_stats)
         return "\n".join(out) + "\n"
@@ -101,9 +109,9 @@ class Metrics:
 class GenerationTimer:
     """Follows one generation's snapshots and records its latencies and token counts."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, arrived: float) -> None:
         self.metrics = metrics
-        self.start = self.last = time.perf_counter()
+        self.start = self.last = arrived
         self.tokens = 0
 
     def update(self, completion_tokens: int) -> None:
@@ -141,6 +149,26 @@ class GenerationTimer:
         self.metrics.count_error("client_disconnected")
 
 
+# the engine's running totals (since it started): its stats key -> (metric name, help)
+_ENGINE_COUNTERS = {
+    "num_preemptions": ("preemptions_total", "Requests preempted for lack of KV slots."),
+    "num_steps": ("engine_steps_total", "Forward steps run by the engine."),
+    "graph_steps": ("engine_graph_steps_total", "Decode steps replayed from a CUDA graph."),
+    "prefill_graph_steps": (
+        "engine_prefill_graph_steps_total",
+        "Other steps (prompt chunks, large decode batches) replayed from a prompt-step graph.",
+    ),
+    "overlapped_steps": (
+        "engine_overlapped_steps_total",
+        "Steps launched before the previous step's tokens reached the host.",
+    ),
+    "jump_forward_tokens": (
+        "engine_jump_forward_tokens_total",
+        "Tokens a grammar forced by jump-forward instead of sampling them.",
+    ),
+}
+
+
 def _engine_metrics(out: list[str], stats: dict[str, Any]) -> None:
     _gauge(
         out, "num_running_reqs", "Requests in the running batch.", stats.get("num_running_reqs", 0)
@@ -172,13 +200,8 @@ def _engine_metrics(out: list[str], stats: dict[str, Any]) -> None:
         "Tokens held by the radix cache.",
         stats.get("radix_cache_tokens"),
     )
-    _counter(
-        out,
-        "preemptions_total",
-        "Requests preempted for lack of KV slots.",
-        stats.get("num_preemptions", 0),
-    )
-    _counter(out, "engine_steps_total", "Forward steps run by the engine.", stats.get("num_steps"))
+    for key, (name, help) in _ENGINE_COUNTERS.items():
+        _counter(out, name, help, stats.get(key))
     grammar = stats.get("grammar_compile_seconds")
     if isinstance(grammar, dict):
         with contextlib.suppress(ValueError):  # a malformed one is left out, not a failed scrape
@@ -188,7 +211,7 @@ def _engine_metrics(out: list[str], stats: dict[str, Any]) -> None:
                 "Time a constrained request waited for its grammar (a compile, or a cache hit).",
                 Histogram.from_snapshot(grammar),
             )
-    # any other number the engine reports, as a gauge
+    # any other number the engine reports, as a gauge (a running total belongs in _ENGINE_COUNTERS)
     known = {
         "num_running_reqs",
         "num_waiting_reqs",
@@ -196,11 +219,10 @@ def _engine_metrics(out: list[str], stats: dict[str, Any]) -> None:
         "kv_pool_free_tokens",
         "cache_hit_rate",
         "radix_cache_tokens",
-        "num_preemptions",
-        "num_steps",
-        "prompt_tokens",
+        "prompt_tokens",  # the server counts these itself, per request
         "cached_tokens",
         "generated_tokens",
+        *_ENGINE_COUNTERS,
     }
     for key, value in sorted(stats.items()):
         if key not in known and _is_number(value):

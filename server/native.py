@@ -2,9 +2,9 @@
 
 POST /generate          text or input_ids, single or batch; sampling_params; stream (SSE)
 GET  /model_info        (and /get_model_info)
-GET  /server_info       (and /get_server_info)
+GET  /server_info       (and /get_server_info); 503 if the engine does not answer in time
 GET  /health            liveness (503 once the engine process is gone), no engine work, no API key
-GET  /health_generate   generates one token
+GET  /health_generate   generates one token (not counted in the metrics), no API key
 POST /flush_cache       (GET too, as SGLang)
 POST /start_profile     torch.profiler on the engine's core thread; {"output_dir"} optional
 POST /stop_profile      writes the Chrome trace, answers {"trace_file"}
@@ -23,9 +23,11 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from radixlm import __version__
+from radixlm.server.backend import engine_stats
 from radixlm.server.errors import APIError, bad_request, internal_error, unavailable
 from radixlm.server.generation import (
     GenerationInput,
+    arrival,
     cancel_on_disconnect,
     check_batch,
     check_max_new_tokens,
@@ -37,6 +39,7 @@ from radixlm.server.generation import (
     finish_error,
     last,
     merge,
+    open_streams,
     start,
 )
 from radixlm.server.http_util import SSE_DONE, json_response, read_json, sse_event
@@ -311,7 +314,7 @@ async def generate(request: Request) -> Response:
     payload = await read_json(request)
     # tokenizing (long prompts take a while) off the event loop, which serves every stream
     req = await asyncio.to_thread(parse_generate, state, payload)
-    streams = await start(state, req.items, _usage(request))
+    streams = await start(state, req.items, _usage(request), arrival(request))
     if req.stream:
         from fastapi.responses import StreamingResponse
 
@@ -387,7 +390,7 @@ async def model_info(request: Request) -> Response:
 @router.get("/get_server_info")
 async def server_info(request: Request) -> Response:
     state = _state(request)
-    stats = await state.backend.stats()
+    stats = await engine_stats(state.backend)
     info = {
         **state.backend.engine_config(),
         **state.extra_server_info,
@@ -413,12 +416,17 @@ HEALTH_GENERATE_TIMEOUT_S = 60.0
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
+    """Generate one token, outside the request metrics (a probe is not user traffic)."""
     state = _state(request)
     ids = state.backend.tokenize("Hi")
     item = GenerationInput(ids, {"max_new_tokens": 1, "temperature": 0.0})
+
+    async def probe() -> dict[str, Any]:
+        (stream,) = await open_streams(state, [item])
+        return await last(stream)
+
     try:
-        (stream,) = await start(state, [item], None)
-        final = await asyncio.wait_for(last(stream), HEALTH_GENERATE_TIMEOUT_S)
+        final = await asyncio.wait_for(probe(), HEALTH_GENERATE_TIMEOUT_S)
     except (TimeoutError, asyncio.TimeoutError) as e:
         raise unavailable("the engine did not generate a token in time") from e
     error = finish_error(final["meta_info"])

@@ -19,6 +19,7 @@ from radixlm.server.chat import render_chat_prompt
 from radixlm.server.errors import APIError, bad_request, internal_error, not_found
 from radixlm.server.generation import (
     GenerationInput,
+    arrival,
     cancel_on_disconnect,
     check_batch,
     check_max_new_tokens,
@@ -370,7 +371,7 @@ async def completions(request: Request) -> Response:
         )
         items.extend(fan_out(item, n))
     usage_log = getattr(request.state, "usage", None)
-    streams = await start(state, items, usage_log)
+    streams = await start(state, items, usage_log, arrival(request))
     if req.no_stop_trim:
         streams = _keep_stop_strings(streams)
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -543,7 +544,8 @@ async def chat_completions(request: Request) -> Response:
         return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0,
     )
-    streams = await start(state, fan_out(item, n), getattr(request.state, "usage", None))
+    usage_log = getattr(request.state, "usage", None)
+    streams = await start(state, fan_out(item, n), usage_log, arrival(request))
     if req.no_stop_trim:
         streams = _keep_stop_strings(streams)
     rid = f"chatcmpl-{uuid.uuid4().hex}"

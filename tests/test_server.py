@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import math
 import re
+import time
 
 import pytest
 from fastapi.testclient import TestClient
 
 from radixlm.runtime.histogram import Histogram
+from radixlm.server import backend as backend_module
+from radixlm.server import native
 from radixlm.server.app import create_app
+from radixlm.server.backend import LocalEngineBackend
 from radixlm.server.metrics import Metrics
 from radixlm.server.state import ServerLimits
 from tests.live_server import sse_payloads
@@ -496,17 +501,22 @@ def test_malformed_json_unknown_model_and_too_long_prompt(client, engine):
 # ---- protection ----------------------------------------------------------------------------
 
 
-def test_api_key_guards_every_route_but_health(engine):
+def test_api_key_guards_every_route_but_the_probes_and_metrics(engine):
+    """As SGLang: /health* and /metrics answer without the key (readiness probes, scrapes)."""
     app = create_app(engine, api_key="sesame", owns_engine=False)
     with TestClient(app) as c:
-        assert c.get("/health").status_code == 200
-        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/generate")):
+        for path in ("/health", "/health_generate", "/metrics"):
+            assert c.get(path).status_code == 200, path
+        for method, path in (("GET", "/v1/models"), ("GET", "/server_info"), ("POST", "/generate")):
             r = c.request(method, path, json={"text": "x"})
             assert r.status_code == 401, path
             assert r.json()["error"]["type"] == "authentication_error"
         r = c.get("/v1/models", headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
         r = c.get("/v1/models", headers={"Authorization": "Bearer sesame"})
+        assert r.status_code == 200
+        body = {"text": "x", "sampling_params": {"max_new_tokens": 1}}
+        r = c.post("/generate", json=body, headers={"Authorization": "Bearer sesame"})
         assert r.status_code == 200
 
 
@@ -607,6 +617,158 @@ def test_metrics_are_prometheus_text(client):
     assert s["radixlm_num_running_reqs"] == 0
     assert 0 <= s["radixlm_kv_cache_usage_ratio"] <= 1
     assert 0 <= s["radixlm_cache_hit_rate"] <= 1
+
+
+def prometheus_types(text: str) -> dict[str, str]:
+    return {
+        line.split(" ")[2]: line.split(" ")[3]
+        for line in text.splitlines()
+        if line.startswith("# TYPE ")
+    }
+
+
+def test_engine_totals_are_counters_and_its_levels_gauges(client):
+    client.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+    types = prometheus_types(client.get("/metrics").text)
+    for name in (
+        "engine_steps_total",
+        "preemptions_total",
+        "engine_graph_steps_total",
+        "engine_prefill_graph_steps_total",
+        "engine_overlapped_steps_total",
+        "engine_jump_forward_tokens_total",
+    ):
+        assert types.get("radixlm_" + name) == "counter", name
+    for name in (
+        "num_running_reqs",
+        "num_waiting_reqs",
+        "kv_cache_usage_ratio",
+        "cache_hit_rate",
+        "radix_cache_tokens",
+        "engine_radix_cache_evictable_tokens",
+        "engine_responsive",
+    ):
+        assert types.get("radixlm_" + name) == "gauge", name
+    for name, kind in types.items():
+        assert (kind == "counter") == name.endswith("_total"), (name, kind)
+
+
+class SlowBackend(LocalEngineBackend):
+    """The real engine behind a backend that waits `stats_delay` seconds before each stats call
+    and `stream_delay` before each stream is handed back (as validation or a grammar's compile
+    can); with `silent_streams`, no stream ever yields a token."""
+
+    def __init__(
+        self,
+        engine,
+        *,
+        stats_delay: float = 0.0,
+        stream_delay: float = 0.0,
+        silent_streams: bool = False,
+    ) -> None:
+        super().__init__(engine)
+        self.stats_delay = stats_delay
+        self.stream_delay = stream_delay
+        self.silent_streams = silent_streams
+
+    async def stats(self):
+        await asyncio.sleep(self.stats_delay)
+        return await super().stats()
+
+    async def stream(self, *args, **kwargs):
+        await asyncio.sleep(self.stream_delay)
+        if self.silent_streams:
+            return _silent()
+        return await super().stream(*args, **kwargs)
+
+
+async def _silent():
+    await asyncio.sleep(3600)
+    yield {}
+
+
+def test_metrics_answer_without_the_engine_and_server_info_is_a_503(engine, monkeypatch):
+    """An engine that does not answer (stuck, or busy far beyond the bound) must not hold up
+    /metrics: the server's own metrics come back in time, with engine_responsive 0."""
+    monkeypatch.setattr(backend_module, "ENGINE_STATS_TIMEOUT_S", 0.2)
+    stuck = SlowBackend(engine, stats_delay=30.0)
+    with TestClient(create_app(stuck, owns_engine=False)) as c:
+        body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        assert c.post("/generate", json=body).status_code == 200
+        assert c.get("/health").status_code == 200  # the engine's process or thread still runs
+        started = time.monotonic()
+        r = c.get("/metrics")
+        assert time.monotonic() - started < 3
+        assert r.status_code == 200
+        s = parse_prometheus(r.text)
+        assert s["radixlm_engine_responsive"] == 0
+        assert s["radixlm_time_to_first_token_seconds_count"] == 1
+        assert s["radixlm_generation_tokens_total"] == 2
+        assert "radixlm_num_running_reqs" not in s
+        started = time.monotonic()
+        r = c.get("/get_server_info")
+        assert time.monotonic() - started < 3
+        assert r.status_code == 503
+        assert "did not answer" in r.json()["error"]["message"]
+    with TestClient(create_app(engine, owns_engine=False)) as c:
+        assert parse_prometheus(c.get("/metrics").text)["radixlm_engine_responsive"] == 1
+
+
+_REQUEST_METRICS = (
+    "radixlm_time_to_first_token_seconds",
+    "radixlm_inter_token_latency_seconds",
+    "radixlm_e2e_request_latency_seconds",
+    "radixlm_prompt_tokens_total",
+    "radixlm_generation_tokens_total",
+    "radixlm_cached_tokens_total",
+    "radixlm_requests_total",
+    "radixlm_errors_total",
+)
+
+
+def _request_metrics(text: str) -> dict[str, float]:
+    return {k: v for k, v in parse_prometheus(text).items() if k.startswith(_REQUEST_METRICS)}
+
+
+def test_the_health_probe_is_not_counted_as_a_request(engine):
+    with TestClient(create_app(engine, owns_engine=False)) as c:
+        before = _request_metrics(c.get("/metrics").text)
+        assert c.get("/health_generate").status_code == 200
+        assert _request_metrics(c.get("/metrics").text) == before
+
+
+def test_a_health_probe_that_times_out_is_no_disconnected_client(engine, monkeypatch):
+    monkeypatch.setattr(native, "HEALTH_GENERATE_TIMEOUT_S", 0.2)
+    silent = SlowBackend(engine, silent_streams=True)
+    with TestClient(create_app(silent, owns_engine=False)) as c:
+        r = c.get("/health_generate")
+        assert r.status_code == 503 and "in time" in r.json()["error"]["message"]
+        s = _request_metrics(c.get("/metrics").text)
+        assert 'radixlm_errors_total{kind="client_disconnected"}' not in s
+        assert 'radixlm_requests_total{finish_reason="abort"}' not in s
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 1}}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 1}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+        ),
+    ],
+)
+def test_time_to_first_token_counts_from_the_requests_arrival(engine, path, body):
+    """What the server spends before the generation starts (tokenizing, validating, compiling a
+    grammar: here a delay before the stream is handed back) is part of the time to first token."""
+    delay = 1.0
+    with TestClient(create_app(SlowBackend(engine, stream_delay=delay), owns_engine=False)) as c:
+        assert c.post(path, json=body).status_code == 200
+        s = parse_prometheus(c.get("/metrics").text)
+    assert s["radixlm_time_to_first_token_seconds_count"] == 1
+    assert s["radixlm_time_to_first_token_seconds_sum"] >= delay
+    assert s["radixlm_e2e_request_latency_seconds_sum"] >= delay
 
 
 def test_a_shut_down_engine_is_a_503_and_other_engine_failures_a_500(engine, monkeypatch):

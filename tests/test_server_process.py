@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from radixlm.errors import EngineShutDown
+from radixlm.server.backend import ENGINE_STATS_TIMEOUT_S
 from radixlm.server.engine_process import _EngineServer
 from radixlm.server.errors import APIError, internal_error
 from radixlm.server.ipc import (
@@ -299,6 +300,31 @@ def test_metrics_cache_flush_and_grammar_compile_time(server):
     wait_idle(server.stats, 15.0)
     assert httpx.post(server.url + "/flush_cache").status_code == 200
     assert server.stats()["radix_cache_tokens"] == 0
+
+
+def test_a_stopped_engine_process_leaves_metrics_answering(server):
+    """An engine process that does not answer (stopped; /health still 200) costs /metrics and
+    /server_info no more than the bound: the server's own metrics with engine_responsive 0, and
+    a 503. Once it runs again, so do its stats."""
+    os.kill(server.engine_pid, signal.SIGSTOP)
+    try:
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        started = time.monotonic()
+        r = httpx.get(server.url + "/metrics", timeout=30)
+        assert time.monotonic() - started < ENGINE_STATS_TIMEOUT_S + 5
+        assert r.status_code == 200
+        assert re.search(r"^radixlm_engine_responsive 0$", r.text, re.M)
+        assert re.search(r"^radixlm_time_to_first_token_seconds_count \d+$", r.text, re.M)
+        assert "radixlm_num_running_reqs" not in r.text
+        started = time.monotonic()
+        r = httpx.get(server.url + "/get_server_info", timeout=30)
+        assert time.monotonic() - started < ENGINE_STATS_TIMEOUT_S + 5
+        assert r.status_code == 503 and "did not answer" in r.json()["error"]["message"]
+    finally:
+        os.kill(server.engine_pid, signal.SIGCONT)
+    r = httpx.get(server.url + "/metrics", timeout=30)
+    assert re.search(r"^radixlm_engine_responsive 1$", r.text, re.M)
+    assert "num_running_reqs" in server.stats()
 
 
 def test_profiler_writes_a_trace(server, tmp_path):
