@@ -194,7 +194,7 @@ def _build_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health "
+        help="require 'Authorization: Bearer KEY' on every route but /health* and /metrics "
         "(default: $RADIXLM_API_KEY, else none)",
     )
     net.add_argument(
