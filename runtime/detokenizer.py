@@ -27,6 +27,9 @@ class IncrementalDetokenizer:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stop: list[str] = field(default_factory=list)
+    # stop strings are looked for from this many tokens on (min_new_tokens): before, the text
+    # grows but nothing ends it
+    min_tokens: int = 0
 
     matched_stop: str | None = None
     _text: str = ""  # the decoded output so far, stop string trimmed once matched
@@ -75,7 +78,7 @@ class IncrementalDetokenizer:
         if new_text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token,
             # but the whole characters before it may already complete a stop string
             settled = new_text.rstrip("\ufffd")[len(prefix_text) :]
-            if self.stop and settled:
+            if self.stop and settled and len(self._ids) >= self.min_tokens:
                 search_from = max(0, len(self._text) - self._longest_stop + 1)
                 candidate = self._text + settled
                 if any(candidate.find(s, search_from) != -1 for s in self.stop):
@@ -89,7 +92,8 @@ class IncrementalDetokenizer:
             return
         search_from = max(0, len(self._text) - self._longest_stop + 1)
         self._text += delta
-        self._find_stop(search_from)
+        if len(self._ids) >= self.min_tokens:
+            self._find_stop(search_from)
 
     def reset(self, token_ids: list[int]) -> None:
         """Start over from these tokens (after earlier tokens were replaced)."""
@@ -105,8 +109,8 @@ class IncrementalDetokenizer:
             search_from = max(0, len(self._text) - self._longest_stop + 1)
             self._text += self._decode(self._ids[self._prefix_offset :])[len(prefix_text) :]
             self._read_offset = len(self._ids)
-            if self.stop:  # the released text may hold a stop string: trimmed like any other
-                self._find_stop(search_from)
+            if self.stop and len(self._ids) >= self.min_tokens:  # the released text may hold
+                self._find_stop(search_from)  # a stop string: trimmed like any other
 
     @property
     def stream_text(self) -> str:

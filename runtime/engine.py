@@ -92,6 +92,7 @@ class Engine:
         else:
             model.load_weights(model_loader.iter_safetensors(folder))
         model.rope.build_tables(self.device)
+        model.sampled_vocab = self._tokenizer_vocab_end(mc.vocab_size)
         model.eval()
         self.model = model
 
@@ -360,7 +361,20 @@ class Engine:
             raise ValueError(f"top_logprobs_num={top} must be in [0, 100]")
         return LogprobRequest(True, start, top)
 
+    def _tokenizer_vocab_end(self, model_vocab: int) -> int:
+        """One past the highest id the tokenizer has (its added tokens included), at most the
+        model's vocabulary: the ids that can be sampled."""
+        try:
+            ids = self.tokenizer.get_vocab().values()
+        except Exception:  # a tokenizer that cannot list its vocabulary: every id
+            return model_vocab
+        return min(model_vocab, max(ids, default=model_vocab - 1) + 1)
+
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
         if len(ids) >= self.context_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens; the model's context is {self.context_len}: shorten the prompt"
@@ -381,6 +395,7 @@ class Engine:
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
             stop=list(params.stop),
+            min_tokens=params.min_new_tokens,
         )
         return Req(
             rid=f"{uuid.uuid4().hex[:12]}-{next(self._ids)}",

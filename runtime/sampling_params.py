@@ -9,6 +9,10 @@ from typing import Any
 _MAX_STOP_STRINGS = 64
 
 
+# a temperature below this samples as greedy (as in SGLang and vLLM)
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -99,8 +103,10 @@ class SamplingParams:
         check_float("presence_penalty", -2.0, 2.0)
         check_float("repetition_penalty", 0.0, 2.0, low_open=True)
         check_int("n", 1, 128)
-        if self.seed is not None:
-            check_int("seed", 0, 2**63 - 1)
+        if self.seed is not None:  # any integer (OpenAI's are signed 64-bit), taken mod 2**64
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                bad(f"seed must be an integer, got {self.seed!r}")
+            self.seed %= 2**64
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings")
         if len(self.stop) > _MAX_STOP_STRINGS:
@@ -119,7 +125,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # below GREEDY_TEMPERATURE, logits / T overflows float32: the argmax is what it means
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

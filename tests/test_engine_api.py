@@ -311,3 +311,42 @@ def test_a_prompt_gets_the_bos_its_tokenizer_adds_once(tokenizer):
     # SmolLM2's tokenizer adds none: its prompts are the text's tokens alone
     text = "<|im_start|>user\nHi"
     assert encode_prompt(tokenizer, text) == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused_up_front(engine):
+    """(Banned until min_new_tokens, an id past the logits' width failed every request of the
+    step it ran in.)"""
+    with pytest.raises(ValueError, match="stop_token_ids .* outside the vocabulary"):
+        engine.generate("Hi", {"stop_token_ids": [10**6], "min_new_tokens": 1})
+    assert engine.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_min_new_tokens_holds_stop_strings_back_too(engine):
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    free = engine.generate("1, 2, 3, 4,", params)
+    stop = free["text"].split(",")[0].strip() or free["text"][:2]  # met at once, greedily
+    early = engine.generate("1, 2, 3, 4,", {**params, "stop": [stop]})
+    assert early["meta_info"]["completion_tokens"] < 6
+    held = engine.generate("1, 2, 3, 4,", {**params, "stop": [stop], "min_new_tokens": 6})
+    assert held["meta_info"]["completion_tokens"] >= 6
+
+
+def test_detokenizer_looks_for_stop_strings_from_min_tokens_on(tokenizer):
+    ids = [tokenizer.encode(c, add_special_tokens=False)[0] for c in "abab"]
+    detok = IncrementalDetokenizer(tokenizer, stop=["b"], min_tokens=3)
+    for t in ids[:3]:
+        detok.add_one(t)
+    assert detok.matched_stop is None and detok.text == "aba"
+    detok.add_one(ids[3])
+    assert detok.matched_stop == "b" and detok.text == "aba"
+
+
+def test_a_tiny_temperature_is_greedy_and_any_integer_is_a_seed(engine):
+    params = {"max_new_tokens": 6, "ignore_eos": True}
+    greedy = engine.generate("The sky is", {**params, "temperature": 0})["output_ids"]
+    for t in (1e-38, 1e-6):  # logits / T would overflow float32
+        assert engine.generate("The sky is", {**params, "temperature": t})["output_ids"] == greedy
+    sampled = {**params, "temperature": 1.0}
+    a = engine.generate("The sky is", {**sampled, "seed": 5})["output_ids"]
+    assert engine.generate("The sky is", {**sampled, "seed": 5 + 2**64})["output_ids"] == a
+    assert engine.generate("The sky is", {**sampled, "seed": -1})["meta_info"]["completion_tokens"]

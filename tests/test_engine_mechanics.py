@@ -191,3 +191,30 @@ def test_an_internal_error_stops_the_engine_and_fails_every_request_with_its_mes
             eng.generate(input_ids=[1, 2], sampling_params=params)
         with pytest.raises(EngineShutDown):
             eng.flush_cache()
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_sampled(tmp_path, default_model_folder):
+    """A checkpoint whose vocabulary is padded past its tokenizer's (Qwen2.5's is): the padded
+    ids' logits are -inf, even where their weights would make them the argmax."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from radixlm.runtime.model_loader import copy_tokenizer_files
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152 + 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # the padded rows far ahead of every real token's
+        model.lm_head.weight[49152:] = model.lm_head.weight[:64] * 50
+    model.save_pretrained(tmp_path)
+    copy_tokenizer_files(default_model_folder, tmp_path)
+    with radixlm.Engine(str(tmp_path)) as eng:
+        outs = eng.generate(
+            ["Hello", "One two"],
+            [{"max_new_tokens": 16, "temperature": t, "ignore_eos": True} for t in (0, 1.0)],
+        )
+    for out in outs:
+        assert out["output_ids"] and max(out["output_ids"]) < 49152

@@ -137,6 +137,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # logit columns from here on are ids no token has (a checkpoint's vocabulary padded past
+        # its tokenizer's, e.g. Qwen2.5's 151,936 rows for 151,665 tokens): -inf, never sampled
+        self.sampled_vocab = cfg.vocab_size
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
@@ -149,6 +152,8 @@ class LlamaForCausalLM(nn.Module):
         logits, _ = self.matmul.norm_linear(
             x, residual, self.norm, self.lm_head, rows=batch.logits_indices, float32=True
         )
+        if self.sampled_vocab < logits.shape[-1]:
+            logits[:, self.sampled_vocab :] = float("-inf")
         return logits
 
     def linears(self) -> list[nn.Linear]:
