@@ -233,7 +233,8 @@ def _apply_penalties(logits: torch.Tensor, r: SamplingRow) -> None:
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax at each row's temperature, then min-p, top-k and top-p, for all rows at once
-    (renormalization is not needed: the exponential race samples in proportion to what is left)."""
+    (renormalization is not needed: the exponential race samples in proportion to what is left);
+    tokens tied at the top-k / top-p boundary are all kept."""
     dev, dtype = logits.device, logits.dtype
     temps = _to_device([p.temperature for p in params], dtype, dev).unsqueeze(1)
     probs = torch.softmax(logits / temps, dim=-1)
@@ -256,7 +257,10 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         before = vals.cumsum(dim=-1) - vals
         # (rows without top-p keep everything: rounding in the cumulative sum must not cut them)
         keep &= (before < top_p * probs.sum(dim=-1, keepdim=True)) | (top_p >= 1.0)
-    return torch.zeros_like(probs).scatter_(-1, order, torch.where(keep, vals, 0.0))
+    # every token tied with the last one kept is kept too, as the fused kernel keeps them (the
+    # kept set is a prefix of the sorted row: its last value is the row's threshold)
+    last = vals.gather(-1, keep.sum(dim=-1, keepdim=True).clamp(min=1) - 1)
+    return torch.where(probs >= last, probs, 0.0)
 
 
 def _apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:

@@ -4,8 +4,8 @@ Without CUDA under TRITON_INTERPRET=1 at small sizes; on a GPU also at 256 x 128
 
 The logits are random normals: in them no two race scores are within float32 rounding of each
 other and no token sits within rounding of a min-p or top-p boundary, the cases where the two
-paths may differ by design. Exact ties at the top-k boundary have their own test, of the fused
-path's documented rule (every tied token is kept)."""
+paths may differ by design. Exact ties at the top-k / top-p boundary have their own test: both
+paths keep every tied token."""
 
 from __future__ import annotations
 
@@ -139,6 +139,11 @@ def test_exact_ties_at_the_top_k_boundary_keep_every_tied_token():
     got = fused(logits.to(DEVICE).expand(64, -1), ps, seeds_for(64), threshold_out=threshold)
     assert threshold.tolist() == [2.0] * 64
     assert set(got.tolist()) == {0, 1, 2, 3}
+    # the oracle keeps the same set, also where top-p cuts inside a tie (a flat row)
+    assert (_filtered_probs(logits, ps[:1]) > 0).nonzero()[:, 1].tolist() == [0, 1, 2, 3]
+    flat = torch.zeros(1, 100)
+    for p in (params(temperature=1.0, top_k=3), params(temperature=1.0, top_p=0.5)):
+        assert int((_filtered_probs(flat, [p]) > 0).sum()) == 100
 
 
 def test_a_masked_token_whose_uniform_rounds_to_one_is_not_chosen():
