@@ -22,9 +22,9 @@ Where the fused path may differ from the oracle: where float32 rounding decides 
 as logits * (1 / temperature) where torch divides; two race scores within a few ulps; a token
 whose probability is within rounding of the min-p threshold, or whose preceding mass is within
 rounding of top_p, which at a 128k vocabulary and top_p near 1 moves the boundary of a few rows
-by one token of tiny probability); at the top-k / top-p boundary both keep every token tied with
-the last one kept, and here tokens within a few ulps of each other there count as tied when the
-bracket cannot be split further; and tokens more than 100 below the max of y
+by one token of tiny probability); at the top-k / top-p boundary, where both keep every token tied
+with the last one kept but the fused path also counts tokens within a few ulps of each other as
+tied when the bracket cannot be split further; and tokens more than 100 below the max of y
 (probability under e^-100 of the max), which neither win nor add mass in float32, are never kept.
 """
 
