@@ -236,6 +236,9 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     (renormalization is not needed: the exponential race samples in proportion to what is left);
     tokens tied at the top-k / top-p boundary are all kept."""
     dev, dtype = logits.device, logits.dtype
+    # a NaN logit is never sampled (as in the fused kernel); it would make the whole row NaN
+    inf = float("inf")
+    logits = logits.nan_to_num(nan=-inf, posinf=inf, neginf=-inf)
     temps = _to_device([p.temperature for p in params], dtype, dev).unsqueeze(1)
     probs = torch.softmax(logits / temps, dim=-1)
     if any(p.min_p > 0 for p in params):

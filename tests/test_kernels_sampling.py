@@ -146,6 +146,20 @@ def test_exact_ties_at_the_top_k_boundary_keep_every_tied_token():
         assert int((_filtered_probs(flat, [p]) > 0).sum()) == 100
 
 
+def test_a_nan_logit_is_never_sampled_and_both_paths_agree():
+    logits = random_logits(16, 300, seed=11)
+    logits[:, 5] = float("nan")
+    ps = [params(**SETTINGS[i % len(SETTINGS)]) for i in range(16)]
+    seeds = seeds_for(16, offset=3)
+    want = oracle(logits, ps, seeds)
+    assert 5 not in want.tolist()
+    assert fused(logits.to(DEVICE), ps, seeds).tolist() == want.tolist()
+    # the oracle alone: a row of NaNs but one real logit
+    row = torch.full((1, 300), float("nan"))
+    row[0, 7] = 1.0
+    assert oracle(row, ps[:1], seeds[:1].cpu()).tolist() == [7]
+
+
 def test_a_masked_token_whose_uniform_rounds_to_one_is_not_chosen():
     # row seed 208044 draws a uniform that float32 rounds to 1 for token 49 (tests/test_sampler.py
     # checks that the oracle does not choose it): the kernel's noise must stay positive too
