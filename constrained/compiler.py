@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -203,7 +204,12 @@ class GrammarCompiler:
             if done is not None:
                 self._cache.move_to_end(key)
                 f: Future = Future()
-                _fail(f, done) if isinstance(done, GrammarError) else _succeed(f, done)
+                if isinstance(done, GrammarError):
+                    # a fresh copy for each caller: raising the cached one again would add the
+                    # caller's frames (and its request) to that one exception's traceback
+                    _fail(f, copy.copy(done))
+                else:
+                    _succeed(f, done)
                 return f
             patience = time.monotonic() + self.compile_timeout
             running = self._inflight.get(key)
@@ -225,6 +231,8 @@ class GrammarCompiler:
                 value, (CompiledGrammar, GrammarError)
             ):
                 return  # stopped builds and unexpected failures are not cached
+            if isinstance(value, GrammarError):
+                value = copy.copy(value)  # without the first caller's traceback
             self._cache[key] = value
             self._cache.move_to_end(key)
             while len(self._cache) > self._cache_size:

@@ -11,6 +11,8 @@ import torch
 
 from radixlm.runtime.tensors import int64_tensor, to_device
 
+_MAX_PENDING_PIECES = 256  # freed pieces kept apart before they are joined
+
 
 class KVPool:
     """K and V for every layer, addressed per token slot: k[layer] is (num_slots, num_kv_heads, head_dim)."""
@@ -78,8 +80,12 @@ class SlotAllocator:
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self._pending.append(slots.to(torch.int64))
+            # a compact copy: `slots` is often a slice of a request's whole row of slots, which
+            # a view would keep alive until the next merge (millions of slots away on a GPU)
+            self._pending.append(slots.to(torch.int64, copy=True))
             self._num_pending += slots.numel()
+            if len(self._pending) > _MAX_PENDING_PIECES:  # one tensor, not thousands of small ones
+                self._pending = [torch.cat(self._pending)]
 
     def _merge(self) -> None:
         if self._pending:

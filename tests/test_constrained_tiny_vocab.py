@@ -382,3 +382,19 @@ def test_json_schema_on_tiny_vocab(compiler):
     assert m.accept_token(VOCAB["1"])
     assert texts(m.allowed_token_ids()) == {"2", "}"}
     assert m.accept_token(VOCAB["}"]) and m.accept_token(EOS)
+
+
+def test_a_cached_refusal_is_raised_fresh_for_each_caller(compiler):
+    """Raising one cached exception again adds each caller's frames (and what they hold: the
+    request) to its traceback, without end."""
+
+    def depth() -> int:
+        with pytest.raises(GrammarError) as info:
+            compiler.compile("regex", "[a-")
+        n, tb = 0, info.value.__traceback__
+        while tb is not None:
+            n, tb = n + 1, tb.tb_next
+        return n
+
+    depth()  # compiled, refused and cached
+    assert len({depth() for _ in range(20)}) == 1

@@ -528,3 +528,20 @@ def test_lpm_over_a_real_cache():
     waiting = [(9, 9), (1, 2, 7), (1, 2, 3, 4, 5), (1, 8)]
     ordered = order_waiting(waiting, lambda t: len(cache.match_prefix(t).slots), "lpm")
     assert ordered == [(1, 2, 3, 4, 5), (1, 2, 7), (1, 8), (9, 9)]
+
+
+def test_freed_slots_do_not_keep_the_rows_they_were_sliced_from():
+    """A request's freed tail is a slice of its whole row of slots: the allocator keeps a compact
+    copy (a view kept the row, e.g. 32 KB for a 4,000-token cached prompt, until the next merge),
+    and joins many small pieces into one."""
+    from radixlm.runtime.memory_pool import _MAX_PENDING_PIECES, SlotAllocator
+
+    allocator = SlotAllocator(100_000)
+    row = allocator.allocate(4000)
+    allocator.free(row[3998:])
+    assert allocator._pending[0].untyped_storage().nbytes() == 2 * 8
+    for _ in range(_MAX_PENDING_PIECES + 1):
+        allocator.free(allocator.allocate(2))
+    assert len(allocator._pending) <= _MAX_PENDING_PIECES
+    assert allocator.num_free == allocator.capacity - 3998
+    assert len(set(allocator.allocate(allocator.num_free).tolist())) == allocator.capacity - 3998
