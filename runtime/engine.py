@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import random
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -413,7 +414,7 @@ class Engine:
             raise ValueError("stream=True takes one prompt with n=1")
 
     def _stream_sync(self, req: Req) -> Iterator[dict[str, Any]]:
-        updates: queue.Queue[dict[str, Any]] = queue.Queue()
+        updates = _Newest()
         self._core.submit(
             req, lambda r, finished: updates.put(request_output(r, stream=not finished))
         )
@@ -428,22 +429,52 @@ class Engine:
                 self._core.abort(req.rid)
 
     async def _stream_async(self, req: Req, loop) -> AsyncIterator[dict[str, Any]]:
-        updates: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        newest: list[dict[str, Any]] = []  # as _Newest, on the consumer's event loop
+        ready = asyncio.Event()
+
+        def keep(out: dict[str, Any]) -> None:
+            newest[:] = [out]
+            ready.set()
 
         def sink(r: Req, finished: bool) -> None:
-            if not _post(loop, updates.put_nowait, request_output(r, stream=not finished)):
+            if not _post(loop, keep, request_output(r, stream=not finished)):
                 self._core.abort(r.rid)  # the consumer's event loop is gone: so is the consumer
 
         self._core.submit(req, sink)
         try:
             while True:
-                out = await updates.get()
+                await ready.wait()
+                ready.clear()
+                out = newest.pop()
                 yield out
                 if out["meta_info"]["finish_reason"] is not None:
                     return
         finally:
             if not req.is_finished:
                 self._core.abort(req.rid)
+
+
+class _Newest:
+    """The newest of a stream's snapshots not yet taken. They are cumulative, so an older one
+    untaken is dropped (the newer holds all it did): a reader that falls behind holds one
+    snapshot, not one a step, each as long as the output (a stalled reader of a long stream
+    held hundreds of MB)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._item: dict[str, Any] | None = None
+
+    def put(self, item: dict[str, Any]) -> None:
+        with self._cond:
+            self._item = item
+            self._cond.notify()
+
+    def get(self) -> dict[str, Any]:
+        with self._cond:
+            while self._item is None:
+                self._cond.wait()
+            item, self._item = self._item, None
+            return item
 
 
 def _check_weights_fit(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:

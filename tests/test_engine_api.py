@@ -350,3 +350,30 @@ def test_a_tiny_temperature_is_greedy_and_any_integer_is_a_seed(engine):
     a = engine.generate("The sky is", {**sampled, "seed": 5})["output_ids"]
     assert engine.generate("The sky is", {**sampled, "seed": 5 + 2**64})["output_ids"] == a
     assert engine.generate("The sky is", {**sampled, "seed": -1})["meta_info"]["completion_tokens"]
+
+
+def test_a_stream_read_late_holds_its_newest_snapshot_not_one_a_step(engine):
+    """Snapshots are cumulative: a reader that falls behind gets the newest one (older ones
+    untaken are dropped), which still ends with the full result."""
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    stream = engine.generate("Count: one, two,", params, stream=True)
+    first = next(stream)
+    deadline = time.monotonic() + 60
+    while engine.get_stats()["num_running_reqs"] and time.monotonic() < deadline:
+        time.sleep(0.05)  # the whole generation ends while nothing is read
+    rest = list(stream)
+    assert len(rest) == 1  # only the newest, the final one, was kept
+    full = engine.generate("Count: one, two,", params)
+    assert first["meta_info"]["finish_reason"] is None
+    assert rest[0]["output_ids"] == full["output_ids"] and rest[0]["text"] == full["text"]
+
+    async def read_late():
+        stream = await engine.async_generate("Count: one, two,", params, stream=True)
+        first = await stream.__anext__()
+        await asyncio.sleep(0)
+        while engine.get_stats()["num_running_reqs"]:
+            await asyncio.sleep(0.05)
+        return first, [c async for c in stream]
+
+    first, rest = asyncio.run(read_late())
+    assert len(rest) == 1 and rest[0]["output_ids"] == full["output_ids"]

@@ -108,12 +108,15 @@ def test_generate_stream_is_cumulative_and_ends_with_done(client):
         events = sse_payloads(r.iter_lines())
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
-    assert len(chunks) == 5
+    # a chunk a step, but steps a slow reader missed come as one (the snapshots are cumulative)
+    assert 1 <= len(chunks) <= 5
     texts = [c["text"] for c in chunks]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    ids = [len(c["output_ids"]) for c in chunks]
+    assert ids == sorted(set(ids))
     assert chunks[-1]["text"] == whole["text"]
     assert chunks[-1]["output_ids"] == whole["output_ids"]
-    assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * 4
+    assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
