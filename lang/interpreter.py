@@ -87,6 +87,7 @@ class StreamExecutor:
         self._scopes: dict[str, int] = {}
         self._changed = threading.Condition()
         self._ended = False
+        self._children: list[StreamExecutor] = []  # its forks, ended with it
         self._queue: queue.Queue[Any] = queue.Queue()
         self._worker = threading.Thread(
             target=self._work, name=f"radixlm-program-{self.sid[:8]}", daemon=True
@@ -106,9 +107,14 @@ class StreamExecutor:
         self._queue.join()
 
     def end(self) -> None:
+        """No more work after what is queued: its worker thread then exits. Its forks end with
+        it (a fork never joined kept its thread for as long as anything held the state, e.g.
+        through a failed program's exception)."""
         if not self._ended:
             self._ended = True
             self._queue.put(_END)
+            for child in self._children:
+                child.end()
 
     def get_var(self, name: str) -> Any:
         event = self.variable_event.get(name)
@@ -154,6 +160,7 @@ class StreamExecutor:
             child.fork_start_text_pos = len(self.text_)
             child.error_ = self.error_
             children.append(child)
+        self._children.extend(children)
         return children
 
     def wait_chunk(self, var_name: str | None, pos: int) -> tuple[str, bool]:

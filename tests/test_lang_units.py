@@ -480,3 +480,28 @@ def test_import_radixlm_and_the_language_stay_free_of_torch():
 
 def test_chat_template_type_is_exported():
     assert sgl.ChatTemplate is ChatTemplate
+
+
+def test_forks_never_joined_end_with_their_program():
+    """A program that forks and then fails without joining: its forks' worker threads end with
+    it, even while the failed states (and so the forks, through the exception) are kept."""
+    import threading
+    import time
+
+    @sgl.function
+    def prog(s):
+        s += "ctx "
+        forks = s.fork(3)  # held by the frame, which the kept exception holds
+        forks[0] += "more"
+        raise ValueError("the program's own bug")
+
+    def program_threads() -> int:
+        return sum(t.name.startswith("radixlm-program") for t in threading.enumerate())
+
+    before = program_threads()
+    states = prog.run_batch([{}] * 20, backend=ScriptedBackend(), num_threads=4)
+    assert all(isinstance(s.stream_executor.error_, ValueError) for s in states)
+    deadline = time.monotonic() + 10
+    while program_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert program_threads() <= before
