@@ -283,6 +283,18 @@ async def _close_all(streams: list[AsyncIterator[dict[str, Any]]]) -> None:
             await stream.aclose()  # type: ignore[attr-defined]
 
 
+def stop_string_kept(text: str, meta_info: dict[str, Any]) -> str:
+    """`no_stop_trim`: the text with the stop string that ended its generation put back."""
+    reason = meta_info.get("finish_reason")
+    if (
+        isinstance(reason, dict)
+        and reason.get("type") == "stop"
+        and isinstance(reason.get("matched"), str)
+    ):
+        return text + reason["matched"]
+    return text
+
+
 def finish_error(meta_info: dict[str, Any]) -> str | None:
     """The engine's error message when a generation failed inside the engine (not by the client)."""
     error = meta_info.get("error")

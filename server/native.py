@@ -41,6 +41,7 @@ from radixlm.server.generation import (
     merge,
     open_streams,
     start,
+    stop_string_kept,
 )
 from radixlm.server.http_util import SSE_DONE, json_response, read_json, sse_event
 from radixlm.server.state import RequestUsage, ServerState
@@ -270,14 +271,8 @@ def native_output(
 ) -> dict[str, Any]:
     meta = dict(snapshot["meta_info"])
     text = snapshot["text"]
-    reason = meta.get("finish_reason")
-    if (
-        sampling.no_stop_trim
-        and isinstance(reason, dict)
-        and reason.get("type") == "stop"
-        and isinstance(reason.get("matched"), str)
-    ):
-        text += reason["matched"]
+    if sampling.no_stop_trim:
+        text = stop_string_kept(text, meta)
     if return_text_in_logprobs:
         _fill_logprob_texts(state, meta)
     out: dict[str, Any] = {"text": text, "output_ids": snapshot["output_ids"], "meta_info": meta}

@@ -31,6 +31,7 @@ from radixlm.server.generation import (
     finish_error,
     merge,
     start,
+    stop_string_kept,
 )
 from radixlm.server.http_util import SSE_DONE, json_response, read_json, sse_event
 from radixlm.server.openai_protocol import (
@@ -247,14 +248,7 @@ def _keep_stop_strings(
     async def keep(stream: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         async with contextlib.aclosing(stream):  # closing this aborts the generation
             async for snap in stream:
-                reason = snap["meta_info"].get("finish_reason")
-                if (
-                    isinstance(reason, dict)
-                    and reason.get("type") == "stop"
-                    and isinstance(reason.get("matched"), str)
-                ):
-                    snap = {**snap, "text": snap["text"] + reason["matched"]}
-                yield snap
+                yield {**snap, "text": stop_string_kept(snap["text"], snap["meta_info"])}
 
     return [keep(s) for s in streams]
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import radixlm
+from tests.faults import fail_model_call
 
 
 def owners_of_slots(core) -> dict[int, str]:
@@ -119,16 +120,7 @@ def test_a_failed_step_fails_its_requests_and_leaves_no_uncomputed_kv_in_the_cac
     with radixlm.Engine(tiny_model_folder) as eng:
         want = eng.generate(input_ids=prompt, sampling_params=params)["output_ids"]
     with radixlm.Engine(tiny_model_folder) as eng:
-        runner = eng._core.runner
-        model, calls = runner.model, []
-
-        def fails_once(batch, backend):
-            calls.append(1)
-            if len(calls) == 1:
-                raise RuntimeError("injected failure")
-            return model(batch, backend)
-
-        runner.model = fails_once
+        fail_model_call(eng, 1)
         failed = eng.generate(input_ids=prompt, sampling_params=params)
         reason = failed["meta_info"]["finish_reason"]
         assert reason["type"] == "abort" and "injected failure" in reason["message"], reason

@@ -18,6 +18,7 @@ from radixlm.lang import backend as backend_module
 from radixlm.lang.backend import BackendError, resolve_backend
 from radixlm.lang.engine_backend import EngineBackend
 from radixlm.lang.interpreter import ProgramError
+from tests.faults import fail_model_call
 from tests.live_server import serve_in_thread, sse_payloads
 
 API_KEY = "lang-test-key"
@@ -396,16 +397,7 @@ def test_a_generation_the_engine_fails_mid_stream_fails_the_remote_gen(tiny_mode
     import httpx
 
     with sgl.Engine(tiny_model_folder) as engine:
-        runner = engine._core.runner
-        model, calls = runner.model, []
-
-        def fails_on_the_fourth_step(batch, backend):
-            calls.append(1)
-            if len(calls) == 4:
-                raise RuntimeError("injected failure")
-            return model(batch, backend)
-
-        runner.model = fails_on_the_fourth_step
+        fail_model_call(engine, 4)
         with serve_in_thread(engine) as url:
             body = {
                 "text": "Count: ",
@@ -419,7 +411,7 @@ def test_a_generation_the_engine_fails_mid_stream_fails_the_remote_gen(tiny_mode
             error = events[-2]["error"]
             assert error["code"] == 500 and "injected failure" in error["message"]
 
-            calls.clear()
+            fail_model_call(engine, 4)  # the same failure again, for the program
             state = count.run(backend=sgl.RuntimeEndpoint(url), stream=True)
             state.sync()
             assert isinstance(state.error(), BackendError)
