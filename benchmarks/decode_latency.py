@@ -59,6 +59,7 @@ ABLATIONS = {
     "gemv": "RADIXLM_DISABLE_GEMV",  # no start-up tuning: cuBLAS and separate kernels
     "fusedgemv": "RADIXLM_DISABLE_FUSED_GEMV",  # only the norm / SiLU fused into the GEMV
     "ropestore": "RADIXLM_DISABLE_FUSED_ROPE_STORE",  # only rope fused into the KV store
+    "pdl": "RADIXLM_DISABLE_PDL",  # GEMVs launched one after another, not early (Hopper on)
 }
 
 
@@ -123,7 +124,7 @@ def main() -> None:
     ap.add_argument("--hf-compiled", action="store_true", help="also transformers static+compile")
     ap.add_argument(
         "--ablate",
-        default="fused,gemv,fusedgemv,ropestore",
+        default="fused,gemv,fusedgemv,ropestore,pdl",
         help="also run without each of these",
     )
     args = ap.parse_args()

@@ -20,6 +20,7 @@ The rounding recipes are small @triton.jit helpers (`add_rounded`, `norm_then_we
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,6 +31,40 @@ import triton.language as tl
 def switched_off() -> bool:
     """RADIXLM_DISABLE_FUSED=1: every fused kernel off, the torch code on CUDA too."""
     return os.environ.get("RADIXLM_DISABLE_FUSED") == "1"
+
+
+def pdl_launch(x: torch.Tensor) -> bool:
+    """Launch the kernels on x's device as programmatic dependent launches: on CUDA GPUs of
+    compute capability 9.0 and later (Hopper), unless RADIXLM_DISABLE_PDL=1. A kernel so launched
+    may start while the one before it still runs (inside a CUDA graph too), so it lets the next
+    one start as early (`pdl_start`) and waits (`gdc_wait`) before it reads or writes anything
+    but weights. In a decode step this hides most of each launch's latency."""
+    return (
+        x.is_cuda
+        and os.environ.get("RADIXLM_DISABLE_PDL") != "1"
+        and _capability(x.device.index) >= (9, 0)
+    )
+
+
+def pdl_options(x: torch.Tensor) -> dict:
+    """The launch keywords for `pdl_launch(x)`: pass PDL=bool(options) to the kernel as well."""
+    return {"launch_pdl": True} if pdl_launch(x) else {}
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """Under a programmatic dependent launch: let the next kernel launch, then wait for the one
+    before to finish (its writes visible). Every program of a PDL kernel calls this before its
+    first read of activations: a program that skipped it could finish before the kernel before
+    it, and the kernel after would then no longer wait for that one."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -73,11 +108,13 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    pdl_start(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -85,7 +122,6 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     out = norm_then_weight(x, rstd, w)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -100,13 +136,14 @@ def rms_norm(
     if rows == 0:
         return out, res_out
     res = residual if residual is not None else x
+    pdl = pdl_options(x)
     _rms_norm_kernel[(rows,)](
         x, res, weight, out, res_out if res_out is not None else out,
         x.stride(0), res.stride(0), out.stride(0),
         res_out.stride(0) if res_out is not None else 0,
         n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
-        num_warps=4 if n <= 2048 else 8,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), PDL=bool(pdl),
+        num_warps=4 if n <= 2048 else 8, **pdl,
     )  # fmt: skip
     return out, res_out
 
@@ -151,7 +188,9 @@ def _rope_store_kv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ks, stride_kph, stride_vs, stride_vph, n_q_heads, n_kv_heads,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(PDL)
     t = tl.program_id(0)
     dims = tl.arange(0, BLOCK_D)[None, :]
     pos = tl.load(pos_ptr + t)
@@ -198,6 +237,7 @@ def rope_store_kv_(
     kv_heads = k.shape[1]
     if tokens:
         half = dim // 2
+        pdl = pdl_options(q)
         _rope_store_kv_kernel[(tokens,)](
             q, k, v, positions, cos, sin, k_pool, v_pool, loc,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -205,13 +245,16 @@ def rope_store_kv_(
             q_heads, kv_heads,
             HALF=half, BLOCK_HQ=triton.next_power_of_2(q_heads),
             BLOCK_HKV=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(half),
-            num_warps=4,
+            PDL=bool(pdl), num_warps=4, **pdl,
         )  # fmt: skip
     return q
 
 
 @triton.jit
-def _silu_and_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_start(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -227,9 +270,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = min(1024, triton.next_power_of_2(n))
+        pdl = pdl_options(gate_up)
         _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
-        )
+            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, PDL=bool(pdl),
+            num_warps=4, **pdl,
+        )  # fmt: skip
     return out
 
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from radixlm.kernels import fused
-from radixlm.kernels.fused import add_rounded, norm_then_weight, silu_mul_rounded
+from radixlm.kernels.fused import add_rounded, norm_then_weight, pdl_start, silu_mul_rounded
 
 MAX_ROWS = 4  # x rows the kernel takes; more go to cuBLAS
 
@@ -86,6 +86,45 @@ def _rms_norm_rstd(
 
 
 @triton.jit
+def _tile_operand(
+    x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, k, k_end, M, K, stride_xm, stride_rm,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """x's columns `k` after the prologue: (BLOCK_M, BLOCK_K), x's dtype."""
+    x_mask = (rows_m[:, None] < M) & (k[None, :] < k_end)
+    x_at = x_ptr + rows_m[:, None] * stride_xm + k[None, :]
+    if PROLOGUE == _RMS_NORM:
+        x = tl.load(x_at, mask=x_mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows_m[:, None] * stride_rm + k[None, :], mask=x_mask, other=0.0)
+            x = add_rounded(x, r)
+        nw = tl.load(norm_w_ptr + k, mask=k < k_end, other=0.0)
+        a = norm_then_weight(x, rstd[:, None], nw[None, :]).to(x.dtype)
+    elif PROLOGUE == _SILU_AND_MUL:
+        gate = tl.load(x_at, mask=x_mask, other=0.0)
+        up = tl.load(x_at + K, mask=x_mask, other=0.0)
+        a = silu_mul_rounded(gate, up)
+    else:
+        a = tl.load(x_at, mask=x_mask, other=0.0)
+    return a
+
+
+@triton.jit
+def _accumulate(acc, a, w_tile, DOT: tl.constexpr, LATE_SUM: tl.constexpr):
+    """acc plus a tile's products: (BLOCK_M, BLOCK_N) float32 sums, or with LATE_SUM the
+    (BLOCK_M, BLOCK_N, BLOCK_K) products summed over K after the loop."""
+    if DOT:  # (BLOCK_M, BLOCK_K) @ (BLOCK_K, BLOCK_N), float32 sums
+        acc = tl.dot(a.to(w_tile.dtype), tl.trans(w_tile), acc, input_precision="ieee")
+    else:  # (BLOCK_M, 1, BLOCK_K) * (1, BLOCK_N, BLOCK_K)
+        prod = a.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :]
+        if LATE_SUM:
+            acc += prod
+        else:
+            acc += tl.sum(prod, axis=2)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr,
     M, N, K, k_per_split, eps,
@@ -93,10 +132,15 @@ def _gemv_kernel(
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, LATE_SUM: tl.constexpr, PREFETCH: tl.constexpr,
-    DOT: tl.constexpr, ROWS: tl.constexpr,
+    DOT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """With DOT, BLOCK_M is the MMA's 16 rows and ROWS the rows (a power of two) of x; else they
-    are the same."""
+    are the same. With PDL (launched as a programmatic dependent launch, `fused.pdl_launch`) the
+    program lets the next kernel launch at once and waits for the kernel before it to finish
+    before it touches x; a prefetching tile's first weight load is issued before that wait
+    (weights do not change during a step)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,10 +149,13 @@ def _gemv_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_at = w_ptr + rows_n[:, None] * stride_wn + cols[None, :]
-    if PREFETCH:  # the first tile on its way before the prologue's pass over x
+    if PREFETCH:  # the first tile on its way before the wait and the prologue's pass over x
         w_next = tl.load(
             w_at + k_start, mask=(rows_n[:, None] < N) & (k_start + cols[None, :] < k_end), other=0.0
         )  # fmt: skip
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    rstd = 0.0
     if PROLOGUE == _RMS_NORM:
         write_sum = (pid_n == 0) & (pid_k == 0)
         rstd = _rms_norm_rstd(
@@ -119,7 +166,7 @@ def _gemv_kernel(
             pick = rows_m[:, None] == tl.arange(0, ROWS)[None, :]
             rstd = tl.sum(tl.where(pick, rstd[None, :], 0.0), axis=1)
     if LATE_SUM:
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -134,33 +181,13 @@ def _gemv_kernel(
             w_tile = tl.load(
                 w_at + k0, mask=(rows_n[:, None] < N) & (k[None, :] < k_end), other=0.0
             )
-        x_mask = (rows_m[:, None] < M) & (k[None, :] < k_end)
-        x_at = x_ptr + rows_m[:, None] * stride_xm + k[None, :]
-        if PROLOGUE == _RMS_NORM:
-            x = tl.load(x_at, mask=x_mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(
-                    res_ptr + rows_m[:, None] * stride_rm + k[None, :], mask=x_mask, other=0.0
-                )
-                x = add_rounded(x, r)
-            nw = tl.load(norm_w_ptr + k, mask=k < k_end, other=0.0)
-            a = norm_then_weight(x, rstd[:, None], nw[None, :]).to(x.dtype)
-        elif PROLOGUE == _SILU_AND_MUL:
-            gate = tl.load(x_at, mask=x_mask, other=0.0)
-            up = tl.load(x_at + K, mask=x_mask, other=0.0)
-            a = silu_mul_rounded(gate, up)
-        else:
-            a = tl.load(x_at, mask=x_mask, other=0.0)
-        if DOT:  # (BLOCK_M, BLOCK_K) @ (BLOCK_K, BLOCK_N), float32 sums
-            acc = tl.dot(a.to(w_tile.dtype), tl.trans(w_tile), acc, input_precision="ieee")
-        else:  # (BLOCK_M, 1, BLOCK_K) * (1, BLOCK_N, BLOCK_K), summed over K now or after the loop
-            prod = a.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :]
-            if LATE_SUM:
-                acc3 += prod
-            else:
-                acc += tl.sum(prod, axis=2)
+        a = _tile_operand(
+            x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, k, k_end, M, K, stride_xm, stride_rm,
+            PROLOGUE, HAS_RESIDUAL,
+        )  # fmt: skip
+        acc = _accumulate(acc, a, w_tile, DOT, LATE_SUM)
     if LATE_SUM:
-        acc = tl.sum(acc3, axis=2)
+        acc = tl.sum(acc, axis=2)
     out_mask = (rows_m[:, None] < M) & (rows_n[None, :] < N)
     if SPLIT:  # float32 partial sums (split, M, N); _sum_splits_kernel finishes
         out = y_ptr + pid_k * M * N + rows_m[:, None] * N + rows_n[None, :]
@@ -175,8 +202,9 @@ def _gemv_kernel(
 @triton.jit
 def _sum_splits_kernel(
     part_ptr, b_ptr, y_ptr, M, N, splits, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(PDL)
     rows_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_m = tl.arange(0, BLOCK_M)
     mask = (rows_m[:, None] < M) & (rows_n[None, :] < N)
@@ -226,6 +254,7 @@ def _launch(
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
+    launch = fused.pdl_options(x)
     _gemv_kernel[(triton.cdiv(n, config.block_n), splits)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else weight,
@@ -237,12 +266,14 @@ def _launch(
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NORM_BLOCK=_norm_block(k, rows, config), LATE_SUM=config.late_sum and not config.dot,
-        PREFETCH=config.prefetch and not config.dot, DOT=config.dot, ROWS=rows, num_warps=config.num_warps, num_stages=config.num_stages,
+        PREFETCH=config.prefetch and not config.dot, DOT=config.dot, ROWS=rows, PDL=bool(launch),
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )  # fmt: skip
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, 128),)](
             part, bias if bias is not None else weight, y, m, n, splits, y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=rows, BLOCK_N=128, num_warps=4,
+            HAS_BIAS=bias is not None, BLOCK_M=rows, BLOCK_N=128, PDL=bool(launch), num_warps=4,
+            **launch,
         )  # fmt: skip
     return y
 

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.kernels.fused import pdl_options, pdl_start
+
 _LOG2E = 1.4426950408889634  # the kernels use exp2, so the softmax scale is folded with log2(e)
 
 
@@ -151,7 +153,9 @@ def _decode_partial_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     ROPE: tl.constexpr,  # q unrotated; rotate it, and store the new k (rotated) and v first
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     batch = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     head_block = tl.program_id(1) % HEAD_BLOCKS
@@ -276,7 +280,9 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     batch = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -393,6 +399,7 @@ def decode_attention(
         k_new, v_new, pos, cos, sin, loc = rope
     else:  # (unused: any tensors of the right kinds)
         k_new, v_new, pos, cos, sin, loc = q, q, seq_lens, q, q, seq_lens
+    pdl = pdl_options(q)
     _decode_partial_kernel[(batch, num_kv_heads * head_blocks, num_kv_splits)](
         q,
         k_pool,
@@ -433,8 +440,10 @@ def decode_attention(
         DOT_PRECISION=_dot_precision(q),
         UPCAST_DOT=_upcast_dot(q),
         ROPE=rope is not None,
+        PDL=bool(pdl),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl,
     )
     if num_kv_splits == 1:
         return out
@@ -453,7 +462,9 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)),
+        PDL=bool(pdl),
         num_warps=4 if q.device.type == "cuda" else 1,
+        **pdl,
     )
     return out
 

@@ -10,6 +10,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 import torch.nn.functional as F  # noqa: E402
 
+from radixlm.kernels import fused  # noqa: E402
 from radixlm.kernels.gemv import CONFIGS, GemvConfig, gemv  # noqa: E402
 from radixlm.runtime.matmul_dispatch import LinearDispatch, choice_key, graph_ms  # noqa: E402
 
@@ -92,3 +93,41 @@ def test_tuning_finds_working_tiles_and_routes_to_a_path_no_slower_than_cublas()
     torch.testing.assert_close(
         logits, F.linear(x.float(), linear.weight.float()), atol=1e-2, rtol=1e-2
     )
+
+
+@pytest.mark.gpu
+def test_dependent_gemvs_replayed_from_a_cuda_graph_wait_for_each_other(monkeypatch):
+    """A chain of GEMVs, each reading the one before's output, in a CUDA graph: on a GPU that
+    launches them as programmatic dependent launches, each starts before the one before it ends,
+    and a read before its wait would see the last replay's values. Fresh input each replay."""
+    if not fused.pdl_launch(torch.empty(0, device="cuda")):
+        pytest.skip("this GPU does not launch dependent kernels early (before Hopper)")
+    gen = torch.Generator().manual_seed(3)
+    weights = [(torch.randn(n, k, generator=gen) / k**0.5) for n, k in CHAIN]
+    weights = [w.to("cuda", torch.bfloat16) for w in weights]
+    tiles = [
+        GemvConfig(4, 512, 4, 1, 1, late_sum=True, prefetch=True),
+        GemvConfig(32, 256, 4, 3, 4, dot=True),  # split-K: the summing kernel in the chain too
+        GemvConfig(8, 1024, 4, 2, 1),
+    ]
+    x = torch.empty(1, CHAIN[0][1], device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        h = x
+        for i, w in enumerate(weights):
+            h = gemv(h, w, None, tiles[i % len(tiles)])
+        return h
+
+    chain()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    monkeypatch.setenv("RADIXLM_DISABLE_PDL", "1")
+    for _ in range(5):
+        x.copy_(torch.randn(x.shape, generator=gen).to("cuda", torch.bfloat16))
+        graph.replay()
+        assert torch.equal(out, chain())  # the same kernels launched one after another
+
+
+# (N, K) of each GEMV in the chain: the output of one is the input of the next
+CHAIN = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096), (4096, 6144)] * 2
