@@ -72,7 +72,9 @@ class TorchAttentionBackend:
         if self._keys_for is not batch:
             slots = self.req_to_token[batch.req_pool_indices[i], :length].long()
             first = int(slots[0])
-            consecutive = bool((slots == torch.arange(first, first + length)).all())
+            consecutive = bool(
+                (slots == torch.arange(first, first + length, device=slots.device)).all()
+            )
             self._keys_for, self._keys = (
                 batch,
                 slice(first, first + length) if consecutive else slots,
