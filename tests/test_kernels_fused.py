@@ -79,6 +79,17 @@ def test_fused_path_is_taken_only_on_cuda(monkeypatch):
         assert not fused.enabled(x.cuda())
 
 
+def test_dependent_launches_only_on_hopper_and_later_unless_switched_off(monkeypatch):
+    x = torch.zeros(2, 4)
+    assert not fused.pdl_launch(x) and fused.pdl_options(x) == {}
+    if torch.cuda.is_available():
+        hopper = torch.cuda.get_device_capability() >= (9, 0)
+        assert fused.pdl_launch(x.cuda()) == hopper
+        assert fused.pdl_options(x.cuda()) == ({"launch_pdl": True} if hopper else {})
+        monkeypatch.setenv("RADIXLM_DISABLE_PDL", "1")
+        assert not fused.pdl_launch(x.cuda())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 2), (9, 3)])
 def test_rope_store_kv_equals_rope_then_store(dtype, heads):
