@@ -376,6 +376,11 @@ class Engine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
+        bad = sorted(t for t in params.logit_bias or () if t >= vocab)
+        if bad:
+            raise ValueError(
+                f"logit_bias token ids {bad[:5]} lie outside the vocabulary [0, {vocab})"
+            )
         if len(ids) >= self.context_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens; the model's context is {self.context_len}: shorten the prompt"

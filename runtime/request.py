@@ -93,6 +93,7 @@ class Req:
             and p.min_new_tokens == 0
             and not self.logprob.return_logprob
             and not p.has_penalties
+            and not p.has_logit_bias
         )
 
     @functools.cached_property

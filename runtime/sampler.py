@@ -42,7 +42,13 @@ class SamplingRow:
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing to mask or penalize: the argmax of the logits."""
         p = self.params
-        return p.is_greedy and not self.banned_ids and self.grammar is None and not p.has_penalties
+        return (
+            p.is_greedy
+            and not self.banned_ids
+            and self.grammar is None
+            and not p.has_penalties
+            and not p.has_logit_bias
+        )
 
 
 @dataclass
@@ -126,8 +132,11 @@ class Sampler:
             return greedy_ids(logits)
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        if banned or constrained or any(r.params.has_penalties for r in rows):
+        biased = [i for i, r in enumerate(rows) if r.params.has_logit_bias]
+        if banned or constrained or biased or any(r.params.has_penalties for r in rows):
             logits = logits.clone()
+        if biased:
+            _apply_logit_bias(logits, rows, biased)
         for i, r in enumerate(rows):
             if r.params.has_penalties:
                 _apply_penalties(logits[i], r)
@@ -212,6 +221,19 @@ def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Te
     """A host list as a tensor on `device`, without waiting for the device's queued work."""
     host = int64_tensor(data) if dtype == torch.int64 else torch.tensor(data, dtype=dtype)
     return to_device(host, device)
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
+    """Add each row's logit_bias to its logits, for all those rows in one indexed add."""
+    row_idx, token_idx, bias = [], [], []
+    for i in which:
+        for token, b in rows[i].params.logit_bias.items():
+            row_idx.append(i)
+            token_idx.append(token)
+            bias.append(b)
+    dev = logits.device
+    at = (_to_device(row_idx, torch.int64, dev), _to_device(token_idx, torch.int64, dev))
+    logits.index_put_(at, _to_device(bias, logits.dtype, dev), accumulate=True)
 
 
 def _apply_penalties(logits: torch.Tensor, r: SamplingRow) -> None:

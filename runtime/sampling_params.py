@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _MAX_STOP_STRINGS = 64
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit bias: [-100, 100]
 
 
 # a temperature below this samples as greedy (as in SGLang and vLLM)
@@ -31,6 +32,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     n: int = 1
     seed: int | None = None
+    # added to the logits of these token ids before sampling (greedy too): -100 all but bans a
+    # token, +100 all but forces it. JSON's string keys ("42") are taken as ids
+    logit_bias: dict[int, float] | None = None
     # constrained decoding: at most one of these
     regex: str | None = None
     json_schema: str | None = None
@@ -115,6 +119,8 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             bad("stop_token_ids must be a list of non-negative integers")
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias, bad)
         constraints = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
         if len(constraints) > 1:
             bad(f"give at most one of regex, json_schema, ebnf (got {constraints})")
@@ -138,6 +144,10 @@ class SamplingParams:
         )
 
     @property
+    def has_logit_bias(self) -> bool:
+        return bool(self.logit_bias)
+
+    @property
     def constraint(self) -> tuple[str, str] | None:
         for kind in ("regex", "json_schema", "ebnf"):
             value = getattr(self, kind)
@@ -147,6 +157,30 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _checked_logit_bias(value: Any, bad) -> dict[int, float] | None:
+    """{token id: bias} with int ids and float biases in [-100, 100]; None when empty."""
+    if not isinstance(value, dict):
+        bad(f"logit_bias must be an object mapping token ids to biases, got {value!r}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            bad(f"logit_bias key {key!r} must be a token id (a non-negative integer)")
+        if (
+            isinstance(bias, bool)
+            or not isinstance(bias, (int, float))
+            or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT  # NaN fails this too
+        ):
+            bad(
+                f"logit_bias[{key!r}]={bias!r} must be a number in "
+                f"[{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"
+            )
+        out[token] = float(bias)
+    return out or None
 
 
 def json_schema_text(schema: Any) -> str:

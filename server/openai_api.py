@@ -109,8 +109,6 @@ def _sampling_params(
     prompt_len: int,
 ) -> dict[str, Any]:
     """The engine's sampling params from the fields both endpoints share."""
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", "logit_bias")
     info = state.backend.model_info()
     if max_tokens is None:  # as much as the context (and the KV pool) leaves
         room = info.context_len
@@ -159,6 +157,8 @@ def _sampling_params(
         raise bad_request(f"temperature={req.temperature} must be in [0, 2]", "temperature")
     if req.stop is not None:
         params["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    if req.logit_bias:
+        params["logit_bias"] = req.logit_bias
     return params
 
 

@@ -321,6 +321,22 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused_up_front(engine):
     assert engine.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
 
 
+def test_logit_bias_bans_and_forces_tokens(engine):
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    free = engine.generate("1, 2, 3, 4,", params)["output_ids"]
+    # the free run's first token banned: a different first token, and the rest follow from it
+    banned = engine.generate("1, 2, 3, 4,", {**params, "logit_bias": {str(free[0]): -100}})
+    assert free[0] not in banned["output_ids"]
+    # a token forced at every step
+    forced = engine.generate("1, 2, 3, 4,", {**params, "logit_bias": {free[1]: 100}})
+    assert forced["output_ids"] == [free[1]] * 6
+    # batched with plain greedy requests, which stay as they were
+    outs = engine.generate(["1, 2, 3, 4,"] * 2, [params, {**params, "logit_bias": {free[1]: 100}}])
+    assert [o["output_ids"] for o in outs] == [free, [free[1]] * 6]
+    with pytest.raises(ValueError, match="logit_bias token ids .* outside the vocabulary"):
+        engine.generate("Hi", {"logit_bias": {10**6: 1}})
+
+
 def test_min_new_tokens_holds_stop_strings_back_too(engine):
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     free = engine.generate("1, 2, 3, 4,", params)

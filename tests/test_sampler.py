@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from radixlm.runtime.sampler import Sampler, SamplingRow, _filtered_probs, exponential_noise
@@ -88,6 +89,37 @@ def test_banned_tokens_and_plain_greedy():
     out = Sampler()(logits, [row(greedy, banned_ids=(1,)), row(greedy, banned_ids=(0, 2))])
     assert out.token_ids == [2, 1]
     assert logits[0, 1] == 5.0  # the caller's logits are not modified
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 1.0, 2.0]])
+    banned = params(temperature=0, logit_bias={"1": -100})  # JSON's string keys
+    forced = params(temperature=0, logit_bias={2: 100.0})
+    assert not row(banned).is_plain_greedy
+    assert Sampler()(logits, [row(banned), row(forced)]).token_ids == [2, 2]
+    assert logits[0, 1] == 5.0  # the caller's logits are not modified
+    # a sampled row: +100 leaves the other tokens e^-100 of the mass, never drawn in 64 seeds
+    hot = params(temperature=1.0, logit_bias={0: 100})
+    picks = {Sampler()(logits[1:], [row(hot, seed=s)]).token_ids[0] for s in range(64)}
+    assert picks == {0}
+    # the bias applies before the filters: banning the top token of a top-k=1 row
+    top1 = params(temperature=1.0, top_k=1, logit_bias={1: -100})
+    assert Sampler()(logits[:1], [row(top1)]).token_ids == [2]
+
+
+def test_logit_bias_is_validated():
+    for bad, needle in [
+        ({"x": 1}, "token id"),
+        ({-1: 1}, "token id"),
+        ({3: 101}, r"\[-100, 100\]"),
+        ({3: float("nan")}, "logit_bias"),
+        ({3: True}, "logit_bias"),
+        ([3, 1], "object"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            params(logit_bias=bad)
+    assert params(logit_bias={}).logit_bias is None
+    assert params(logit_bias={"7": -2}).logit_bias == {7: -2.0}
 
 
 def test_a_uniform_that_rounds_to_one_leaves_masked_tokens_unchosen():

@@ -237,6 +237,19 @@ def test_completion_usage_and_cached_tokens(client):
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
 
 
+def test_logit_bias_reaches_the_sampler_on_both_apis(client, engine):
+    """OpenAI's logit_bias (string keys, as JSON has them) and SGLang's sampling_params one."""
+    tokens = engine.generate(PROMPT, {"max_new_tokens": 1, "temperature": 0})["output_ids"]
+    forced = engine.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    assert tokens[0] != forced
+    body = {"prompt": PROMPT, "max_tokens": 2, **GREEDY, "logit_bias": {str(forced): 100}}
+    out = client.post("/v1/completions", json=body).json()
+    assert out["choices"][0]["text"] == engine.tokenizer.decode([forced] * 2)
+    native = {"max_new_tokens": 2, "temperature": 0, "logit_bias": {str(forced): 100}}
+    out = client.post("/generate", json={"text": PROMPT, "sampling_params": native}).json()
+    assert out["output_ids"] == [forced] * 2
+
+
 def test_completion_echo_logprobs_and_stream(client):
     body = {"prompt": "1, 2, 3,", "max_tokens": 3, "logprobs": 1, "echo": True, **GREEDY}
     out = client.post("/v1/completions", json=body).json()
@@ -442,6 +455,9 @@ def test_a_text_too_long_for_the_context_is_refused_before_tokenizing(client, en
         ("/generate", {"input_ids": [10**9]}, "vocabulary"),
         ("/generate", {"text": PROMPT, "image_data": "x.png"}, "image_data"),
         ("/generate", {"text": PROMPT, "sampling_params": {"stop_regex": "a+"}}, "stop_regex"),
+        ("/generate", {"text": PROMPT, "sampling_params": {"logit_bias": {"5": 500}}}, "100"),
+        ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"x": 1}}, "token id"),
+        ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"99999999": 1}}, "vocabulary"),
         ("/v1/completions", {"prompt": "", "max_tokens": 2}, "empty"),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": -5}, "max_tokens"),
         ("/v1/completions", {"prompt": PROMPT, "n": 100_000}, "n=100000"),
