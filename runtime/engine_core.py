@@ -6,6 +6,7 @@ hands each request's progress to its sink (a callable run on the core thread, wh
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -78,6 +79,7 @@ class EngineCore:
         self.config = config
         self.context_len = context_len
         self.kv_pool = kv_pool
+        self.device = device
         self.rows = ReqToTokenPool(config.max_running_requests + 1, context_len + 1, device)
         backend = create_backend(
             config.attention_backend, kv_pool, self.rows.table, device,
@@ -187,6 +189,8 @@ class EngineCore:
         only there). An error escaping the loop is a bug of ours: it stops the engine and fails
         every request, and every later call, with its message, rather than leaving them waiting."""
         message = "the engine shut down before the request finished"
+        if self.device.type == "cuda":  # this thread's current device (Triton launches on it)
+            torch.cuda.set_device(self.device)
         try:
             with torch.inference_mode():
                 self._loop()
@@ -551,6 +555,13 @@ def kv_pool_tokens(
             "lower the load, raise mem_fraction_static, or set max_total_tokens"
         )
     return tokens
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` as the calling thread's current CUDA device meanwhile: Triton kernels launch,
+    and CUDA graphs, streams and events are made, on the current device, not the tensors' (the
+    engine on "cuda:1"); a no-op elsewhere."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def free_memory(device: torch.device) -> int:

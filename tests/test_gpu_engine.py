@@ -146,3 +146,21 @@ def test_chunked_prompts_through_prompt_step_graphs_equal_eager(default_model_fo
             stats = eng.get_stats()
     assert stats["prefill_graph_steps"] > 20, stats
     assert outs[0] == outs[1]
+
+
+def test_an_engine_on_the_second_gpu_gives_the_first_ones_tokens(default_model_folder):
+    """Triton launches, graph capture, streams and events follow the thread's current device,
+    not the tensors': an engine on "cuda:1" sets it on its threads (its steps failed, or read
+    tokens before their copy had landed, when they ran on device 0's stream)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    prompts = hundred_prompts()[:8]
+    outs = {}
+    for device in ("cuda:0", "cuda:1"):
+        with radixlm.Engine(default_model_folder, device=device, dtype="float32") as eng:
+            alone = eng.generate(prompts[0], params)["output_ids"]  # graph-replayed decode
+            outs[device] = [alone] + [o["output_ids"] for o in eng.generate(prompts, params)]
+    assert outs["cuda:1"] == outs["cuda:0"]
