@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from radixlm.runtime.forward_batch import ForwardBatch
-from radixlm.runtime.sampler import Sampler, SamplingRow, greedy_ids, top_logprobs
+from radixlm.runtime.sampler import Sampler, SamplingRow, greedy_ids
 from radixlm.runtime.scheduler import ScheduledReq, StepPlan
 from radixlm.runtime.tensors import int64_tensor, packed_to_device, to_device
+
+_LOGPROB_ROWS = 512  # prompt positions scored at once (each a vocabulary-wide float32 row)
 
 
 @dataclass(slots=True)
@@ -332,19 +334,30 @@ class ModelRunner:
         return out
 
     def _input_logprobs(self, logits, it: ScheduledReq, entries, result: ReqStepResult) -> None:
+        """The prompt tokens' log-probabilities (and top lists) at `entries` (logits row, prompt
+        index), a bounded slice of rows at a time (a log-softmax is rows x vocabulary float32)
+        with one copy back per slice rather than one per token."""
         req = it.req
         k = req.logprob.top_logprobs_num
         result.input_logprobs, result.input_top_logprobs = [], []
-        idx = torch.tensor([row for row, _ in entries], dtype=torch.long)
-        lp = torch.log_softmax(logits[idx], dim=-1)
         if req.logprob.logprob_start_len == 0 and not req.input_token_logprobs:
             # the first prompt token has no context to be scored from
             result.input_logprobs.append((None, req.input_ids[0]))
             result.input_top_logprobs.append(None)
-        for j, (_, token_index) in enumerate(entries):
-            token = req.input_ids[token_index]
-            result.input_logprobs.append((float(lp[j, token]), token))
-            result.input_top_logprobs.append(top_logprobs(lp[j], k) if k else None)
+        tokens = [req.input_ids[token_index] for _, token_index in entries]
+        rows, ids = packed_to_device([[row for row, _ in entries], tokens], logits.device)
+        for at in range(0, len(entries), _LOGPROB_ROWS):
+            part = slice(at, at + _LOGPROB_ROWS)
+            lp = torch.log_softmax(logits[rows[part]], dim=-1)
+            chosen = lp.gather(1, ids[part, None]).squeeze(1).tolist()
+            result.input_logprobs.extend(zip(chosen, tokens[part]))
+            if k:
+                values, top_ids = lp.topk(k, dim=-1)
+                result.input_top_logprobs.extend(
+                    list(zip(v, i)) for v, i in zip(values.tolist(), top_ids.tolist())
+                )
+            else:
+                result.input_top_logprobs.extend([None] * len(chosen))
 
 
 def _sampling_row(req) -> SamplingRow:

@@ -96,11 +96,6 @@ def exponential_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     return -torch.log(u)
 
 
-def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
-    values, ids = logprobs.topk(k)
-    return list(zip(values.tolist(), ids.tolist()))
-
-
 class Sampler:
     def __call__(
         self,
@@ -118,12 +113,19 @@ class Sampler:
         """(the chosen token's log-probability, the top list) per row where asked, of the model's
         own distribution (before penalties, masks and filters); (None, None) elsewhere."""
         out: list[tuple[float | None, list[tuple[float, int]] | None]] = [(None, None)] * len(ids)
-        if any(r.want_logprob for r in rows):
-            raw = torch.log_softmax(logits, dim=-1)
-            for i, r in enumerate(rows):
-                if r.want_logprob:
-                    k = r.top_logprobs_num
-                    out[i] = (float(raw[i, ids[i]]), top_logprobs(raw[i], k) if k else None)
+        want = [i for i, r in enumerate(rows) if r.want_logprob]
+        if not want:
+            return out
+        # the asked rows only, and one copy back of their values (not one per row)
+        at, chosen_ids = packed_to_device([want, [ids[i] for i in want]], logits.device)
+        raw = torch.log_softmax(logits[at], dim=-1)
+        chosen = raw.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
+        most = max(rows[i].top_logprobs_num for i in want)
+        if most:
+            values, top_ids = (t.tolist() for t in raw.topk(most, dim=-1))
+        for j, i in enumerate(want):
+            k = rows[i].top_logprobs_num
+            out[i] = (chosen[j], list(zip(values[j][:k], top_ids[j][:k])) if k else None)
         return out
 
     def sample_ids(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -140,9 +142,10 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.params.has_penalties:
                 _apply_penalties(logits[i], r)
-        if banned:
+        if banned:  # (indices from host lists would be a blocking copy: a sync a step)
             rows_idx, tokens = zip(*banned)
-            logits[list(rows_idx), list(tokens)] = float("-inf")
+            at = packed_to_device([list(rows_idx), list(tokens)], logits.device)
+            logits[at[0], at[1]] = float("-inf")
         if constrained:
             _apply_grammar_masks(logits, rows, constrained)
 
@@ -247,8 +250,9 @@ def _apply_penalties(logits: torch.Tensor, r: SamplingRow) -> None:
             )
     if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
         out = _to_device(r.output_ids, torch.long, logits.device)
-        counts = torch.bincount(out, minlength=logits.shape[-1])[: logits.shape[-1]].to(
-            logits.dtype
+        # (not bincount: on CUDA it reads the largest id back to size its output, a sync)
+        counts = torch.zeros_like(logits).index_add_(
+            0, out, torch.ones_like(out, dtype=logits.dtype)
         )
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
