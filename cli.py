@@ -22,7 +22,8 @@ _ENGINE_HELP = {
     "file; default: the embedded SmolLM2-135M-Instruct",
     "tokenizer_path": "a tokenizer folder, when it is not the model's",
     "device": "cpu, cuda or cuda:N (default: cuda when available)",
-    "dtype": "weights and KV dtype: auto (bfloat16 on GPU, float32 on CPU), float32, float16, "
+    "dtype": "weights and KV dtype: auto (float32 on CPU; on GPU the checkpoint's float16, else "
+    "bfloat16), float32, float16, "
     "bfloat16 (half and float: float16 and float32, as in SGLang)",
     "context_length": "the longest sequence (prompt + output) in tokens (default: the model's)",
     "mem_fraction_static": "the share of free memory given to the KV pool (default: 0.85 on GPU, "

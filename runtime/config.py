@@ -29,7 +29,9 @@ class EngineConfig:
     model_path: str | None = None
     tokenizer_path: str | None = None
     device: str | None = None  # cpu, cuda or cuda:N; default: "cuda" when available, else "cpu"
-    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    # auto: float32 on CPU; on GPU float16 for a float16 checkpoint, else bfloat16 (float16 on a
+    # GPU without bfloat16)
+    dtype: str = "auto"
     context_length: int | None = None  # default: the model's max_position_embeddings
     # KV pool size: a fraction of the memory free after loading the weights ...
     mem_fraction_static: float | None = None  # default: 0.85 on GPU, 0.25 on CPU

@@ -41,6 +41,18 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
+def auto_dtype(device: torch.device, hf_config: Any) -> str:
+    """dtype "auto": float32 on the CPU; on a GPU the checkpoint's half type (a float16
+    checkpoint stays float16: bfloat16 would drop three bits of each weight), else bfloat16,
+    or float16 on a GPU without bfloat16 (before Ampere)."""
+    if device.type != "cuda":
+        return "float32"
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if saved in (torch.float16, "float16"):
+        return "float16"
+    return "bfloat16" if torch.cuda.get_device_capability(device) >= (8, 0) else "float16"
+
+
 class Engine:
     """An in-process inference engine. Thread-safe: calls from many threads or coroutines are
     batched together by the engine core, which runs in its own thread."""
@@ -67,12 +79,6 @@ class Engine:
         if config.chunked_prefill_size is None:  # resolved here, so the value in use is reported
             chunk = 8192 if self.device.type == "cuda" else 2048
             self.config = config = dataclasses.replace(config, chunked_prefill_size=chunk)
-        dtype_name = (
-            config.dtype
-            if config.dtype != "auto"
-            else ("bfloat16" if self.device.type == "cuda" else "float32")
-        )
-        self.dtype = _DTYPES[dtype_name]
         dummy = config.load_format == "dummy"
         folder = model_loader.resolve_model_folder(
             config.model_path, config.cache_dir, need_weights=not dummy
@@ -80,6 +86,10 @@ class Engine:
         self.model_folder = folder
         self.tokenizer = model_loader.load_tokenizer(config.tokenizer_path or folder)
         hf_config = model_loader.load_hf_config(folder)
+        dtype_name = config.dtype
+        if dtype_name == "auto":
+            dtype_name = auto_dtype(self.device, hf_config)
+        self.dtype = _DTYPES[dtype_name]
         self.model_config = mc = ModelConfig.from_hf(hf_config)
         self.context_len = mc.context_limit(config.context_length)
 

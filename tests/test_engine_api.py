@@ -394,3 +394,23 @@ def test_a_stream_read_late_holds_its_newest_snapshot_not_one_a_step(engine):
 
     first, rest = asyncio.run(read_late())
     assert len(rest) <= 2 and rest[-1]["output_ids"] == full["output_ids"]
+
+
+def test_auto_dtype_keeps_a_float16_checkpoint_in_float16_on_a_gpu(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from radixlm.runtime.engine import auto_dtype
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda:0")
+    saved = {name: SimpleNamespace(dtype=name) for name in ("float16", "bfloat16", "float32")}
+    assert auto_dtype(cpu, saved["float16"]) == "float32"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert auto_dtype(gpu, saved["float16"]) == "float16"
+    assert auto_dtype(gpu, SimpleNamespace(torch_dtype=torch.float16)) == "float16"
+    assert auto_dtype(gpu, saved["bfloat16"]) == "bfloat16"
+    assert auto_dtype(gpu, saved["float32"]) == "bfloat16"
+    assert auto_dtype(gpu, SimpleNamespace()) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert auto_dtype(gpu, saved["bfloat16"]) == "float16"  # no bfloat16 before Ampere
