@@ -477,6 +477,22 @@ class EngineCore:
 
     def _finish(self, req: Req) -> None:
         self.scheduler.remove(req)
+        try:
+            self._final_text(req)
+        except Exception as e:  # this request's own text failed it; the engine goes on
+            logger.exception("finishing the text of request %s failed", req.rid)
+            req.error = f"finishing the output failed: {type(e).__name__}: {e}"
+            req.finish({"type": "abort", "message": req.error})
+        if self._reqs.pop(req.rid, None) is not None:
+            self._num_lockstep -= req.needs_lockstep
+            self._num_not_greedy -= not req.plain_greedy
+        self._progress.pop(req.rid, None)
+        sink = self._sinks.pop(req.rid, None)
+        if sink is not None:
+            self._deliver(req, sink, True)
+
+    @staticmethod
+    def _final_text(req: Req) -> None:
         req.detokenizer.flush()
         matched = req.detokenizer.matched_stop
         if matched is not None and (req.finish_reason or {}).get("type") in ("length", "stop"):
@@ -485,13 +501,6 @@ class EngineCore:
         grammar = getattr(req.grammar, "grammar", None)
         if grammar is not None and grammar.lenient:  # skipped keywords: check what was made
             req.grammar_validation = grammar.validate_output(req.detokenizer.text)
-        if self._reqs.pop(req.rid, None) is not None:
-            self._num_lockstep -= req.needs_lockstep
-            self._num_not_greedy -= not req.plain_greedy
-        self._progress.pop(req.rid, None)
-        sink = self._sinks.pop(req.rid, None)
-        if sink is not None:
-            self._deliver(req, sink, True)
 
     def _deliver(self, req: Req, sink: Sink, finished: bool) -> None:
         """Run a request's sink: the caller's code (a closed event loop raises there), so an error

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _MAX_STOP_STRINGS = 64
-LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit bias: [-100, 100]
+LOGIT_BIAS_LIMIT = 100.0
+_MAX_TOP_K = 2**31 - 1  # OpenAI's range for a logit bias: [-100, 100]
 
 
 # a temperature below this samples as greedy (as in SGLang and vLLM)
@@ -102,11 +103,16 @@ class SamplingParams:
         check_float("temperature", 0.0, 100.0)
         check_float("top_p", 0.0, 1.0, low_open=True)
         check_int("top_k", -1)
+        # (any top_k past the vocabulary keeps it all: held to int32 for the device's int64 math)
+        self.top_k = min(self.top_k, _MAX_TOP_K)
         check_float("min_p", 0.0, 1.0)
         check_float("frequency_penalty", -2.0, 2.0)
         check_float("presence_penalty", -2.0, 2.0)
         check_float("repetition_penalty", 0.0, 2.0, low_open=True)
         check_int("n", 1, 128)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.seed is not None:  # any integer (OpenAI's are signed 64-bit), taken mod 2**64
             if isinstance(self.seed, bool) or not isinstance(self.seed, int):
                 bad(f"seed must be an integer, got {self.seed!r}")

@@ -140,9 +140,14 @@ def _text(content: Any, index: int) -> str:
         return content
     parts = []
     for part in content:
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise bad_request(
                 f"messages[{index}] has a {part.type!r} part; this model takes text only",
+                f"messages[{index}].content",
+            )
+        if part.text is None:
+            raise bad_request(
+                f"messages[{index}] has a text part without its 'text'",
                 f"messages[{index}].content",
             )
         parts.append(part.text)

@@ -48,6 +48,8 @@ async def read_json(
         raise bad_request(f"invalid request: {e}", _param_of(str(e))) from e
     except msgspec.DecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise bad_request("the request body is nested too deeply") from e
 
 
 def _param_of(message: str) -> str | None:

@@ -131,7 +131,7 @@ def translate_sampling_params(state: ServerState, value: Any) -> NativeSampling:
         else:
             params[key] = v
     if dtype is not None:
-        regex = _DTYPE_REGEX.get(dtype)
+        regex = _DTYPE_REGEX.get(dtype) if isinstance(dtype, str) else None
         if regex is None:
             raise bad_request(
                 f"sampling_params.dtype={dtype!r}; use one of {sorted(_DTYPE_REGEX)}",

@@ -163,6 +163,11 @@ def _sampling_params(
 
 
 def _apply_response_format(params: dict[str, Any], fmt: ResponseFormat | None) -> None:
+    if fmt is not None and fmt.json_schema is not None and fmt.type != "json_schema":
+        raise bad_request(
+            f"response_format.json_schema comes with type 'json_schema', not {fmt.type!r}",
+            "response_format",
+        )
     if fmt is None or fmt.type == "text":
         return
     if fmt.type == "json_object":

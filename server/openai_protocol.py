@@ -122,7 +122,7 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    _NULL_MEANS = {**_SamplingFields._NULL_MEANS, "echo": False}
+    _NULL_MEANS = {**_SamplingFields._NULL_MEANS, "echo": False, "max_tokens": 16}
     # a string, a list of strings, a list of token ids or a list of lists (checked by hand:
     # msgspec unions hold one array type at most)
     prompt: Any = None

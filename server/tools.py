@@ -117,6 +117,13 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> Too
             raise bad_request(f"two tools are named {fn.name!r}", "tools")
         seen.add(fn.name)
         parameters = fn.parameters if fn.parameters is not None else {"type": "object"}
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            # a call's arguments are a JSON object: a schema of anything else has no call
+            raise bad_request(
+                f"tools[{i}].function.parameters must be a JSON schema of an object "
+                f'(type "object"), got {parameters!r:.200}',
+                "tools",
+            )
         function: dict[str, Any] = {"name": fn.name, "parameters": parameters}
         if fn.description:
             function["description"] = fn.description

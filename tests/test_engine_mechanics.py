@@ -210,3 +210,25 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_sampled(tmp_path, default_
         )
     for out in outs:
         assert out["output_ids"] and max(out["output_ids"]) < 49152
+
+
+def test_a_request_whose_text_cannot_be_finished_fails_alone(tiny_model_folder, monkeypatch):
+    """An error finishing one request's text (its detokenizer, its grammar's check) fails that
+    request; it escaped the core loop before, and stopped the engine for everyone."""
+    from radixlm.runtime.engine_core import EngineCore
+
+    final_text = EngineCore._final_text
+
+    def failing(req):
+        if req.input_ids[0] == 7:
+            raise TypeError("injected in the text")
+        final_text(req)
+
+    monkeypatch.setattr(EngineCore, "_final_text", staticmethod(failing))
+    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    with radixlm.Engine(tiny_model_folder) as eng:
+        bad, good = eng.generate(input_ids=[[7, 8, 9], [5, 8, 9]], sampling_params=params)
+        reason = bad["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "injected in the text" in reason["message"], reason
+        assert len(good["output_ids"]) == 3
+        assert eng.generate(input_ids=[5, 8], sampling_params=params)["output_ids"]

@@ -457,6 +457,41 @@ def test_a_text_too_long_for_the_context_is_refused_before_tokenizing(client, en
         ("/generate", {"text": PROMPT, "sampling_params": {"stop_regex": "a+"}}, "stop_regex"),
         ("/generate", {"text": PROMPT, "sampling_params": {"logit_bias": {"5": 500}}}, "100"),
         ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"x": 1}}, "token id"),
+        # (these were 500s, and the first stopped the engine for everyone)
+        (
+            "/generate",
+            {"text": PROMPT, "sampling_params": {"max_new_tokens": 2, "skip_special_tokens": 1}},
+            "skip_special_tokens",
+        ),
+        ("/generate", {"text": PROMPT, "sampling_params": {"ignore_eos": "no"}}, "ignore_eos"),
+        ("/generate", {"text": PROMPT, "sampling_params": {"n": 2, "seed": "abc"}}, "seed"),
+        ("/generate", {"text": PROMPT, "sampling_params": {"dtype": []}}, "dtype"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ],
+            },
+            "object",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object", "json_schema": {"schema": {}}},
+            },
+            "json_schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "without its 'text'",
+        ),
         ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"99999999": 1}}, "vocabulary"),
         ("/v1/completions", {"prompt": "", "max_tokens": 2}, "empty"),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": -5}, "max_tokens"),
@@ -493,6 +528,29 @@ def test_bad_input_is_a_400_with_a_message(client, path, body, needle):
     error = r.json()["error"]
     assert needle in error["message"] + str(error["param"])
     assert error["type"] == "invalid_request_error"
+
+
+def test_a_body_nested_too_deeply_is_a_400(client):
+    deep = "[" * 5000 + "]" * 5000
+    for path, body in [
+        ("/generate", '{"text": "Hi", "rid": ' + deep + "}"),
+        ("/v1/completions", '{"prompt": ' + deep + "}"),
+    ]:
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nested" in r.json()["error"]["message"], r.text
+
+
+def test_a_forced_top_k_past_int64_fails_no_one_else(client, engine):
+    """(top_k = 2**63 overflowed the sampler's int64 tensor and failed the whole step)"""
+    body = {"prompt": PROMPT, "max_tokens": 2, "top_k": 2**63, "temperature": 0.7, "seed": 1}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_completion_max_tokens_null_is_the_default_16(client):
+    body = {"prompt": PROMPT, "max_tokens": None, "ignore_eos": True, **GREEDY}
+    assert client.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 16
 
 
 def test_malformed_json_unknown_model_and_too_long_prompt(client, engine):
