@@ -109,6 +109,8 @@ def _sampling_params(
     prompt_len: int,
 ) -> dict[str, Any]:
     """The engine's sampling params from the fields both endpoints share."""
+    if not req.stream and any(_stream_usage(req)):
+        raise bad_request("stream_options applies to streams: set stream to true", "stream_options")
     info = state.backend.model_info()
     if max_tokens is None:  # as much as the context (and the KV pool) leaves
         room = info.context_len

@@ -457,6 +457,11 @@ def test_a_text_too_long_for_the_context_is_refused_before_tokenizing(client, en
         ("/generate", {"text": PROMPT, "sampling_params": {"stop_regex": "a+"}}, "stop_regex"),
         ("/generate", {"text": PROMPT, "sampling_params": {"logit_bias": {"5": 500}}}, "100"),
         ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"x": 1}}, "token id"),
+        (
+            "/v1/completions",
+            {"prompt": PROMPT, "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
         # (these were 500s, and the first stopped the engine for everyone)
         (
             "/generate",
