@@ -364,12 +364,12 @@ class Engine:
         if not return_logprob:
             return LogprobRequest()
         start = -1 if start is None else start
-        if not isinstance(start, int) or start < -1 or start > prompt_len:
+        if isinstance(start, bool) or not isinstance(start, int) or not -1 <= start <= prompt_len:
             raise ValueError(
                 f"logprob_start_len={start} must be -1 (output only) or in [0, {prompt_len}]"
             )
-        top = top or 0
-        if not isinstance(top, int) or not 0 <= top <= 100:
+        top = 0 if top is None else top
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 100:
             raise ValueError(f"top_logprobs_num={top} must be in [0, 100]")
         return LogprobRequest(True, start, top)
 

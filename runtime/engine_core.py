@@ -295,14 +295,32 @@ class EngineCore:
             for i, req in enumerate(plan.decodes):
                 if req.num_pending:
                     req.num_pending -= 1
-                apply(req, tokens[i], extras.get(i))
+                try:
+                    apply(req, tokens[i], extras.get(i))
+                except Exception as e:
+                    self._contain(req, e)
         else:
             self._apply_decodes(plan.decodes, tokens)
         for i, item in enumerate(plan.items, len(plan.decodes)):
             req = item.req
             if item.samples and req.num_pending:
                 req.num_pending -= 1
-            apply(req, tokens[i], extras.get(i) if extras else None)
+            try:
+                apply(req, tokens[i], extras.get(i) if extras else None)
+            except Exception as e:
+                self._contain(req, e)
+
+    def _contain(self, req: Req, e: Exception) -> None:
+        """An error applying one request's token (its detokenizer, stop checks, grammar) fails
+        that request, not the engine with everyone in it."""
+        logger.exception("applying a token of request %s failed", req.rid)
+        if req.rid not in self._reqs:  # (finished already)
+            return
+        if req.pool_row is not None and req.kv_len > len(req.all_ids):
+            # its token was not applied: the K/V that a step in flight computes for it belongs to
+            # no token (a step launched later may reuse the slot: it runs after that one)
+            self.cache.truncate(req, len(req.all_ids))
+        self._fail(req, f"internal error applying its token: {type(e).__name__}: {e}")
 
     def _apply_decodes(self, reqs: list[Req], tokens: list[int]) -> None:
         """`_apply` for a step's decodes when no request asked for log-probabilities, with the
@@ -315,22 +333,25 @@ class EngineCore:
             if req.num_pending:
                 req.num_pending -= 1
             out = req.output_ids
-            if (
-                req.plain_output
-                and req.status is running
-                and out
-                and token not in req.finish_token_ids
-                and len(out) + 1 < req.max_output_len
-            ):
-                out.append(token)
-                req.detokenizer.add_one(token)
-                plain += 1
-                if progress:
-                    sink = progress.get(req.rid)
-                    if sink is not None:
-                        self._deliver(req, sink, False)
-            else:
-                self._apply(req, token, None)
+            try:
+                if (
+                    req.plain_output
+                    and req.status is running
+                    and out
+                    and token not in req.finish_token_ids
+                    and len(out) + 1 < req.max_output_len
+                ):
+                    out.append(token)
+                    req.detokenizer.add_one(token)
+                    plain += 1
+                    if progress:
+                        sink = progress.get(req.rid)
+                        if sink is not None:
+                            self._deliver(req, sink, False)
+                else:
+                    self._apply(req, token, None)
+            except Exception as e:
+                self._contain(req, e)
         self.num_generated_tokens += plain
 
     def _fail_step(self, plan, e: Exception) -> None:
@@ -357,16 +378,23 @@ class EngineCore:
             kind, payload = msg
             if kind == "add":
                 req, sink, progress = payload
-                self._reqs[req.rid] = req
-                self._sinks[req.rid] = sink
-                if progress:
-                    self._progress[req.rid] = sink
-                req.max_output_len = min(
-                    req.params.max_new_tokens, self.context_len - len(req.input_ids)
-                )
-                self._num_lockstep += req.needs_lockstep
-                self._num_not_greedy += not req.plain_greedy
-                self.scheduler.add(req)
+                try:
+                    req.max_output_len = min(
+                        req.params.max_new_tokens, self.context_len - len(req.input_ids)
+                    )
+                    lockstep, not_greedy = req.needs_lockstep, not req.plain_greedy
+                except Exception as e:  # a request the checks let through: it alone fails
+                    req.error = f"the request could not be admitted: {type(e).__name__}: {e}"
+                    req.finish({"type": "abort", "message": req.error})
+                    self._deliver(req, sink, True)
+                else:
+                    self._reqs[req.rid] = req
+                    self._sinks[req.rid] = sink
+                    if progress:
+                        self._progress[req.rid] = sink
+                    self._num_lockstep += lockstep
+                    self._num_not_greedy += not_greedy
+                    self.scheduler.add(req)
             elif kind == "abort":
                 req = self._reqs.get(payload)
                 if req is not None:

@@ -49,8 +49,10 @@ class SamplingParams:
         """Build from a user's dict; unknown keys are an error naming the valid ones."""
         if params is None:
             return cls()
-        if isinstance(params, SamplingParams):
-            return dataclasses.replace(params)
+        if isinstance(params, SamplingParams):  # (built by hand: checked like a dict's)
+            sp = dataclasses.replace(params)
+            sp.validate()
+            return sp
         if not isinstance(params, dict):
             raise TypeError(f"sampling params must be a dict, got {type(params).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}

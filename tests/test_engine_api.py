@@ -10,6 +10,7 @@ import pytest
 
 import radixlm
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "My favourite food is", "Water boils at"]
 
@@ -160,6 +161,12 @@ def test_async_generate_and_async_stream(engine):
         ({"input_ids": [1, 2, 10**9]}, "vocabulary"),
         ({"prompt": "x " * 9000}, "context"),
         ({"prompt": None}, "exactly one"),
+        # a SamplingParams built by hand is checked as a dict is (it skipped the checks, and a
+        # non-boolean skip_special_tokens then stopped the engine)
+        ({"prompt": "hi", "sampling_params": SamplingParams(skip_special_tokens=1)}, "skip_"),
+        ({"prompt": "hi", "sampling_params": SamplingParams(temperature="0.5")}, "temperature"),
+        ({"prompt": "hi", "return_logprob": True, "top_logprobs_num": True}, "top_logprobs"),
+        ({"prompt": "hi", "return_logprob": True, "logprob_start_len": True}, "logprob_start"),
     ],
 )
 def test_bad_input_raises_a_clear_value_error(engine, kwargs, message):

@@ -232,3 +232,31 @@ def test_a_request_whose_text_cannot_be_finished_fails_alone(tiny_model_folder, 
         assert reason["type"] == "abort" and "injected in the text" in reason["message"], reason
         assert len(good["output_ids"]) == 3
         assert eng.generate(input_ids=[5, 8], sampling_params=params)["output_ids"]
+
+
+def test_an_error_applying_one_requests_token_fails_that_request_alone(
+    tiny_model_folder, monkeypatch
+):
+    from radixlm.runtime.engine_core import EngineCore
+
+    apply = EngineCore._apply
+
+    def failing(self, req, token, extra):
+        if req.input_ids[0] == 7 and req.output_ids:  # its second token, on the decode path
+            raise TypeError("injected while applying")
+        apply(self, req, token, extra)
+
+    monkeypatch.setattr(EngineCore, "_apply", failing)
+    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "stop": ["\x00"]}
+    with radixlm.Engine(tiny_model_folder) as eng:
+        bad, good = eng.generate(input_ids=[[7, 8, 9], [5, 8, 9]], sampling_params=params)
+        reason = bad["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "injected while applying" in reason["message"]
+        assert len(good["output_ids"]) == 4
+        assert len(eng.generate(input_ids=[7, 8], sampling_params=params)["output_ids"]) == 1
+        stats = eng.get_stats()
+        assert stats["num_running_reqs"] == 0
+        assert (
+            stats["kv_pool_free_tokens"] + stats["radix_cache_tokens"]
+            == stats["kv_pool_capacity_tokens"]
+        )
