@@ -436,7 +436,14 @@ class EngineCore:
             req.output_top_logprobs.append(top)
         grammar = req.grammar
         if grammar is not None and not grammar.accept_token(token):
-            self._fail(req, f"internal error: the grammar refused the sampled token {token}")
+            if not grammar.next_token_mask().any():  # every token masked: none was allowed
+                self._fail(
+                    req,
+                    "the grammar cannot go on: no token of this model's vocabulary continues it "
+                    "here (it asks for text the tokenizer cannot produce)",
+                )
+            else:
+                self._fail(req, f"internal error: the grammar refused the sampled token {token}")
             return
         if token in req.finish_token_ids:
             req.finish({"type": "stop", "matched": token})

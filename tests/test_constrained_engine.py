@@ -261,3 +261,12 @@ def test_jump_forward_after_a_long_free_run_never_rolls_back_past_the_grammars_m
     for out in outs:
         assert out["meta_info"]["finish_reason"]["type"] != "abort", out["meta_info"]
         assert re.fullmatch("[a-z]{400}-done-and-finished", out["text"]), out["text"][-40:]
+
+
+def test_a_grammar_no_token_can_continue_fails_with_that_reason(engine):
+    """U+10FFFF is a valid regex character no tokenizer produces: every token is masked at once,
+    and the request says so (it said "internal error: the grammar refused the sampled token 0")."""
+    out = engine.generate("Hi", {"max_new_tokens": 3, "regex": "\U0010ffff+"})
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "cannot go on" in reason["message"], reason
+    assert engine.generate("Hi", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
