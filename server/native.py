@@ -399,7 +399,7 @@ async def server_info(request: Request) -> Response:
     return json_response(info)
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # (some load balancers probe with HEAD)
 async def health(request: Request) -> Response:
     if not _state(request).backend.is_alive():
         raise unavailable("the engine is not running")

@@ -205,6 +205,7 @@ def test_model_and_server_info(client, engine):
 
 def test_health_health_generate_and_flush_cache(client):
     assert client.get("/health").status_code == 200
+    assert client.head("/health").status_code == 200
     assert client.get("/health_generate").status_code == 200
     r = client.post("/flush_cache", json={"empty_cache": True})
     assert r.status_code == 200
