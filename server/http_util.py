@@ -54,8 +54,8 @@ async def read_json(
 
 def _param_of(message: str) -> str | None:
     """The field a msgspec validation message points at: `$.a.b[0]` -> `a.b[0]`."""
+    where = message.split("at `$.", 1)[1].split("`", 1)[0] if "at `$." in message else None
     if "unknown field `" in message:
-        return message.split("unknown field `", 1)[1].split("`", 1)[0]
-    if "at `$." in message:
-        return message.split("at `$.", 1)[1].split("`", 1)[0]
-    return None
+        field = message.split("unknown field `", 1)[1].split("`", 1)[0]
+        return f"{where}.{field}" if where else field
+    return where

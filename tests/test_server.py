@@ -536,6 +536,15 @@ def test_bad_input_is_a_400_with_a_message(client, path, body, needle):
     assert error["type"] == "invalid_request_error"
 
 
+def test_an_unknown_nested_field_is_named_with_its_path(client):
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "text", "a": 1},
+    }
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.a", r.text
+
+
 def test_a_body_nested_too_deeply_is_a_400(client):
     deep = "[" * 5000 + "]" * 5000
     for path, body in [
