@@ -59,7 +59,7 @@ ABLATIONS = {
     "gemv": "RADIXLM_DISABLE_GEMV",  # no start-up tuning: cuBLAS and separate kernels
     "fusedgemv": "RADIXLM_DISABLE_FUSED_GEMV",  # only the norm / SiLU fused into the GEMV
     "ropestore": "RADIXLM_DISABLE_FUSED_ROPE_STORE",  # only rope fused into the KV store
-    "pdl": "RADIXLM_DISABLE_PDL",  # GEMVs launched one after another, not early (Hopper on)
+    "pdl": "RADIXLM_DISABLE_PDL",  # each Triton kernel launched after the last ends (Hopper on)
 }
 
 

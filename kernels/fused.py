@@ -42,8 +42,13 @@ def pdl_launch(x: torch.Tensor) -> bool:
     return (
         x.is_cuda
         and os.environ.get("RADIXLM_DISABLE_PDL") != "1"
+        and _HAS_GDC
         and _capability(x.device.index) >= (9, 0)
     )
+
+
+# grid dependency control (gdc_wait, launch_pdl) is in recent Tritons only: without it, no PDL
+_HAS_GDC = hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
 
 
 def pdl_options(x: torch.Tensor) -> dict:

@@ -76,6 +76,8 @@ class Engine:
                 f"device={config.device!r}, but torch sees only {torch.cuda.device_count()} "
                 "CUDA device(s), numbered from 0"
             )
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if config.chunked_prefill_size is None:  # resolved here, so the value in use is reported
             chunk = 8192 if self.device.type == "cuda" else 2048
             self.config = config = dataclasses.replace(config, chunked_prefill_size=chunk)

@@ -189,9 +189,9 @@ class EngineCore:
         only there). An error escaping the loop is a bug of ours: it stops the engine and fails
         every request, and every later call, with its message, rather than leaving them waiting."""
         message = "the engine shut down before the request finished"
-        if self.device.type == "cuda":  # this thread's current device (Triton launches on it)
-            torch.cuda.set_device(self.device)
         try:
+            if self.device.type == "cuda":  # this thread's current device (Triton launches on it)
+                torch.cuda.set_device(self.device)
             with torch.inference_mode():
                 self._loop()
         except Exception as e:
@@ -316,6 +316,8 @@ class EngineCore:
         logger.exception("applying a token of request %s failed", req.rid)
         if req.rid not in self._reqs:  # (finished already)
             return
+        if req.status is ReqStatus.FINISHED:  # failed inside _finish: its memory is in doubt
+            raise e
         if req.pool_row is not None and req.kv_len > len(req.all_ids):
             # its token was not applied: the K/V that a step in flight computes for it belongs to
             # no token (a step launched later may reuse the slot: it runs after that one)

@@ -121,8 +121,7 @@ class Sampler:
         raw = torch.log_softmax(logits[at], dim=-1)
         chosen = raw.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
         most = max(rows[i].top_logprobs_num for i in want)
-        if most:
-            values, top_ids = (t.tolist() for t in raw.topk(most, dim=-1))
+        values, top_ids = (t.tolist() for t in raw.topk(most, dim=-1)) if most else ([], [])
         for j, i in enumerate(want):
             k = rows[i].top_logprobs_num
             out[i] = (chosen[j], list(zip(values[j][:k], top_ids[j][:k])) if k else None)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _MAX_STOP_STRINGS = 64
-LOGIT_BIAS_LIMIT = 100.0
-_MAX_TOP_K = 2**31 - 1  # OpenAI's range for a logit bias: [-100, 100]
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit bias: [-100, 100]
+_MAX_TOP_K = 2**31 - 1
 
 
 # a temperature below this samples as greedy (as in SGLang and vLLM)

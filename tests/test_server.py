@@ -555,8 +555,8 @@ def test_a_body_nested_too_deeply_is_a_400(client):
         assert r.status_code == 400 and "nested" in r.json()["error"]["message"], r.text
 
 
-def test_a_forced_top_k_past_int64_fails_no_one_else(client, engine):
-    """(top_k = 2**63 overflowed the sampler's int64 tensor and failed the whole step)"""
+def test_a_top_k_past_int64_samples_as_the_whole_vocabulary(client, engine):
+    """(top_k = 2**63 overflowed the sampler's int64 tensor and failed its whole step)"""
     body = {"prompt": PROMPT, "max_tokens": 2, "top_k": 2**63, "temperature": 0.7, "seed": 1}
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
