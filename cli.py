@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 # Engine options: EngineConfig field -> help. Every field of EngineConfig becomes an option; one
@@ -56,15 +55,6 @@ _ENGINE_HELP = {
 }
 
 
-def _dtype(text: str) -> str:
-    """A dtype name; SGLang's half and float are float16 and float32."""
-    return {"half": "float16", "float": "float32"}.get(text, text)
-
-
-# how an engine option's text is read, where that is not by its field's type
-_ENGINE_OPTION_TYPES: dict[str, Callable[[str], Any]] = {"dtype": _dtype}
-
-
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     from radixlm.runtime.config import EngineConfig
 
@@ -82,8 +72,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         elif kind is bool:
             group.add_argument(flag, dest=f.name, action="store_true", default=None, help=help)
         else:
-            parse = _ENGINE_OPTION_TYPES.get(f.name, kind)
-            group.add_argument(flag, dest=f.name, type=parse, default=None, help=help)
+            group.add_argument(flag, dest=f.name, type=kind, default=None, help=help)
 
 
 def _field_kind(f: dataclasses.Field) -> type:

@@ -52,8 +52,9 @@ _HAS_GDC = hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait"
 
 
 def pdl_options(x: torch.Tensor) -> dict:
-    """The launch keywords for `pdl_launch(x)`: pass PDL=bool(options) to the kernel as well."""
-    return {"launch_pdl": True} if pdl_launch(x) else {}
+    """The keywords of a launch of a kernel taking `PDL: tl.constexpr` (see `pdl_start`) for
+    tensors like x: its PDL flag, and the launch option when it is on."""
+    return {"PDL": True, "launch_pdl": True} if pdl_launch(x) else {"PDL": False}
 
 
 @functools.cache
@@ -141,14 +142,13 @@ def rms_norm(
     if rows == 0:
         return out, res_out
     res = residual if residual is not None else x
-    pdl = pdl_options(x)
     _rms_norm_kernel[(rows,)](
         x, res, weight, out, res_out if res_out is not None else out,
         x.stride(0), res.stride(0), out.stride(0),
         res_out.stride(0) if res_out is not None else 0,
         n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), PDL=bool(pdl),
-        num_warps=4 if n <= 2048 else 8, **pdl,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
+        num_warps=4 if n <= 2048 else 8, **pdl_options(x),
     )  # fmt: skip
     return out, res_out
 
@@ -242,7 +242,6 @@ def rope_store_kv_(
     kv_heads = k.shape[1]
     if tokens:
         half = dim // 2
-        pdl = pdl_options(q)
         _rope_store_kv_kernel[(tokens,)](
             q, k, v, positions, cos, sin, k_pool, v_pool, loc,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -250,7 +249,7 @@ def rope_store_kv_(
             q_heads, kv_heads,
             HALF=half, BLOCK_HQ=triton.next_power_of_2(q_heads),
             BLOCK_HKV=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(half),
-            PDL=bool(pdl), num_warps=4, **pdl,
+            num_warps=4, **pdl_options(q),
         )  # fmt: skip
     return q
 
@@ -275,10 +274,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = min(1024, triton.next_power_of_2(n))
-        pdl = pdl_options(gate_up)
         _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, PDL=bool(pdl),
-            num_warps=4, **pdl,
+            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block,
+            num_warps=4, **pdl_options(gate_up),
         )  # fmt: skip
     return out
 

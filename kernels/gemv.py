@@ -266,13 +266,13 @@ def _launch(
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NORM_BLOCK=_norm_block(k, rows, config), LATE_SUM=config.late_sum and not config.dot,
-        PREFETCH=config.prefetch and not config.dot, DOT=config.dot, ROWS=rows, PDL=bool(launch),
+        PREFETCH=config.prefetch and not config.dot, DOT=config.dot, ROWS=rows,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )  # fmt: skip
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, 128),)](
             part, bias if bias is not None else weight, y, m, n, splits, y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=rows, BLOCK_N=128, PDL=bool(launch), num_warps=4,
+            HAS_BIAS=bias is not None, BLOCK_M=rows, BLOCK_N=128, num_warps=4,
             **launch,
         )  # fmt: skip
     return y

@@ -399,7 +399,7 @@ def decode_attention(
         k_new, v_new, pos, cos, sin, loc = rope
     else:  # (unused: any tensors of the right kinds)
         k_new, v_new, pos, cos, sin, loc = q, q, seq_lens, q, q, seq_lens
-    pdl = pdl_options(q)
+    pdl = pdl_options(q)  # (both kernels)
     _decode_partial_kernel[(batch, num_kv_heads * head_blocks, num_kv_splits)](
         q,
         k_pool,
@@ -440,7 +440,6 @@ def decode_attention(
         DOT_PRECISION=_dot_precision(q),
         UPCAST_DOT=_upcast_dot(q),
         ROPE=rope is not None,
-        PDL=bool(pdl),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,
@@ -462,7 +461,6 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)),
-        PDL=bool(pdl),
         num_warps=4 if q.device.type == "cuda" else 1,
         **pdl,
     )

@@ -16,6 +16,7 @@ def default_cache_dir() -> str:
 
 
 _DEVICE_NAME = re.compile(r"cpu|cuda(:[0-9]+)?")
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as SGLang reads them
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class EngineConfig:
 
         if self.device is not None and not _DEVICE_NAME.fullmatch(self.device):
             bad(f"device={self.device!r}; use cpu, cuda or cuda:N (N: the GPU's index)")
+        if self.dtype in _DTYPE_ALIASES:  # SGLang's names
+            object.__setattr__(self, "dtype", _DTYPE_ALIASES[self.dtype])
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             bad(f"dtype={self.dtype!r}; use one of auto, float32, float16, bfloat16")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:

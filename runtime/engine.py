@@ -386,14 +386,13 @@ class Engine:
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
-        bad = sorted(t for t in params.logit_bias or () if t >= vocab)
-        if bad:
-            raise ValueError(
-                f"logit_bias token ids {bad[:5]} lie outside the vocabulary [0, {vocab})"
-            )
+        for name, token_ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias token ids", params.logit_bias or ()),
+        ):
+            bad = sorted(t for t in token_ids if t >= vocab)
+            if bad:
+                raise ValueError(f"{name} {bad[:5]} lie outside the vocabulary [0, {vocab})")
         if len(ids) >= self.context_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens; the model's context is {self.context_len}: shorten the prompt"

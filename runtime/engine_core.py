@@ -224,8 +224,7 @@ class EngineCore:
                 self._fail(req, message)
             except Exception:  # the state may be what broke: still tell the caller
                 try:
-                    req.error = message
-                    req.finish({"type": "abort", "message": message})
+                    req.fail(message)
                     sink = self._sinks.pop(req.rid, None)
                     if sink is not None:
                         sink(req, True)
@@ -290,25 +289,25 @@ class EngineCore:
             self._fail_step(plan, e)
             return
         tokens, extras = results.tokens, results.extras
-        apply = self._apply
+        apply = self._apply_contained
         if extras:
             for i, req in enumerate(plan.decodes):
                 if req.num_pending:
                     req.num_pending -= 1
-                try:
-                    apply(req, tokens[i], extras.get(i))
-                except Exception as e:
-                    self._contain(req, e)
+                apply(req, tokens[i], extras.get(i))
         else:
             self._apply_decodes(plan.decodes, tokens)
         for i, item in enumerate(plan.items, len(plan.decodes)):
             req = item.req
             if item.samples and req.num_pending:
                 req.num_pending -= 1
-            try:
-                apply(req, tokens[i], extras.get(i) if extras else None)
-            except Exception as e:
-                self._contain(req, e)
+            apply(req, tokens[i], extras.get(i) if extras else None)
+
+    def _apply_contained(self, req: Req, token: int, extra) -> None:
+        try:
+            self._apply(req, token, extra)
+        except Exception as e:
+            self._contain(req, e)
 
     def _contain(self, req: Req, e: Exception) -> None:
         """An error applying one request's token (its detokenizer, stop checks, grammar) fails
@@ -386,8 +385,7 @@ class EngineCore:
                     )
                     lockstep, not_greedy = req.needs_lockstep, not req.plain_greedy
                 except Exception as e:  # a request the checks let through: it alone fails
-                    req.error = f"the request could not be admitted: {type(e).__name__}: {e}"
-                    req.finish({"type": "abort", "message": req.error})
+                    req.fail(f"the request could not be admitted: {type(e).__name__}: {e}")
                     self._deliver(req, sink, True)
                 else:
                     self._reqs[req.rid] = req
@@ -518,8 +516,7 @@ class EngineCore:
             self._final_text(req)
         except Exception as e:  # this request's own text failed it; the engine goes on
             logger.exception("finishing the text of request %s failed", req.rid)
-            req.error = f"finishing the output failed: {type(e).__name__}: {e}"
-            req.finish({"type": "abort", "message": req.error})
+            req.fail(f"finishing the output failed: {type(e).__name__}: {e}")
         if self._reqs.pop(req.rid, None) is not None:
             self._num_lockstep -= req.needs_lockstep
             self._num_not_greedy -= not req.plain_greedy
@@ -552,8 +549,7 @@ class EngineCore:
                 self.abort(req.rid)
 
     def _fail(self, req: Req, message: str) -> None:
-        req.error = message
-        req.finish({"type": "abort", "message": message})
+        req.fail(message)
         self._finish(req)
 
     # ---- statistics -----------------------------------------------------------------------

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixlm.runtime.forward_batch import ForwardBatch
-from radixlm.runtime.sampler import Sampler, SamplingRow, greedy_ids
+from radixlm.runtime.sampler import Sampler, SamplingRow, greedy_ids, logprobs_at
 from radixlm.runtime.scheduler import ScheduledReq, StepPlan
 from radixlm.runtime.tensors import int64_tensor, packed_to_device, to_device
 
@@ -348,16 +348,9 @@ class ModelRunner:
         rows, ids = packed_to_device([[row for row, _ in entries], tokens], logits.device)
         for at in range(0, len(entries), _LOGPROB_ROWS):
             part = slice(at, at + _LOGPROB_ROWS)
-            lp = torch.log_softmax(logits[rows[part]], dim=-1)
-            chosen = lp.gather(1, ids[part, None]).squeeze(1).tolist()
+            chosen, tops = logprobs_at(logits, rows[part], ids[part], k)
             result.input_logprobs.extend(zip(chosen, tokens[part]))
-            if k:
-                values, top_ids = lp.topk(k, dim=-1)
-                result.input_top_logprobs.extend(
-                    list(zip(v, i)) for v, i in zip(values.tolist(), top_ids.tolist())
-                )
-            else:
-                result.input_top_logprobs.extend([None] * len(chosen))
+            result.input_top_logprobs.extend(tops if k else [None] * len(chosen))
 
 
 def _sampling_row(req) -> SamplingRow:

@@ -88,12 +88,10 @@ class Req:
         banned tokens or log-probabilities (so a step need not build its sampling row)."""
         p = self.params
         return (
-            p.is_greedy
+            p.is_plain_argmax
             and self.grammar is None
             and p.min_new_tokens == 0
             and not self.logprob.return_logprob
-            and not p.has_penalties
-            and not p.has_logit_bias
         )
 
     @functools.cached_property
@@ -145,3 +143,8 @@ class Req:
         self.status = ReqStatus.FINISHED
         self.finish_reason = reason
         self.finish_time = time.perf_counter()
+
+    def fail(self, message: str) -> None:
+        """Finish as aborted by an error, which the caller gets as its message."""
+        self.error = message
+        self.finish({"type": "abort", "message": message})

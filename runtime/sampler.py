@@ -42,13 +42,7 @@ class SamplingRow:
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing to mask or penalize: the argmax of the logits."""
         p = self.params
-        return (
-            p.is_greedy
-            and not self.banned_ids
-            and self.grammar is None
-            and not p.has_penalties
-            and not p.has_logit_bias
-        )
+        return p.is_plain_argmax and not self.banned_ids and self.grammar is None
 
 
 @dataclass
@@ -96,6 +90,19 @@ def exponential_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     return -torch.log(u)
 
 
+def logprobs_at(
+    logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, k: int
+) -> tuple[list[float], list[list[tuple[float, int]]]]:
+    """The log-probability of token ids[j] in logits row rows[j], and that row's top k
+    (log-probability, id) pairs (empty lists for k = 0), in one copy back for all of them."""
+    lp = torch.log_softmax(logits[rows], dim=-1)
+    chosen = lp.gather(1, ids[:, None]).squeeze(1).tolist()
+    if not k:
+        return chosen, [[] for _ in chosen]
+    values, top_ids = lp.topk(k, dim=-1)
+    return chosen, [list(zip(v, t)) for v, t in zip(values.tolist(), top_ids.tolist())]
+
+
 class Sampler:
     def __call__(
         self,
@@ -116,15 +123,12 @@ class Sampler:
         want = [i for i, r in enumerate(rows) if r.want_logprob]
         if not want:
             return out
-        # the asked rows only, and one copy back of their values (not one per row)
         at, chosen_ids = packed_to_device([want, [ids[i] for i in want]], logits.device)
-        raw = torch.log_softmax(logits[at], dim=-1)
-        chosen = raw.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
         most = max(rows[i].top_logprobs_num for i in want)
-        values, top_ids = (t.tolist() for t in raw.topk(most, dim=-1)) if most else ([], [])
+        chosen, tops = logprobs_at(logits, at, chosen_ids, most)
         for j, i in enumerate(want):
             k = rows[i].top_logprobs_num
-            out[i] = (chosen[j], list(zip(values[j][:k], top_ids[j][:k])) if k else None)
+            out[i] = (chosen[j], tops[j][:k] if k else None)
         return out
 
     def sample_ids(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -233,9 +237,8 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], which: list
             row_idx.append(i)
             token_idx.append(token)
             bias.append(b)
-    dev = logits.device
-    at = (_to_device(row_idx, torch.int64, dev), _to_device(token_idx, torch.int64, dev))
-    logits.index_put_(at, _to_device(bias, logits.dtype, dev), accumulate=True)
+    at = packed_to_device([row_idx, token_idx], logits.device)
+    logits.index_put_(tuple(at), _to_device(bias, logits.dtype, logits.device), accumulate=True)
 
 
 def _apply_penalties(logits: torch.Tensor, r: SamplingRow) -> None:

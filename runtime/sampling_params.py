@@ -156,6 +156,11 @@ class SamplingParams:
         return bool(self.logit_bias)
 
     @property
+    def is_plain_argmax(self) -> bool:
+        """Greedy over the model's own logits: no penalties or bias to change them first."""
+        return self.is_greedy and not self.has_penalties and not self.has_logit_bias
+
+    @property
     def constraint(self) -> tuple[str, str] | None:
         for kind in ("regex", "json_schema", "ebnf"):
             value = getattr(self, kind)

@@ -42,12 +42,10 @@ def fan_out(item: GenerationInput, n: int) -> list[GenerationInput]:
     if n == 1:
         return [item]
     seed = item.params.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad_request(f"seed must be an integer, got {seed!r}", "seed")
     out = []
     for k in range(n):
         params = dict(item.params)
-        if seed is not None:
+        if isinstance(seed, int) and not isinstance(seed, bool):  # (else the engine refuses it)
             params["seed"] = seed + k
         out.append(replace(item, params=params))
     return out

@@ -19,8 +19,7 @@ Scope = dict[str, Any]
 
 # Routes open without an API key, as SGLang's: /health and /health_generate for a load balancer's
 # probes, /metrics for Prometheus (which scrapes without credentials by default).
-_PUBLIC_PATH_PREFIX = "/health"
-_PUBLIC_PATHS = {"/metrics"}
+_PUBLIC_PATHS = {"/health", "/health_generate", "/metrics"}
 # routes not counted against the rate limit
 _UNLIMITED_PATHS = {"/health", "/metrics"}
 
@@ -121,7 +120,7 @@ class GuardMiddleware:
     def _check_access(self, scope: Scope) -> APIError | None:
         path = scope.get("path", "")
         key = None
-        if self.state.api_key is not None and not _is_public(path):
+        if self.state.api_key is not None and path not in _PUBLIC_PATHS:
             key = _bearer_token(scope)
             if key is None or not hmac.compare_digest(key.encode(), self.state.api_key.encode()):
                 return APIError(
@@ -177,10 +176,6 @@ class GuardMiddleware:
                 break
         whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         return _replay([whole], receive), None
-
-
-def _is_public(path: str) -> bool:
-    return path in _PUBLIC_PATHS or path.startswith(_PUBLIC_PATH_PREFIX)
 
 
 def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:

@@ -153,9 +153,11 @@ def test_tensor_parallelism_takes_one_device_only(capsys, flag):
 
 
 def test_sglang_dtype_names_mean_float16_and_float32():
-    assert cli._engine_kwargs(parse_serve("--dtype", "half")) == {"dtype": "float16"}
-    assert cli._engine_kwargs(parse_serve("--dtype", "float")) == {"dtype": "float32"}
-    assert parse_serve("--dtype", "bfloat16").dtype == "bfloat16"
+    from radixlm.runtime.config import EngineConfig
+
+    for name, dtype in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")):
+        kwargs = cli._engine_kwargs(parse_serve("--dtype", name))
+        assert EngineConfig.from_kwargs(None, **kwargs).dtype == dtype  # the CLI and Engine()
 
 
 def test_log_levels_in_any_case_critical_included():

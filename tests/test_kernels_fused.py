@@ -81,11 +81,12 @@ def test_fused_path_is_taken_only_on_cuda(monkeypatch):
 
 def test_dependent_launches_only_on_hopper_and_later_unless_switched_off(monkeypatch):
     x = torch.zeros(2, 4)
-    assert not fused.pdl_launch(x) and fused.pdl_options(x) == {}
+    assert not fused.pdl_launch(x) and fused.pdl_options(x) == {"PDL": False}
     if torch.cuda.is_available():
         hopper = torch.cuda.get_device_capability() >= (9, 0)
         assert fused.pdl_launch(x.cuda()) == hopper
-        assert fused.pdl_options(x.cuda()) == ({"launch_pdl": True} if hopper else {})
+        on = {"PDL": True, "launch_pdl": True}
+        assert fused.pdl_options(x.cuda()) == (on if hopper else {"PDL": False})
         monkeypatch.setenv("RADIXLM_DISABLE_PDL", "1")
         assert not fused.pdl_launch(x.cuda())
 
