@@ -182,7 +182,9 @@ def graph_ms(call: Callable[[torch.nn.Linear], object], linear: torch.nn.Linear)
             call(lin)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # A stream of our own: torch's default capture stream belongs to whichever GPU first captured
+    # in this process, and capturing on it moves the work there (a second engine on "cuda:1").
+    with torch.cuda.graph(graph, stream=stream):
         for lin in linears:
             call(lin)
     graph.replay()
