@@ -10,6 +10,12 @@ import radixlm
 
 pytest.importorskip("triton")
 
+# The same engine on a GPU as on the CPU: float32 (the 1e-4 log-probability bound is float32's) and
+# no captured graphs, so the paths each test installs or watches are the ones that run.
+EAGER = {"dtype": "float32", "disable_cuda_graph": True}
+# The graphs a test installs itself are captured and replayed on a GPU, run eagerly on the CPU.
+CAPTURE = torch.cuda.is_available()
+
 
 def assert_same_outputs(want: list[dict], got: list[dict]) -> None:
     """The same tokens, and their log-probabilities within 1e-4 (where they were asked for)."""
@@ -29,7 +35,7 @@ def test_triton_backend_matches_torch_backend_end_to_end(tiny_model_folder):
     outs = {}
     for backend in ("torch", "triton"):
         with radixlm.Engine(
-            tiny_model_folder, attention_backend=backend, chunked_prefill_size=32
+            tiny_model_folder, **EAGER, attention_backend=backend, chunked_prefill_size=32
         ) as eng:
             alone = [
                 eng.generate(input_ids=p, sampling_params=params, return_logprob=True)
@@ -52,12 +58,12 @@ def test_padded_decode_graph_path_matches_eager(tiny_model_folder):
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     outs, calls, plain, sampled = [], [], [], []
     for graphs in (False, True):
-        with radixlm.Engine(tiny_model_folder, attention_backend="triton") as eng:
+        with radixlm.Engine(tiny_model_folder, **EAGER, attention_backend="triton") as eng:
             runner = eng._core.runner
             if graphs:
                 runner.graphs = DecodeGraphs(
                     runner.model, runner.backend, runner.req_to_token, runner.token_buf,
-                    max_batch=6, capture=False,
+                    max_batch=6, capture=CAPTURE,
                 )  # fmt: skip
                 assert runner.graphs.buckets == [1, 2, 4, 6]
                 run = runner.graphs.run
@@ -97,7 +103,7 @@ def test_padded_prefill_rows_leave_outputs_and_the_padding_slot_alone(
     ]  # fmt: skip
     prompts = [list(range(300, 300 + n)) for n in (5, 19, 41)]  # 65 tokens: 15 rows of padding
     params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
-    with radixlm.Engine(tiny_model_folder, attention_backend="torch") as eng:
+    with radixlm.Engine(tiny_model_folder, **EAGER, attention_backend="torch") as eng:
         want = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
 
     real_empty_like = torch.empty_like
@@ -105,7 +111,7 @@ def test_padded_prefill_rows_leave_outputs_and_the_padding_slot_alone(
         torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan"))
         if (kw.get("dtype") or t.dtype).is_floating_point else real_empty_like(t, **kw)
     )  # fmt: skip
-    with radixlm.Engine(tiny_model_folder, attention_backend="triton") as eng:
+    with radixlm.Engine(tiny_model_folder, **EAGER, attention_backend="triton") as eng:
         paddings = []
         build = eng._core.runner._to_batch
         eng._core.runner._to_batch = lambda lists: (
@@ -132,14 +138,14 @@ def test_graph_decodes_read_each_requests_newest_token_after_preemption(tiny_mod
     outs, checked, wrong, host_inputs = [], [], [], []
     for graphs in (False, True):
         with radixlm.Engine(
-            tiny_model_folder, attention_backend="triton", disable_radix_cache=True,
+            tiny_model_folder, **EAGER, attention_backend="triton", disable_radix_cache=True,
             max_total_tokens=60, chunked_prefill_size=9,  # (scheduling hits the case here)
         ) as eng:  # fmt: skip
             core, runner = eng._core, eng._core.runner
             if graphs:
                 runner.graphs = DecodeGraphs(
                     runner.model, runner.backend, runner.req_to_token, runner.token_buf,
-                    max_batch=16, capture=False,
+                    max_batch=16, capture=CAPTURE,
                 )  # fmt: skip
                 runner.launch = _checking_graph_inputs(runner, checked, wrong)
                 core.scheduler.schedule = _noting_host_input_decodes(
@@ -213,7 +219,8 @@ def fake_flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, cau
         scores = torch.einsum("qhd,khd->hqk", qi, ki) * softmax_scale
         if causal:
             nq, nk = qe - qs, ke - ks
-            visible = torch.arange(nk)[None, :] <= (nk - nq + torch.arange(nq))[:, None]
+            pos_q, pos_k = torch.arange(nq, device=q.device), torch.arange(nk, device=q.device)
+            visible = pos_k[None, :] <= (nk - nq + pos_q)[:, None]
             scores = scores.masked_fill(~visible, float("-inf"))
         out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vi).to(q.dtype)
     return out
@@ -229,7 +236,7 @@ def test_flash_attn_prompt_path_gathers_prefix_and_new_keys(tiny_model_folder):
     outs, prompt_tokens, keys, mixes = {}, [], [], []
     for backend in ("torch", "triton"):
         with radixlm.Engine(
-            tiny_model_folder, attention_backend=backend, chunked_prefill_size=24
+            tiny_model_folder, **EAGER, attention_backend=backend, chunked_prefill_size=24
         ) as eng:
             if backend == "triton":
                 eng._core.runner.backend.flash = lambda *a, **kw: (
@@ -268,13 +275,13 @@ def test_prompt_steps_padded_for_prefill_graphs_match_eager(tiny_model_folder):
     outs, runs = [], []
     for graphs in (False, True):
         with radixlm.Engine(
-            tiny_model_folder, attention_backend="triton", chunked_prefill_size=24
+            tiny_model_folder, **EAGER, attention_backend="triton", chunked_prefill_size=24
         ) as eng:
             runner = eng._core.runner
             if graphs:
                 runner.prefill_graphs = PrefillGraphs(
                     runner.model, runner.backend, runner.req_to_token, runner.token_buf,
-                    max_tokens=40, max_reqs=6, capture=False,
+                    max_tokens=40, max_reqs=6, capture=CAPTURE,
                     padding_row=eng._core.rows.padding_row,
                 )  # fmt: skip
                 run = runner.prefill_graphs.run
@@ -308,7 +315,7 @@ def test_prompt_steps_padded_for_prefill_graphs_match_eager(tiny_model_folder):
 def test_prefill_graph_layout_under_load_matches_eager(tiny_model_folder):
     """Many requests with shared prefixes (radix hits), small chunks, a cap of 5 running (buckets
     whose request lists fill up), greedy and seeded sampling, arriving in two waves: the padded
-    prompt-step path (run eagerly here) gives the tokens of the ordinary path."""
+    prompt-step path (run eagerly on the CPU, replayed on a GPU) gives the tokens of the ordinary path."""
     import random
 
     from radixlm.runtime.cuda_graph import PrefillGraphs
@@ -328,14 +335,14 @@ def test_prefill_graph_layout_under_load_matches_eager(tiny_model_folder):
     outs, steps = [], []
     for graphs in (False, True):
         with radixlm.Engine(
-            tiny_model_folder, attention_backend="triton", chunked_prefill_size=16,
+            tiny_model_folder, **EAGER, attention_backend="triton", chunked_prefill_size=16,
             max_running_requests=5,
         ) as eng:  # fmt: skip
             runner = eng._core.runner
             if graphs:
                 runner.prefill_graphs = PrefillGraphs(
                     runner.model, runner.backend, runner.req_to_token, runner.token_buf,
-                    max_tokens=24, max_reqs=5, capture=False,
+                    max_tokens=24, max_reqs=5, capture=CAPTURE,
                     padding_row=eng._core.rows.padding_row,
                 )  # fmt: skip
             first = eng.generate(input_ids=prompts[:6], sampling_params=params[:6])
