@@ -94,9 +94,11 @@ class Engine:
         self.dtype = _DTYPES[dtype_name]
         self.model_config = mc = ModelConfig.from_hf(hf_config)
         self.context_len = mc.context_limit(config.context_length)
+        # the ids that can be sampled: those the tokenizer has (the rows past them are padding)
+        self.sampled_vocab = self._tokenizer_vocab_end(mc.vocab_size)
 
         with torch.device("meta"):
-            model = LlamaForCausalLM(mc, self.context_len + 1)
+            model = LlamaForCausalLM(mc, self.context_len + 1, sampled_vocab=self.sampled_vocab)
         _check_weights_fit(model, self.dtype, self.device)
         model = model.to(self.dtype).to_empty(device=self.device)
         if dummy:
@@ -105,7 +107,6 @@ class Engine:
         else:
             model.load_weights(model_loader.iter_safetensors(folder))
         model.rope.build_tables(self.device)
-        model.sampled_vocab = self._tokenizer_vocab_end(mc.vocab_size)
         model.eval()
         self.model = model
 
@@ -385,10 +386,11 @@ class Engine:
         return min(model_vocab, max(ids, default=model_vocab - 1) + 1)
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        for name, token_ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias token ids", params.logit_bias or ()),
+        # a stop id need only be a row of the model; a bias on an id that is never sampled (the
+        # model's padding rows past the tokenizer's ids) would do nothing, so it is refused
+        for name, token_ids, vocab in (
+            ("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size),
+            ("logit_bias token ids", params.logit_bias or (), self.sampled_vocab),
         ):
             bad = sorted(t for t in token_ids if t >= vocab)
             if bad:

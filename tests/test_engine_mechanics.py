@@ -187,7 +187,8 @@ def test_an_internal_error_stops_the_engine_and_fails_every_request_with_its_mes
 
 def test_ids_past_the_tokenizers_vocabulary_are_never_sampled(tmp_path, default_model_folder):
     """A checkpoint whose vocabulary is padded past its tokenizer's (Qwen2.5's is): the padded
-    ids' logits are -inf, even where their weights would make them the argmax."""
+    ids' logits are -inf, even where their weights would make them the argmax; a logit_bias on
+    one (it would do nothing) is refused, a stop id there is a row of the model and allowed."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from radixlm.runtime.model_loader import copy_tokenizer_files
@@ -208,6 +209,11 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_sampled(tmp_path, default_
             ["Hello", "One two"],
             [{"max_new_tokens": 16, "temperature": t, "ignore_eos": True} for t in (0, 1.0)],
         )
+        assert eng.sampled_vocab == eng.model.sampled_vocab == 49152
+        with pytest.raises(ValueError, match=r"logit_bias token ids \[49160\] .*\[0, 49152\)"):
+            eng.generate("Hello", {"logit_bias": {49160: 5}})
+        stopped = {"max_new_tokens": 2, "stop_token_ids": [49160], "ignore_eos": True}
+        assert len(eng.generate("Hello", stopped)["output_ids"]) == 2
     for out in outs:
         assert out["output_ids"] and max(out["output_ids"]) < 49152
 

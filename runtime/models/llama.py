@@ -126,7 +126,9 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     matmul = PlainMatmuls()
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, sampled_vocab: int | None = None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         # one rope table, looked up once a step for all layers (kept out of the state dict)
@@ -137,9 +139,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # logit columns from here on are ids no token has (a checkpoint's vocabulary padded past
-        # its tokenizer's, e.g. Qwen2.5's 151,936 rows for 151,665 tokens): -inf, never sampled
-        self.sampled_vocab = cfg.vocab_size
+        # logit columns from `sampled_vocab` on are ids no token has (a checkpoint's vocabulary
+        # padded past its tokenizer's, e.g. Qwen2.5's 151,936 rows for 151,665 tokens): -inf,
+        # never sampled
+        self.sampled_vocab = cfg.vocab_size if sampled_vocab is None else sampled_vocab
+        if not 0 < self.sampled_vocab <= cfg.vocab_size:
+            raise ValueError(
+                f"sampled_vocab={sampled_vocab} must be in [1, {cfg.vocab_size}] (the model's rows)"
+            )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
