@@ -231,14 +231,13 @@ def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Te
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
     """Add each row's logit_bias to its logits, for all those rows in one indexed add."""
-    row_idx, token_idx, bias = [], [], []
-    for i in which:
-        for token, b in rows[i].params.logit_bias.items():
-            row_idx.append(i)
-            token_idx.append(token)
-            bias.append(b)
-    at = packed_to_device([row_idx, token_idx], logits.device)
-    logits.index_put_(tuple(at), _to_device(bias, logits.dtype, logits.device), accumulate=True)
+    tokens, biases = zip(*(rows[i].params.logit_bias_columns for i in which))
+    row_idx = torch.repeat_interleave(
+        torch.tensor(which, dtype=torch.int64), torch.tensor([len(t) for t in tokens])
+    )
+    at = to_device(torch.stack([row_idx, torch.cat(tokens)]), logits.device)
+    bias = to_device(torch.cat(biases).to(logits.dtype), logits.device)
+    logits.index_put_((at[0], at[1]), bias, accumulate=True)
 
 
 def _apply_penalties(logits: torch.Tensor, r: SamplingRow) -> None:

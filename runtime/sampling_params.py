@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,6 +155,19 @@ class SamplingParams:
     @property
     def has_logit_bias(self) -> bool:
         return bool(self.logit_bias)
+
+    @functools.cached_property
+    def logit_bias_columns(self):
+        """logit_bias as host tensors (token ids int64, biases float32), made once: the sampler
+        lays them out every step, and a bias over much of the vocabulary would otherwise cost a
+        Python loop a step."""
+        import torch
+
+        bias = self.logit_bias or {}
+        return (
+            torch.tensor(list(bias), dtype=torch.int64),
+            torch.tensor(list(bias.values()), dtype=torch.float32),
+        )
 
     @property
     def is_plain_argmax(self) -> bool:
