@@ -26,7 +26,7 @@ import torch
 from radixlm.errors import EngineShutDown
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
-from radixlm.runtime.engine_core import EngineCore, free_memory, kv_pool_tokens, on_device
+from radixlm.runtime.engine_core import EngineCore, free_memory, kv_pool_tokens
 from radixlm.runtime.histogram import Histogram
 from radixlm.runtime.memory_pool import KVPool
 from radixlm.runtime.model_config import ModelConfig, generation_eos_ids
@@ -119,8 +119,7 @@ class Engine:
             | frozenset(generation_eos_ids(folder))
             | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         )
-        with on_device(self.device):  # tuning and graph capture run on the engine's GPU
-            self._core = EngineCore(config, mc, model, kv_pool, self.context_len, self.device)
+        self._core = EngineCore(config, mc, model, kv_pool, self.context_len, self.device)
         self._grammar_compiler = None  # built on the first constrained request
         self._grammar_times = Histogram(GRAMMAR_COMPILE_BUCKETS)
         self._profiler: Any = None

@@ -103,24 +103,8 @@ class EngineCore:
         graphs = prefill_graphs = None
         token_buf = torch.zeros(self.rows.max_requests, dtype=torch.int64, device=device)
         if use_cuda_graphs(config, device, backend):
-            from radixlm.runtime.cuda_graph import DecodeGraphs, PrefillGraphs
-
-            if os.environ.get("RADIXLM_DISABLE_GEMV") != "1":
-                tune_batch1_matmuls(model)
-
-            max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 256)
-            graphs = DecodeGraphs(
-                model, backend, self.rows.table, token_buf, max_bs,
-                padding_row=self.rows.padding_row,
-            )  # fmt: skip
-            # (a step holds at most a prompt chunk and a token of every running request)
-            most = config.chunked_prefill_size + config.max_running_requests
-            if config.cuda_graph_max_prefill_tokens:
-                prefill_graphs = PrefillGraphs(
-                    model, backend, self.rows.table, token_buf,
-                    min(config.cuda_graph_max_prefill_tokens, most), config.max_running_requests,
-                    padding_row=self.rows.padding_row,
-                )  # fmt: skip
+            with on_device(device):  # tuning and capture follow the thread's current device
+                graphs, prefill_graphs = self._capture_graphs(config, model, backend, token_buf)
         self.runner = ModelRunner(
             model, backend, self.rows.table, device, graphs, token_buf, prefill_graphs
         )
@@ -141,6 +125,27 @@ class EngineCore:
         self._gate = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="radixlm-core", daemon=True)
         self._thread.start()
+
+    def _capture_graphs(self, config, model, backend, token_buf):
+        """The batch-1 matmul choices, then the decode and prompt-step CUDA graphs."""
+        from radixlm.runtime.cuda_graph import DecodeGraphs, PrefillGraphs
+
+        if os.environ.get("RADIXLM_DISABLE_GEMV") != "1":
+            tune_batch1_matmuls(model)
+        max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 256)
+        graphs = DecodeGraphs(
+            model, backend, self.rows.table, token_buf, max_bs, padding_row=self.rows.padding_row
+        )
+        prefill_graphs = None
+        # (a step holds at most a prompt chunk and a token of every running request)
+        most = config.chunked_prefill_size + config.max_running_requests
+        if config.cuda_graph_max_prefill_tokens:
+            prefill_graphs = PrefillGraphs(
+                model, backend, self.rows.table, token_buf,
+                min(config.cuda_graph_max_prefill_tokens, most), config.max_running_requests,
+                padding_row=self.rows.padding_row,
+            )  # fmt: skip
+        return graphs, prefill_graphs
 
     @property
     def alive(self) -> bool:
