@@ -447,23 +447,16 @@ class Engine:
                 self._core.abort(req.rid)
 
     async def _stream_async(self, req: Req, loop) -> AsyncIterator[dict[str, Any]]:
-        newest: list[dict[str, Any]] = []  # as _Newest, on the consumer's event loop
-        ready = asyncio.Event()
-
-        def keep(out: dict[str, Any]) -> None:
-            newest[:] = [out]
-            ready.set()
+        updates = _NewestOnLoop()
 
         def sink(r: Req, finished: bool) -> None:
-            if not _post(loop, keep, request_output(r, stream=not finished)):
+            if not _post(loop, updates.put, request_output(r, stream=not finished)):
                 self._core.abort(r.rid)  # the consumer's event loop is gone: so is the consumer
 
         self._core.submit(req, sink)
         try:
             while True:
-                await ready.wait()
-                ready.clear()
-                out = newest.pop()
+                out = await updates.get()
                 yield out
                 if out["meta_info"]["finish_reason"] is not None:
                     return
@@ -493,6 +486,26 @@ class _Newest:
                 self._cond.wait()
             item, self._item = self._item, None
             return item
+
+
+class _NewestOnLoop:
+    """_Newest for a reader on an event loop: `put` runs on that loop (posted there), `get` is
+    awaited on it."""
+
+    def __init__(self) -> None:
+        self._ready = asyncio.Event()
+        self._item: dict[str, Any] | None = None
+
+    def put(self, item: dict[str, Any]) -> None:
+        self._item = item
+        self._ready.set()
+
+    async def get(self) -> dict[str, Any]:
+        while self._item is None:
+            self._ready.clear()
+            await self._ready.wait()
+        item, self._item = self._item, None
+        return item
 
 
 def _check_weights_fit(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
