@@ -49,6 +49,11 @@ class IncrementalDetokenizer:
         self._decode_pending()
         return self._text
 
+    @property
+    def _stops_armed(self) -> bool:
+        """Whether a stop string may end the output now: there are some, and min_tokens are out."""
+        return bool(self.stop) and len(self._ids) >= self.min_tokens
+
     def _decode_pending(self) -> None:
         if self._pending:
             pending, self._pending = self._pending, []
@@ -78,7 +83,7 @@ class IncrementalDetokenizer:
         if new_text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token,
             # but the whole characters before it may already complete a stop string
             settled = new_text.rstrip("\ufffd")[len(prefix_text) :]
-            if self.stop and settled and len(self._ids) >= self.min_tokens:
+            if settled and self._stops_armed:
                 search_from = max(0, len(self._text) - self._longest_stop + 1)
                 candidate = self._text + settled
                 if any(candidate.find(s, search_from) != -1 for s in self.stop):
@@ -92,7 +97,7 @@ class IncrementalDetokenizer:
             return
         search_from = max(0, len(self._text) - self._longest_stop + 1)
         self._text += delta
-        if len(self._ids) >= self.min_tokens:
+        if self._stops_armed:
             self._find_stop(search_from)
 
     def reset(self, token_ids: list[int]) -> None:
@@ -109,7 +114,7 @@ class IncrementalDetokenizer:
             search_from = max(0, len(self._text) - self._longest_stop + 1)
             self._text += self._decode(self._ids[self._prefix_offset :])[len(prefix_text) :]
             self._read_offset = len(self._ids)
-            if self.stop and len(self._ids) >= self.min_tokens:  # the released text may hold
+            if self._stops_armed:  # the released text may hold
                 self._find_stop(search_from)  # a stop string: trimmed like any other
 
     @property
