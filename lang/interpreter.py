@@ -160,7 +160,8 @@ class StreamExecutor:
             child.fork_start_text_pos = len(self.text_)
             child.error_ = self.error_
             children.append(child)
-        self._children.extend(children)
+        # forks already ended (joined) are let go: a program forking in a loop held every one
+        self._children = [c for c in self._children if not c._ended] + children
         return children
 
     def wait_chunk(self, var_name: str | None, pos: int) -> tuple[str, bool]:

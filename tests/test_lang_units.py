@@ -393,6 +393,24 @@ def test_a_fork_taken_by_index_adds_in_place():
     assert state["v"] == ["zero", "one"]
 
 
+def test_a_program_forking_in_a_loop_lets_its_joined_forks_go():
+    """Each joined fork holds a copy of the text; a loop of fork-and-join kept them all."""
+    held = []
+
+    @sgl.function
+    def prog(s):
+        for round_ in range(5):
+            forks = s.fork(3)
+            forks += lambda i, r=round_: f"round {r} fork {i}: " + sgl.gen(f"v{r}")
+            forks.join()
+            held.append(len(s.stream_executor._children))
+
+    state = prog.run(backend=ScriptedBackend())
+    assert state.error() is None
+    assert held == [3] * 5  # only the forks of the newest round
+    assert [len(state[f"v{r}"]) for r in range(5)] == [3] * 5
+
+
 def test_a_failed_stream_leaves_no_partial_variable():
     @sgl.function
     def prog(s):
