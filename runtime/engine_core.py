@@ -72,6 +72,10 @@ def tune_batch1_matmuls(model) -> None:
         )
 
 
+class SamplingFailed(RuntimeError):
+    """One request's token could not be sampled (the rest of its step's were)."""
+
+
 class EngineCore:
     def __init__(
         self, config, model_config, model, kv_pool: KVPool, context_len: int, device
@@ -310,14 +314,17 @@ class EngineCore:
 
     def _apply_contained(self, req: Req, token: int, extra) -> None:
         try:
+            if extra is not None and extra.error is not None:
+                raise SamplingFailed(extra.error)
             self._apply(req, token, extra)
         except Exception as e:
             self._contain(req, e)
 
     def _contain(self, req: Req, e: Exception) -> None:
-        """An error applying one request's token (its detokenizer, stop checks, grammar) fails
-        that request, not the engine with everyone in it."""
-        logger.exception("applying a token of request %s failed", req.rid)
+        """An error sampling or applying one request's token (its grammar's mask, detokenizer,
+        stop checks) fails that request, not the engine with everyone in it."""
+        what = "sampling" if isinstance(e, SamplingFailed) else "applying"
+        logger.exception("%s a token of request %s failed", what, req.rid)
         if req.rid not in self._reqs:  # (finished already)
             return
         if req.status is ReqStatus.FINISHED:  # failed inside _finish: its memory is in doubt
@@ -326,7 +333,8 @@ class EngineCore:
             # its token was not applied: the K/V that a step in flight computes for it belongs to
             # no token (a step launched later may reuse the slot: it runs after that one)
             self.cache.truncate(req, len(req.all_ids))
-        self._fail(req, f"internal error applying its token: {type(e).__name__}: {e}")
+        why = str(e) if isinstance(e, SamplingFailed) else f"{type(e).__name__}: {e}"
+        self._fail(req, f"internal error {what} its token: {why}")
 
     def _apply_decodes(self, reqs: list[Req], tokens: list[int]) -> None:
         """`_apply` for a step's decodes when no request asked for log-probabilities, with the

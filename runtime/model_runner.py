@@ -9,6 +9,7 @@ before this one's tokens reach the host: a request whose newest token is still p
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,8 @@ from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.sampler import Sampler, SamplingRow, greedy_ids, logprobs_at
 from radixlm.runtime.scheduler import ScheduledReq, StepPlan
 from radixlm.runtime.tensors import int64_tensor, packed_to_device, to_device
+
+logger = logging.getLogger(__name__)
 
 _LOGPROB_ROWS = 512  # prompt positions scored at once (each a vocabulary-wide float32 row)
 
@@ -31,6 +34,8 @@ class ReqStepResult:
     # None when there are none (most steps: made on demand)
     input_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    # why this request's token could not be sampled (the others of its step were): it fails
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -162,12 +167,18 @@ class ModelRunner:
             at = [order[i] for i in which]  # plan index of each sampled row
         rows: list[SamplingRow] = []
         tokens = None
+        failed: dict[int, str] = {}  # sampled row -> why it could not be sampled
         if reqs:
             if greedy_only or all(r.plain_greedy for r in reqs):  # no sampling rows to build
                 tokens = greedy if greedy is not None else greedy_ids(row_logits)
             else:
                 rows = [_sampling_row(r) for r in reqs]
-                tokens = self.sampler.sample_ids(row_logits, rows)
+                try:
+                    tokens = self.sampler.sample_ids(row_logits, rows)
+                except Exception:
+                    if len(rows) == 1:
+                        raise
+                    tokens = self._sample_apart(row_logits, rows, reqs, failed)
             if tokens is not greedy:
                 if pool_rows is None:
                     pool_rows = to_device(int64_tensor([r.pool_row for r in reqs]), self.device)
@@ -193,9 +204,11 @@ class ModelRunner:
             for i, entries in input_lp_rows.items():
                 result = extras.setdefault(order[i], ReqStepResult())
                 self._input_logprobs(logits, items[i], entries, result)
+            for j, why in failed.items():
+                extras.setdefault(j if at is None else at[j], ReqStepResult()).error = why
             return StepResults(out, extras)
 
-        if tokens is None or input_lp_rows or any(r.want_logprob for r in rows):
+        if tokens is None or input_lp_rows or failed or any(r.want_logprob for r in rows):
             return StepHandle.done(finish())
         host = self._host_tokens[self._flip][: len(reqs)]
         self._flip ^= 1
@@ -211,6 +224,22 @@ class ModelRunner:
             return finish(host)
 
         return StepHandle(wait)  # (on the CPU the tokens are there already; applied just as late)
+
+    def _sample_apart(
+        self, logits: torch.Tensor, rows: list[SamplingRow], reqs: list, failed: dict[int, str]
+    ) -> torch.Tensor:
+        """After sampling a batch raised: each row alone, so that the request whose sampling
+        fails (a grammar's mask, say) fails by itself, not everyone in its step. Its entry in
+        `failed` says why; its token is a placeholder that is never applied."""
+        tokens = []
+        for j, row in enumerate(rows):
+            try:
+                tokens.append(self.sampler.sample_ids(logits[j : j + 1], [row]))
+            except Exception as e:
+                logger.exception("sampling a token of request %s failed", reqs[j].rid)
+                failed[j] = f"{type(e).__name__}: {e}"
+                tokens.append(torch.zeros(1, dtype=torch.int64, device=logits.device))
+        return torch.cat(tokens)
 
     @staticmethod
     def _pending_input(it: ScheduledReq) -> bool:

@@ -266,3 +266,42 @@ def test_an_error_applying_one_requests_token_fails_that_request_alone(
             stats["kv_pool_free_tokens"] + stats["radix_cache_tokens"]
             == stats["kv_pool_capacity_tokens"]
         )
+
+
+def test_an_error_sampling_one_requests_token_fails_that_request_alone(
+    tiny_model_folder, monkeypatch
+):
+    """Sampling a batch raised (here a penalty of one request): each row is sampled alone, the
+    request whose row fails is failed with the error, and the others get the tokens they get
+    without it in the batch."""
+    from radixlm.runtime import sampler
+
+    penalize = sampler._apply_penalties
+
+    def failing(logits, row):
+        if row.params.frequency_penalty == 0.5:
+            raise ValueError("injected while sampling")
+        penalize(logits, row)
+
+    prompts = [[7, 8, 9], [5, 8, 9], [6, 8, 9]]
+    greedy = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    params = [
+        {**greedy, "frequency_penalty": 0.5},
+        {**greedy, "temperature": 0.8, "seed": 4},
+        {**greedy, "presence_penalty": 0.3},
+    ]
+    with radixlm.Engine(tiny_model_folder) as eng:
+        want = [eng.generate(input_ids=p, sampling_params=s) for p, s in zip(prompts, params)]
+        monkeypatch.setattr(sampler, "_apply_penalties", failing)
+        bad, *good = eng.generate(input_ids=prompts, sampling_params=params)
+        reason = bad["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort", reason
+        assert "sampling its token" in reason["message"]
+        assert "injected while sampling" in reason["message"]
+        assert [g["output_ids"] for g in good] == [w["output_ids"] for w in want[1:]]
+        stats = eng.get_stats()
+        assert stats["num_running_reqs"] == 0
+        assert (
+            stats["kv_pool_free_tokens"] + stats["radix_cache_tokens"]
+            == stats["kv_pool_capacity_tokens"]
+        )
