@@ -156,10 +156,12 @@ class Scheduler:
         plain = True  # every one computes one token, read from token_buf
         for r in self.running:
             prompt_len, kv_len, pending = len(r.input_ids), r.kv_len, r.num_pending
-            if kv_len < prompt_len:
+            num_out = len(r.output_ids)
+            if kv_len < prompt_len or (not pending and kv_len + 1 < prompt_len + num_out):
+                # its prompt, or output it lost to preemption, is recomputed in budgeted chunks
+                # (as one decode it went past the chunk budget, and preempted itself over again)
                 prefilling.append(r)
                 continue
-            num_out = len(r.output_ids)
             n = prompt_len + num_out + pending - kv_len  # r.sched_len - r.kv_len
             if n <= 0 or (pending and num_out + pending >= r.params.max_new_tokens):
                 continue  # nothing new, or finishing

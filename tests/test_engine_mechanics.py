@@ -305,3 +305,31 @@ def test_an_error_sampling_one_requests_token_fails_that_request_alone(
             stats["kv_pool_free_tokens"] + stats["radix_cache_tokens"]
             == stats["kv_pool_capacity_tokens"]
         )
+
+
+def test_a_resumed_request_recomputes_its_lost_output_within_the_chunk_budget(tiny_model_folder):
+    """A preempted request comes back with only part of its tokens cached: the rest, output
+    included, is recomputed in chunks of at most chunked_prefill_size (it went as one decode of
+    every lost token, past the budget, and was preempted again and again), to the same tokens."""
+    prompts = [list(range(100, 105)), list(range(200, 205))]
+    params = [
+        {"max_new_tokens": n, "ignore_eos": True, "temperature": 0} for n in (85, 60)
+    ]  # (155 tokens in all, a pool of 100)
+    with radixlm.Engine(tiny_model_folder, chunked_prefill_size=8, max_total_tokens=1000) as eng:
+        want = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    sizes = []
+    with radixlm.Engine(
+        tiny_model_folder, chunked_prefill_size=8, max_total_tokens=100, max_running_requests=4
+    ) as eng:
+        schedule = eng._core.scheduler.schedule
+
+        def noting():
+            plan = schedule()
+            sizes.extend(item.num_tokens for item in plan.items)
+            return plan
+
+        eng._core.scheduler.schedule = noting
+        got = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+        assert eng.get_stats()["num_preemptions"] > 0
+    assert got == want
+    assert sizes and max(sizes) <= 8
