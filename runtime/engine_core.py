@@ -463,7 +463,11 @@ class EngineCore:
         else:
             detokenizer = req.detokenizer
             detokenizer.add_one(token)
-            if detokenizer.matched_stop is not None or len(output_ids) >= req.max_output_len:
+            if grammar is not None and detokenizer.matched_stop is None and grammar.is_terminated():
+                # complete, and nothing but EOS may follow: done now, not a step (or, at the
+                # length limit, a "length") later
+                req.finish({"type": "stop", "matched": token})
+            elif detokenizer.matched_stop is not None or len(output_ids) >= req.max_output_len:
                 self._check_stop_or_length(req)
             elif grammar is not None and self.config.enable_jump_forward:
                 self._jump_forward(req)
@@ -521,7 +525,10 @@ class EngineCore:
         ids.extend(extra)
         req.token_in_buf = False  # its newest tokens are forced ones, on the host
         req.detokenizer.add(extra)
-        self._check_stop_or_length(req)
+        if grammar.is_terminated() and req.detokenizer.matched_stop is None:
+            req.finish({"type": "stop", "matched": ids[-1]})  # the forced text completed it
+        else:
+            self._check_stop_or_length(req)
 
     def _finish(self, req: Req) -> None:
         self.scheduler.remove(req)

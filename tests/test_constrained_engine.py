@@ -95,6 +95,28 @@ def test_pydantic_model_as_schema(engine):
     City.model_validate_json(out["text"])
 
 
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_a_complete_output_finishes_without_an_eos_step_even_at_the_length_limit(
+    default_model_folder, jump_forward
+):
+    """Once the grammar is complete and only EOS may follow, the request is done: no step is
+    spent sampling EOS, and an output that is complete at exactly max_new_tokens is a "stop"."""
+    prompt = [{"role": "user", "content": "Pick a colour."}]
+    params = {"temperature": 0, "regex": r"(red|green|blue) and (red|green|blue)"}
+    with radixlm.Engine(default_model_folder, enable_jump_forward=jump_forward) as eng:
+        text = eng.apply_chat_template(prompt)
+        free = eng.generate(text, {**params, "max_new_tokens": 40})
+        n = len(free["output_ids"])
+        assert free["meta_info"]["finish_reason"] == {
+            "type": "stop", "matched": free["output_ids"][-1],
+        }  # fmt: skip
+        assert not set(free["output_ids"]) & eng.eos_token_ids
+        assert re.fullmatch(params["regex"], free["text"])
+        exact = eng.generate(text, {**params, "max_new_tokens": n})
+        assert exact["output_ids"] == free["output_ids"]
+        assert exact["meta_info"]["finish_reason"]["type"] == "stop"
+
+
 def test_running_out_of_tokens_mid_object_is_length_not_a_result(engine):
     out = engine.generate(
         chat(engine, "A user as JSON."), {"max_new_tokens": 5, "json_schema": PERSON}
