@@ -183,7 +183,7 @@ def _atom(p: _Parser, ref) -> rt.Regex:
         if p.peek() != ")":
             raise p.error("missing ')'")
         p.pos += 1
-        return rt.group(inner) if inner else ""
+        return rt.group(inner) if inner else inner  # None (no string) stays None, "" stays ""
     if c == ".":
         p.pos += 1
         return rt.class_regex(rt.ANY_CHAR)

@@ -33,7 +33,10 @@ _MAXREPEAT = _sre_c.MAXREPEAT
 _ANY_LINE = rt.complement(rt.chars("\n\r\u2028\u2029"))
 _WORD = rt.union(rt.charset((ord("a"), ord("z")), (ord("A"), ord("Z"))), rt.DIGITS, rt.chars("_"))
 _SPACE = rt.chars(" \t\n\r\f\v")
-_NOT_SPACE = rt.subtract(rt.ASCII, rt.union(_SPACE, rt.charset((0x1C, 0x1F))))
+# U+001C..U+001F are whitespace to Python's re (the jsonschema checker's) but not to ECMA-262's:
+# never generated for \s, never for anything that must not be \s either
+_ANY_SPACE = rt.union(_SPACE, rt.charset((0x1C, 0x1F)))
+_NOT_SPACE = rt.subtract(rt.ASCII, _ANY_SPACE)
 _CATEGORIES = {
     _sre_c.CATEGORY_DIGIT: rt.DIGITS,
     _sre_c.CATEGORY_NOT_DIGIT: rt.subtract(rt.ASCII, rt.DIGITS),
@@ -160,7 +163,10 @@ def _class(items) -> rt.CharSet:
             has_category = True
             if av not in _CATEGORIES:
                 raise PatternError(f"unsupported character category {av}")
-            members.append(_CATEGORIES[av])
+            # (in a negated class, \s excludes every character either dialect counts as space)
+            members.append(
+                _ANY_SPACE if negate and av == _sre_c.CATEGORY_SPACE else _CATEGORIES[av]
+            )
         else:
             raise PatternError(f"unsupported class member {op}")
     s = rt.union(*members)

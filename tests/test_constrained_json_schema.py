@@ -3,6 +3,7 @@ both dialects) and `jsonschema` as the judge: everything the regex accepts must 
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import json
 import re
@@ -131,6 +132,9 @@ def test_patterns_use_search_semantics_and_json_escaping():
     check({"type": "string", "pattern": '^a"b$'}, ['a"b'])
     check({"type": "string", "pattern": r"^\d{3}$"}, ["123"], ["12", "1234", "١٢٣"])
     check({"type": "string", "pattern": "^[a-z]*$", "maxLength": 3}, ["", "abc"], ["abcd"])
+    # U+001C..U+001F are whitespace to Python's re (the validator's): outside [^\s] and \S too
+    for pattern in (r"^[^\s]+$", r"^\S+$", r"^[^\d\s]+$"):
+        check({"type": "string", "pattern": pattern}, ["ab"], ["a\u001eb", "a\u001fb", "a b"])
     # a pattern of varied length, split by length to meet min/maxLength
     check(
         {"type": "string", "pattern": r"\d{2}-?\d{0,4}", "minLength": 2, "maxLength": 6},
@@ -153,6 +157,16 @@ def test_formats():
         ["2023-02-29T12:30:00Z", "2024-01-01 12:00:00Z", "2024-13-01T00:00:00Z"],
     )
     check({"type": "string", "format": "ipv4"}, ["10.0.0.255"], ["256.1.1.1", "01.2.3.4"])
+    # every year against Python's own date parser (the validator's): no year 0, leap years right
+    date = compiled({"type": "string", "format": "date"})
+    for year in range(10000):
+        for month_day in ("02-29", "02-28", "04-30", "04-31", "12-31"):
+            text = f"{year:04d}-{month_day}"
+            try:
+                valid = bool(datetime.date.fromisoformat(text))
+            except ValueError:
+                valid = False
+            assert bool(date.fullmatch(json.dumps(text))) == valid, text
     check({"type": "string", "format": "uuid"}, ["123e4567-e89b-12d3-a456-426614174000"], ["123"])
     check({"type": "string", "format": "email"}, ["a.b@example.org"], ["a@@b", "@b.c"])
     check({"type": "string", "format": "x-unknown-format"}, ["anything"])  # annotation only

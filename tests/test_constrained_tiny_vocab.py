@@ -220,6 +220,11 @@ def test_recursive_ebnf_unrolled_to_the_configured_depth():
     assert not m.accept_string("{")
     with pytest.raises(GrammarError, match="at most 2 levels deep"):
         compiler.compile("ebnf", 'root ::= "(" root ")"')  # no way out of the recursion
+    # the same in parentheses: the level past the depth matches nothing, not the empty string
+    grouped = compiler.compile("ebnf", 'root ::= "{" ( root ) "}" | "x"')
+    for text, ok in [("{{x}}", True), ("{{{}}}", False), ("{{}}", False)]:
+        m = grouped.matcher()
+        assert (m.accept_string(text) and m.accept_token(EOS)) == ok, text
 
 
 def test_errors_are_grammar_errors(compiler):
