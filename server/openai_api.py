@@ -586,7 +586,8 @@ def _chat_choice(
     reason = _finish_reason(meta)
     if parsed.tool_calls:
         message["tool_calls"] = parsed.tool_calls
-        reason = "tool_calls"
+        if reason != "length":  # a call cut off by max_tokens stays "length", as streamed
+            reason = "tool_calls"
     logprobs = None
     if req.logprobs:
         logprobs = {"content": _chat_logprobs(state, meta, 0)}

@@ -28,7 +28,11 @@ from radixlm.server.errors import bad_request
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
-_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# a call's object as the grammars write it: its name, then its arguments' JSON value
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_SPACE = re.compile(r"\s*")
+# a block of any text, for outputs no grammar wrote (the lenient fallback of parse_output)
+_LOOSE_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,8 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> Too
                 f'(type "object"), got {parameters!r:.200}',
                 "tools",
             )
+        if "type" not in parameters:  # (`{}` would let the grammar write any JSON value)
+            parameters = {"type": "object", **parameters}
         function: dict[str, Any] = {"name": fn.name, "parameters": parameters}
         if fn.description:
             function["description"] = fn.description
@@ -286,10 +292,10 @@ class ToolCallStreamer:
     Calls are found in `<tool_call>` blocks (tool_choice "auto") or as the objects of the whole
     output (a call, or an array of calls)."""
 
-    _HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-
     def __init__(self, plan: ToolPlan) -> None:
         self.in_blocks = not plan.constrained
+        self._names = plan.names()
+        self._stopped = False  # an object that is no call of these tools came: nothing more
         self.count = 0  # calls started
         self._pos = 0  # where the search for the next call resumes
         self._start: int | None = None  # where the current call's object begins
@@ -297,7 +303,7 @@ class ToolCallStreamer:
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
-        while True:
+        while not self._stopped:
             if self._args is not None:
                 piece, done = self._args.advance(text)
                 if piece:
@@ -309,10 +315,13 @@ class ToolCallStreamer:
                 self._start = self._next_object(text)
                 if self._start is None:
                     return deltas
-            head = self._HEAD.match(text, self._start)
+            head = _CALL_HEAD.match(text, self._start)
             if head is None or head.end() == len(text):
                 return deltas  # the name (or what follows it) is not complete yet
             name = json.loads(f'"{head.group(1)}"')
+            if name not in self._names:  # (no grammar here writes one: left to parse_output)
+                self._stopped = True
+                break
             deltas.append(
                 {
                     "index": self.count,
@@ -324,6 +333,7 @@ class ToolCallStreamer:
             self.count += 1
             self._args = _JsonValueScanner(head.end())
             self._start = None
+        return deltas
 
     def _next_object(self, text: str) -> int | None:
         pos = self._pos
@@ -431,27 +441,75 @@ class ParsedOutput:
 
 
 def parse_output(text: str, plan: ToolPlan) -> ParsedOutput:
-    """Split a finished output into content and tool calls (none found: all of it is content)."""
+    """Split a finished output into content and tool calls (none found: all of it is content).
+
+    Calls as the grammars write them are found as `ToolCallStreamer` finds them while
+    streaming, so the two agree: the arguments are their JSON text as generated, and a call that
+    max_tokens cut off is there with the arguments it got (its finish reason says "length").
+    Other outputs (no grammar: a bare JSON answer under "auto") are read leniently, and a call
+    there counts only if its arguments follow its tool's parameter schema."""
     if not plan.active:
         return ParsedOutput(text, [])
-    names = plan.names()
-    calls: list[dict[str, Any]] = []
+    streamed = _streamed_calls(text, plan)
+    if streamed:
+        content = None if plan.constrained else _without_blocks(text).strip() or None
+        calls = [_openai_call(name, _arguments_text(arguments)) for name, arguments in streamed]
+        return ParsedOutput(content, calls)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in plan.offered}
+    calls: list[tuple[str, str]] = []
     content = text
     if CALL_OPEN in text:
-        for block in _CALL_BLOCK.findall(text):
-            calls.extend(_calls_from_json(block, names) or [])
-        content = _CALL_BLOCK.sub("", text).strip()
+        for block in _LOOSE_BLOCK.findall(text):
+            calls.extend(_calls_from_json(block, schemas) or [])
+        content = _LOOSE_BLOCK.sub("", text).strip()
     else:
-        whole = _calls_from_json(text.strip(), names)
+        whole = _calls_from_json(text.strip(), schemas)
         if whole:
             calls, content = whole, ""
     if not calls:
         return ParsedOutput(text, [])
-    return ParsedOutput(content or None, [_openai_call(c) for c in calls])
+    return ParsedOutput(content or None, [_openai_call(name, args) for name, args in calls])
 
 
-def _calls_from_json(text: str, names: set[str]) -> list[dict[str, Any]] | None:
-    """The calls in a JSON object or array of objects; None unless every one names a tool."""
+def _streamed_calls(text: str, plan: ToolPlan) -> list[tuple[str, str]]:
+    """(name, arguments' JSON text) of each call the streamer finds in the whole output."""
+    calls: list[tuple[str, str]] = []
+    for delta in ToolCallStreamer(plan).feed(text):
+        name, arguments = delta["function"].get("name"), delta["function"]["arguments"]
+        if "id" in delta:
+            calls.append((name, arguments))
+        else:
+            calls[-1] = (calls[-1][0], calls[-1][1] + arguments)
+    return calls
+
+
+def _without_blocks(text: str) -> str:
+    """The text outside the call blocks (a block cut off runs to the end)."""
+    pieces, pos = [], 0
+    while (opened := text.find(CALL_OPEN, pos)) != -1:
+        pieces.append(text[pos:opened])
+        end = _CallBlockEnd(opened).find(text)
+        pos = len(text) if end is None else end
+    pieces.append(text[pos:])
+    return "".join(pieces)
+
+
+def _arguments_text(arguments: str) -> str:
+    """A call's arguments as OpenAI gives them: the JSON text of an object. (A model that wrote
+    the object as a JSON string of it, which no grammar here lets through, gets the string's
+    text.)"""
+    try:
+        value = json.loads(arguments)
+    except ValueError:  # cut off by max_tokens: as far as it got
+        return arguments
+    if isinstance(value, str) and isinstance(_arguments_value(value), dict):
+        return value
+    return arguments
+
+
+def _calls_from_json(text: str, schemas: dict[str, Any]) -> list[tuple[str, str]] | None:
+    """The calls in a JSON object or array of objects, as (name, arguments' JSON text); None
+    unless every one names a tool and its arguments follow that tool's parameter schema."""
     try:
         value = json.loads(text)
     except (json.JSONDecodeError, ValueError):
@@ -459,25 +517,59 @@ def _calls_from_json(text: str, names: set[str]) -> list[dict[str, Any]] | None:
     items = value if isinstance(value, list) else [value]
     calls = []
     for item in items:
-        if not isinstance(item, dict) or item.get("name") not in names:
+        if not isinstance(item, dict) or item.get("name") not in schemas:
             return None
         arguments = item.get("arguments", item.get("parameters", {}))
         arguments = _arguments_value(arguments)
-        if not isinstance(arguments, dict):
+        if not isinstance(arguments, dict) or not _follows(arguments, schemas[item["name"]]):
             return None
-        calls.append({"name": item["name"], "arguments": arguments})
+        calls.append((item["name"], json.dumps(arguments, ensure_ascii=False)))
     return calls or None
 
 
-def _openai_call(call: dict[str, Any]) -> dict[str, Any]:
+def _follows(value: Any, schema: dict[str, Any]) -> bool:
+    import jsonschema  # (on the finished output of a request with tools only)
+
+    try:
+        return jsonschema.Draft202012Validator(schema).is_valid(value)
+    except jsonschema.exceptions.SchemaError:  # (refused when the grammar was built, normally)
+        return False
+
+
+def _openai_call(name: str, arguments: str) -> dict[str, Any]:
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
-        "function": {
-            "name": call["name"],
-            "arguments": json.dumps(call["arguments"], ensure_ascii=False),
-        },
+        "function": {"name": name, "arguments": arguments},
     }
+
+
+class _CallBlockEnd:
+    """Where a `<tool_call>` block that opened at `opened` ends (after its `</tool_call>`),
+    found as its text arrives: past its call's arguments, so that a `</tool_call>` inside one of
+    their strings does not end it."""
+
+    def __init__(self, opened: int) -> None:
+        self._from = opened + len(CALL_OPEN)
+        self._args: _JsonValueScanner | None = None
+        self._after: int | None = None  # where the arguments' value ended
+
+    def find(self, text: str) -> int | None:
+        """The block's end, or None while it has not ended."""
+        if self._args is None:
+            head = _CALL_HEAD.match(text, _SPACE.match(text, self._from).end())
+            if head is None or head.end() == len(text):
+                # no call's head (yet): its close tag, if any, is the end
+                close = text.find(CALL_CLOSE, self._from)
+                return None if close == -1 else close + len(CALL_CLOSE)
+            self._args = _JsonValueScanner(head.end())
+        if self._after is None:
+            _, done = self._args.advance(text)
+            if not done:
+                return None
+            self._after = self._args.end
+        close = text.find(CALL_CLOSE, self._after)
+        return None if close == -1 else close + len(CALL_CLOSE)
 
 
 class ContentFilter:
@@ -496,6 +588,7 @@ class ContentFilter:
         self.in_call = False
         self.calls = 0  # call blocks opened
         self._call_start = 0  # where the last call block opened
+        self._block: _CallBlockEnd | None = None  # the open block's end, found as it arrives
         self._held = ""  # whitespace not shown yet
         self._started = False  # whether any content was shown
 
@@ -505,16 +598,16 @@ class ContentFilter:
             return ""
         if self.shown == 0:
             head = text.lstrip()
-            if not head or head[0] in "{[":
+            if not head or (head[0] in "{[" and CALL_OPEN not in text):
                 return ""  # maybe a bare JSON call: decided when the output is finished
         pieces = []
         while True:
             if self.in_call:
-                close = text.find(CALL_CLOSE, self.shown)
-                if close == -1:  # resume where a closing tag could still begin
-                    self.shown = max(self.shown, len(text) - len(CALL_CLOSE) + 1)
+                assert self._block is not None
+                end = self._block.find(text)
+                if end is None:
                     break
-                self.shown, self.in_call = close + len(CALL_CLOSE), False
+                self.shown, self.in_call = end, False
             opened = text.find(CALL_OPEN, self.shown)
             end = opened if opened != -1 else len(text) - _partial_suffix(text, CALL_OPEN)
             if end > self.shown:
@@ -523,6 +616,7 @@ class ContentFilter:
             if opened == -1:
                 break
             self.in_call, self._call_start = True, opened
+            self._block = _CallBlockEnd(opened)
             self.calls += 1
             self.shown = opened + len(CALL_OPEN)
         return "".join(pieces)

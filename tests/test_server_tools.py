@@ -274,12 +274,68 @@ def test_parse_bare_json_calls_and_refuse_the_rest():
     assert len(parsed.tool_calls) == 1
     for text in (
         '{"name": "launch_rockets", "arguments": {}}',  # not a tool
-        '{"name": "get_weather", "arguments": {"city": "Os',  # cut off by max_tokens
+        '{"name": "get_weather", "arguments"',  # cut off before its arguments
         "It is sunny in Oslo.",
     ):
         parsed = parse_output(text, plan)
         assert parsed.tool_calls == [] and parsed.content == text
     assert parse_output('{"name": "get_weather"}', plan_of()).tool_calls == []  # no tools
+    # cut off by max_tokens in its arguments: there, as far as it got (as it was streamed)
+    parsed = parse_output('{"name": "get_weather", "arguments": {"city": "Os', plan)
+    assert [c["function"] for c in parsed.tool_calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Os'}
+    ]
+    # under "auto" a bare JSON answer (no grammar wrote it) is a call only if it follows the schema
+    auto = plan_of(tools=[WEATHER])
+    for text in ('{"name": "get_weather", "arguments": {"city": 5}}',
+                 '{"name": "get_weather", "arguments": {"city": "Oslo", "zzz": 1}}'):  # fmt: skip
+        assert parse_output(text, auto).tool_calls == [], text
+    assert (
+        len(parse_output('{"name": "get_weather", "arguments": {"city": "Oslo"}}', auto).tool_calls)
+        == 1
+    )
+
+
+def test_streamed_and_whole_calls_agree_where_a_grammar_lets_text_through():
+    """The non-streamed reply takes its calls from the same scan as the stream: the arguments'
+    text as generated, a `</tool_call>` inside an argument's string, content opening with `{`."""
+    plan = plan_of(tools=[WEATHER, TIME])
+    cases = {
+        '<tool_call>{"name":"get_weather","arguments":{"city":"a</tool_call>b"}}</tool_call> ok': (
+            "ok", [("get_weather", '{"city":"a</tool_call>b"}')]
+        ),
+        '{Paris} is nice. <tool_call>{"name":"get_time","arguments":{"timezone":"UTC"}}</tool_call>': (
+            "{Paris} is nice.", [("get_time", '{"timezone":"UTC"}')]
+        ),
+        '<tool_call>{"name":"get_time","arguments":{"timezone":"UTC"}}</tool_call><tool_call>{"name":"get_weather","arguments":{"ci': (
+            None, [("get_time", '{"timezone":"UTC"}'), ("get_weather", '{"ci')]
+        ),
+    }  # fmt: skip
+    for text, (content, calls) in cases.items():
+        parsed = parse_output(text, plan)
+        assert parsed.content == content, text
+        assert [
+            (c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls
+        ] == calls
+        for step in (1, 3, 8):  # the stream: content and call deltas
+            f, streamer, shown, args = ContentFilter(plan), ToolCallStreamer(plan), "", {}
+            for end in range(step, len(text) + step, step):
+                shown += f.visible(text[:end])
+                for d in streamer.feed(text[:end]):
+                    args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
+            shown += f.rest(text, calls_found=streamer.count > 0)
+            assert shown == (content or ""), (text, step)
+            assert list(args.values()) == [a for _, a in calls], (text, step)
+
+
+def test_a_tool_without_a_parameter_type_still_takes_an_object():
+    from radixlm.constrained.json_schema import json_schema_to_regex
+
+    noop = {"type": "function", "function": {"name": "noop", "parameters": {}}}
+    schema = plan_of(tools=[noop], tool_choice="required").output_schema()
+    rx = re.compile(json_schema_to_regex(schema))
+    assert rx.fullmatch('[{"name":"noop","arguments":{}}]')
+    assert not rx.fullmatch('[{"name":"noop","arguments":1}]')
 
 
 def test_content_filter_holds_back_what_may_open_a_call():
@@ -363,9 +419,10 @@ def test_tools_and_results_are_rendered_into_the_prompt(engine):
 class ScriptedBackend:
     """A GenerationBackend whose every generation writes `script`, a few characters a step."""
 
-    def __init__(self, script: str, kv_capacity: int | None = None) -> None:
+    def __init__(self, script: str, kv_capacity: int | None = None, finish: str = "stop") -> None:
         self.script = script
         self.kv_capacity = kv_capacity
+        self.finish = finish  # how the generation ends: "stop" or "length"
         self.calls: list[dict[str, Any]] = []
 
     def model_info(self) -> ModelInfo:
@@ -401,7 +458,13 @@ class ScriptedBackend:
                     "prompt_tokens": prompt_tokens,
                     "completion_tokens": len(ids),
                     "cached_tokens": 0,
-                    "finish_reason": {"type": "stop", "matched": 0} if last else None,
+                    "finish_reason": (
+                        None
+                        if not last
+                        else {"type": "length", "length": len(ids)}
+                        if self.finish == "length"
+                        else {"type": "stop", "matched": 0}
+                    ),
                     "e2e_latency": 0.0,
                 },
             }
@@ -439,6 +502,28 @@ def test_named_tool_choice_constrains_and_returns_tool_calls():
     jsonschema.validate(
         json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"]
     )
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_a_call_cut_off_by_max_tokens_is_length_streamed_or_not(tool_choice):
+    script = '[{"name": "get_weather", "arguments": {"city": "Par'
+    if tool_choice == "auto":
+        script = '<tool_call>{"name": "get_weather", "arguments": {"city": "Par'
+    body = {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [WEATHER, TIME],
+        "tool_choice": tool_choice,
+    }
+    with TestClient(create_app(ScriptedBackend(script, finish="length"))) as c:
+        whole = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            chunks = [x for x in sse_payloads(r.iter_lines()) if x != "[DONE]"]
+    assert whole["finish_reason"] == "length"
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
+    deltas = [d for x in chunks for ch in x["choices"] for d in ch["delta"].get("tool_calls", [])]
+    assert "".join(d["function"].get("arguments", "") for d in deltas) == '{"city": "Par'
+    assert [ch["finish_reason"] for x in chunks for ch in x["choices"]][-1] == "length"
 
 
 def test_auto_tool_calls_stream_as_deltas_after_content():
