@@ -531,8 +531,9 @@ def _follows(value: Any, schema: dict[str, Any]) -> bool:
     import jsonschema  # (on the finished output of a request with tools only)
 
     try:
-        return jsonschema.Draft202012Validator(schema).is_valid(value)
-    except jsonschema.exceptions.SchemaError:  # (refused when the grammar was built, normally)
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        return cls(schema).is_valid(value)
+    except Exception:  # a schema that cannot be checked (a ref that does not resolve): no call
         return False
 
 
