@@ -222,7 +222,10 @@ class Engine:
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        os.makedirs(output_dir, exist_ok=True)
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+        except OSError as e:  # the caller's folder: bad input, whichever process asks
+            raise ValueError(f"output_dir {output_dir!r} cannot be used: {e}") from e
 
         def begin() -> None:
             if self._profiler is not None:

@@ -18,8 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from radixlm import __version__
 from radixlm.errors import EngineShutDown
 from radixlm.server.backend import GenerationBackend, LocalEngineBackend, engine_stats
-from radixlm.server.errors import APIError, unavailable
-from radixlm.server.generation import ClientDisconnected
+from radixlm.server.errors import APIError, ClientDisconnected, unavailable
 from radixlm.server.guard import GuardMiddleware
 from radixlm.server.metrics import Metrics
 from radixlm.server.state import ServerLimits, ServerState

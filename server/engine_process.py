@@ -329,9 +329,10 @@ class EngineProcessBackend(TokenizerSide):
             logger.warning("the engine process did not stop in %g s: killing it", STOP_TIMEOUT_S)
             self._process.kill()
             self._process.join(5)
-        if self._writer is not None:
+        loop = self._loop
+        if self._writer is not None and loop is not None and not loop.is_closed():
             self._writer.close()
-        else:
+        else:  # (no writer, or its event loop is gone: a second Ctrl-C skipped the shutdown)
             self._sock.close()
 
 

@@ -61,3 +61,7 @@ def internal_error(message: str) -> APIError:
 
 def unavailable(message: str) -> APIError:
     return APIError(503, message, type="service_unavailable")
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection; its generations were aborted (answered 499)."""

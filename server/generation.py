@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 
 from radixlm.errors import EngineShutDown
-from radixlm.server.errors import APIError, bad_request, unavailable
+from radixlm.server.errors import APIError, ClientDisconnected, bad_request, unavailable
 from radixlm.server.state import RequestUsage, ServerState
 
 
@@ -31,10 +31,6 @@ class GenerationInput:
     return_logprob: bool = False
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
-
-
-class ClientDisconnected(Exception):
-    """The client closed the connection; its generations were aborted."""
 
 
 def fan_out(item: GenerationInput, n: int) -> list[GenerationInput]:
@@ -155,12 +151,13 @@ async def open_streams(
                     top_logprobs_num=item.top_logprobs_num,
                 )
             )
-    except (ValueError, TypeError) as e:
+    except BaseException as e:  # (cancelled, or refused): the streams opened so far are closed
         await _close_all(streams)
-        raise bad_request(str(e)) from e
-    except EngineShutDown as e:
-        await _close_all(streams)
-        raise unavailable(str(e)) from e
+        if isinstance(e, (ValueError, TypeError)):
+            raise bad_request(str(e)) from e
+        if isinstance(e, EngineShutDown):
+            raise unavailable(str(e)) from e
+        raise
     return streams
 
 
@@ -171,7 +168,7 @@ async def _observed(
     arrived: float,
 ) -> AsyncIterator[dict[str, Any]]:
     timer = state.metrics.timer(arrived)
-    finished = False
+    finished = failed = False
     try:
         async with contextlib.aclosing(stream):  # closing it aborts the engine request
             async for snapshot in stream:
@@ -184,9 +181,14 @@ async def _observed(
                 else:
                     timer.update(int(meta.get("completion_tokens", 0)))
                 yield snapshot
+    except (GeneratorExit, asyncio.CancelledError):  # closed early: the client went away
+        raise
+    except BaseException:  # the generation failed (its error is counted where it is answered)
+        failed = True
+        raise
     finally:
         if not finished:
-            timer.abandon()
+            timer.fail() if failed else timer.abandon()
 
 
 async def last(stream: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
@@ -214,20 +216,27 @@ async def collect(streams: list[AsyncIterator[dict[str, Any]]]) -> list[dict[str
 async def merge(
     streams: list[AsyncIterator[dict[str, Any]]],
 ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-    """(index, snapshot) from all streams as they come; closing this closes them all."""
+    """(index, snapshot) from all streams as they come; closing this closes them all.
+
+    A stream's next snapshot is read only once its last one was taken: snapshots are cumulative,
+    so a reader that falls behind holds one of each stream, not one a step (the streams keep
+    only their newest meanwhile)."""
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]):
             async for snapshot in streams[0]:
                 yield 0, snapshot
         return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    taken = [asyncio.Event() for _ in streams]
     end = object()
 
     async def pump(index: int, stream: AsyncIterator[dict[str, Any]]) -> None:
         try:
             async with contextlib.aclosing(stream):
                 async for snapshot in stream:
+                    taken[index].clear()
                     queue.put_nowait((index, snapshot))
+                    await taken[index].wait()
         except Exception as e:  # handed to the consumer, which raises it
             queue.put_nowait((index, e))
         finally:
@@ -238,6 +247,7 @@ async def merge(
         remaining = len(tasks)
         while remaining:
             index, item = await queue.get()
+            taken[index].set()
             if item is end:
                 remaining -= 1
             elif isinstance(item, Exception):

@@ -6,8 +6,9 @@ from typing import Any, TypeVar
 
 import msgspec
 from fastapi import Request, Response
+from starlette.requests import ClientDisconnect
 
-from radixlm.server.errors import bad_request
+from radixlm.server.errors import ClientDisconnected, bad_request
 
 T = TypeVar("T")
 
@@ -35,7 +36,10 @@ async def read_json(
 ) -> T | Any:
     """The request body decoded as JSON (into `type`, when given); a 400 for anything malformed.
     An empty body is a 400 too, unless `empty` is given: then that is returned for it."""
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect as e:  # gone while sending its body: nobody to answer
+        raise ClientDisconnected() from e
     if not body.strip():
         if empty is not _REQUIRED:
             return empty

@@ -148,6 +148,11 @@ class GenerationTimer:
         self.metrics.finished["abort"] += 1
         self.metrics.count_error("client_disconnected")
 
+    def fail(self) -> None:
+        """The generation failed before it finished (the error itself is counted by its kind
+        where the request is answered)."""
+        self.metrics.finished["error"] += 1
+
 
 # the engine's running totals (since it started): its stats key -> (metric name, help)
 _ENGINE_COUNTERS = {

@@ -339,7 +339,6 @@ async def _sse(
         async for index, snapshot in merged:
             error = finish_error(snapshot["meta_info"])
             if error is not None:  # the engine failed it: an error event, not its cut-off text
-                state.metrics.count_error("internal_error")
                 raise internal_error(f"generation failed: {error}")
             out = native_output(
                 state,
@@ -349,7 +348,8 @@ async def _sse(
                 index if many else None,
             )
             yield sse_event(out)
-    except APIError as e:
+    except APIError as e:  # (the stream has begun: no handler sees it, so counted here)
+        state.metrics.count_error(e.type)
         yield sse_event(e.body())
     except Exception as e:  # the stream has begun: report in-band, never hang
         logger.exception("stream failed")
@@ -442,7 +442,7 @@ async def flush_cache(request: Request) -> Response:
 PROFILER_DIR_ENV = "RADIXLM_TORCH_PROFILER_DIR"
 
 
-@router.post("/start_profile")
+@router.api_route("/start_profile", methods=["GET", "POST"])  # (SGLang's client sends a GET)
 async def start_profile(request: Request) -> Response:
     """Profile the engine (torch.profiler) until /stop_profile; the trace goes into `output_dir`
     of the body, else $RADIXLM_TORCH_PROFILER_DIR, else the system's temporary folder."""
@@ -463,7 +463,7 @@ async def start_profile(request: Request) -> Response:
     return json_response({"output_dir": output_dir, "message": "profiling started"})
 
 
-@router.post("/stop_profile")
+@router.api_route("/stop_profile", methods=["GET", "POST"])
 async def stop_profile(request: Request) -> Response:
     try:
         path = await _state(request).backend.stop_profile()

@@ -328,6 +328,9 @@ def test_a_stopped_engine_process_leaves_metrics_answering(server):
 
 
 def test_profiler_writes_a_trace(server, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    r = httpx.post(server.url + "/start_profile", json={"output_dir": str(tmp_path / "a_file/x")})
+    assert r.status_code == 400 and "cannot be used" in r.text, r.text  # the caller's folder
     r = httpx.post(server.url + "/start_profile", json={"output_dir": str(tmp_path)})
     assert r.status_code == 200, r.text
     assert httpx.post(server.url + "/start_profile").status_code == 400  # already running
