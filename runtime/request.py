@@ -49,6 +49,9 @@ class Req:
     locked_len: int = 0  # tokens of the row that belong to the prefix cache (not ours to free)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_preemptions: int = 0
+    # tokens known when it was last admitted after a preemption: those past its prompt are its
+    # lost output, recomputed in chunks within the step budget as a prompt is
+    recompute_len: int = 0
     # output tokens sampled on the device but not applied yet (overlapped scheduling): the next
     # step may already compute them, reading them from the device
     num_pending: int = 0

@@ -157,9 +157,10 @@ class Scheduler:
         for r in self.running:
             prompt_len, kv_len, pending = len(r.input_ids), r.kv_len, r.num_pending
             num_out = len(r.output_ids)
-            if kv_len < prompt_len or (not pending and kv_len + 1 < prompt_len + num_out):
-                # its prompt, or output it lost to preemption, is recomputed in budgeted chunks
-                # (as one decode it went past the chunk budget, and preempted itself over again)
+            if kv_len < prompt_len or kv_len + 1 < r.recompute_len:
+                # its prompt, or output it lost to preemption, is computed in budgeted chunks (as
+                # one decode the lost output went past the chunk budget, and preempted itself
+                # over again); the tokens jump-forward appends go as one decode item
                 prefilling.append(r)
                 continue
             n = prompt_len + num_out + pending - kv_len  # r.sched_len - r.kv_len
@@ -224,6 +225,8 @@ class Scheduler:
             self.cache.extend(req, n)
             if req.num_preemptions == 0:
                 self.cache.record_first_admission(req)
+            else:
+                req.recompute_len = req.num_tokens
             fresh.append(req.all_ids)
             self.waiting.remove(req)
             req.status = ReqStatus.RUNNING

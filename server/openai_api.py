@@ -703,7 +703,9 @@ async def _chat_events(
                 for k, call in enumerate(parsed.tool_calls)
             ]
             yield chunk([choice(index, {"tool_calls": deltas})])
-            reason, calls_found = "tool_calls", True
+            calls_found = True
+            if reason != "length":  # as above, and as the non-streamed reply says
+                reason = "tool_calls"
         if plan.active and (rest := p.filter.rest(text, calls_found)):
             yield chunk([choice(index, {"content": rest})])
         yield chunk([choice(index, {}, None, reason)])

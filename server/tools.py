@@ -319,9 +319,12 @@ class ToolCallStreamer:
             if head is None or head.end() == len(text):
                 return deltas  # the name (or what follows it) is not complete yet
             name = json.loads(f'"{head.group(1)}"')
-            if name not in self._names:  # (no grammar here writes one: left to parse_output)
-                self._stopped = True
-                break
+            if name not in self._names:  # (no grammar here writes one)
+                if not self.in_blocks:  # the output is no list of calls: left to parse_output
+                    self._stopped = True
+                    break
+                self._pos, self._start = head.end(), None  # not a call: on to the next block
+                continue
             deltas.append(
                 {
                     "index": self.count,
@@ -553,24 +556,25 @@ class _CallBlockEnd:
     def __init__(self, opened: int) -> None:
         self._from = opened + len(CALL_OPEN)
         self._args: _JsonValueScanner | None = None
-        self._after: int | None = None  # where the arguments' value ended
+        self._close_from = self._from  # where the search for the close tag resumes
 
     def find(self, text: str) -> int | None:
         """The block's end, or None while it has not ended."""
         if self._args is None:
             head = _CALL_HEAD.match(text, _SPACE.match(text, self._from).end())
-            if head is None or head.end() == len(text):
-                # no call's head (yet): its close tag, if any, is the end
-                close = text.find(CALL_CLOSE, self._from)
-                return None if close == -1 else close + len(CALL_CLOSE)
-            self._args = _JsonValueScanner(head.end())
-        if self._after is None:
-            _, done = self._args.advance(text)
-            if not done:
+            if head is not None and head.end() < len(text):
+                self._args = _JsonValueScanner(head.end())
+            # else no call's head (yet): its close tag, if any, is the end
+        if self._args is not None and self._args.end < 0:
+            self._args.advance(text)
+            if self._args.end < 0:
                 return None
-            self._after = self._args.end
-        close = text.find(CALL_CLOSE, self._after)
-        return None if close == -1 else close + len(CALL_CLOSE)
+            self._close_from = max(self._close_from, self._args.end)
+        close = text.find(CALL_CLOSE, self._close_from)
+        if close == -1:  # resume where a close tag could still begin
+            self._close_from = max(self._close_from, len(text) - len(CALL_CLOSE) + 1)
+            return None
+        return close + len(CALL_CLOSE)
 
 
 class ContentFilter:
@@ -590,6 +594,7 @@ class ContentFilter:
         self.calls = 0  # call blocks opened
         self._call_start = 0  # where the last call block opened
         self._block: _CallBlockEnd | None = None  # the open block's end, found as it arrives
+        self._open_from = 0  # where the search for a first call block in held text resumes
         self._held = ""  # whitespace not shown yet
         self._started = False  # whether any content was shown
 
@@ -599,7 +604,7 @@ class ContentFilter:
             return ""
         if self.shown == 0:
             head = text.lstrip()
-            if not head or (head[0] in "{[" and CALL_OPEN not in text):
+            if not head or (head[0] in "{[" and not self._has_block(text)):
                 return ""  # maybe a bare JSON call: decided when the output is finished
         pieces = []
         while True:
@@ -621,6 +626,11 @@ class ContentFilter:
             self.calls += 1
             self.shown = opened + len(CALL_OPEN)
         return "".join(pieces)
+
+    def _has_block(self, text: str) -> bool:
+        found = text.find(CALL_OPEN, self._open_from) != -1
+        self._open_from = max(self._open_from, len(text) - len(CALL_OPEN) + 1)
+        return found
 
     def rest(self, text: str, calls_found: bool) -> str:
         """At the end: the content not shown yet. Without calls the whole output is content, so
