@@ -153,10 +153,10 @@ _lock = threading.Lock()
 
 def set_default_backend(backend: Any) -> None:
     """The backend `run` / `run_batch` use when given none: a `radixlm.Engine`, a
-    `RuntimeEndpoint` or an `OpenAI` backend."""
-    resolved = resolve_backend(backend)
+    `RuntimeEndpoint` or an `OpenAI` backend; None clears it."""
+    resolved = None if backend is None else resolve_backend(backend)
     with _lock:
-        _default[:] = [resolved]
+        _default[:] = [] if resolved is None else [resolved]
 
 
 def get_default_backend() -> Backend | None:

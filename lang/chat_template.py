@@ -84,6 +84,21 @@ def get_chat_template(name: str) -> ChatTemplate:
         ) from None
 
 
+def is_jinja(text: str) -> bool:
+    """Whether a chat_template string is a Jinja template's text rather than a name."""
+    return "{{" in text or "{%" in text
+
+
+def unknown_name_warning(name: str) -> None:
+    """SGLang's own template names (llama-3-instruct, qwen, default, ...) are not ours: the
+    model's own template, which those names stand for, is used instead."""
+    logger.warning(
+        "no chat template named %r here (known: %s): the model's own chat template is used",
+        name,
+        sorted(NAMED_TEMPLATES),
+    )
+
+
 def plain_template() -> ChatTemplate:
     """For models without a chat template (base models): readable role labels."""
     return _plain()

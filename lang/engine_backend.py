@@ -128,13 +128,22 @@ class EngineBackend(Backend):
         return out
 
     def _fill_texts(self, meta: dict[str, Any], params: GenParams) -> None:
+        """Each log-probability entry's token text, the top lists' too (as the server's native
+        API gives them with return_text_in_logprobs)."""
         if not params.return_text_in_logprobs:
             return
         for key in ("input_token_logprobs", "output_token_logprobs"):
             entries = meta.get(key)
             if entries:
-                texts = self._token_texts([e[1] for e in entries])
-                meta[key] = [(e[0], e[1], t) for e, t in zip(entries, texts)]
+                meta[key] = self._with_texts(entries)
+        for key in ("input_top_logprobs", "output_top_logprobs"):
+            tops = meta.get(key)
+            if tops:
+                meta[key] = [self._with_texts(top) if top else top for top in tops]
+
+    def _with_texts(self, entries: list) -> list:
+        texts = self._token_texts([e[1] for e in entries])
+        return [(e[0], e[1], t) for e, t in zip(entries, texts)]
 
     @staticmethod
     def _check(out: dict[str, Any]) -> None:
@@ -154,14 +163,25 @@ def _resolve_template(engine: Any, chat_template: ChatTemplate | str | None) -> 
         return chat_template
     tokenizer = engine.tokenizer
     if isinstance(chat_template, str):
-        from radixlm.lang.chat_template import NAMED_TEMPLATES, get_chat_template, jinja_renderer
+        from radixlm.lang.chat_template import (
+            NAMED_TEMPLATES,
+            get_chat_template,
+            is_jinja,
+            jinja_renderer,
+            unknown_name_warning,
+        )
 
         if chat_template in NAMED_TEMPLATES:
             return get_chat_template(chat_template)
-        tokens = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
-        return derive_chat_template(
-            jinja_renderer(chat_template, tokens), "custom", tokenizer.bos_token
-        )
+        if is_jinja(chat_template):
+            tokens = {
+                "bos_token": tokenizer.bos_token or "",
+                "eos_token": tokenizer.eos_token or "",
+            }
+            return derive_chat_template(
+                jinja_renderer(chat_template, tokens), "custom", tokenizer.bos_token
+            )
+        unknown_name_warning(chat_template)
     if not getattr(tokenizer, "chat_template", None):
         logger.warning("the model has no chat template: roles use plain 'User:' labels")
         return plain_template()

@@ -80,12 +80,15 @@ class Function:
         stream: bool = False,
         backend: Any = None,
         use_thread: bool = True,
+        n: int = 1,
+        stop_regex: str | list[str] | None = None,
         **kwargs: Any,
     ) -> ProgramState:
         """Run the program once. The sampling arguments are the defaults of its `gen` calls;
         the other keyword arguments go to the program. With `stream=True` it returns at once and
         `state.text_iter()` yields the text as it comes."""
-        params = default_params(
+        params = _run_defaults(
+            n=n, stop_regex=stop_regex,
             max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids,
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
@@ -117,6 +120,8 @@ class Function:
         num_threads: int | str = "auto",
         progress_bar: bool = False,
         generator_style: bool = False,
+        n: int = 1,
+        stop_regex: str | list[str] | None = None,
     ) -> list[ProgramState] | Iterator[ProgramState]:
         """Run the program once per argument dict (or tuple), concurrently. A program that fails
         keeps its error on its own state (`state.error()`); the others are not affected. With
@@ -126,7 +131,8 @@ class Function:
         if not batch_kwargs:
             return []
         batch = [self._as_kwargs(item) for item in batch_kwargs]
-        params = default_params(
+        params = _run_defaults(
+            n=n, stop_regex=stop_regex,
             max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids,
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
@@ -160,3 +166,13 @@ class Function:
 
     def __repr__(self) -> str:
         return f"<radixlm program {self.name}>"
+
+
+def _run_defaults(n: Any, stop_regex: Any, **values: Any):
+    """The defaults `run` and `run_batch` give the program's `gen` calls (SGLang's arguments:
+    `n` samples each, as a list; stop_regex refused as `gen` refuses it)."""
+    if stop_regex:
+        raise ValueError("run: stop_regex is not supported by radixlm; use stop strings")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"run: n={n!r} must be a positive integer")
+    return default_params(n=n if n > 1 else None, **values)

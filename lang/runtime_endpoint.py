@@ -18,9 +18,11 @@ from radixlm.lang.chat_template import (
     ChatTemplate,
     derive_chat_template,
     get_chat_template,
+    is_jinja,
     jinja_renderer,
     plain_template,
     template_from_tokenizer_files,
+    unknown_name_warning,
 )
 from radixlm.lang.choices import TokenLogprobs
 from radixlm.lang.http_client import HttpClient
@@ -165,7 +167,9 @@ class RuntimeEndpoint(Backend):
         if isinstance(given, str):
             if given in NAMED_TEMPLATES:
                 return get_chat_template(given)
-            return derive_chat_template(jinja_renderer(given), "custom")
+            if is_jinja(given):
+                return derive_chat_template(jinja_renderer(given), "custom")
+            unknown_name_warning(given)
         for key in ("tokenizer_path", "model_path"):
             path = self.model_info.get(key)
             if not isinstance(path, str) or not path:

@@ -339,6 +339,49 @@ def test_set_default_backend_bind_and_positional_batches(engine, monkeypatch):
     assert "Paris" in states[1]["answer"]
 
 
+def test_run_takes_sglangs_n_and_clears_the_default_backend(engine, monkeypatch):
+    monkeypatch.setattr(backend_module, "_default", [])
+    state = qa.run(FRANCE, 4, backend=engine, temperature=0.8, n=2)
+    answers = state["answer"]
+    assert isinstance(answers, list) and len(answers) == 2
+    (batched,) = qa.run_batch([(FRANCE, 4)], backend=engine, temperature=0.8, n=2)
+    assert len(batched["answer"]) == 2
+    for bad, message in (({"n": 0}, "positive integer"), ({"stop_regex": "x"}, "stop_regex")):
+        with pytest.raises(ValueError, match=message):
+            qa.run(FRANCE, backend=engine, **bad)
+    sgl.set_default_backend(engine)
+    sgl.set_default_backend(None)  # as SGLang: no default any more
+    assert sgl.get_default_backend() is None
+
+
+def test_top_logprob_lists_carry_token_texts_as_the_server_gives_them(engine):
+    @sgl.function
+    def scored(s):
+        s += sgl.user(FRANCE)
+        s += sgl.assistant(
+            sgl.gen("answer", max_tokens=3, return_logprob=True, top_logprobs_num=2,
+                    return_text_in_logprobs=True)
+        )  # fmt: skip
+
+    meta = scored.run(backend=engine, temperature=0).get_meta_info("answer")
+    tops = meta["output_top_logprobs"]
+    assert tops and all(len(top) == 2 for top in tops)
+    for top in tops:
+        for _, token_id, text in top:
+            assert text == engine.tokenizer.decode([token_id])
+
+
+def test_an_sglang_template_name_means_the_models_own_template(engine, caplog):
+    @sgl.function
+    def hi(s):
+        s += sgl.user("Hi!")
+
+    own = hi.run(backend=engine).text()
+    named = EngineBackend(engine, chat_template="llama-3-instruct")
+    assert hi.run(backend=named).text() == own
+    assert "no chat template named 'llama-3-instruct'" in caplog.text
+
+
 # ---- HTTP backends against our own server ------------------------------------------------------
 
 
