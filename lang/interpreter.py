@@ -86,6 +86,7 @@ class StreamExecutor:
 
         self._scopes: dict[str, int] = {}
         self._changed = threading.Condition()
+        self._writers: dict[str, int] = {}  # queued steps that will set each variable
         self._ended = False
         self._children: list[StreamExecutor] = []  # its forks, ended with it
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -215,8 +216,14 @@ class StreamExecutor:
             self._changed.notify_all()
 
     def _init_var_events(self, expr: Expr) -> None:
+        """Count the queued writers of each variable: reading one waits for the last of them
+        (a name generated twice in a row was read as its first value)."""
         if isinstance(expr, (Gen, Select, VarScopeBegin)) and expr.name is not None:
-            self.variable_event[expr.name] = threading.Event()
+            with self._changed:
+                self._writers[expr.name] = self._writers.get(expr.name, 0) + 1
+                event = self.variable_event.get(expr.name)
+                if event is None or event.is_set():
+                    self.variable_event[expr.name] = threading.Event()
         elif isinstance(expr, ExprList):
             for e in expr.exprs:
                 self._init_var_events(e)
@@ -264,8 +271,11 @@ class StreamExecutor:
             return
         self.variables[name] = value
         self.meta_info[name] = meta
-        event = self.variable_event.setdefault(name, threading.Event())
-        event.set()
+        with self._changed:
+            left = self._writers[name] = max(0, self._writers.get(name, 0) - 1)
+            event = self.variable_event.setdefault(name, threading.Event())
+        if not left:  # (a later queued gen of the same name will write it again)
+            event.set()
         self._notify()
 
     def _params(self, gen: Gen) -> GenParams:

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -409,6 +410,28 @@ def test_a_program_forking_in_a_loop_lets_its_joined_forks_go():
     assert state.error() is None
     assert held == [3] * 5  # only the forks of the newest round
     assert [len(state[f"v{r}"]) for r in range(5)] == [3] * 5
+
+
+def test_a_variable_generated_twice_is_read_after_its_last_write():
+    """Both gens are queued before the read: the read waits for the second (it got the first,
+    as SGLang's interpreter does too)."""
+
+    class Slow(ScriptedBackend):
+        def generate(self, s, params):
+            time.sleep(0.2)
+            return super().generate(s, params)
+
+    @sgl.function
+    def prog(s):
+        s += "a " + sgl.gen("x")
+        s += " b " + sgl.gen("x")
+        s["read"] = s["x"]
+        s += " c " + sgl.gen("x")
+
+    state = prog.run(backend=Slow())
+    assert state["read"] == "gen2"
+    assert state["x"] == "gen3"
+    assert state.text() == "a gen1 b gen2 c gen3"
 
 
 def test_a_failed_stream_leaves_no_partial_variable():
