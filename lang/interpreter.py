@@ -176,6 +176,9 @@ class StreamExecutor:
                     current = value if isinstance(value, str) else ""
                     event = self.variable_event.get(var_name)
                     done = self.is_finished or (event is not None and event.is_set())
+                    # shorter than what was read: a later gen of the name began anew (the
+                    # stream of the first one is over)
+                    done = done or len(current) < pos
                 if len(current) > pos or done:
                     return current[pos:], done
                 self._changed.wait()
