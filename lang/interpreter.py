@@ -650,15 +650,18 @@ def _in_pool(
 ) -> Iterator[ProgramState]:
     """The programs' states in order, each as soon as it and those before it are done."""
     bar = _progress(len(batch_arguments)) if progress_bar else None
+    pool = ThreadPoolExecutor(num_threads, thread_name_prefix="radixlm-batch")
     try:
-        with ThreadPoolExecutor(num_threads, thread_name_prefix="radixlm-batch") as pool:
-            futures = [pool.submit(run_one, kwargs) for kwargs in batch_arguments]
-            if bar is not None:
-                for f in futures:
-                    f.add_done_callback(lambda _: bar.update(1))
+        futures = [pool.submit(run_one, kwargs) for kwargs in batch_arguments]
+        if bar is not None:
             for f in futures:
-                yield f.result()
+                f.add_done_callback(lambda _: bar.update(1))
+        for f in futures:
+            yield f.result()
     finally:
+        # a generator closed early (the caller stopped reading): the programs not started yet
+        # are not run, and only the running ones are waited for
+        pool.shutdown(wait=True, cancel_futures=True)
         if bar is not None:
             bar.close()
 

@@ -434,6 +434,26 @@ def test_a_variable_generated_twice_is_read_after_its_last_write():
     assert state.text() == "a gen1 b gen2 c gen3"
 
 
+def test_a_generator_style_batch_closed_early_runs_no_more_programs():
+    class Slow(ScriptedBackend):
+        def generate(self, s, params):
+            time.sleep(0.05)
+            return super().generate(s, params)
+
+    @sgl.function
+    def prog(s, i):
+        s += f"{i}: " + sgl.gen("x")
+
+    backend = Slow()
+    states = prog.run_batch(
+        [{"i": i} for i in range(40)], backend=backend, num_threads=2, generator_style=True
+    )
+    first = next(states)
+    assert first["x"].startswith("gen")
+    states.close()  # the caller stops reading: those not started are dropped
+    assert len(backend.calls) <= 4
+
+
 def test_a_failed_stream_leaves_no_partial_variable():
     @sgl.function
     def prog(s):
