@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, replace
@@ -18,7 +19,14 @@ from typing import Any
 from fastapi import Request
 
 from radixlm.errors import EngineShutDown
-from radixlm.server.errors import APIError, ClientDisconnected, bad_request, unavailable
+from radixlm.server.errors import (
+    APIError,
+    ClientDisconnected,
+    bad_request,
+    internal_error,
+    unavailable,
+)
+from radixlm.server.http_util import sse_event
 from radixlm.server.state import RequestUsage, ServerState
 
 
@@ -31,6 +39,21 @@ class GenerationInput:
     return_logprob: bool = False
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
+
+
+logger = logging.getLogger("radixlm.server")
+
+
+def stream_failure(state: ServerState, error: Exception) -> bytes:
+    """The SSE event that reports a stream failing after it began, in-band (no handler sees it,
+    so it is counted here): an engine shut down meanwhile is a 503, as before the stream."""
+    if isinstance(error, EngineShutDown):
+        error = unavailable(str(error))
+    elif not isinstance(error, APIError):
+        logger.error("stream failed", exc_info=error)
+        error = internal_error(f"generation failed: {error}")
+    state.metrics.count_error(error.type)
+    return sse_event(error.body())
 
 
 def fan_out(item: GenerationInput, n: int) -> list[GenerationInput]:

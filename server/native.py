@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request, Response
 
 from radixlm import __version__
 from radixlm.server.backend import engine_stats
-from radixlm.server.errors import APIError, bad_request, internal_error, unavailable
+from radixlm.server.errors import bad_request, internal_error, unavailable
 from radixlm.server.generation import (
     GenerationInput,
     arrival,
@@ -42,6 +42,7 @@ from radixlm.server.generation import (
     open_streams,
     start,
     stop_string_kept,
+    stream_failure,
 )
 from radixlm.server.http_util import SSE_DONE, json_response, read_json, sse_event
 from radixlm.server.state import RequestUsage, ServerState
@@ -348,13 +349,8 @@ async def _sse(
                 index if many else None,
             )
             yield sse_event(out)
-    except APIError as e:  # (the stream has begun: no handler sees it, so counted here)
-        state.metrics.count_error(e.type)
-        yield sse_event(e.body())
     except Exception as e:  # the stream has begun: report in-band, never hang
-        logger.exception("stream failed")
-        state.metrics.count_error("internal_error")
-        yield sse_event(internal_error(f"generation failed: {e}").body())
+        yield stream_failure(state, e)
     finally:
         await merged.aclose()  # type: ignore[attr-defined]  # aborts a batch's other generations
     yield SSE_DONE

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from radixlm.server.chat import render_chat_prompt
-from radixlm.server.errors import APIError, bad_request, internal_error, not_found
+from radixlm.server.errors import bad_request, internal_error, not_found
 from radixlm.server.generation import (
     GenerationInput,
     arrival,
@@ -32,6 +32,7 @@ from radixlm.server.generation import (
     merge,
     start,
     stop_string_kept,
+    stream_failure,
 )
 from radixlm.server.http_util import SSE_DONE, json_response, read_json, sse_event
 from radixlm.server.openai_protocol import (
@@ -271,13 +272,8 @@ async def _guarded(state: ServerState, events: AsyncIterator[bytes]) -> AsyncIte
     try:
         async for event in events:
             yield event
-    except APIError as e:
-        state.metrics.count_error(e.type)
-        yield sse_event(e.body())
     except Exception as e:
-        logger.exception("stream failed")
-        state.metrics.count_error("internal_error")
-        yield sse_event(internal_error(f"generation failed: {e}").body())
+        yield stream_failure(state, e)
     yield SSE_DONE
 
 

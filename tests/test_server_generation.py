@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from radixlm.errors import EngineShutDown
 from radixlm.server.app import create_app
 from radixlm.server.errors import APIError, internal_error, unavailable
 from radixlm.server.generation import merge, open_streams
+from tests.live_server import sse_payloads
 from tests.test_server_tools import ScriptedBackend
 
 
@@ -82,9 +84,10 @@ def test_open_streams_closes_what_it_opened_whatever_refuses_a_later_one():
 
 
 class _Profiled(ScriptedBackend):
-    def __init__(self, script: str, fail_after: int | None = None) -> None:
+    def __init__(self, script: str, fail_after: int | None = None, error=None) -> None:
         super().__init__(script)
         self.fail_after = fail_after  # snapshots before the stream fails as a lost engine's does
+        self.error = error or unavailable("the engine process exited")
         self.profiling: list[str] = []
 
     async def start_profile(self, output_dir: str) -> None:
@@ -97,7 +100,7 @@ class _Profiled(ScriptedBackend):
         k = 0
         async for snapshot in super()._run(prompt_tokens):
             if k == self.fail_after:
-                raise unavailable("the engine process exited")
+                raise self.error
             k += 1
             yield snapshot
 
@@ -153,3 +156,17 @@ def test_a_client_gone_while_sending_its_body_is_a_499_not_an_internal_error():
     asyncio.run(app(scope, receive, send))
     assert [m.get("status") for m in sent if m["type"] == "http.response.start"] == [499]
     assert app.state.server.metrics.errors.get("internal_error", 0) == 0
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/chat/completions"])
+def test_an_engine_shut_down_before_the_first_snapshot_is_a_503_in_band(route):
+    body = {"text": "hi", "stream": True}
+    if route != "/generate":
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    backend = _Profiled("hi", fail_after=0, error=EngineShutDown("the engine is shut down"))
+    with TestClient(create_app(backend)) as c:
+        with c.stream("POST", route, json=body) as r:
+            events = [x for x in sse_payloads(r.iter_lines()) if x != "[DONE]"]
+        assert events[-1]["error"]["code"] == 503, events
+        assert metric(c, "errors_total", "service_unavailable") == 1
+        assert metric(c, "errors_total", "internal_error") == 0
