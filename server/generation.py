@@ -155,7 +155,15 @@ async def start(
     Nothing is queued until a stream is first advanced, so a bad item fails the whole request
     before any work is done."""
     streams = await open_streams(state, items)
-    return [_observed(state, s, usage, arrived) for s in streams]
+    request = _RequestOutcome()
+    return [_observed(state, s, usage, arrived, request) for s in streams]
+
+
+@dataclass
+class _RequestOutcome:
+    """Shared by the generations of one request (a batch, n > 1)."""
+
+    failed: bool = False  # one of them failed: the others are closed for that, not by the client
 
 
 async def open_streams(
@@ -189,6 +197,7 @@ async def _observed(
     stream: AsyncIterator[dict[str, Any]],
     usage: RequestUsage | None,
     arrived: float,
+    request: _RequestOutcome,
 ) -> AsyncIterator[dict[str, Any]]:
     timer = state.metrics.timer(arrived)
     finished = failed = False
@@ -207,11 +216,16 @@ async def _observed(
     except (GeneratorExit, asyncio.CancelledError):  # closed early: the client went away
         raise
     except BaseException:  # the generation failed (its error is counted where it is answered)
-        failed = True
+        failed = request.failed = True
         raise
     finally:
         if not finished:
-            timer.fail() if failed else timer.abandon()
+            if failed:
+                timer.fail()
+            elif request.failed:
+                timer.cancel()
+            else:
+                timer.abandon()
 
 
 async def last(stream: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:

@@ -148,6 +148,10 @@ class GenerationTimer:
         self.metrics.finished["abort"] += 1
         self.metrics.count_error("client_disconnected")
 
+    def cancel(self) -> None:
+        """Aborted because another generation of its request failed."""
+        self.metrics.finished["abort"] += 1
+
     def fail(self) -> None:
         """The generation failed before it finished (the error itself is counted by its kind
         where the request is answered)."""

@@ -170,3 +170,38 @@ def test_an_engine_shut_down_before_the_first_snapshot_is_a_503_in_band(route):
         assert events[-1]["error"]["code"] == 503, events
         assert metric(c, "errors_total", "service_unavailable") == 1
         assert metric(c, "errors_total", "internal_error") == 0
+
+
+def test_a_batch_item_dropped_because_another_failed_is_no_client_disconnect():
+    class FirstFails(_Profiled):
+        def __init__(self) -> None:
+            super().__init__("a long enough script for several snapshots")
+            self.opened = 0
+
+        async def stream(self, input_ids, sampling_params, **options):
+            self.opened += 1
+            fails, inner = self.opened == 1, ScriptedBackend._run(self, len(input_ids))
+
+            async def run():
+                async for k, snapshot in _enumerate(inner):
+                    if fails and k == 1:
+                        raise unavailable("the engine process exited")
+                    if not fails:
+                        await asyncio.sleep(0.05)  # still going when the first fails
+                    yield snapshot
+
+            return run()
+
+    with TestClient(create_app(FirstFails())) as c:
+        assert c.post("/generate", json={"text": ["a", "b"]}).status_code == 503
+        assert metric(c, "errors_total", "service_unavailable") == 1
+        assert metric(c, "errors_total", "client_disconnected") == 0
+        assert metric(c, "requests_total", "error") == 1
+        assert metric(c, "requests_total", "abort") == 1
+
+
+async def _enumerate(stream):
+    k = 0
+    async for item in stream:
+        yield k, item
+        k += 1
