@@ -604,9 +604,15 @@ def kv_pool_tokens(
     per_token = KVPool.bytes_per_slot(
         model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype
     )
-    if config.max_total_tokens is not None:
-        return config.max_total_tokens
     free = free_memory(device)
+    if config.max_total_tokens is not None:
+        if config.max_total_tokens * per_token > free:
+            raise ValueError(
+                f"max_total_tokens={config.max_total_tokens} needs "
+                f"{config.max_total_tokens * per_token / 2**30:.1f} GiB of KV cache and "
+                f"{free / 2**30:.1f} GiB are free on {device}: ask for at most {free // per_token}"
+            )
+        return config.max_total_tokens
     fraction = config.mem_fraction_static or (0.85 if device.type == "cuda" else 0.25)
     tokens = int(free * fraction) // per_token
     # no use in more than every running request at full context

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,16 @@ class ModelConfig:
         max_position_embeddings), capped at a sliding window, past which full attention would
         differ from the model's (refused if asked for explicitly)."""
         context = requested or self.max_position_embeddings
+        if (
+            requested is not None
+            and requested > self.max_position_embeddings
+            and os.environ.get("RADIXLM_ALLOW_LONGER_CONTEXT") != "1"
+        ):
+            raise ValueError(
+                f"context_length={requested} exceeds the model's max_position_embeddings "
+                f"({self.max_position_embeddings}), past which its output is not to be trusted; "
+                "ask for at most that (or set RADIXLM_ALLOW_LONGER_CONTEXT=1 to run it anyway)"
+            )
         window = self.sliding_window
         if window is None or context <= window:
             return context

@@ -77,7 +77,11 @@ def default_tokenizer():
 
 def resolve_model_folder(model_path: str | None, cache_dir: str, need_weights: bool = True) -> Path:
     """Return a Hugging Face folder for the model, converting a GGUF file on first use."""
-    path = Path(model_path or default_model_path()).expanduser()
+    if model_path is not None and not str(model_path).strip():
+        raise ValueError(
+            "the model path is empty; pass a model folder or .gguf file, or leave it out"
+        )
+    path = Path(default_model_path() if model_path is None else model_path).expanduser()
     if not path.exists():
         raise ValueError(
             f"model path {str(path)!r} does not exist; pass a Hugging Face model folder "
@@ -103,6 +107,7 @@ def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
     work = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_dir))
     try:
         _write_hf_folder_from_gguf(gguf, work)
+        (work / _SOURCE_FILE).write_text(str(gguf.resolve()))
         try:
             work.rename(target)
         except OSError:  # another process finished first
@@ -110,8 +115,11 @@ def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    _remove_stale_conversions(cache_dir, gguf.stem, keep=target)
+    _remove_stale_conversions(cache_dir, gguf.stem, keep=target, source=gguf)
     return target
+
+
+_SOURCE_FILE = "radixlm-source.txt"  # in a converted folder: the GGUF file it came from
 
 
 _KEY_SPAN = 4 << 20  # bytes read from each end of a GGUF for its key
@@ -131,13 +139,21 @@ def _gguf_key(gguf: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _remove_stale_conversions(cache_dir: Path, stem: str, keep: Path) -> None:
-    """After a conversion: the folders of other versions of this file (or of the converter), and
-    work folders a killed conversion left over a day ago, so the cache does not grow with every
-    reinstall."""
+def _remove_stale_conversions(cache_dir: Path, stem: str, keep: Path, source: Path) -> None:
+    """After a conversion: the folders of other versions of this file or of the converter
+    (converted from this path, or from one that no longer exists: another live file of the same
+    name keeps its own), and work folders a killed conversion left over a day ago, so the cache
+    does not grow with every reinstall."""
     old = time.time() - 86400
+    source_text = str(source.resolve())
     for path in cache_dir.iterdir():
         mine = re.fullmatch(re.escape(stem) + r"-[0-9a-f]{16}", path.name) is not None
+        if mine:  # of this file, or of one that is gone (a removed environment's copy)
+            try:
+                recorded = (path / _SOURCE_FILE).read_text()
+            except OSError:  # converted before sources were recorded: as if of this file
+                recorded = source_text
+            mine = recorded == source_text or not Path(recorded).exists()
         stale = (mine and path != keep) or (
             path.name.startswith(".convert-") and path.stat().st_mtime < old
         )
@@ -159,6 +175,12 @@ def _write_hf_folder_from_gguf(gguf: Path, out: Path) -> None:
     rope_scaling = _gguf_rope_scaling(reader)  # refused before the long dequantization
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except Exception as e:  # corrupt or unsupported file
+        raise ValueError(f"cannot read GGUF file {str(gguf)!r}: {e}") from e
+    from radixlm.runtime.model_config import ModelConfig
+
+    ModelConfig.from_hf(config)  # an architecture we cannot run: refused before the conversion
+    try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
@@ -336,9 +358,20 @@ def load_hf_config(folder: Path):
         raise ValueError(f"cannot read config.json in {str(folder)!r}: {e}") from e
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def load_tokenizer(folder: str | Path):
     from transformers import AutoTokenizer
 
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"tokenizer path {str(folder)!r} is not a folder (it must be a local one)")
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(
+            f"tokenizer folder {str(folder)!r} has none of {list(_TOKENIZER_FILES)}; "
+            "pass the folder of the model's tokenizer"
+        )
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:
@@ -355,9 +388,12 @@ def iter_safetensors(folder: Path, device: str = "cpu"):
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     for file in files:
-        with safe_open(str(folder / file), framework="pt", device=device) as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(folder / file), framework="pt", device=device) as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+        except Exception as e:  # corrupt or cut off (safetensors' own error type, or OSError)
+            raise ValueError(f"cannot read the weights file {str(folder / file)!r}: {e}") from e
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:

@@ -187,6 +187,26 @@ def test_bad_engine_options_and_model_paths(tmp_path):
         radixlm.Engine(str(corrupt), cache_dir=str(tmp_path / "cache"))
     with pytest.raises(ValueError, match="config.json"):
         radixlm.Engine(str(tmp_path))
+    with pytest.raises(ValueError, match="model path is empty"):
+        radixlm.Engine("")
+
+
+def test_bad_model_files_and_sizes_are_clear_value_errors(tiny_model_folder, tmp_path):
+    import shutil
+
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        radixlm.Engine(tiny_model_folder, context_length=4096)  # the tiny model has 512
+    with pytest.raises(ValueError, match=r"max_total_tokens=\d+ needs .* GiB are free"):
+        radixlm.Engine(tiny_model_folder, max_total_tokens=10**14)
+    with pytest.raises(ValueError, match="tokenizer folder .* has none of"):
+        radixlm.Engine(tiny_model_folder, tokenizer_path=str(tmp_path))
+    with pytest.raises(ValueError, match="is not a folder"):
+        radixlm.Engine(tiny_model_folder, tokenizer_path=str(tmp_path / "nope"))
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_folder, broken)
+    (broken / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match="cannot read the weights file .*model.safetensors"):
+        radixlm.Engine(str(broken))
 
 
 def test_detokenizer_never_splits_a_character_and_finds_stops_across_chunks(tokenizer):

@@ -270,22 +270,47 @@ def test_a_reinstalled_gguf_finds_its_conversion_and_a_new_version_replaces_it(
     tmp_path, weights, tokenizer_fields
 ):
     """The converted folder is keyed by the file's content, not its path or time (a fresh virtual
-    environment installs the same file again), and converting another version of the file
-    removes the folder of the one before."""
+    environment installs the same file again); converting another version of the file at the
+    same path, or where the one before is gone, removes the folder of the one before, while a
+    different file of the same name elsewhere keeps its own."""
     cache = tmp_path / "cache"
-    for sub in "ac":
+    for sub in "abcd":
         (tmp_path / sub).mkdir()
     first = write_gguf(tmp_path / "a" / "tiny.gguf", weights, tokenizer_fields)
     folder = resolve_model_folder(str(first), str(cache))
     again = tmp_path / "b" / "tiny.gguf"
-    again.parent.mkdir()
     again.write_bytes(first.read_bytes())  # another path, another time
     assert resolve_model_folder(str(again), str(cache)) == folder
     other = dict(weights, **{"model.norm.weight": weights["model.norm.weight"] * 2})
-    newer = write_gguf(tmp_path / "c" / "tiny.gguf", other, tokenizer_fields)
-    replaced = resolve_model_folder(str(newer), str(cache))
-    assert replaced != folder and replaced.is_dir() and not folder.exists()
+    elsewhere = write_gguf(tmp_path / "c" / "tiny.gguf", other, tokenizer_fields)
+    second = resolve_model_folder(str(elsewhere), str(cache))
+    assert second != folder and second.is_dir() and folder.is_dir()  # both files are there
+    third = dict(weights, **{"model.norm.weight": weights["model.norm.weight"] * 3})
+    write_gguf(elsewhere, third, tokenizer_fields)  # a new version in its place
+    replaced = resolve_model_folder(str(elsewhere), str(cache))
+    assert replaced not in (folder, second) and not second.exists() and folder.is_dir()
+    first.unlink()  # the environment that held the first is gone
     unrelated = cache / "tiny-extra-0123456789abcdef"  # another model's folder stays
     unrelated.mkdir()
-    resolve_model_folder(str(first), str(cache))
-    assert unrelated.is_dir() and not replaced.exists()
+    fourth = dict(weights, **{"model.norm.weight": weights["model.norm.weight"] * 4})
+    newest = write_gguf(tmp_path / "d" / "tiny.gguf", fourth, tokenizer_fields)
+    resolve_model_folder(str(newest), str(cache))
+    assert not folder.exists()  # its file is gone
+    assert replaced.is_dir() and unrelated.is_dir()  # c's file is still there; another model
+
+
+def test_a_gguf_of_an_architecture_we_cannot_run_is_refused_before_its_conversion(
+    tmp_path, weights, tokenizer_fields, monkeypatch
+):
+    plain = gguf.GGUFWriter.__init__
+    monkeypatch.setattr(
+        gguf.GGUFWriter,
+        "__init__",
+        lambda self, path, arch, *a, **kw: plain(self, path, "gemma2", *a, **kw),
+    )
+    path = write_gguf(tmp_path / "gemma.gguf", weights, tokenizer_fields)
+    monkeypatch.setattr(gguf.GGUFWriter, "__init__", plain)
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match="gemma2"):
+        resolve_model_folder(str(path), str(cache))
+    assert not any(cache.rglob("*.safetensors"))  # nothing converted, nothing left behind
