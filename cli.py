@@ -30,7 +30,7 @@ _ENGINE_HELP = {
     "max_total_tokens": "the KV pool's size in tokens (overrides --mem-fraction-static)",
     "max_running_requests": "requests decoded together at most",
     "chunked_prefill_size": "prompt tokens computed in one step at most (long prompts are "
-    "chunked; default: 8192 on GPU, 2048 on CPU)",
+    "chunked; default: 8192 on GPU, 2048 on CPU; -1: no chunking)",
     "max_admission_delay": "with many decodes running, steps a waiting prompt may wait so that "
     "prompts are admitted together (0: admit at once)",
     "schedule_policy": "the order of waiting requests: lpm (longest cached prefix first) or fcfs",

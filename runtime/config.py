@@ -39,7 +39,8 @@ class EngineConfig:
     # ... unless given in tokens
     max_total_tokens: int | None = None
     max_running_requests: int = 256
-    # tokens of prompt computed in one step, at most (default: 8192 on GPU, 2048 on CPU)
+    # tokens of prompt computed in one step, at most (default: 8192 on GPU, 2048 on CPU); -1, as
+    # in SGLang, turns chunking off (a whole prompt in one step: up to the context length)
     chunked_prefill_size: int | None = None
     # with many decodes running, waiting prompts are admitted together, after up to this many
     # steps (a step that computes a prompt chunk replays a prompt-step graph, or runs eagerly,
@@ -87,8 +88,10 @@ class EngineConfig:
             bad("cuda_graph_max_bs must be at least 1")
         if self.cuda_graph_max_prefill_tokens < 0:
             bad("cuda_graph_max_prefill_tokens must be at least 0")
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
-            bad("chunked_prefill_size must be at least 1")
+        if self.chunked_prefill_size is not None and (
+            self.chunked_prefill_size < 1 and self.chunked_prefill_size != -1
+        ):
+            bad("chunked_prefill_size must be at least 1, or -1 for no chunking")
         if self.max_admission_delay < 0:
             bad("max_admission_delay must be at least 0")
         if self.schedule_policy not in ("lpm", "fcfs"):

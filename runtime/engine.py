@@ -94,6 +94,10 @@ class Engine:
         self.dtype = _DTYPES[dtype_name]
         self.model_config = mc = ModelConfig.from_hf(hf_config)
         self.context_len = mc.context_limit(config.context_length)
+        if config.chunked_prefill_size == -1:  # no chunking: a whole prompt in one step
+            self.config = config = dataclasses.replace(
+                config, chunked_prefill_size=self.context_len
+            )
         # the ids that can be sampled: those the tokenizer has (the rows past them are padding)
         self.sampled_vocab = self._tokenizer_vocab_end(mc.vocab_size)
 

@@ -194,6 +194,18 @@ def test_bad_engine_options_and_model_paths(tmp_path):
 def test_bad_model_files_and_sizes_are_clear_value_errors(tiny_model_folder, tmp_path):
     import shutil
 
+    with pytest.raises(ValueError, match="or -1 for no chunking"):
+        radixlm.Engine(tiny_model_folder, chunked_prefill_size=-2)
+    with radixlm.Engine(tiny_model_folder, chunked_prefill_size=-1) as eng:  # SGLang's "off"
+        assert eng.config.chunked_prefill_size == eng.context_len == 512
+        assert (
+            len(
+                eng.generate(input_ids=list(range(5, 400)), sampling_params={"max_new_tokens": 2})[
+                    "output_ids"
+                ]
+            )
+            == 2
+        )
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         radixlm.Engine(tiny_model_folder, context_length=4096)  # the tiny model has 512
     with pytest.raises(ValueError, match=r"max_total_tokens=\d+ needs .* GiB are free"):
