@@ -214,6 +214,17 @@ def test_bad_model_files_and_sizes_are_clear_value_errors(tiny_model_folder, tmp
         radixlm.Engine(tiny_model_folder, tokenizer_path=str(tmp_path))
     with pytest.raises(ValueError, match="is not a folder"):
         radixlm.Engine(tiny_model_folder, tokenizer_path=str(tmp_path / "nope"))
+    from safetensors.torch import load_file, save_file
+
+    partial = tmp_path / "partial"
+    shutil.copytree(tiny_model_folder, partial)
+    tensors = load_file(partial / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"missing weights: \['model.layers.1.mlp.up_proj.weight'\]"
+    ):
+        radixlm.Engine(str(partial))  # named as the checkpoint names it, not as fused here
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_folder, broken)
     (broken / "model.safetensors").write_bytes(b"\xff" * 64)

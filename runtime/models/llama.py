@@ -223,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
                     param[start:end].copy_(tensor)
             loaded.add(f"{target}:{offset_rows}")
         expected = self._expected_loads()
-        missing = sorted(expected - loaded)
+        missing = sorted(hf for key, hf in expected.items() if key not in loaded)
         if missing:
             raise ValueError(
                 f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
@@ -239,18 +239,21 @@ class LlamaForCausalLM(nn.Module):
         start = sum(sizes[:index])
         return start, start + sizes[index]
 
-    def _expected_loads(self) -> set[str]:
-        out = set()
+    def _expected_loads(self) -> dict[str, str]:
+        """Each load the checkpoint must give (parameter:rows, as `load_weights` marks them) ->
+        the checkpoint's name for it (a missing one is named as the checkpoint names it)."""
+        out = {}
         for name, _ in self.named_parameters():
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
-            fused = [(p, i) for p, (f, i) in self._STACKED.items() if f".{f}." in name]
+            hf = name if name == "lm_head.weight" else f"model.{name}"
+            fused = [(p, f, i) for p, (f, i) in self._STACKED.items() if f".{f}." in name]
             if fused:
-                for part, index in fused:
-                    fused_name = self._STACKED[part][0]
-                    out.add(f"{name}:{self._fused_rows(fused_name, index, name)}")
+                for part, fused_name, index in fused:
+                    rows = self._fused_rows(fused_name, index, name)
+                    out[f"{name}:{rows}"] = hf.replace(fused_name, part)
             else:
-                out.add(f"{name}:None")
+                out[f"{name}:None"] = hf
         return out
 
 
