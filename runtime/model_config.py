@@ -53,6 +53,17 @@ class ModelConfig:
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} decoders"
             )
         _check_math(hf, model_type)
+        quantization = getattr(hf, "quantization_config", None)
+        if quantization:  # its weights are not plain tensors of the shapes we load
+            method = (
+                quantization.get("quant_method", "?")
+                if isinstance(quantization, dict)
+                else getattr(quantization, "quant_method", "?")
+            )
+            raise ValueError(
+                f"quantized checkpoints ({method}) are not supported yet; use the model's "
+                "bf16/fp16 checkpoint, or a GGUF file (dequantized on load)"
+            )
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         rope_theta, rope_scaling = _rope_settings(hf)

@@ -192,6 +192,7 @@ def test_bad_engine_options_and_model_paths(tmp_path):
 
 
 def test_bad_model_files_and_sizes_are_clear_value_errors(tiny_model_folder, tmp_path):
+    import json
     import shutil
 
     with pytest.raises(ValueError, match="or -1 for no chunking"):
@@ -225,6 +226,13 @@ def test_bad_model_files_and_sizes_are_clear_value_errors(tiny_model_folder, tmp
         ValueError, match=r"missing weights: \['model.layers.1.mlp.up_proj.weight'\]"
     ):
         radixlm.Engine(str(partial))  # named as the checkpoint names it, not as fused here
+    quantized = tmp_path / "quantized"
+    shutil.copytree(tiny_model_folder, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantized checkpoints \(fp8\) are not supported"):
+        radixlm.Engine(str(quantized))
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_folder, broken)
     (broken / "model.safetensors").write_bytes(b"\xff" * 64)
