@@ -16,6 +16,26 @@ def default_cache_dir() -> str:
 
 
 _DEVICE_NAME = re.compile(r"cpu|cuda(:[0-9]+)?")
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    """Whether `value` is of the annotated kind (int, float, bool, str or None; a bool is no
+    number, and an int serves for a float)."""
+    if kind == "None":
+        return value is None
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == "int":
+        return isinstance(value, int)
+    if kind == "float":
+        return isinstance(value, (int, float))
+    if kind == "str":
+        return isinstance(value, str)
+    return True  # (a kind this check does not know: left to the field's own checks)
+
+
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as SGLang reads them
 
 
@@ -71,6 +91,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
             raise ValueError(f"EngineConfig: {msg}")
+
+        for f in dataclasses.fields(self):  # the Python API's values, as the CLI's are parsed
+            value = getattr(self, f.name)
+            kinds = str(f.type).replace(" ", "").split("|")
+            if not any(_is_kind(value, kind) for kind in kinds):
+                bad(f"{f.name}={value!r} must be {' or '.join(kinds)}")
 
         if self.device is not None and not _DEVICE_NAME.fullmatch(self.device):
             bad(f"device={self.device!r}; use cpu, cuda or cuda:N (N: the GPU's index)")

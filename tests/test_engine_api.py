@@ -4,6 +4,7 @@ seeds, n, and clear errors for bad input."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -179,6 +180,13 @@ def test_bad_input_raises_a_clear_value_error(engine, kwargs, message):
 def test_bad_engine_options_and_model_paths(tmp_path):
     with pytest.raises(ValueError, match="unknown engine option"):
         radixlm.Engine(batch_size=3)
+    for bad, message in (
+        ({"max_total_tokens": "100"}, "max_total_tokens='100' must be int or None"),
+        ({"disable_overlap_schedule": 1}, "disable_overlap_schedule=1 must be bool"),
+        ({"random_seed": True}, "random_seed=True must be int"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            radixlm.Engine(**bad)
     with pytest.raises(ValueError, match="does not exist"):
         radixlm.Engine(str(tmp_path / "nope"))
     corrupt = tmp_path / "broken.gguf"
