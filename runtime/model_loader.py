@@ -385,8 +385,10 @@ def iter_safetensors(folder: Path, device: str = "cpu"):
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    else:  # Hugging Face's files, where there are some (not Mistral's consolidated.safetensors)
+        files = sorted(p.name for p in folder.glob("model*.safetensors")) or sorted(
+            p.name for p in folder.glob("*.safetensors")
+        )
     for file in files:
         try:
             with safe_open(str(folder / file), framework="pt", device=device) as f:

@@ -223,6 +223,7 @@ def test_bad_model_files_and_sizes_are_clear_value_errors(tiny_model_folder, tmp
         radixlm.Engine(tiny_model_folder, tokenizer_path=str(tmp_path))
     with pytest.raises(ValueError, match="is not a folder"):
         radixlm.Engine(tiny_model_folder, tokenizer_path=str(tmp_path / "nope"))
+    import torch
     from safetensors.torch import load_file, save_file
 
     partial = tmp_path / "partial"
@@ -241,6 +242,11 @@ def test_bad_model_files_and_sizes_are_clear_value_errors(tiny_model_folder, tmp
     (quantized / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"quantized checkpoints \(fp8\) are not supported"):
         radixlm.Engine(str(quantized))
+    mistral = tmp_path / "mistral"  # its own format next to Hugging Face's: the latter is read
+    shutil.copytree(tiny_model_folder, mistral)
+    save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, mistral / "consolidated.safetensors")
+    with radixlm.Engine(str(mistral)) as eng:
+        assert eng.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 1})["output_ids"]
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_folder, broken)
     (broken / "model.safetensors").write_bytes(b"\xff" * 64)
