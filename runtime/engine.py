@@ -78,9 +78,6 @@ class Engine:
             )
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if config.chunked_prefill_size is None:  # resolved here, so the value in use is reported
-            chunk = 8192 if self.device.type == "cuda" else 2048
-            self.config = config = dataclasses.replace(config, chunked_prefill_size=chunk)
         dummy = config.load_format == "dummy"
         folder = model_loader.resolve_model_folder(
             config.model_path, config.cache_dir, need_weights=not dummy
@@ -94,15 +91,15 @@ class Engine:
         self.dtype = _DTYPES[dtype_name]
         self.model_config = mc = ModelConfig.from_hf(hf_config)
         self.context_len = mc.context_limit(config.context_length)
-        if config.chunked_prefill_size == -1:  # no chunking: a whole prompt in one step
-            self.config = config = dataclasses.replace(
-                config, chunked_prefill_size=self.context_len
+        if config.chunked_prefill_size in (None, -1):  # resolved here: the value in use reported
+            chunk = 8192 if self.device.type == "cuda" else 2048
+            if config.chunked_prefill_size == -1:  # no chunking: a whole prompt in one step
+                chunk = self.context_len
+            self.config = config = dataclasses.replace(config, chunked_prefill_size=chunk)
+        with torch.device("meta"):  # (sampled: the ids the tokenizer has; past them, padding)
+            model = LlamaForCausalLM(
+                mc, self.context_len + 1, sampled_vocab=self._tokenizer_vocab_end(mc.vocab_size)
             )
-        # the ids that can be sampled: those the tokenizer has (the rows past them are padding)
-        self.sampled_vocab = self._tokenizer_vocab_end(mc.vocab_size)
-
-        with torch.device("meta"):
-            model = LlamaForCausalLM(mc, self.context_len + 1, sampled_vocab=self.sampled_vocab)
         _check_weights_fit(model, self.dtype, self.device)
         model = model.to(self.dtype).to_empty(device=self.device)
         if dummy:
@@ -396,7 +393,7 @@ class Engine:
         # model's padding rows past the tokenizer's ids) would do nothing, so it is refused
         for name, token_ids, vocab in (
             ("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size),
-            ("logit_bias token ids", params.logit_bias or (), self.sampled_vocab),
+            ("logit_bias token ids", params.logit_bias or (), self.model.sampled_vocab),
         ):
             bad = sorted(t for t in token_ids if t >= vocab)
             if bad:

@@ -463,11 +463,11 @@ class EngineCore:
         else:
             detokenizer = req.detokenizer
             detokenizer.add_one(token)
-            if grammar is not None and detokenizer.matched_stop is None and grammar.is_terminated():
-                # complete, and nothing but EOS may follow: done now, not a step (or, at the
-                # length limit, a "length") later
-                req.finish({"type": "stop", "matched": token})
-            elif detokenizer.matched_stop is not None or len(output_ids) >= req.max_output_len:
+            if (
+                detokenizer.matched_stop is not None
+                or len(output_ids) >= req.max_output_len
+                or (grammar is not None and grammar.is_terminated())
+            ):
                 self._check_stop_or_length(req)
             elif grammar is not None and self.config.enable_jump_forward:
                 self._jump_forward(req)
@@ -481,6 +481,10 @@ class EngineCore:
     def _check_stop_or_length(self, req: Req) -> None:
         if req.detokenizer.matched_stop is not None:
             req.finish({"type": "stop", "matched": req.detokenizer.matched_stop})
+        elif req.grammar is not None and req.grammar.is_terminated():
+            # complete, and nothing but EOS may follow: done now, not a step (or, at the length
+            # limit, a "length") later; matched: its last token, as SGLang reports it
+            req.finish({"type": "stop", "matched": req.output_ids[-1]})
         elif len(req.output_ids) >= req.max_output_len:
             req.finish({"type": "length", "length": len(req.output_ids)})
 
@@ -525,10 +529,7 @@ class EngineCore:
         ids.extend(extra)
         req.token_in_buf = False  # its newest tokens are forced ones, on the host
         req.detokenizer.add(extra)
-        if grammar.is_terminated() and req.detokenizer.matched_stop is None:
-            req.finish({"type": "stop", "matched": ids[-1]})  # the forced text completed it
-        else:
-            self._check_stop_or_length(req)
+        self._check_stop_or_length(req)  # (the forced text may complete the grammar)
 
     def _finish(self, req: Req) -> None:
         self.scheduler.remove(req)

@@ -133,8 +133,9 @@ class Req:
 
     @property
     def prefill_done(self) -> bool:
-        """True once every prompt token has K/V: each step from then on decodes one token."""
-        return self.kv_len >= len(self.input_ids)
+        """True once every prompt token has K/V, and all but the newest of the tokens lost to a
+        preemption: each step from then on decodes one token (or jump-forward's text)."""
+        return self.kv_len >= len(self.input_ids) and self.kv_len + 1 >= self.recompute_len
 
     @property
     def wants_input_logprobs(self) -> bool:

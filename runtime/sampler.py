@@ -94,7 +94,7 @@ def logprobs_at(
     logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, k: int
 ) -> tuple[list[float], list[list[tuple[float, int]]]]:
     """The log-probability of token ids[j] in logits row rows[j], and that row's top k
-    (log-probability, id) pairs (empty lists for k = 0), in one copy back for all of them."""
+    (log-probability, id) pairs (empty lists for k = 0), each kind copied back once for all rows."""
     lp = torch.log_softmax(logits[rows], dim=-1)
     chosen = lp.gather(1, ids[:, None]).squeeze(1).tolist()
     if not k:
@@ -232,9 +232,7 @@ def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Te
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
     """Add each row's logit_bias to its logits, for all those rows in one indexed add."""
     tokens, biases = zip(*(rows[i].params.logit_bias_columns for i in which))
-    row_idx = torch.repeat_interleave(
-        torch.tensor(which, dtype=torch.int64), torch.tensor([len(t) for t in tokens])
-    )
+    row_idx = torch.repeat_interleave(int64_tensor(which), int64_tensor([len(t) for t in tokens]))
     at = to_device(torch.stack([row_idx, torch.cat(tokens)]), logits.device)
     bias = to_device(torch.cat(biases).to(logits.dtype), logits.device)
     logits.index_put_((at[0], at[1]), bias, accumulate=True)

@@ -155,14 +155,14 @@ class Scheduler:
         prefilling: list[Req] = []
         plain = True  # every one computes one token, read from token_buf
         for r in self.running:
-            prompt_len, kv_len, pending = len(r.input_ids), r.kv_len, r.num_pending
-            num_out = len(r.output_ids)
-            if kv_len < prompt_len or kv_len + 1 < r.recompute_len:
+            if not r.prefill_done:
                 # its prompt, or output it lost to preemption, is computed in budgeted chunks (as
                 # one decode the lost output went past the chunk budget, and preempted itself
                 # over again); the tokens jump-forward appends go as one decode item
                 prefilling.append(r)
                 continue
+            prompt_len, kv_len, pending = len(r.input_ids), r.kv_len, r.num_pending
+            num_out = len(r.output_ids)
             n = prompt_len + num_out + pending - kv_len  # r.sched_len - r.kv_len
             if n <= 0 or (pending and num_out + pending >= r.params.max_new_tokens):
                 continue  # nothing new, or finishing

@@ -207,6 +207,7 @@ async def _observed(
                 meta = snapshot["meta_info"]
                 if meta.get("finish_reason") is not None:
                     finished = True
+                    request.failed = request.failed or finish_error(meta) is not None
                     timer.finish(meta)
                     if usage is not None:
                         usage.add(meta)

@@ -13,7 +13,6 @@ POST /stop_profile      writes the Chrome trace, answers {"trace_file"}
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -46,8 +45,6 @@ from radixlm.server.generation import (
 )
 from radixlm.server.http_util import SSE_DONE, json_response, read_json, sse_event
 from radixlm.server.state import RequestUsage, ServerState
-
-logger = logging.getLogger("radixlm.server")
 
 router = APIRouter()
 

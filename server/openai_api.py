@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -49,8 +48,6 @@ from radixlm.server.tools import (
     parse_output,
     plan_tools,
 )
-
-logger = logging.getLogger("radixlm.server")
 
 router = APIRouter()
 
@@ -582,12 +579,16 @@ def _chat_choice(
     reason = _finish_reason(meta)
     if parsed.tool_calls:
         message["tool_calls"] = parsed.tool_calls
-        if reason != "length":  # a call cut off by max_tokens stays "length", as streamed
-            reason = "tool_calls"
+        reason = _reason_with_calls(reason)
     logprobs = None
     if req.logprobs:
         logprobs = {"content": _chat_logprobs(state, meta, 0)}
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _reason_with_calls(reason: str | None) -> str | None:
+    """The finish reason of a reply with tool calls: "tool_calls", unless max_tokens cut it."""
+    return reason if reason == "length" else "tool_calls"
 
 
 def _chat_logprobs(state: ServerState, meta: dict[str, Any], skip: int) -> list[dict[str, Any]]:
@@ -688,20 +689,19 @@ async def _chat_events(
         if not finished:
             continue
         p.final = snap
-        reason = _finish_reason(meta)
         calls_found = p.calls is not None and p.calls.count > 0
-        if calls_found:
-            if reason != "length":  # a call cut off by max_tokens stays "length"
-                reason = "tool_calls"
-        elif (parsed := parse_output(text, plan)).tool_calls:
+        # (no calls streamed: those of an output no grammar wrote, found now; the streamer's own
+        # scan, which found none, is not run again)
+        if not calls_found and (parsed := parse_output(text, plan, p.calls is None)).tool_calls:
             deltas = [
                 {"index": k, **call}  # id, type and the whole function (name, arguments)
                 for k, call in enumerate(parsed.tool_calls)
             ]
             yield chunk([choice(index, {"tool_calls": deltas})])
             calls_found = True
-            if reason != "length":  # as above, and as the non-streamed reply says
-                reason = "tool_calls"
+        reason = _finish_reason(meta)
+        if calls_found:
+            reason = _reason_with_calls(reason)
         if plan.active and (rest := p.filter.rest(text, calls_found)):
             yield chunk([choice(index, {"content": rest})])
         yield chunk([choice(index, {}, None, reason)])

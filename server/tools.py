@@ -443,17 +443,18 @@ class ParsedOutput:
     tool_calls: list[dict[str, Any]]  # OpenAI's message.tool_calls entries
 
 
-def parse_output(text: str, plan: ToolPlan) -> ParsedOutput:
+def parse_output(text: str, plan: ToolPlan, scan: bool = True) -> ParsedOutput:
     """Split a finished output into content and tool calls (none found: all of it is content).
 
     Calls as the grammars write them are found as `ToolCallStreamer` finds them while
     streaming, so the two agree: the arguments are their JSON text as generated, and a call that
     max_tokens cut off is there with the arguments it got (its finish reason says "length").
     Other outputs (no grammar: a bare JSON answer under "auto") are read leniently, and a call
-    there counts only if its arguments follow its tool's parameter schema."""
+    there counts only if its arguments follow its tool's parameter schema. `scan=False`: the
+    streamer has been over this output already and found no call."""
     if not plan.active:
         return ParsedOutput(text, [])
-    streamed = _streamed_calls(text, plan)
+    streamed = _streamed_calls(text, plan) if scan else []
     if streamed:
         content = None if plan.constrained else _without_blocks(text).strip() or None
         calls = [_openai_call(name, _arguments_text(arguments)) for name, arguments in streamed]

@@ -15,6 +15,7 @@ from radixlm.server.app import create_app
 from radixlm.server.errors import APIError, internal_error, unavailable
 from radixlm.server.generation import merge, open_streams
 from tests.live_server import sse_payloads
+from tests.test_server import parse_prometheus
 from tests.test_server_tools import ScriptedBackend
 
 
@@ -114,11 +115,12 @@ def test_profile_routes_take_the_get_sglangs_client_sends():
     assert backend.profiling[-1] == "/tmp/x"
 
 
+_LABELS = {"errors_total": "kind", "requests_total": "finish_reason"}
+
+
 def metric(c: TestClient, name: str, label: str) -> float:
-    for line in c.get("/metrics").text.splitlines():
-        if line.startswith(f"radixlm_{name}{{") and f'="{label}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    samples = parse_prometheus(c.get("/metrics").text)
+    return samples.get(f'radixlm_{name}{{{_LABELS[name]}="{label}"}}', 0.0)
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -172,7 +174,8 @@ def test_an_engine_shut_down_before_the_first_snapshot_is_a_503_in_band(route):
         assert metric(c, "errors_total", "internal_error") == 0
 
 
-def test_a_batch_item_dropped_because_another_failed_is_no_client_disconnect():
+@pytest.mark.parametrize("how", ["raised", "failed by the engine, streamed"])
+def test_a_batch_item_dropped_because_another_failed_is_no_client_disconnect(how):
     class FirstFails(_Profiled):
         def __init__(self) -> None:
             super().__init__("a long enough script for several snapshots")
@@ -184,8 +187,14 @@ def test_a_batch_item_dropped_because_another_failed_is_no_client_disconnect():
 
             async def run():
                 async for k, snapshot in _enumerate(inner):
-                    if fails and k == 1:
+                    if fails and k == 1 and how == "raised":
                         raise unavailable("the engine process exited")
+                    if fails and k == 1:  # the engine's own failure: a final snapshot
+                        meta = snapshot["meta_info"]
+                        meta["finish_reason"] = {"type": "abort", "message": "boom"}
+                        meta["error"] = "boom"
+                        yield snapshot
+                        return
                     if not fails:
                         await asyncio.sleep(0.05)  # still going when the first fails
                     yield snapshot
@@ -193,11 +202,17 @@ def test_a_batch_item_dropped_because_another_failed_is_no_client_disconnect():
             return run()
 
     with TestClient(create_app(FirstFails())) as c:
-        assert c.post("/generate", json={"text": ["a", "b"]}).status_code == 503
-        assert metric(c, "errors_total", "service_unavailable") == 1
+        if how == "raised":
+            assert c.post("/generate", json={"text": ["a", "b"]}).status_code == 503
+            assert metric(c, "errors_total", "service_unavailable") == 1
+            assert metric(c, "requests_total", "error") == 1
+            assert metric(c, "requests_total", "abort") == 1
+        else:
+            r = c.post("/generate", json={"text": ["a", "b"], "stream": True})
+            assert "generation failed: boom" in r.text
+            assert metric(c, "errors_total", "internal_error") == 1
+            assert metric(c, "requests_total", "abort") == 2  # the failed one, and its sibling
         assert metric(c, "errors_total", "client_disconnected") == 0
-        assert metric(c, "requests_total", "error") == 1
-        assert metric(c, "requests_total", "abort") == 1
 
 
 async def _enumerate(stream):

@@ -143,10 +143,6 @@ class LlamaForCausalLM(nn.Module):
         # padded past its tokenizer's, e.g. Qwen2.5's 151,936 rows for 151,665 tokens): -inf,
         # never sampled
         self.sampled_vocab = cfg.vocab_size if sampled_vocab is None else sampled_vocab
-        if not 0 < self.sampled_vocab <= cfg.vocab_size:
-            raise ValueError(
-                f"sampled_vocab={sampled_vocab} must be in [1, {cfg.vocab_size}] (the model's rows)"
-            )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
