@@ -84,19 +84,22 @@ def get_chat_template(name: str) -> ChatTemplate:
         ) from None
 
 
-def is_jinja(text: str) -> bool:
-    """Whether a chat_template string is a Jinja template's text rather than a name."""
-    return "{{" in text or "{%" in text
-
-
-def unknown_name_warning(name: str) -> None:
-    """SGLang's own template names (llama-3-instruct, qwen, default, ...) are not ours: the
-    model's own template, which those names stand for, is used instead."""
+def template_from_string(
+    text: str, special_tokens: dict[str, str] | None = None, bos_token: str | None = None
+) -> ChatTemplate | None:
+    """A `chat_template` string as the backends take it: one of our names, or a Jinja template's
+    text; None for any other name (SGLang's llama-3-instruct, qwen, default, ...: the model's own
+    template, which those names stand for, is then the backend's to use, with a warning)."""
+    if text in NAMED_TEMPLATES:
+        return get_chat_template(text)
+    if "{{" in text or "{%" in text:
+        return derive_chat_template(jinja_renderer(text, special_tokens), "custom", bos_token)
     logger.warning(
         "no chat template named %r here (known: %s): the model's own chat template is used",
-        name,
+        text,
         sorted(NAMED_TEMPLATES),
     )
+    return None
 
 
 def plain_template() -> ChatTemplate:

@@ -163,25 +163,12 @@ def _resolve_template(engine: Any, chat_template: ChatTemplate | str | None) -> 
         return chat_template
     tokenizer = engine.tokenizer
     if isinstance(chat_template, str):
-        from radixlm.lang.chat_template import (
-            NAMED_TEMPLATES,
-            get_chat_template,
-            is_jinja,
-            jinja_renderer,
-            unknown_name_warning,
-        )
+        from radixlm.lang.chat_template import template_from_string
 
-        if chat_template in NAMED_TEMPLATES:
-            return get_chat_template(chat_template)
-        if is_jinja(chat_template):
-            tokens = {
-                "bos_token": tokenizer.bos_token or "",
-                "eos_token": tokenizer.eos_token or "",
-            }
-            return derive_chat_template(
-                jinja_renderer(chat_template, tokens), "custom", tokenizer.bos_token
-            )
-        unknown_name_warning(chat_template)
+        tokens = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
+        named = template_from_string(chat_template, tokens, tokenizer.bos_token)
+        if named is not None:
+            return named
     if not getattr(tokenizer, "chat_template", None):
         logger.warning("the model has no chat template: roles use plain 'User:' labels")
         return plain_template()

@@ -14,15 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from radixlm.lang.backend import Backend, BackendError, choice_tokens, pad_logprobs
 from radixlm.lang.chat_template import (
-    NAMED_TEMPLATES,
     ChatTemplate,
     derive_chat_template,
-    get_chat_template,
-    is_jinja,
     jinja_renderer,
     plain_template,
+    template_from_string,
     template_from_tokenizer_files,
-    unknown_name_warning,
 )
 from radixlm.lang.choices import TokenLogprobs
 from radixlm.lang.http_client import HttpClient
@@ -164,12 +161,8 @@ class RuntimeEndpoint(Backend):
     def _resolve_template(self, given: ChatTemplate | str | None) -> ChatTemplate:
         if isinstance(given, ChatTemplate):
             return given
-        if isinstance(given, str):
-            if given in NAMED_TEMPLATES:
-                return get_chat_template(given)
-            if is_jinja(given):
-                return derive_chat_template(jinja_renderer(given), "custom")
-            unknown_name_warning(given)
+        if isinstance(given, str) and (named := template_from_string(given)) is not None:
+            return named
         for key in ("tokenizer_path", "model_path"):
             path = self.model_info.get(key)
             if not isinstance(path, str) or not path:
