@@ -50,8 +50,14 @@ _ENGINE_HELP = {
     "grammar_compile_timeout": "seconds a grammar may take to compile before its request fails",
     "json_whitespace": "whitespace JSON constraints allow: compact (none) or flexible",
     "enable_jump_forward": "append text a grammar forces without decoding it token by token",
-    "ebnf_recursion_depth": "unroll recursive EBNF rules this many levels (0: refuse recursive "
-    "grammars)",
+    "ebnf_recursion_depth": "outlines backend: unroll recursive EBNF rules this many levels (0: "
+    "refuse recursive grammars; llguidance parses recursion as written)",
+    "grammar_backend": "the grammar engine: llguidance (Earley parser, the default) or outlines "
+    "(one byte DFA per grammar, recursion unrolled)",
+    "json_integer_bound": "JSON integers whose schema sets no bound stay within +-this (0: no bound)",
+    "json_number_bound": "JSON numbers whose schema sets no bound stay within +-this (0: no bound)",
+    "json_fraction_digits": "digits after the point of a JSON number whose schema sets no "
+    "multipleOf, written without exponent (-1: no limit)",
 }
 
 

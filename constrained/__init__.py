@@ -1,6 +1,9 @@
-"""Constrained decoding: grammars (regex, JSON schema, choices, EBNF with recursion unrolled to a
-configured depth) compiled into token-level automata over a tokenizer's vocabulary, packed token
-bitmasks, jump-forward.
+"""Constrained decoding: grammars (regex, JSON schema, choices, EBNF) compiled into token-level
+matchers over a tokenizer's vocabulary, packed token bitmasks, jump-forward.
+
+Two backends compile them (GrammarCompiler's `backend`): "llguidance", the default
+(llguidance_backend.py: an Earley parser, so recursion is enforced as written), and "outlines",
+described below.
 
     compiler = GrammarCompiler(tokenizer, vocab_size=logits_width)
     grammar = compiler.compile("json_schema", schema_text)   # cached; GrammarError if refused
@@ -8,7 +11,8 @@ bitmasks, jump-forward.
     matcher.fill_next_token_bitmask(bitmask[i])             # then apply_token_bitmask_(logits, bitmask)
     matcher.accept_token(token)                             # False if the grammar forbids it
 
-Every grammar becomes a regex; compiling builds only its byte-level DFA (outlines-core's Index over
+The "outlines" backend: every grammar becomes a regex (recursion unrolled to a configured depth);
+compiling builds only its byte-level DFA (outlines-core's Index over
 the 256 single bytes, in a helper process that is killed when the compile's deadline passes;
 dfa_process.py), and each state's token mask is built on the state's first visit by walking
 the vocabulary trie through the DFA (automaton.py), then cached. The JSON schema converter is our
@@ -23,7 +27,7 @@ from radixlm.constrained.bitmask import (
     bitmask_from_ids,
     ids_from_bitmask,
 )
-from radixlm.constrained.compiler import KINDS, GrammarCompiler
+from radixlm.constrained.compiler import GRAMMAR_BACKENDS, KINDS, GrammarCompiler
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.grammar import CompiledGrammar, GrammarMatcher
 from radixlm.constrained.json_schema import (
@@ -33,10 +37,13 @@ from radixlm.constrained.json_schema import (
     schema_validator,
     validate_json_output,
 )
+from radixlm.constrained.schema_rewrite import NumberLimits
 from radixlm.constrained.vocab import TokenVocabulary
 
 __all__ = [
+    "GRAMMAR_BACKENDS",
     "KINDS",
+    "NumberLimits",
     "CompiledGrammar",
     "GrammarCompiler",
     "GrammarError",

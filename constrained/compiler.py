@@ -29,9 +29,14 @@ from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.grammar import CompiledGrammar, MaskCache
 from radixlm.constrained.json_schema import JsonSchemaOptions, json_schema_regex
 from radixlm.constrained.pattern import PatternError, translate_regex
+from radixlm.constrained.schema_rewrite import NumberLimits, bound_numbers
 from radixlm.constrained.vocab import TokenVocabulary
 
 KINDS = ("regex", "json_schema", "choice", "ebnf")
+# "llguidance": llguidance's Earley parser (llguidance_backend.py), the default. "outlines": our
+# own compiler of every grammar into one regex and a byte DFA (built by outlines-core), with
+# token masks walked per state; recursion is unrolled to a fixed depth.
+GRAMMAR_BACKENDS = ("llguidance", "outlines")
 _Key = tuple[str, str, bool]
 # The largest byte DFA a grammar may have. Of the MaskBench schemas the grammar benchmark compiles
 # (measured on half of them), half have under 400 states and 99% under 50k; the largest has 300k
@@ -79,15 +84,22 @@ class GrammarCompiler:
         mask_cache_bytes: int = 256 << 20,
         max_workers: int = 2,
         max_states: int = DEFAULT_MAX_STATES,
+        backend: str = "llguidance",
+        numbers: NumberLimits | None = None,
     ) -> None:
-        if isinstance(tokenizer, TokenVocabulary):
-            self.vocab = tokenizer
-            if vocab_size is not None and vocab_size != tokenizer.size:
-                self.vocab = TokenVocabulary(
-                    tokenizer.token_bytes, tokenizer.eos_token_ids, vocab_size
-                )
-        else:
-            self.vocab = TokenVocabulary.from_tokenizer(tokenizer, vocab_size, eos_token_ids)
+        if backend not in GRAMMAR_BACKENDS:
+            raise ValueError(
+                f"grammar_backend={backend!r} is not known; use one of {', '.join(GRAMMAR_BACKENDS)}"
+            )
+        self.backend = backend
+        self.numbers = numbers if numbers is not None else NumberLimits()
+        self._tokenizer, self._vocab_size, self._eos_token_ids = (
+            tokenizer,
+            vocab_size,
+            eos_token_ids,
+        )
+        self._vocab: TokenVocabulary | None = None
+        self._ll: Any = None
         self.json_options = JsonSchemaOptions(
             whitespace=whitespace,
             lenient=lenient,
@@ -104,7 +116,7 @@ class GrammarCompiler:
         self.ebnf_recursion_depth = ebnf_recursion_depth
         self.masks = MaskCache(mask_cache_bytes)
         # keyed by (kind, spec text, lenient)
-        self._cache: OrderedDict[_Key, CompiledGrammar | GrammarError] = OrderedDict()
+        self._cache: OrderedDict[_Key, Any] = OrderedDict()
         # the compiles running now, and when each stops waiting for its helper
         self._inflight: dict[_Key, tuple[Future, Deadline]] = {}
         self._cache_size = cache_size
@@ -113,10 +125,48 @@ class GrammarCompiler:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._builders = DfaBuilders()
+        # read the tokenizer now: a bad one fails here, not at a compile
+        if backend == "outlines":
+            _ = self.vocab
+        else:
+            self._llguidance()
+
+    @property
+    def vocab(self) -> TokenVocabulary:
+        """The vocabulary as byte strings (built on first use: the "outlines" backend's, and
+        the llguidance backend's for a tokenizer that is not a Hugging Face fast one)."""
+        if self._vocab is None:
+            tokenizer, vocab_size = self._tokenizer, self._vocab_size
+            if isinstance(tokenizer, TokenVocabulary):
+                self._vocab = tokenizer
+                if vocab_size is not None and vocab_size != tokenizer.size:
+                    self._vocab = TokenVocabulary(
+                        tokenizer.token_bytes, tokenizer.eos_token_ids, vocab_size
+                    )
+            else:
+                self._vocab = TokenVocabulary.from_tokenizer(
+                    tokenizer, vocab_size, self._eos_token_ids
+                )
+        return self._vocab
+
+    def _llguidance(self):
+        if self._ll is None:
+            from radixlm.constrained.llguidance_backend import LLGuidanceBackend
+
+            self._ll = LLGuidanceBackend.for_tokenizer(
+                self._tokenizer,
+                self._vocab_size,
+                self._eos_token_ids,
+                whitespace=self.json_options.whitespace,
+                allow_unlisted_properties=self.json_options.allow_unlisted_properties,
+                numbers=self.numbers,
+                vocab=lambda: self.vocab,
+            )
+        return self._ll
 
     @property
     def vocab_size(self) -> int:
-        return self.vocab.size
+        return self._ll.vocab_size if self._ll is not None else self.vocab.size
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -238,10 +288,12 @@ class GrammarCompiler:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
 
-    def _build(self, kind: str, spec: str, lenient: bool, deadline: Deadline) -> CompiledGrammar:
+    def _build(self, kind: str, spec: str, lenient: bool, deadline: Deadline) -> Any:
         try:
             if deadline.remaining() <= 0:  # it waited in the queue past its callers' patience
                 raise self._too_slow(kind)
+            if self.backend == "llguidance":
+                return self._llguidance().build(kind, spec, lenient)
             regex, notes = self.to_regex(kind, spec, lenient)
             sentinel, parse_error = True, ""
             if kind == "regex":
@@ -265,7 +317,13 @@ class GrammarCompiler:
             options = self.json_options
             if lenient is not None and lenient != options.lenient:
                 options = dataclasses.replace(options, lenient=lenient)
-            regex, notes = json_schema_regex(spec, options)
+            try:
+                schema = json.loads(spec)
+            except ValueError as e:
+                raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+            if isinstance(schema, dict):
+                schema = bound_numbers(schema, self.numbers)
+            regex, notes = json_schema_regex(schema, options)
             return regex, tuple(notes)
         if kind == "choice":
             choices = json.loads(spec)

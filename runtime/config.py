@@ -83,7 +83,15 @@ class EngineConfig:
     grammar_compile_timeout: float = 30.0  # seconds; a slower grammar fails its own request
     json_whitespace: str = "compact"  # compact: no whitespace between JSON tokens; flexible
     enable_jump_forward: bool = True  # append text the grammar forces without decoding it
-    ebnf_recursion_depth: int = 0  # recursive EBNF rules unrolled this deep; 0: refused
+    ebnf_recursion_depth: int = 0  # outlines backend: recursive EBNF rules unrolled this deep
+    grammar_backend: str = "llguidance"  # llguidance | outlines (constrained/compiler.py)
+    # JSON numbers whose schema sets no bounds are held to what JSON consumers read (a greedy
+    # model otherwise writes digits until max_new_tokens): |integer| <= json_integer_bound,
+    # |number| <= json_number_bound with at most json_fraction_digits after the point, no
+    # exponent. 0 (-1 for the digits): no limit. See constrained/schema_rewrite.py.
+    json_integer_bound: int = 10**18
+    json_number_bound: int = 10**15
+    json_fraction_digits: int = 10
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
     # auto: the checkpoint's weights; dummy: random weights of the config's shape (benchmarks)
     load_format: str = "auto"
@@ -130,6 +138,12 @@ class EngineConfig:
             bad("grammar_compile_timeout must be positive")
         if not 0 <= self.ebnf_recursion_depth <= 16:
             bad(f"ebnf_recursion_depth={self.ebnf_recursion_depth}; it must lie in [0, 16]")
+        if self.grammar_backend not in ("llguidance", "outlines"):
+            bad(f"grammar_backend={self.grammar_backend!r}; use 'llguidance' or 'outlines'")
+        if self.json_integer_bound < 0 or self.json_number_bound < 0:
+            bad("json_integer_bound and json_number_bound must be >= 0 (0: no bound)")
+        if self.json_fraction_digits < -1:
+            bad("json_fraction_digits must be >= -1 (-1: no limit)")
         if self.load_format not in ("auto", "dummy"):
             bad(f"load_format={self.load_format!r}; use 'auto' or 'dummy'")
         if self.context_length is not None and self.context_length < 2:

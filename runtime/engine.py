@@ -122,6 +122,7 @@ class Engine:
         )
         self._core = EngineCore(config, mc, model, kv_pool, self.context_len, self.device)
         self._grammar_compiler = None  # built on the first constrained request
+        self._grammar_lock = threading.Lock()
         self._grammar_times = Histogram(GRAMMAR_COMPILE_BUCKETS)
         self._profiler: Any = None
         self._rng = random.Random(config.random_seed)
@@ -316,37 +317,53 @@ class Engine:
             params = SamplingParams.from_dict(params_list[i])
             logprob = self._logprob_request(lp_list[i], start_list[i], top_list[i], len(ids))
             self._check_fits(ids, params)
-            grammar = self._compile_grammar(params)
+            grammar = self._grammar_future(params)
+            if grammar is not None and single:
+                # one request: a refused grammar is the caller's error, raised here (the compile
+                # runs in a worker thread; this thread only waits for it)
+                grammar.result()
             base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
             for k in range(params.n):
                 req = self._new_req(ids, params, base_seed + k, logprob)
-                req.grammar = grammar.matcher() if grammar is not None else None
+                req.grammar_future = grammar
                 reqs.append(req)
         return reqs, single
 
-    def _compile_grammar(self, params: SamplingParams):
-        """Compile the request's regex / JSON schema / EBNF (cached by text) in the caller's thread,
-        so the engine core never waits on a compile; a refused grammar raises GrammarError
-        (a ValueError) naming what to fix."""
-        constraint = params.constraint
-        if constraint is None:
-            return None
+    def grammar_compiler(self):
+        """The engine's GrammarCompiler (built on the first constrained request)."""
         if self._grammar_compiler is None:
-            from radixlm.constrained import GrammarCompiler
+            from radixlm.constrained import GrammarCompiler, NumberLimits
 
+            config = self.config
             self._grammar_compiler = GrammarCompiler(
                 self.tokenizer,
                 vocab_size=self.model_config.vocab_size,
-                whitespace=self.config.json_whitespace,
-                compile_timeout=self.config.grammar_compile_timeout,
-                ebnf_recursion_depth=self.config.ebnf_recursion_depth,
+                whitespace=config.json_whitespace,
+                compile_timeout=config.grammar_compile_timeout,
+                ebnf_recursion_depth=config.ebnf_recursion_depth,
                 eos_token_ids=sorted(self.eos_token_ids),
+                backend=config.grammar_backend,
+                numbers=NumberLimits(
+                    config.json_integer_bound, config.json_number_bound, config.json_fraction_digits
+                ),
             )
+        return self._grammar_compiler
+
+    def _grammar_future(self, params: SamplingParams):
+        """Start compiling the request's regex / JSON schema / EBNF / choices in the compiler's
+        worker threads (a cached grammar is ready at once; identical specs compiling at once
+        compile once): a Future of the compiled grammar, which fails with GrammarError (a
+        ValueError) naming what to fix, or past grammar_compile_timeout. The engine core holds
+        the request until it is done; the caller's thread never compiles."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        with self._grammar_lock:
+            compiler = self.grammar_compiler()
         t0 = time.perf_counter()
-        try:
-            return self._grammar_compiler.compile(*constraint, lenient=params.json_schema_lenient)
-        finally:
-            self._grammar_times.observe(time.perf_counter() - t0)
+        future = compiler.compile_async(*constraint, lenient=params.json_schema_lenient)
+        future.add_done_callback(lambda _: self._grammar_times.observe(time.perf_counter() - t0))
+        return future
 
     def _tokenize(self, item: Any) -> list[int]:
         if isinstance(item, str):

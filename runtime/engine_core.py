@@ -117,6 +117,8 @@ class EngineCore:
         self._sinks: dict[str, Sink] = {}
         self._progress: dict[str, Sink] = {}  # the sinks that also want every step's progress
         self._reqs: dict[str, Req] = {}
+        # requests whose grammar is still compiling: not yet the scheduler's
+        self._grammar_queue: dict[str, Req] = {}
         self._stop = threading.Event()
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -215,7 +217,7 @@ class EngineCore:
 
     def _fail_everything(self, message: str) -> None:
         """Finish every request, queued or running, with `message`, and answer pending calls."""
-        reqs = list(self._reqs.values())
+        reqs = list(self._reqs.values()) + list(self._grammar_queue.values())
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
@@ -391,25 +393,13 @@ class EngineCore:
         while True:
             kind, payload = msg
             if kind == "add":
-                req, sink, progress = payload
-                try:
-                    req.max_output_len = min(
-                        req.params.max_new_tokens, self.context_len - len(req.input_ids)
-                    )
-                    lockstep, not_greedy = req.needs_lockstep, not req.plain_greedy
-                except Exception as e:  # a request the checks let through: it alone fails
-                    req.fail(f"the request could not be admitted: {type(e).__name__}: {e}")
-                    self._deliver(req, sink, True)
-                else:
-                    self._reqs[req.rid] = req
-                    self._sinks[req.rid] = sink
-                    if progress:
-                        self._progress[req.rid] = sink
-                    self._num_lockstep += lockstep
-                    self._num_not_greedy += not_greedy
-                    self.scheduler.add(req)
+                self._add(*payload)
+            elif kind == "grammar":
+                req = self._grammar_queue.pop(payload, None)
+                if req is not None:  # (not aborted meanwhile)
+                    self._admit(req)
             elif kind == "abort":
-                req = self._reqs.get(payload)
+                req = self._reqs.get(payload) or self._grammar_queue.get(payload)
                 if req is not None:
                     req.finish({"type": "abort", "message": "aborted by the client"})
                     self._finish(req)
@@ -423,6 +413,42 @@ class EngineCore:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _add(self, req: Req, sink: Sink, progress: bool) -> None:
+        """A request from the inbox: to the scheduler, or to the grammar queue while its grammar
+        compiles (every other request decodes meanwhile)."""
+        self._sinks[req.rid] = sink
+        if progress:
+            self._progress[req.rid] = sink
+        future = req.grammar_future
+        if future is not None and not future.done():
+            self._grammar_queue[req.rid] = req
+            future.add_done_callback(lambda _, rid=req.rid: self._inbox.put(("grammar", rid)))
+            return
+        self._admit(req)
+
+    def _admit(self, req: Req) -> None:
+        """Hand `req` to the scheduler; a grammar that failed to compile (refused, too slow)
+        finishes it alone, aborted with the reason."""
+        try:
+            future, req.grammar_future = req.grammar_future, None
+            if future is not None:
+                error = future.exception()
+                if error is not None:
+                    self._fail(req, str(error))
+                    return
+                req.grammar = future.result().matcher()
+            req.max_output_len = min(
+                req.params.max_new_tokens, self.context_len - len(req.input_ids)
+            )
+            lockstep, not_greedy = req.needs_lockstep, not req.plain_greedy
+        except Exception as e:  # a request the checks let through: it alone fails
+            self._fail(req, f"the request could not be admitted: {type(e).__name__}: {e}")
+            return
+        self._reqs[req.rid] = req
+        self._num_lockstep += lockstep
+        self._num_not_greedy += not_greedy
+        self.scheduler.add(req)
 
     def _apply(self, req: Req, token: int | None, extra: ReqStepResult | None) -> None:
         """Take one step's result for `req`: its new token (None if the step did not end at its
@@ -532,7 +558,8 @@ class EngineCore:
         self._check_stop_or_length(req)  # (the forced text may complete the grammar)
 
     def _finish(self, req: Req) -> None:
-        self.scheduler.remove(req)
+        if self._grammar_queue.pop(req.rid, None) is None:
+            self.scheduler.remove(req)
         try:
             self._final_text(req)
         except Exception as e:  # this request's own text failed it; the engine goes on
@@ -580,6 +607,7 @@ class EngineCore:
         return {
             "num_running_reqs": len(self.scheduler.running),
             "num_waiting_reqs": len(self.scheduler.waiting),
+            "num_grammar_queue_reqs": len(self._grammar_queue),
             "kv_pool_capacity_tokens": self.allocator.capacity,
             "kv_pool_free_tokens": self.allocator.num_free,
             "radix_cache_tokens": pc.total_size,

@@ -34,7 +34,10 @@ class Req:
     detokenizer: IncrementalDetokenizer
     logprob: LogprobRequest = field(default_factory=LogprobRequest)
     eos_token_ids: frozenset[int] = frozenset()
-    grammar: Any = None  # a constrained.GrammarMatcher, once constrained decoding is wired in
+    grammar: Any = None  # its grammar's matcher (constrained/), made when it is admitted
+    # the compile of its grammar (a Future of the compiled grammar): the core holds the request
+    # in its grammar queue until it is done, then admits it or fails it alone
+    grammar_future: Any = None
     grammar_validation: dict[str, Any] | None = None  # lenient JSON schema: the output's check
 
     output_ids: list[int] = field(default_factory=list)

@@ -1,0 +1,115 @@
+"""Rewrites of a JSON schema before it is compiled: what the engine adds to a user's schema so
+that the output is usable, never narrower than the schema's own bounds.
+
+- Numbers the schema leaves unbounded are held to what JSON consumers read: integers within
+  +-10**18 (inside 64 bits), other numbers within +-10**15 (inside a double's exact integers),
+  written without exponent and with at most `fraction_digits` digits after the point. A greedy
+  small model otherwise writes `"population":1000000000...` until max_new_tokens runs out.
+- Objects that list `properties` and say nothing of other keys get `additionalProperties: false`
+  unless unlisted properties are allowed (a model fills an open object with made-up keys).
+
+The finished output is still validated against the schema as the user wrote it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# keywords whose value is one schema, a list of schemas, or a name -> schema map
+_ONE = (
+    "additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+    "unevaluatedItems", "unevaluatedProperties", "additionalItems",
+)  # fmt: skip
+_LIST = ("anyOf", "allOf", "oneOf", "prefixItems", "items")
+_OPEN_KEYS = (
+    "additionalProperties", "unevaluatedProperties", "patternProperties", "allOf", "anyOf",
+    "oneOf", "$ref", "if", "dependentSchemas", "dependencies",
+)  # fmt: skip
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+@dataclass(frozen=True)
+class NumberLimits:
+    """Bounds put on numbers whose schema sets none. integer_bound: |integer| <= this (0: no
+    bound). number_bound: |number| <= this (0: none). fraction_digits: digits after the decimal
+    point of a non-integer number (and no exponent); -1: as many as the model writes."""
+
+    integer_bound: int = 10**18
+    number_bound: int = 10**15
+    fraction_digits: int = 10
+
+    def __post_init__(self) -> None:
+        if self.integer_bound < 0 or self.number_bound < 0 or self.fraction_digits < -1:
+            raise ValueError(
+                "number limits: integer_bound and number_bound must be >= 0 (0: no bound), "
+                "fraction_digits >= -1 (-1: no limit)"
+            )
+
+
+def map_subschemas(
+    schema: Any, fn: Callable[[dict[str, Any], str], dict[str, Any]], where: str = ""
+) -> Any:
+    """A copy of `schema` with `fn(node, where)` applied to every (sub)schema object, innermost
+    first; `where` is the keyword the node hangs under ("" at the root)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = map_subschemas(out[key], fn, key)
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [map_subschemas(s, fn, key) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: map_subschemas(s, fn, key) for name, s in out[key].items()}
+    return fn(out, where)
+
+
+def bound_numbers(schema: Any, limits: NumberLimits) -> Any:
+    """`schema` with the limits put on each integer or number schema that lacks its own."""
+
+    def bound(node: dict[str, Any], _where: str) -> dict[str, Any]:
+        types = node.get("type")
+        types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+        if "number" in types:
+            _add_bounds(node, limits.number_bound)
+            if limits.fraction_digits >= 0 and "multipleOf" not in node and "integer" not in types:
+                node["multipleOf"] = float(f"1e-{limits.fraction_digits}")
+        elif "integer" in types:
+            _add_bounds(node, limits.integer_bound)
+        return node
+
+    return map_subschemas(schema, bound)
+
+
+def _add_bounds(node: dict[str, Any], bound: int) -> None:
+    if not bound or "enum" in node or "const" in node:
+        return
+    if "minimum" not in node and "exclusiveMinimum" not in node:
+        node["minimum"] = -bound
+    if "maximum" not in node and "exclusiveMaximum" not in node:
+        node["maximum"] = bound
+
+
+def close_objects(schema: Any) -> Any:
+    """`additionalProperties: false` on every object schema that lists `properties` and says
+    nothing of other keys. Not where other schemas combine with it (a branch of `allOf`, a node
+    with `allOf`, `anyOf`, `oneOf`, `$ref` or conditionals): closing one part there could forbid
+    what another part allows."""
+
+    def close(node: dict[str, Any], where: str) -> dict[str, Any]:
+        if (
+            where != "allOf"
+            and isinstance(node.get("properties"), dict)
+            and not any(k in node for k in _OPEN_KEYS)
+        ):
+            node["additionalProperties"] = False
+        return node
+
+    return map_subschemas(schema, close)
+
+
+__all__ = ["NumberLimits", "bound_numbers", "close_objects", "map_subschemas"]
