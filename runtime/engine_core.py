@@ -23,7 +23,7 @@ from radixlm.radix_cache.base import NoPrefixCache
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.cache_manager import CacheManager
 from radixlm.runtime.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
-from radixlm.runtime.model_runner import ModelRunner, ReqStepResult
+from radixlm.runtime.model_runner import DeferredStep, ModelRunner, ReqStepResult
 from radixlm.runtime.request import Req, ReqStatus
 from radixlm.runtime.scheduler import Scheduler
 
@@ -126,6 +126,8 @@ class EngineCore:
         self.num_overlapped_steps = 0  # steps launched before the previous one was applied
         self._num_lockstep = 0  # unfinished requests whose steps need the previous step's tokens
         self._num_not_greedy = 0  # unfinished requests that are not plain greedy
+        # unfinished requests sampled as the host says: grammar masks, penalties over the output
+        self._num_sampled_on_host = 0
         self.error: str | None = None  # why the core thread stopped on its own, if it did
         # held while putting into the inbox and while stopping: what gets in is answered
         self._gate = threading.Lock()
@@ -264,7 +266,11 @@ class EngineCore:
                     inflight = None
                 continue
             try:
-                handle = self.runner.launch(plan, greedy_only=not self._num_not_greedy)
+                handle = self.runner.launch(
+                    plan,
+                    greedy_only=not self._num_not_greedy,
+                    defer_sampling=inflight is not None and self._num_sampled_on_host > 0,
+                )
             except Exception as e:  # a failed step fails its requests, never the engine
                 self._fail_step(plan, e)
                 continue
@@ -282,6 +288,14 @@ class EngineCore:
             if inflight is not None:
                 self._complete(*inflight)
                 inflight = None
+            if isinstance(handle, DeferredStep):
+                # the previous step's tokens are applied (grammars advanced) while the device
+                # runs this step's forward: now its masks and penalties can be known
+                try:
+                    handle = handle.sample()
+                except Exception as e:
+                    self._fail_step(plan, e)
+                    continue
             if handle.ready or not self.overlap:
                 self._complete(plan, handle)
             else:
@@ -303,6 +317,9 @@ class EngineCore:
         apply = self._apply_contained
         if extras:
             for i, req in enumerate(plan.decodes):
+                if req.num_discard:
+                    req.num_discard -= 1
+                    continue
                 if req.num_pending:
                     req.num_pending -= 1
                 apply(req, tokens[i], extras.get(i))
@@ -310,6 +327,9 @@ class EngineCore:
             self._apply_decodes(plan.decodes, tokens)
         for i, item in enumerate(plan.items, len(plan.decodes)):
             req = item.req
+            if item.samples and req.num_discard:
+                req.num_discard -= 1
+                continue
             if item.samples and req.num_pending:
                 req.num_pending -= 1
             apply(req, tokens[i], extras.get(i) if extras else None)
@@ -346,6 +366,9 @@ class EngineCore:
         running = ReqStatus.RUNNING
         plain = 0
         for req, token in zip(reqs, tokens):
+            if req.num_discard:  # computed before jump-forward changed its text
+                req.num_discard -= 1
+                continue
             if req.num_pending:
                 req.num_pending -= 1
             out = req.output_ids
@@ -448,6 +471,7 @@ class EngineCore:
         self._reqs[req.rid] = req
         self._num_lockstep += lockstep
         self._num_not_greedy += not_greedy
+        self._num_sampled_on_host += req.sampled_on_host
         self.scheduler.add(req)
 
     def _apply(self, req: Req, token: int | None, extra: ReqStepResult | None) -> None:
@@ -554,6 +578,10 @@ class EngineCore:
         extra = full[len(ids) :]
         ids.extend(extra)
         req.token_in_buf = False  # its newest tokens are forced ones, on the host
+        # a step in flight (overlap) sampled its next token after the text before the jump:
+        # that token is dropped when it arrives, and the next step computes the forced text
+        req.num_discard += req.num_pending
+        req.num_pending = 0
         req.detokenizer.add(extra)
         self._check_stop_or_length(req)  # (the forced text may complete the grammar)
 
@@ -568,6 +596,7 @@ class EngineCore:
         if self._reqs.pop(req.rid, None) is not None:
             self._num_lockstep -= req.needs_lockstep
             self._num_not_greedy -= not req.plain_greedy
+            self._num_sampled_on_host -= req.sampled_on_host
         self._progress.pop(req.rid, None)
         sink = self._sinks.pop(req.rid, None)
         if sink is not None:

@@ -10,6 +10,7 @@ before this one's tokens reach the host: a request whose newest token is still p
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,13 @@ class StepHandle:
         return self._results
 
 
+class DeferredStep:
+    """A step whose forward is queued and whose sampling waits for `sample()`."""
+
+    def __init__(self, sample) -> None:
+        self.sample: Callable[[], StepHandle] = sample
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -124,14 +132,22 @@ class ModelRunner:
         buf = torch.zeros(self.token_buf.shape[0], dtype=torch.int64)
         return buf.pin_memory() if self.device.type == "cuda" else buf
 
-    def launch(self, plan: StepPlan, greedy_only: bool = False) -> StepHandle:
+    def launch(
+        self, plan: StepPlan, greedy_only: bool = False, defer_sampling: bool = False
+    ) -> StepHandle | DeferredStep:
         """Queue one step on the device. Sampling without log-probabilities does not wait for
         the device; anything else is finished here (the handle is then `ready`). `greedy_only`
-        says every request is plain greedy, so none need be checked."""
+        says every request is plain greedy, so none need be checked.
+
+        With `defer_sampling`, a step with requests to sample on the host's say (grammar masks,
+        penalties) returns a DeferredStep once its forward is queued: the caller applies the
+        previous step's tokens (advancing grammars) while the device computes, then calls
+        `sample()` for the handle. The masks are filled then, as late as they can be."""
         input_lp_rows: dict[int, list[tuple[int, int]]] = {}
         order: list[int] | None = None
         items: list[ScheduledReq] = []
         greedy = None  # the graph's argmax, already in token_buf
+        logits = None  # every logits row of an eager step
         if self._graphable(plan):  # decodes only: one logits row each, in plan order
             reqs = plan.decodes
             row_logits, greedy = self.graphs.run(plan.rows, plan.seq_lens, plan.slots)
@@ -166,13 +182,32 @@ class ModelRunner:
             pool_rows = None
             at = [order[i] for i in which]  # plan index of each sampled row
         rows: list[SamplingRow] = []
+        if reqs and not (greedy_only or all(r.plain_greedy for r in reqs)):
+            rows = [_sampling_row(r) for r in reqs]  # (as of now: their step numbers)
+        if defer_sampling and rows:
+            if pool_rows is None:  # (now: a request the previous step finishes loses its row)
+                pool_rows = to_device(int64_tensor([r.pool_row for r in reqs]), self.device)
+            return DeferredStep(
+                lambda: self._sample(
+                    plan, reqs, rows, row_logits, greedy, pool_rows, at, order, items,
+                    logits, input_lp_rows,
+                )
+            )  # fmt: skip
+        return self._sample(
+            plan, reqs, rows, row_logits, greedy, pool_rows, at, order, items, logits, input_lp_rows
+        )
+
+    def _sample(
+        self, plan, reqs, rows, row_logits, greedy, pool_rows, at, order, items, logits,
+        input_lp_rows,
+    ) -> StepHandle:  # fmt: skip
+        """Sample the step's tokens (queued on the device) and return its handle."""
         tokens = None
         failed: dict[int, str] = {}  # sampled row -> why it could not be sampled
         if reqs:
-            if greedy_only or all(r.plain_greedy for r in reqs):  # no sampling rows to build
+            if not rows:  # every request plain greedy
                 tokens = greedy if greedy is not None else greedy_ids(row_logits)
             else:
-                rows = [_sampling_row(r) for r in reqs]
                 try:
                     tokens = self.sampler.sample_ids(row_logits, rows)
                 except Exception:

@@ -58,6 +58,9 @@ class Req:
     # output tokens sampled on the device but not applied yet (overlapped scheduling): the next
     # step may already compute them, reading them from the device
     num_pending: int = 0
+    # results of steps in flight to drop when they arrive: computed for the text before a
+    # jump-forward appended (or re-tokenized) the output on the host
+    num_discard: int = 0
     # whether its newest token was sampled into token_buf[pool_row] by a launched step, so that a
     # step computing just that token can read it there (false after admission to a new row and
     # after tokens are appended on the host, by jump-forward)
@@ -121,9 +124,16 @@ class Req:
 
     @functools.cached_property
     def needs_lockstep(self) -> bool:
-        """Its next step needs this step's token on the host: a grammar mask, penalties over the
-        output so far, or log-probabilities to report (no overlapped scheduling meanwhile)."""
-        return self.grammar is not None or self.logprob.return_logprob or self.params.has_penalties
+        """Its step results need the device's answer before the next step is scheduled:
+        log-probabilities to report (no overlapped scheduling meanwhile)."""
+        return self.logprob.return_logprob
+
+    @functools.cached_property
+    def sampled_on_host(self) -> bool:
+        """Its next token is sampled under what the host knows of the output so far (a grammar
+        mask, penalties): with overlap, a step's sampling waits until the previous step's tokens
+        are applied, while the device runs its forward."""
+        return self.grammar is not None or self.params.has_penalties
 
     @property
     def sched_len(self) -> int:
