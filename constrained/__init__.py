@@ -25,6 +25,7 @@ from radixlm.constrained.bitmask import (
     allocate_token_bitmask,
     apply_token_bitmask_,
     bitmask_from_ids,
+    fill_next_token_bitmasks,
     ids_from_bitmask,
 )
 from radixlm.constrained.compiler import GRAMMAR_BACKENDS, KINDS, GrammarCompiler
@@ -54,6 +55,7 @@ __all__ = [
     "apply_token_bitmask_",
     "bitmask_from_ids",
     "dump_json_for_schema",
+    "fill_next_token_bitmasks",
     "ids_from_bitmask",
     "json_schema_to_regex",
     "schema_validator",

@@ -46,6 +46,24 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         logits[:, covered:] = float("-inf")
 
 
+def fill_next_token_bitmasks(matchers: list, bitmask: torch.Tensor) -> None:
+    """Row i of the contiguous CPU (B, W) int32 `bitmask` := the next-token mask of matchers[i].
+    llguidance's matchers are filled together in its own threads, without the GIL (one call for
+    the batch); others one by one."""
+    groups: dict[int, tuple[object, list[tuple[object, int]]]] = {}
+    for row, matcher in enumerate(matchers):
+        backend = getattr(getattr(matcher, "grammar", None), "backend", None)
+        if getattr(backend, "executor", None) is not None and bitmask.is_contiguous():
+            groups.setdefault(id(backend), (backend, []))[1].append((matcher, row))
+        else:
+            matcher.fill_next_token_bitmask(bitmask, row)
+    if groups:
+        from radixlm.constrained.llguidance_backend import fill_bitmasks
+
+        for backend, pairs in groups.values():
+            fill_bitmasks(pairs, bitmask, backend.executor)  # type: ignore[attr-defined]
+
+
 def bitmask_from_ids(ids: Iterable[int], vocab_size: int) -> np.ndarray:
     """(W,) int32 numpy row with exactly `ids` allowed (the plain oracle of the fast paths)."""
     arr = np.fromiter(ids, dtype=np.int64)

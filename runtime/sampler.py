@@ -292,11 +292,18 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 
 def _apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
-    from radixlm.constrained import allocate_token_bitmask, apply_token_bitmask_
+    """The grammar rows' masks, filled on the host (together, where the backend can) into pinned
+    memory on a GPU, copied without a wait and applied on the logits' device."""
+    from radixlm.constrained import (
+        allocate_token_bitmask,
+        apply_token_bitmask_,
+        fill_next_token_bitmasks,
+    )
 
     bitmask = allocate_token_bitmask(len(which), logits.shape[-1])
-    for j, i in enumerate(which):
-        rows[i].grammar.fill_next_token_bitmask(bitmask, j)
+    if logits.is_cuda:
+        bitmask = bitmask.pin_memory()
+    fill_next_token_bitmasks([rows[i].grammar for i in which], bitmask)
     idx = _to_device(which, torch.int64, logits.device)
     masked = logits[idx]
     apply_token_bitmask_(masked, bitmask.to(logits.device, non_blocking=True))

@@ -1,0 +1,73 @@
+"""Filling a batch's masks at once (llguidance's threads) against each matcher's own mask."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from radixlm.constrained import (
+    GrammarCompiler,
+    allocate_token_bitmask,
+    fill_next_token_bitmasks,
+)
+from radixlm.runtime.model_loader import default_tokenizer
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+    {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+    {"enum": ["red", "green", "blue"]},
+    {"type": "object", "properties": {"n": {"type": "number"}, "ok": {"type": "boolean"}}},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return default_tokenizer()
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "outlines"])
+def test_batch_fill_equals_each_matchers_own_mask(tokenizer, backend):
+    compiler = GrammarCompiler(tokenizer, vocab_size=49152 + 64, backend=backend)
+    matchers = [compiler.compile("json_schema", json.dumps(s)).matcher() for s in SCHEMAS]
+    # walk each one a few tokens into a valid instance, one of them to its end (EOS only)
+    prefixes = ['{"name":"Bo', "[1,2", '"red"', '{"n":1.5']
+    for m, text in zip(matchers, prefixes):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert m.accept_tokens(ids) == len(ids)
+    assert matchers[2].accept_token(tokenizer.eos_token_id)  # terminated: only EOS may follow
+    rows = list(range(len(matchers)))
+    for _ in range(2):  # and again after each accepts its greedy-ish first allowed token
+        bitmask = allocate_token_bitmask(len(matchers), 49152 + 64)
+        bitmask.zero_()
+        fill_next_token_bitmasks(matchers, bitmask)
+        for i in rows:
+            expected = matchers[i].next_token_mask()
+            np.testing.assert_array_equal(bitmask[i].numpy(), expected)
+        assert bitmask[2].numpy().view(np.uint32).sum() == 1 << (tokenizer.eos_token_id & 31)
+        for m in matchers[:2]:
+            allowed = [t for t in m.allowed_token_ids() if t != tokenizer.eos_token_id]
+            assert m.accept_token(allowed[0])
+
+
+def test_sampler_masks_every_grammar_row(tokenizer):
+    """Masked rows can only sample allowed tokens, whatever the logits favour."""
+    from radixlm.runtime.sampler import _apply_grammar_masks
+
+    compiler = GrammarCompiler(tokenizer, vocab_size=49152)
+    matchers = [compiler.compile("json_schema", json.dumps(s)).matcher() for s in SCHEMAS[:3]]
+
+    class Row:
+        def __init__(self, grammar):
+            self.grammar = grammar
+
+    logits = torch.randn(4, 49152)
+    rows = [Row(matchers[0]), Row(None), Row(matchers[1]), Row(matchers[2])]
+    before = logits.clone()
+    _apply_grammar_masks(logits, rows, [0, 2, 3])
+    assert torch.equal(logits[1], before[1])  # an unconstrained row is untouched
+    for r, m in ((0, matchers[0]), (2, matchers[1]), (3, matchers[2])):
+        finite = torch.isfinite(logits[r]).nonzero().flatten().tolist()
+        assert finite == m.allowed_token_ids()
