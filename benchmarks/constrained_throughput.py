@@ -1,6 +1,15 @@
 """What a JSON-schema constraint costs, and what jump-forward saves, end to end on the real model.
 
     python -m benchmarks.constrained_throughput [--batch 32]
+    python -m benchmarks.constrained_throughput --distinct 96 [--schemas-dir DIR]
+
+0. (--distinct N) Schema diversity, as JSON-extraction and tool-calling traffic brings it: N
+   requests, each with a different real-world schema (MaskBench files from ../shared/data/schemas,
+   sorted names, index floor(i * count / N)), all submitted at once as streams on a fresh engine
+   (every grammar compiles while the others decode), then the same again (every grammar cached);
+   against the same prompts unconstrained, each for as many tokens as its constrained twin made
+   (ignore_eos). Output tokens/s of both and the ratio; time to first token of the constrained
+   requests; refused schemas (they fail alone) and whether every finished output validates.
 
 1. Mask cost: the same prompts generated under a JSON schema (jump-forward off, so every token is
    sampled under a mask) and unconstrained for the same number of tokens; output tokens/s of both,
@@ -12,11 +21,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import statistics
 import time
+from pathlib import Path
 
 import radixlm
 from benchmarks.common import commit, device_line
+
+DEFAULT_SCHEMAS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "schemas"
 
 LIST_SCHEMA = {
     "type": "object",
@@ -64,14 +78,113 @@ def check_json(outs) -> None:
             json.loads(o["text"])
 
 
+def distinct_schemas(folder: Path, count: int) -> list[tuple[str, dict]]:
+    names = sorted(p.name for p in folder.glob("*.json"))
+    picked = [names[(i * len(names)) // count] for i in range(count)]
+    return [(n, json.loads((folder / n).read_text())["schema"]) for n in picked]
+
+
+async def _stream_all(engine, prompts, params_list):
+    """Every request as its own stream, all at once: (outputs, wall s, first-token latencies)."""
+
+    async def one(prompt, params):
+        t0 = time.perf_counter()
+        first, last = None, None
+        try:
+            stream = await engine.async_generate(prompt, params, stream=True)
+        except ValueError as e:  # a refused grammar: this request alone fails
+            abort = {"type": "abort", "message": str(e)}
+            return {"text": "", "output_ids": [], "meta_info": {"finish_reason": abort}}, None
+        async for snap in stream:
+            if first is None and snap["output_ids"]:
+                first = time.perf_counter() - t0
+            last = snap
+        return last, first
+
+    t = time.perf_counter()
+    results = await asyncio.gather(*(one(p, q) for p, q in zip(prompts, params_list)))
+    return [r[0] for r in results], time.perf_counter() - t, [r[1] for r in results]
+
+
+def run_distinct(model_path, folder: Path, count: int, max_new_tokens: int, backend: str) -> None:
+    import jsonschema
+
+    schemas = distinct_schemas(folder, count)
+    with radixlm.Engine(model_path, grammar_backend=backend) as eng:
+        prompts = [
+            eng.apply_chat_template(
+                [{"role": "user", "content": f"Write one JSON example of {name[:-5]}, as JSON."}]
+            )
+            for name, _ in schemas
+        ]
+        eng.generate(prompts[0], {"max_new_tokens": 4})  # warm-up, no grammar
+        cons = [
+            {"max_new_tokens": max_new_tokens, "temperature": 0, "json_schema": json.dumps(s)}
+            for _, s in schemas
+        ]
+        rows = []
+        for label in ("cold (compiles)", "warm (cached)"):
+            outs, wall, ttft = asyncio.run(_stream_all(eng, prompts, cons))
+            ok = [
+                i for i, o in enumerate(outs) if o["meta_info"]["finish_reason"]["type"] != "abort"
+            ]
+            tokens = sum(len(outs[i]["output_ids"]) for i in ok)
+            invalid = 0
+            for i in ok:
+                if outs[i]["meta_info"]["finish_reason"]["type"] == "stop":
+                    try:
+                        jsonschema.validate(json.loads(outs[i]["text"]), schemas[i][1])
+                    except Exception:
+                        invalid += 1
+            free = [
+                {"max_new_tokens": max(1, len(outs[i]["output_ids"])), "temperature": 0,
+                 "ignore_eos": True}
+                for i in ok
+            ]  # fmt: skip
+            f_outs, f_wall, _ = asyncio.run(_stream_all(eng, [prompts[i] for i in ok], free))
+            f_tokens = sum(len(o["output_ids"]) for o in f_outs)
+            first = sorted(ttft[i] for i in ok if ttft[i] is not None)
+            rows.append((label, len(ok), tokens, wall, f_tokens, f_wall, first, invalid))
+            refused = [
+                (schemas[i][0], outs[i]["meta_info"]["finish_reason"]["message"][:90])
+                for i in range(count)
+                if i not in ok
+            ]
+    print(f"\n{count} requests, {count} distinct schemas, grammar_backend={backend}")
+    print(f"refused (each failed alone): {len(refused)}")
+    for name, why in refused:
+        print(f"  {name}: {why}")
+    print(
+        "\n| run | accepted | constrained out tok | wall s | tok/s | unconstrained tok/s | ratio "
+        "| TTFT p50 / p99 s | invalid |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    for label, n, tok, wall, f_tok, f_wall, first, invalid in rows:
+        p50 = statistics.median(first) if first else float("nan")
+        p99 = first[min(len(first) - 1, int(0.99 * len(first)))] if first else float("nan")
+        print(
+            f"| {label} | {n} | {tok} | {wall:.2f} | {tok / wall:.0f} | {f_tok / f_wall:.0f} "
+            f"| {(tok / wall) / (f_tok / f_wall):.2f}x | {p50:.2f} / {p99:.2f} | {invalid} |"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--distinct", type=int, default=0, help="run only the distinct-schema workload")
+    ap.add_argument("--schemas-dir", type=Path, default=DEFAULT_SCHEMAS)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--grammar-backend", default="llguidance")
     args = ap.parse_args()
     print(f"device: {device_line()}  commit: {commit()}")
+    if args.distinct:
+        run_distinct(
+            args.model_path, args.schemas_dir, args.distinct, args.max_new_tokens,
+            args.grammar_backend,
+        )  # fmt: skip
+        return
 
     rows = []
     with radixlm.Engine(

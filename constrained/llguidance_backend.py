@@ -15,6 +15,7 @@ nouns that the DFA backend has too:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,10 +25,16 @@ import torch
 from radixlm.constrained.bitmask import bitmask_words, ids_from_bitmask
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.json_schema import schema_validator, validate_json_output
-from radixlm.constrained.schema_rewrite import NumberLimits, bound_numbers, close_objects
+from radixlm.constrained.schema_rewrite import (
+    NumberLimits,
+    bound_numbers,
+    close_objects,
+    map_subschemas,
+)
 from radixlm.constrained.vocab import TokenVocabulary
 
 _MAX_JUMP_BYTES = 4096
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 
 
 class LLGuidanceBackend:
@@ -58,6 +65,14 @@ class LLGuidanceBackend:
         self.whitespace = whitespace
         self.allow_unlisted_properties = allow_unlisted_properties
         self.numbers = numbers if numbers is not None else NumberLimits()
+        self._executor: Any = None
+
+    @property
+    def executor(self) -> Any:
+        """llguidance's thread pool that fills many masks at once (made on first use)."""
+        if self._executor is None:
+            self._executor = self._ll.LLExecutor()
+        return self._executor
 
     @classmethod
     def for_tokenizer(
@@ -99,17 +114,35 @@ class LLGuidanceBackend:
         """Compile `spec`; GrammarError saying what to change if llguidance refuses it."""
         text = self._grammar_text(kind, spec, lenient)
         matcher = self._ll.LLMatcher(self.tokenizer, text, log_level=0)
+        unknown: set[str] = set()
+        while kind == "json_schema" and matcher.is_error():
+            # a format llguidance does not know asserts nothing (JSON Schema: formats are
+            # annotations, and validators ignore unknown ones): compiled without it
+            found = _UNKNOWN_FORMAT.search(matcher.get_error())
+            if found is None or found.group(1) in unknown:
+                break
+            unknown.add(found.group(1))
+            text = self._grammar_text(kind, spec, lenient, drop_formats=unknown)
+            matcher = self._ll.LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
             raise GrammarError(_refusal(kind, matcher.get_error()))
         notes = tuple(matcher.get_grammar_warnings()) if lenient else ()
         return LLGuidanceGrammar(kind, spec, matcher, self, notes, lenient)
 
-    def _grammar_text(self, kind: str, spec: str, lenient: bool) -> str:
+    def _grammar_text(
+        self, kind: str, spec: str, lenient: bool, drop_formats: set[str] | None = None
+    ) -> str:
         ll = self._ll.LLMatcher
         if kind == "json_schema":
-            return ll.grammar_from_json_schema(
-                self._prepared_schema(spec), defaults=self._json_options(lenient)
-            )
+            schema = self._prepared_schema(spec)
+            if drop_formats:
+                schema = map_subschemas(
+                    schema,
+                    lambda node, _: {
+                        k: v for k, v in node.items() if k != "format" or v not in drop_formats
+                    },
+                )
+            return ll.grammar_from_json_schema(schema, defaults=self._json_options(lenient))
         if kind == "regex":
             return ll.grammar_from_regex(spec)
         if kind == "choice":
