@@ -106,11 +106,13 @@ async def _stream_all(engine, prompts, params_list):
     return [r[0] for r in results], time.perf_counter() - t, [r[1] for r in results]
 
 
-def run_distinct(model_path, folder: Path, count: int, max_new_tokens: int, backend: str) -> None:
+def run_distinct(
+    model_path, folder: Path, count: int, max_new_tokens: int, backend: str, **engine_args
+) -> None:
     import jsonschema
 
     schemas = distinct_schemas(folder, count)
-    with radixlm.Engine(model_path, grammar_backend=backend) as eng:
+    with radixlm.Engine(model_path, grammar_backend=backend, **engine_args) as eng:
         prompts = [
             eng.apply_chat_template(
                 [{"role": "user", "content": f"Write one JSON example of {name[:-5]}, as JSON."}]
@@ -150,7 +152,8 @@ def run_distinct(model_path, folder: Path, count: int, max_new_tokens: int, back
                 for i in range(count)
                 if i not in ok
             ]
-    print(f"\n{count} requests, {count} distinct schemas, grammar_backend={backend}")
+    extra = "".join(f", {k}={v}" for k, v in engine_args.items())
+    print(f"\n{count} requests, {count} distinct schemas, grammar_backend={backend}{extra}")
     print(f"refused (each failed alone): {len(refused)}")
     for name, why in refused:
         print(f"  {name}: {why}")
@@ -167,6 +170,14 @@ def run_distinct(model_path, folder: Path, count: int, max_new_tokens: int, back
         )
 
 
+def _engine_arg(text: str) -> tuple[str, object]:
+    name, _, value = text.partition("=")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -177,12 +188,16 @@ def main() -> None:
     ap.add_argument("--schemas-dir", type=Path, default=DEFAULT_SCHEMAS)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--grammar-backend", default="llguidance")
+    ap.add_argument(
+        "--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+        help="an engine option for the --distinct run (VALUE read as JSON, else as text)",
+    )  # fmt: skip
     args = ap.parse_args()
     print(f"device: {device_line()}  commit: {commit()}")
     if args.distinct:
         run_distinct(
             args.model_path, args.schemas_dir, args.distinct, args.max_new_tokens,
-            args.grammar_backend,
+            args.grammar_backend, **dict(_engine_arg(a) for a in args.engine_arg),
         )  # fmt: skip
         return
 

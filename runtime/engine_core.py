@@ -30,6 +30,8 @@ from radixlm.runtime.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[Req, bool], None]  # (request, finished) -> None
+# the shortest forced text jumped over while the request has a step in flight (about 3 tokens)
+_MIN_JUMP_BYTES_IN_FLIGHT = 8
 
 
 def use_cuda_graphs(config, device, backend) -> bool:
@@ -550,7 +552,9 @@ class EngineCore:
             return
         grammar = req.grammar
         text = grammar.jump_forward_string()
-        if not text:
+        if not text or (req.num_pending and len(text.encode()) < _MIN_JUMP_BYTES_IN_FLIGHT):
+            # with a step in flight, a jump costs that step (its token is dropped) and the next
+            # one: a short forced text is cheaper sampled a token a step under the mask
             return
         tokenizer = req.detokenizer.tokenizer
         ids = req.output_ids
