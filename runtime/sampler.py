@@ -104,6 +104,29 @@ def logprobs_at(
 
 
 class Sampler:
+    def __init__(self) -> None:
+        # the host bitmask buffers grammar masks are filled into (pinned where a GPU reads them),
+        # used alternately: a step's buffer is written again two steps later, when its copy to
+        # the device is long done (the step between waited for the tokens sampled after it)
+        self._mask_buffers: list[torch.Tensor | None] = [None, None]
+        self._mask_copied: list[torch.cuda.Event | None] = [None, None]  # its copy is done then
+        self._mask_flip = 0
+
+    def mask_buffer(self, rows: int, vocab: int, pinned: bool) -> torch.Tensor:
+        """A (rows, ceil(vocab / 32)) int32 host tensor to fill masks into (contents stale)."""
+        from radixlm.constrained.bitmask import bitmask_words
+
+        words = bitmask_words(vocab)
+        self._mask_flip ^= 1
+        copied = self._mask_copied[self._mask_flip]
+        if copied is not None:  # (done long ago, but for a step whose rows are sampled apart)
+            copied.synchronize()
+        buf = self._mask_buffers[self._mask_flip]
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != words or buf.is_pinned() != pinned:
+            buf = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=pinned)
+            self._mask_buffers[self._mask_flip] = buf
+        return buf[:rows]
+
     def __call__(
         self,
         logits: torch.Tensor,  # (B, V) float32; not modified
@@ -150,7 +173,11 @@ class Sampler:
             at = packed_to_device([list(rows_idx), list(tokens)], logits.device)
             logits[at[0], at[1]] = float("-inf")
         if constrained:
-            _apply_grammar_masks(logits, rows, constrained)
+            bitmask = self.mask_buffer(len(constrained), logits.shape[-1], logits.is_cuda)
+            _apply_grammar_masks(logits, rows, constrained, bitmask)
+            if logits.is_cuda:
+                self._mask_copied[self._mask_flip] = torch.cuda.Event()
+                self._mask_copied[self._mask_flip].record()
 
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         seeds = [row_seed(rows[i].seed, rows[i].step) for i in sampled]
@@ -291,18 +318,23 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return torch.where(probs >= last, probs, 0.0)
 
 
-def _apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
-    """The grammar rows' masks, filled on the host (together, where the backend can) into pinned
-    memory on a GPU, copied without a wait and applied on the logits' device."""
+def _apply_grammar_masks(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    which: list[int],
+    bitmask: torch.Tensor | None = None,
+) -> None:
+    """The grammar rows' masks, filled on the host (together, where the backend can) into
+    `bitmask` (len(which), W) (pinned memory on a GPU), copied without a wait and applied on the
+    logits' device."""
     from radixlm.constrained import (
         allocate_token_bitmask,
         apply_token_bitmask_,
         fill_next_token_bitmasks,
     )
 
-    bitmask = allocate_token_bitmask(len(which), logits.shape[-1])
-    if logits.is_cuda:
-        bitmask = bitmask.pin_memory()
+    if bitmask is None:
+        bitmask = allocate_token_bitmask(len(which), logits.shape[-1])
     fill_next_token_bitmasks([rows[i].grammar for i in which], bitmask)
     idx = _to_device(which, torch.int64, logits.device)
     masked = logits[idx]
