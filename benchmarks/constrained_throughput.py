@@ -124,9 +124,11 @@ def run_distinct(
             {"max_new_tokens": max_new_tokens, "temperature": 0, "json_schema": json.dumps(s)}
             for _, s in schemas
         ]
-        rows = []
+        rows, hosts = [], []
         for label in ("cold (compiles)", "warm (cached)"):
+            before = eng.get_stats()
             outs, wall, ttft = asyncio.run(_stream_all(eng, prompts, cons))
+            host = _host_per_step(before, eng.get_stats())
             ok = [
                 i for i, o in enumerate(outs) if o["meta_info"]["finish_reason"]["type"] != "abort"
             ]
@@ -143,7 +145,10 @@ def run_distinct(
                  "ignore_eos": True}
                 for i in ok
             ]  # fmt: skip
+            before = eng.get_stats()
             f_outs, f_wall, _ = asyncio.run(_stream_all(eng, [prompts[i] for i in ok], free))
+            f_host = _host_per_step(before, eng.get_stats())
+            hosts.append((label, host, f_host))
             f_tokens = sum(len(o["output_ids"]) for o in f_outs)
             first = sorted(ttft[i] for i in ok if ttft[i] is not None)
             rows.append((label, len(ok), tokens, wall, f_tokens, f_wall, first, invalid))
@@ -168,6 +173,20 @@ def run_distinct(
             f"| {label} | {n} | {tok} | {wall:.2f} | {tok / wall:.0f} | {f_tok / f_wall:.0f} "
             f"| {(tok / wall) / (f_tok / f_wall):.2f}x | {p50:.2f} / {p99:.2f} | {invalid} |"
         )
+    print("\nthe engine core's host time (wait: for the device):")
+    for label, host, f_host in hosts:
+        print(f"  {label}: constrained {host}\n  {'':{len(label)}}  unconstrained {f_host}")
+
+
+def _host_per_step(before: dict, after: dict) -> str:
+    """The engine core's time per step by phase between two stats snapshots, in ms."""
+    steps = max(1, after["num_steps"] - before["num_steps"])
+    phases = [k for k in after if k.startswith("host_seconds_")]
+    parts = [
+        f"{k.removeprefix('host_seconds_')} {(after[k] - before[k]) / steps * 1e3:.2f}"
+        for k in phases
+    ]
+    return f"{steps} steps; ms/step: " + ", ".join(parts)
 
 
 def _engine_arg(text: str) -> tuple[str, object]:

@@ -126,6 +126,9 @@ class EngineCore:
         self.num_generated_tokens = 0
         self.num_jump_forward_tokens = 0
         self.num_overlapped_steps = 0  # steps launched before the previous one was applied
+        # the core thread's time by phase: planning, launching (with sampling unless deferred),
+        # deferred sampling (grammar masks), waiting for the device, applying the tokens
+        self.host_seconds = dict.fromkeys(("schedule", "launch", "sample", "wait", "apply"), 0.0)
         self._num_lockstep = 0  # unfinished requests whose steps need the previous step's tokens
         self._num_not_greedy = 0  # unfinished requests that are not plain greedy
         # unfinished requests sampled as the host says: grammar masks, penalties over the output
@@ -261,7 +264,10 @@ class EngineCore:
             self._drain_inbox(block=inflight is None and not self.scheduler.has_work())
             if self._stop.is_set():
                 break
+            t0 = time.perf_counter()
             plan = self.scheduler.schedule()
+            t1 = time.perf_counter()
+            self.host_seconds["schedule"] += t1 - t0
             if not plan:
                 if inflight is not None:
                     self._complete(*inflight)
@@ -276,6 +282,7 @@ class EngineCore:
             except Exception as e:  # a failed step fails its requests, never the engine
                 self._fail_step(plan, e)
                 continue
+            self.host_seconds["launch"] += time.perf_counter() - t1
             self.num_steps += 1
             for req in plan.decodes:
                 req.num_pending += 1
@@ -293,11 +300,13 @@ class EngineCore:
             if isinstance(handle, DeferredStep):
                 # the previous step's tokens are applied (grammars advanced) while the device
                 # runs this step's forward: now its masks and penalties can be known
+                t2 = time.perf_counter()
                 try:
                     handle = handle.sample()
                 except Exception as e:
                     self._fail_step(plan, e)
                     continue
+                self.host_seconds["sample"] += time.perf_counter() - t2
             if handle.ready or not self.overlap:
                 self._complete(plan, handle)
             else:
@@ -310,11 +319,18 @@ class EngineCore:
         return self.overlap and not self._num_lockstep
 
     def _complete(self, plan, handle) -> None:
+        t0 = time.perf_counter()
         try:
             results = handle.results()
         except Exception as e:
             self._fail_step(plan, e)
             return
+        t1 = time.perf_counter()
+        self.host_seconds["wait"] += t1 - t0
+        self._apply_results(plan, results)
+        self.host_seconds["apply"] += time.perf_counter() - t1
+
+    def _apply_results(self, plan, results) -> None:
         tokens, extras = results.tokens, results.extras
         apply = self._apply_contained
         if extras:
@@ -656,6 +672,7 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "jump_forward_tokens": self.num_jump_forward_tokens,
             "overlapped_steps": self.num_overlapped_steps,
+            **{f"host_seconds_{k}": v for k, v in self.host_seconds.items()},
         }
 
 
