@@ -22,6 +22,7 @@ own and refuses, naming keyword and location, whatever it cannot enforce exactly
 from __future__ import annotations
 
 from radixlm.constrained.bitmask import (
+    accept_next_tokens,
     allocate_token_bitmask,
     apply_token_bitmask_,
     bitmask_from_ids,
@@ -43,6 +44,7 @@ from radixlm.constrained.vocab import TokenVocabulary
 
 __all__ = [
     "GRAMMAR_BACKENDS",
+    "accept_next_tokens",
     "KINDS",
     "NumberLimits",
     "CompiledGrammar",

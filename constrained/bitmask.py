@@ -50,18 +50,38 @@ def fill_next_token_bitmasks(matchers: list, bitmask: torch.Tensor) -> None:
     """Row i of the contiguous CPU (B, W) int32 `bitmask` := the next-token mask of matchers[i].
     llguidance's matchers are filled together in its own threads, without the GIL (one call for
     the batch); others one by one."""
-    groups: dict[int, tuple[object, list[tuple[object, int]]]] = {}
-    for row, matcher in enumerate(matchers):
-        backend = getattr(getattr(matcher, "grammar", None), "backend", None)
-        if getattr(backend, "executor", None) is not None and bitmask.is_contiguous():
-            groups.setdefault(id(backend), (backend, []))[1].append((matcher, row))
+    groups = _by_parallel_backend(list(enumerate(matchers)))
+    for backend, pairs in groups.items():
+        if backend is None or not bitmask.is_contiguous():
+            for row, matcher in pairs:
+                matcher.fill_next_token_bitmask(bitmask, row)
         else:
-            matcher.fill_next_token_bitmask(bitmask, row)
-    if groups:
-        from radixlm.constrained.llguidance_backend import fill_bitmasks
+            from radixlm.constrained.llguidance_backend import fill_bitmasks
 
-        for backend, pairs in groups.values():
-            fill_bitmasks(pairs, bitmask, backend.executor)  # type: ignore[attr-defined]
+            fill_bitmasks([(m, row) for row, m in pairs], bitmask, backend.executor)
+
+
+def accept_next_tokens(matchers: list, tokens: list[int]) -> None:
+    """Let matchers[i] take tokens[i] ahead of its `accept_token(tokens[i])`, all together where
+    the backend can (llguidance's threads); `accept_token` then answers at once. Others wait for
+    their `accept_token`."""
+    from radixlm.constrained.llguidance_backend import accept_batch
+
+    groups = _by_parallel_backend(list(zip(tokens, matchers)))
+    for backend, pairs in groups.items():
+        if backend is not None:
+            accept_batch([(m, t) for t, m in pairs], backend.executor)
+
+
+def _by_parallel_backend(items: list) -> dict:
+    """(x, matcher) items grouped by the llguidance backend of their matcher (None: others)."""
+    from radixlm.constrained.llguidance_backend import LLGuidanceMatcher
+
+    groups: dict = {}
+    for x, matcher in items:
+        backend = matcher.grammar.backend if type(matcher) is LLGuidanceMatcher else None
+        groups.setdefault(backend, []).append((x, matcher))
+    return groups
 
 
 def bitmask_from_ids(ids: Iterable[int], vocab_size: int) -> np.ndarray:

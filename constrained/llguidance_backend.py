@@ -24,16 +24,26 @@ import torch
 
 from radixlm.constrained.bitmask import bitmask_words, ids_from_bitmask
 from radixlm.constrained.errors import GrammarError
-from radixlm.constrained.json_schema import schema_validator, validate_json_output
+from radixlm.constrained.json_schema import (
+    FLEXIBLE_WHITESPACE,
+    schema_validator,
+    validate_json_output,
+)
 from radixlm.constrained.schema_rewrite import (
     NumberLimits,
     bound_numbers,
     close_objects,
+    fit_bounds,
+    iter_subschemas,
     map_subschemas,
 )
 from radixlm.constrained.vocab import TokenVocabulary
 
 _MAX_JUMP_BYTES = 4096
+# The widest bounds llguidance reads (as doubles): an integer bound at 2**63 or past it, or a
+# number bound past 10**18, is refused or narrowed by llguidance itself
+_INTEGER_LIMIT = 9 * 10**18
+_NUMBER_LIMIT = 10**18
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 
 
@@ -66,6 +76,8 @@ class LLGuidanceBackend:
         self.allow_unlisted_properties = allow_unlisted_properties
         self.numbers = numbers if numbers is not None else NumberLimits()
         self._executor: Any = None
+        # errors without the parser's state dump: they reach the user
+        self._limits = llguidance.LLParserLimits(verbose_errors=False)
 
     @property
     def executor(self) -> Any:
@@ -101,9 +113,15 @@ class LLGuidanceBackend:
             if not eos:
                 raise GrammarError("the tokenizer has no eos_token_id; pass eos_token_ids")
             size = int(vocab_size) if vocab_size is not None else len(tokenizer)
-            lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=size, eos_token=list(eos))
-            return cls(lltok, size, eos, **options)
+            try:
+                lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=size, eos_token=list(eos))
+            except ValueError:  # not one llguidance reads ("only fast tokenizers"): by its bytes
+                pass
+            else:
+                return cls(lltok, size, eos, **options)
         words = vocab()
+        if not any(words.token_bytes):
+            raise GrammarError("the vocabulary has no usable tokens")
         wrapper = llguidance.TokenizerWrapper(_ByteTokenizer(words))
         lltok = llguidance.LLTokenizer(
             wrapper, n_vocab=words.size, eos_token=list(words.eos_token_ids)
@@ -113,7 +131,7 @@ class LLGuidanceBackend:
     def build(self, kind: str, spec: str, lenient: bool) -> LLGuidanceGrammar:
         """Compile `spec`; GrammarError saying what to change if llguidance refuses it."""
         text = self._grammar_text(kind, spec, lenient)
-        matcher = self._ll.LLMatcher(self.tokenizer, text, log_level=0)
+        matcher = self._matcher(text)
         unknown: set[str] = set()
         while kind == "json_schema" and matcher.is_error():
             # a format llguidance does not know asserts nothing (JSON Schema: formats are
@@ -123,11 +141,20 @@ class LLGuidanceBackend:
                 break
             unknown.add(found.group(1))
             text = self._grammar_text(kind, spec, lenient, drop_formats=unknown)
-            matcher = self._ll.LLMatcher(self.tokenizer, text, log_level=0)
+            matcher = self._matcher(text)
+        if not matcher.is_error():
+            # The first mask builds the lexer states every request starts from (shared with the
+            # copies each request gets): here, in the compile worker and within its timeout,
+            # never in the engine's step (a long counted repetition takes seconds). A grammar
+            # no token can start fails here too.
+            matcher.compute_bitmask()
         if matcher.is_error():
-            raise GrammarError(_refusal(kind, matcher.get_error()))
-        notes = tuple(matcher.get_grammar_warnings()) if lenient else ()
+            raise GrammarError(_refusal(kind, matcher.get_error(), spec))
+        notes = _located_notes(matcher.get_grammar_warnings(), spec) if lenient else ()
         return LLGuidanceGrammar(kind, spec, matcher, self, notes, lenient)
+
+    def _matcher(self, text: str) -> Any:
+        return self._ll.LLMatcher(self.tokenizer, text, log_level=0, limits=self._limits)
 
     def _grammar_text(
         self, kind: str, spec: str, lenient: bool, drop_formats: set[str] | None = None
@@ -142,9 +169,13 @@ class LLGuidanceBackend:
                         k: v for k, v in node.items() if k != "format" or v not in drop_formats
                     },
                 )
-            return ll.grammar_from_json_schema(schema, defaults=self._json_options(lenient))
+            # as text: a dict with an integer past 64 bits (a bound of 10**20) is refused
+            text = json.dumps(schema, ensure_ascii=False)
+            return ll.grammar_from_json_schema(text, defaults=self._json_options(lenient))
         if kind == "regex":
-            return ll.grammar_from_regex(spec)
+            # \d, \w and \s mean their ASCII members, as in the DFA backend (llguidance's own
+            # reading is Unicode's: a date regex wrote "🯸202-11-24"); `/` escaped for Lark
+            return ll.grammar_from_lark(f"start: /{self._ll.regex_to_lark(spec, 'dws')}/\n")
         if kind == "choice":
             choices = json.loads(spec)
             alternatives = " | ".join(_lark_string(c) for c in choices)
@@ -153,7 +184,7 @@ class LLGuidanceBackend:
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
             try:
-                lark = gbnf_to_lark(spec)
+                lark = gbnf_to_lark(_plain_escapes(spec))
             except Exception as e:
                 raise GrammarError(f"EBNF syntax error: {e}") from None
             return ll.grammar_from_lark(lark)
@@ -168,6 +199,7 @@ class LLGuidanceBackend:
             raise GrammarError("a JSON schema must be an object or a boolean")
         if isinstance(schema, dict):
             schema = bound_numbers(schema, self.numbers)
+            schema = fit_bounds(schema, _INTEGER_LIMIT, _NUMBER_LIMIT)
             if not self.allow_unlisted_properties:
                 schema = close_objects(schema)
         return schema
@@ -177,7 +209,9 @@ class LLGuidanceBackend:
         if self.whitespace == "compact":
             options.update(whitespace_flexible=False, item_separator=",", key_separator=":")
         elif self.whitespace == "flexible":
-            options.update(whitespace_flexible=True)
+            # bounded, as in the DFA backend: llguidance's own is unbounded, and a small model
+            # can then write newlines until max_new_tokens
+            options.update(whitespace_flexible=True, whitespace_pattern=FLEXIBLE_WHITESPACE)
         else:
             options.update(whitespace_pattern=self.whitespace)
         return options
@@ -242,6 +276,7 @@ class LLGuidanceMatcher:
         self._eos = frozenset(grammar.eos_token_ids)
         self._terminated = False
         self._depth = 0  # tokens accepted that rollback can undo (EOS included)
+        self._ahead: int | None = None  # a token accept_batch took for the next accept_token
         self._max_rollback = max_rollback
 
     @property
@@ -259,10 +294,11 @@ class LLGuidanceMatcher:
 
     def is_terminated(self) -> bool:
         """EOS was accepted, or the grammar is complete and nothing but EOS may follow."""
-        return self._terminated or self._m.is_stopped()
+        # (llguidance's matcher also reads "stopped" once it has failed: that is no success)
+        return self._terminated or (self._m.is_stopped() and not self._m.is_error())
 
     def is_accepting(self) -> bool:
-        return self._terminated or self._m.is_accepting()
+        return self._terminated or (self._m.is_accepting() and not self._m.is_error())
 
     def next_token_mask(self) -> np.ndarray:
         """The (W,) int32 mask of the next token."""
@@ -270,6 +306,8 @@ class LLGuidanceMatcher:
             return self.grammar.eos_only_mask
         mask = np.zeros(self.grammar._words, dtype=np.int32)
         self._m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if self._m.is_error():
+            mask[:] = 0  # llguidance allows EOS once it fails: the output would look complete
         return mask
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor | np.ndarray, index: int = 0) -> None:
@@ -293,6 +331,8 @@ class LLGuidanceMatcher:
             return
         ptr = row.data_ptr() if isinstance(row, torch.Tensor) else row.ctypes.data
         self._m.unsafe_compute_mask_ptr(ptr, self.grammar._words * 4)
+        if self._m.is_error():  # as in next_token_mask
+            (row.numpy() if isinstance(row, torch.Tensor) else row).fill(0)
 
     def allowed_token_ids(self) -> list[int]:
         """The allowed next token ids (EOS included when accepting): for tests and debugging."""
@@ -302,6 +342,11 @@ class LLGuidanceMatcher:
         if self._terminated:
             return False
         token_id = int(token_id)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # taken already, with its step's others (accept_batch)
+            if ahead == token_id:
+                return True
+            self.rollback(1)
         if token_id in self._eos:
             if not self._m.is_accepting():
                 return False
@@ -324,14 +369,18 @@ class LLGuidanceMatcher:
         return len(token_ids)
 
     def accept_string(self, text: str) -> bool:
-        """Advance over `text` (tokenized greedily by the grammar's tokenizer), all or nothing."""
+        """Advance over `text` (tokenized by the grammar's tokenizer), all or nothing; False
+        also where the vocabulary cannot spell `text`."""
         if self._terminated:
             return False
-        ids = self.grammar.backend.tokenizer.tokenize_str(text)
-        n = self.accept_tokens(ids)
-        if n < len(ids):
-            self.rollback(n)
+        tokenizer = self.grammar.backend.tokenizer
+        ids = tokenizer.tokenize_str(text)
+        if tokenizer.decode_bytes(ids) != text.encode("utf-8", "surrogatepass"):
             return False
+        # checked first, then taken: undoing a partial advance could need more than max_rollback
+        if self._m.validate_tokens(ids) != len(ids) or self._m.try_consume_tokens(ids) != len(ids):
+            return False
+        self._depth += len(ids)
         return True
 
     def jump_forward_string(self) -> str | None:
@@ -352,6 +401,7 @@ class LLGuidanceMatcher:
             raise GrammarError(f"cannot roll back {n} tokens; {self.rollback_depth} can be undone")
         if n == 0:
             return
+        self._ahead = None  # (counted in the depth: undone with the rest)
         self._depth -= n
         if self._terminated:  # EOS is always the last token accepted, and never reached llguidance
             self._terminated = False
@@ -360,9 +410,28 @@ class LLGuidanceMatcher:
             raise GrammarError(f"llguidance could not roll back {n} tokens: {self._m.get_error()}")
 
     def reset(self) -> None:
+        self._ahead = None
         self._m.reset()
         self._terminated = False
         self._depth = 0
+
+
+def accept_batch(pairs: list[tuple[LLGuidanceMatcher, int]], executor: Any) -> None:
+    """Take each (matcher, token) in llguidance's threads at once, for the matcher's next
+    `accept_token(token)` to return at once. EOS and matchers already done are left to it."""
+    todo = [
+        (m, int(t))
+        for m, t in pairs
+        if not m._terminated and m._ahead is None and int(t) not in m._eos
+        and 0 <= int(t) < m.grammar.vocab_size
+    ]  # fmt: skip
+    if not todo:
+        return
+    taken = executor.consume_token_par([(m._m, t) for m, t in todo])
+    for (m, t), ok in zip(todo, taken):
+        if ok:  # (a refused token leaves the matcher failed: accept_token then refuses it too)
+            m._ahead = t
+            m._depth += 1
 
 
 def fill_bitmasks(matchers: list[tuple[Any, int]], bitmask: torch.Tensor, executor: Any) -> None:
@@ -375,11 +444,15 @@ def fill_bitmasks(matchers: list[tuple[Any, int]], bitmask: torch.Tensor, execut
     if live:
         batch, words = bitmask.shape
         executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), words * 4, batch)
+        for m, row in live:
+            if m.is_error():  # as in LLGuidanceMatcher.next_token_mask: nothing, not EOS
+                bitmask[row].zero_()
 
 
 class _ByteTokenizer:
     """A TokenVocabulary as llguidance's TokenizerWrapper reads a tokenizer: each token's bytes
-    (b"" for one never allowed, which llguidance treats as special) and a greedy encoder."""
+    (b"" for one never allowed, which llguidance treats as special) and an encoder into the
+    fewest tokens (greedy longest-first can miss a spelling: "abc" over {"ab", "a", "bc"})."""
 
     bos_token_id = None
 
@@ -387,21 +460,61 @@ class _ByteTokenizer:
         self.eos_token_id = vocab.eos_token_ids[0]
         self.tokens = [b or b"" for b in vocab.token_bytes]
         self.special_token_ids = [i for i, b in enumerate(self.tokens) if not b]
-        self._ids = {b: i for i, b in enumerate(self.tokens) if b}
+        self._ids: dict[bytes, int] = {}
+        for i, b in enumerate(self.tokens):
+            if b:
+                self._ids.setdefault(b, i)
         self._longest = max((len(b) for b in self._ids), default=1)
 
     def __call__(self, data: bytes) -> list[int]:
-        out, at = [], 0
+        out: list[int] = []
+        at = 0
         while at < len(data):
-            for n in range(min(self._longest, len(data) - at), 0, -1):
-                token = self._ids.get(data[at : at + n])
-                if token is not None:
-                    out.append(token)
-                    at += n
-                    break
-            else:
-                at += 1  # a byte no token spells: skipped
+            end, tokens = self._spell(data, at)
+            out += tokens
+            at = end + 1  # data[end] is a byte no token spells (there): skipped
         return out
+
+    def _spell(self, data: bytes, start: int) -> tuple[int, list[int]]:
+        """The fewest tokens spelling the longest spellable stretch from `start`: (its end,
+        tokens)."""
+        # best[i]: (tokens, token id, where it starts) of the best spelling of data[start:i]
+        best: dict[int, tuple[int, int, int]] = {start: (0, -1, -1)}
+        for i in range(start, len(data)):
+            if i not in best:
+                continue
+            for n in range(1, min(self._longest, len(data) - i) + 1):
+                token = self._ids.get(data[i : i + n])
+                if token is not None and best.get(i + n, (1 << 62,))[0] > best[i][0] + 1:
+                    best[i + n] = (best[i][0] + 1, token, i)
+        end = max(best)
+        tokens, at = [], end
+        while at != start:
+            _, token, at = best[at]
+            tokens.append(token)
+        return end, tokens[::-1]
+
+
+_WIDE_ESCAPE = re.compile(r"\\\\|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})")
+
+
+def _plain_escapes(ebnf: str) -> str:
+    """`\\uXXXX` and `\\UXXXXXXXX` escapes in EBNF text as llguidance's converter reads them:
+    it drops their leading zeros (`\\u00e9` became `\\ue9`, which its regexes refuse), so they
+    are written as the character itself, or as `\\xHH` below 0x80 (where it may be special)."""
+
+    def plain(m: re.Match[str]) -> str:
+        digits = m.group(1) or m.group(2)
+        if digits is None:  # an escaped backslash: kept, with what follows it
+            return m.group(0)
+        code = int(digits, 16)
+        if code < 0x80:
+            return f"\\x{code:02x}"
+        if 0xD800 <= code < 0xE000 or code > 0x10FFFF:
+            return m.group(0)  # not a character: left for the converter to refuse
+        return chr(code)
+
+    return _WIDE_ESCAPE.sub(plain, ebnf)
 
 
 def _lark_string(text: str) -> str:
@@ -409,10 +522,90 @@ def _lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _refusal(kind: str, error: str) -> str:
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[.*?\])")
+_LARK_CONTEXT = re.compile(r"\n\s*\d+ \|.*", re.DOTALL)  # the Lark text we made: not the user's
+
+
+def _refusal(kind: str, error: str, spec: str) -> str:
+    """llguidance's error as a message saying what to change in what the user wrote."""
+    error = _LARK_CONTEXT.sub("", re.sub(r"^at \d+\(\d+\): ", "", error.strip()))
+    error = error.replace("<non-verbose/>", "").strip()
+    if kind == "regex" and "regex parse error:" in error:
+        return "invalid regex: " + error.split("regex parse error:", 1)[1].strip()
     what = {"json_schema": "JSON schema", "ebnf": "EBNF grammar"}.get(kind, kind)
-    error = error.strip()
+    if error.startswith("NoExtensionBias"):
+        return f"the {what} allows no text this model's vocabulary can write"
+    if kind == "json_schema":
+        unsupported = _located(error, spec)
+        if unsupported:
+            return (
+                f"the JSON schema cannot be enforced exactly: {'; '.join(unsupported)}; remove "
+                "or rewrite it, or set json_schema_lenient to generate without it and have the "
+                "output validated"
+            )
+    if "too many" in error or "limit" in error:
+        error += "; simplify it (smaller repetition counts, fewer alternatives)"
     return f"the {what} cannot be enforced exactly: {error}"
 
 
-__all__ = ["LLGuidanceBackend", "LLGuidanceGrammar", "LLGuidanceMatcher", "fill_bitmasks"]
+def _located_notes(warnings: list[str], spec: str) -> tuple[str, ...]:
+    """Lenient mode's warnings (what was not enforced) as the DFA backend's notes: one per
+    keyword and place (llguidance counts repeats: `Unimplemented keys: ["not"] (2 times)`)."""
+    notes: list[str] = []
+    for warning in warnings:
+        for note in _located(warning, spec, every=True) or [warning]:
+            if note not in notes:
+                notes.append(note)
+    return tuple(notes)
+
+
+def _located(error: str, spec: str, every: bool = False) -> list[str]:
+    """`unsupported keyword 'K' at PATH` for each keyword llguidance names in `error` (its
+    "Unimplemented keys: [...]" or "Unknown format: F"): at the first place in the schema that
+    has it, or (`every`) at each; [] if it names none."""
+    found = _UNIMPLEMENTED.search(error)
+    fmt = _UNKNOWN_FORMAT.search(error)
+    if found is None and fmt is None:
+        return []
+    try:
+        schema = json.loads(spec)
+    except ValueError:
+        schema = None
+    named: list[tuple[str, Any, str]] = []  # (keyword, its value or None, what to add)
+    if found is not None:
+        try:
+            keys = [str(k) for k in json.loads(found.group(1))]
+        except ValueError:
+            keys = re.findall(r'"([^"]*)"', found.group(1))
+        named += [(key, None, "") for key in keys]
+    if fmt is not None:
+        name = fmt.group(1).strip("\"'")
+        named.append(("format", name, f": unknown format '{name}'"))
+    out = []
+    for key, value, why in named:
+        places = keyword_locations(schema, key, value) or ["#"]
+        out += [
+            f"unsupported keyword '{key}' at {where}{why}"
+            for where in places[: None if every else 1]
+        ]
+    return out
+
+
+def keyword_locations(schema: Any, keyword: str, value: Any = None) -> list[str]:
+    """The JSON pointers of the (sub)schemas of `schema` that have `keyword` (with `value`, if
+    given), in the order they are written: where to point a user at a keyword llguidance
+    names without a place."""
+    return [
+        where
+        for where, node in iter_subschemas(schema)
+        if keyword in node and (value is None or node[keyword] == value)
+    ]
+
+
+__all__ = [
+    "LLGuidanceBackend",
+    "LLGuidanceGrammar",
+    "LLGuidanceMatcher",
+    "fill_bitmasks",
+    "keyword_locations",
+]

@@ -332,6 +332,8 @@ class EngineCore:
 
     def _apply_results(self, plan, results) -> None:
         tokens, extras = results.tokens, results.extras
+        if self._num_sampled_on_host:
+            self._advance_grammars(plan, tokens)
         apply = self._apply_contained
         if extras:
             for i, req in enumerate(plan.decodes):
@@ -351,6 +353,27 @@ class EngineCore:
             if item.samples and req.num_pending:
                 req.num_pending -= 1
             apply(req, tokens[i], extras.get(i) if extras else None)
+
+    @staticmethod
+    def _advance_grammars(plan, tokens: list[int | None]) -> None:
+        """The step's grammars take their tokens together (in the grammar backend's threads,
+        where it has them), before each request's token is applied in turn."""
+        matchers, taken = [], []
+        sampled = [*plan.decodes, *(it.req if it.samples else None for it in plan.items)]
+        for req, token in zip(sampled, tokens):
+            if (
+                req is not None
+                and req.grammar is not None
+                and token is not None
+                and not req.num_discard
+                and not req.is_finished
+            ):
+                matchers.append(req.grammar)
+                taken.append(token)
+        if matchers:
+            from radixlm.constrained import accept_next_tokens
+
+            accept_next_tokens(matchers, taken)
 
     def _apply_contained(self, req: Req, token: int, extra) -> None:
         try:
