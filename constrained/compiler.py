@@ -82,7 +82,7 @@ class GrammarCompiler:
         eos_token_ids: Iterable[int] | None = None,
         cache_size: int = 128,
         mask_cache_bytes: int = 256 << 20,
-        max_workers: int = 2,
+        max_workers: int | None = None,
         max_states: int = DEFAULT_MAX_STATES,
         backend: str = "llguidance",
         numbers: NumberLimits | None = None,
@@ -121,7 +121,8 @@ class GrammarCompiler:
         self._inflight: dict[_Key, tuple[Future, Deadline]] = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        self._max_workers = max_workers
+        # compiles hold no GIL in llguidance: a thread for every other core (2 at the least)
+        self._max_workers = max_workers or max(2, min(8, (os.cpu_count() or 2) // 2))
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._builders = DfaBuilders()
@@ -241,7 +242,7 @@ class GrammarCompiler:
     def _too_slow(self, kind: str) -> GrammarError:
         return _CompileStopped(
             f"compiling the {kind} took longer than {self.compile_timeout:g} s; "
-            + _what_to_simplify(kind)
+            + _what_to_simplify(kind, self.backend)
         )
 
     # -- internals -----------------------------------------------------------------------------
@@ -273,12 +274,12 @@ class GrammarCompiler:
 
     def _store(self, key: _Key, fut: Future) -> None:
         exc = fut.exception()
-        value: CompiledGrammar | GrammarError = fut.result() if exc is None else exc  # type: ignore[assignment]
+        value = fut.result() if exc is None else exc
         with self._lock:
             if self._inflight.get(key, (None,))[0] is fut:
                 del self._inflight[key]
-            if isinstance(value, _CompileStopped) or not isinstance(
-                value, (CompiledGrammar, GrammarError)
+            if isinstance(exc, _CompileStopped) or (
+                exc is not None and not isinstance(exc, GrammarError)
             ):
                 return  # stopped builds and unexpected failures are not cached
             if isinstance(value, GrammarError):
@@ -322,7 +323,9 @@ class GrammarCompiler:
             except ValueError as e:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
             if isinstance(schema, dict):
-                schema = bound_numbers(schema, self.numbers)
+                # (this backend refuses a fractional multipleOf: fraction digits stay free here)
+                numbers = dataclasses.replace(self.numbers, fraction_digits=-1)
+                schema = bound_numbers(schema, numbers)
             regex, notes = json_schema_regex(schema, options)
             return regex, tuple(notes)
         if kind == "choice":
@@ -388,7 +391,9 @@ class GrammarCompiler:
         return f"{what} needs {limit}; {_what_to_simplify(kind)}"
 
 
-def _what_to_simplify(kind: str) -> str:
+def _what_to_simplify(kind: str, backend: str = "outlines") -> str:
+    if kind == "regex" and backend == "llguidance":
+        return "bound its repetitions by smaller counts (a{100000} is slow to compile)"
     if kind == "regex":
         return (
             "bound its repetitions (each count of a repetition after an open-ended one, "
