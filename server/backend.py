@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any, Protocol
 
+from radixlm.errors import GrammarRefused
 from radixlm.runtime.prompt_tokens import encode_prompt
 from radixlm.server.errors import unavailable
 
@@ -42,7 +43,8 @@ class GenerationBackend(Protocol):
     """The engine as the server sees it.
 
     `stream` validates its arguments when awaited (raising ValueError for bad input, before any
-    work is queued) and returns an async iterator of cumulative snapshots
+    work is queued; `GrammarRefused`, a ValueError, for a grammar the engine refuses or could not
+    compile in time) and returns an async iterator of cumulative snapshots
     `{"text", "output_ids", "meta_info"}`; the request starts when the iterator is first advanced
     and is aborted if the iterator is closed before its last snapshot.
     """
@@ -181,14 +183,22 @@ class LocalEngineBackend(TokenizerSide):
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        return await self._engine.async_generate(
-            input_ids=input_ids,
-            sampling_params=sampling_params,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            stream=True,
-        )
+        try:
+            return await self._engine.async_generate(
+                input_ids=input_ids,
+                sampling_params=sampling_params,
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                stream=True,
+            )
+        except ValueError as e:
+            # (imported here: the grammar code brings torch, loaded already with the engine)
+            from radixlm.constrained.errors import GrammarError
+
+            if isinstance(e, GrammarError):
+                raise GrammarRefused(str(e)) from e
+            raise
 
     async def flush_cache(self) -> bool:
         # the engine answers between two steps of its core thread: wait off the event loop

@@ -61,6 +61,7 @@ from radixlm.server.ipc import (
     Update,
     error_kind,
     exception_for,
+    is_callers_fault,
     read_frame,
     read_frame_blocking,
 )
@@ -509,7 +510,7 @@ class _EngineServer:
             self._send(Rejected(rid, UNAVAILABLE, str(e)))
         except Exception as e:
             kind, text = _failure(e, REQUEST_INVALID)
-            if kind != INVALID:
+            if not is_callers_fault(kind):
                 logger.exception("engine process: request %d failed validation", rid)
             self._send(Rejected(rid, kind, text))
         else:
@@ -553,7 +554,7 @@ class _EngineServer:
             self._send(CallResult(message.cid, await method(*args)))
         except Exception as e:
             kind, text = _failure(e)
-            if kind != INVALID:
+            if not is_callers_fault(kind):
                 logger.exception("engine process: %s failed", message.method)
             self._send(CallResult(message.cid, error=text, error_kind=kind))
 
@@ -562,4 +563,4 @@ def _failure(exc: Exception, invalid: tuple[type[BaseException], ...] = (ValueEr
     """(error_kind, message) of a failure in the engine process: bad input (`invalid`) in its own
     words, anything else with the exception's type."""
     kind = error_kind(exc, invalid)
-    return kind, str(exc) if kind == INVALID else f"{type(exc).__name__}: {exc}"
+    return kind, str(exc) if is_callers_fault(kind) else f"{type(exc).__name__}: {exc}"

@@ -12,13 +12,14 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
 
-from radixlm.errors import EngineShutDown
+from radixlm.errors import EngineShutDown, GrammarRefused
 from radixlm.server.errors import (
     APIError,
     ClientDisconnected,
@@ -148,15 +149,26 @@ async def start(
     items: list[GenerationInput],
     usage: RequestUsage | None,
     arrived: float,
+    *,
+    isolate_refusals: bool = False,
 ) -> list[AsyncIterator[dict[str, Any]]]:
     """Validate every item with the engine, then hand back their (not yet started) streams,
     observed by the metrics: latencies from `arrived` (see `arrival`), token counts, outcomes.
 
     Nothing is queued until a stream is first advanced, so a bad item fails the whole request
-    before any work is done."""
-    streams = await open_streams(state, items)
+    before any work is done. With `isolate_refusals` (the items of a list of prompts, as the
+    engine's own list API treats them) an item whose grammar the engine refuses is no 400: its
+    stream ends at once, aborted with the reason, and the other items run."""
+    streams = await open_streams(state, items, isolate_refusals=isolate_refusals)
     request = _RequestOutcome()
-    return [_observed(state, s, usage, arrived, request) for s in streams]
+    observed: list[AsyncIterator[dict[str, Any]]] = []
+    for stream in streams:
+        if isinstance(stream, RefusedStream):
+            stream.meta_info["e2e_latency"] = state.metrics.timer(arrived).refuse()
+            observed.append(stream)
+        else:
+            observed.append(_observed(state, stream, usage, arrived, request))
+    return observed
 
 
 @dataclass
@@ -167,21 +179,25 @@ class _RequestOutcome:
 
 
 async def open_streams(
-    state: ServerState, items: list[GenerationInput]
+    state: ServerState, items: list[GenerationInput], *, isolate_refusals: bool = False
 ) -> list[AsyncIterator[dict[str, Any]]]:
     """`start` without the metrics: for the health probe, which is not user traffic."""
-    streams = []
+    streams: list[AsyncIterator[dict[str, Any]]] = []
     try:
         for item in items:
-            streams.append(
-                await state.backend.stream(
+            try:
+                stream = await state.backend.stream(
                     item.input_ids,
                     item.params,
                     return_logprob=item.return_logprob,
                     logprob_start_len=item.logprob_start_len,
                     top_logprobs_num=item.top_logprobs_num,
                 )
-            )
+            except GrammarRefused as e:
+                if not isolate_refusals:
+                    raise
+                stream = RefusedStream(len(item.input_ids), str(e))
+            streams.append(stream)
     except BaseException as e:  # (cancelled, or refused): the streams opened so far are closed
         await _close_all(streams)
         if isinstance(e, (ValueError, TypeError)):
@@ -190,6 +206,35 @@ async def open_streams(
             raise unavailable(str(e)) from e
         raise
     return streams
+
+
+class RefusedStream:
+    """The stream of an item whose grammar the engine refused (the others of its list run): one
+    final snapshot, aborted with the reason, in the shape the engine gives such an item of a list
+    (less its `error`, which marks a failure of the engine's own)."""
+
+    def __init__(self, prompt_tokens: int, message: str) -> None:
+        self.meta_info: dict[str, Any] = {
+            "id": f"refused-{uuid.uuid4().hex[:12]}",
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "finish_reason": {"type": "abort", "message": message},
+            "e2e_latency": 0.0,
+        }
+        self._done = False
+
+    def __aiter__(self) -> RefusedStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._done:
+            raise StopAsyncIteration
+        self._done = True
+        return {"text": "", "output_ids": [], "meta_info": dict(self.meta_info)}
+
+    async def aclose(self) -> None:
+        self._done = True
 
 
 async def _observed(

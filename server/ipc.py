@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from radixlm.errors import EngineShutDown
+from radixlm.errors import EngineShutDown, GrammarRefused
 
 # ---- server -> engine ----------------------------------------------------------------------
 
@@ -79,7 +79,9 @@ class Accepted(msgspec.Struct, tag=True, array_like=True):
 
 class Rejected(msgspec.Struct, tag=True, array_like=True):
     rid: int
-    kind: str  # an error_kind: "invalid" (the client's fault), "unavailable" (shut down), "error"
+    # an error_kind: "invalid" (the client's fault), "grammar" (its grammar refused, the client's
+    # fault too), "unavailable" (shut down), "error"
+    kind: str
     message: str
 
 
@@ -119,6 +121,7 @@ ToServer = Ready | StartupFailed | Accepted | Rejected | Update | Failed | CallR
 # An engine-side failure crosses the channel as a kind and a message; the server raises it again
 # as the in-process engine would have raised it, so both backends fail alike.
 INVALID = "invalid"  # the caller's fault: a 400
+GRAMMAR = "grammar"  # the caller's grammar refused: a 400, or in a list of prompts its item aborted
 UNAVAILABLE = "unavailable"  # the engine is shut down: a 503
 ERROR = "error"  # anything else: the engine's fault
 
@@ -129,15 +132,26 @@ REQUEST_INVALID: tuple[type[BaseException], ...] = (ValueError, TypeError)
 
 
 def error_kind(exc: BaseException, invalid: tuple[type[BaseException], ...] = (ValueError,)) -> str:
-    """INVALID for what the engine raises on bad input (`invalid`), ERROR for anything else."""
+    """GRAMMAR for a refused grammar, INVALID for what the engine raises on other bad input
+    (`invalid`), ERROR for anything else."""
+    if isinstance(exc, GrammarRefused):
+        return GRAMMAR
     return INVALID if isinstance(exc, invalid) else ERROR
 
 
+def is_callers_fault(kind: str) -> bool:
+    """Whether a failure of this kind is bad input (answered in its own words, not logged)."""
+    return kind in (INVALID, GRAMMAR)
+
+
 def exception_for(kind: str, message: str, failed: Callable[[str], Exception]) -> Exception:
-    """The server-side exception for a failure that crossed as `kind`: ValueError (INVALID) or
-    EngineShutDown (UNAVAILABLE), as the in-process engine raises them, else `failed(message)`."""
+    """The server-side exception for a failure that crossed as `kind`: ValueError (INVALID),
+    GrammarRefused (GRAMMAR) or EngineShutDown (UNAVAILABLE), as the in-process backend raises
+    them, else `failed(message)`."""
     if kind == INVALID:
         return ValueError(message)
+    if kind == GRAMMAR:
+        return GrammarRefused(message)
     if kind == UNAVAILABLE:
         return EngineShutDown(message)
     return failed(message)

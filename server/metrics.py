@@ -152,6 +152,14 @@ class GenerationTimer:
         """Aborted because another generation of its request failed."""
         self.metrics.finished["abort"] += 1
 
+    def refuse(self) -> float:
+        """Refused before it ran (its grammar, in a list of prompts whose others run): counted as
+        a refused single request is, the client's error, and finished as an abort with no
+        latencies or tokens. The time from arrival to the refusal, in seconds."""
+        self.metrics.finished["abort"] += 1
+        self.metrics.count_error("invalid_request_error")
+        return time.perf_counter() - self.start
+
     def fail(self) -> None:
         """The generation failed before it finished (the error itself is counted by its kind
         where the request is answered)."""

@@ -1,6 +1,9 @@
 """The native API, compatible with SGLang's server and its frontend client (`RuntimeEndpoint`).
 
-POST /generate          text or input_ids, single or batch; sampling_params; stream (SSE)
+POST /generate          text or input_ids, single or batch; sampling_params; stream (SSE).
+                        In a batch (a list of prompts) an item whose grammar is refused ends
+                        alone, finish_reason {"type": "abort", "message"}; a single request with
+                        one is a 400
 GET  /model_info        (and /get_model_info)
 GET  /server_info       (and /get_server_info); 503 if the engine does not answer in time
 GET  /health            liveness (503 once the engine process is gone), no engine work, no API key
@@ -154,6 +157,7 @@ class NativeRequest:
     items: list[GenerationInput]  # after fan-out: prompt-major, n per prompt
     samplings: list[NativeSampling]  # one per item
     single: bool  # one prompt and n = 1: a dict back, not a list
+    listed: bool  # the prompts came as a list: a refused grammar aborts its item, not the request
     stream: bool
     return_text_in_logprobs: bool
 
@@ -208,6 +212,7 @@ def parse_generate(state: ServerState, payload: Any) -> NativeRequest:
         items=items,
         samplings=samplings,
         single=single and n_total == 1,
+        listed=not single,
         stream=bool(stream),
         return_text_in_logprobs=bool(text_in_lp),
     )
@@ -307,7 +312,9 @@ async def generate(request: Request) -> Response:
     payload = await read_json(request)
     # tokenizing (long prompts take a while) off the event loop, which serves every stream
     req = await asyncio.to_thread(parse_generate, state, payload)
-    streams = await start(state, req.items, _usage(request), arrival(request))
+    streams = await start(
+        state, req.items, _usage(request), arrival(request), isolate_refusals=req.listed
+    )
     if req.stream:
         from fastapi.responses import StreamingResponse
 

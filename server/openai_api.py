@@ -365,6 +365,9 @@ async def completions(request: Request) -> Response:
         )
         items.extend(fan_out(item, n))
     usage_log = getattr(request.state, "usage", None)
+    # one grammar (json_schema, regex, response_format) for every prompt of the list: refused, it
+    # would abort every choice, so it stays the request's 400 (the native /generate batch, with a
+    # grammar per prompt, aborts only the refused items)
     streams = await start(state, items, usage_log, arrival(request))
     if req.no_stop_trim:
         streams = _keep_stop_strings(streams)

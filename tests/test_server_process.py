@@ -243,6 +243,26 @@ def test_bad_input_is_a_400_from_the_engine_process(server, sampling_params, nee
     assert httpx.get(server.url + "/health_generate", timeout=30).status_code == 200
 
 
+def test_a_refused_grammar_in_a_batch_aborts_only_its_item_across_the_process(server):
+    refused = json.dumps({"type": "object", "properties": {"a": {"not": {"type": "string"}}}})
+    body = {
+        "text": ["Hi", "Hi"],
+        "sampling_params": [
+            {"max_new_tokens": 4, **GREEDY},
+            {"max_new_tokens": 4, "json_schema": refused},
+        ],
+    }
+    r = httpx.post(server.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    ran, aborted = r.json()
+    assert ran["meta_info"]["completion_tokens"] == 4
+    reason = aborted["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "not" in reason["message"], reason
+    single = {"text": "Hi", "sampling_params": body["sampling_params"][1]}
+    r = httpx.post(server.url + "/generate", json=single, timeout=60)
+    assert r.status_code == 400 and "not" in r.json()["error"]["message"], r.text
+
+
 def test_a_closed_stream_aborts_and_frees_its_kv(server):
     wait_idle(server.stats, 15.0)
     body = {"text": "Count to a million:", "sampling_params": LONG, "stream": True}
