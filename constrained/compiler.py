@@ -58,13 +58,15 @@ class GrammarCompiler:
     tokenizer: a Hugging Face tokenizer (or a TokenVocabulary). vocab_size: the logits width,
     which may exceed the tokenizer (extra ids are never allowed). whitespace: "compact" or
     "flexible" JSON (or a regex for the whitespace between JSON tokens). compile_timeout: seconds
-    from asking for a grammar to its compile failing with GrammarError; the build stops then too
-    (in its queue or its helper process, see dfa_process.py), so its worker is free for the next
-    one. max_states: the most states a grammar's byte DFA may have; a larger one is refused with
-    GrammarError (and cached as refused). lenient: the default of `compile`'s own `lenient` (JSON
-    schemas skip the keywords we cannot enforce instead of being refused; outputs must then be
-    checked, see `CompiledGrammar.validate_output`). ebnf_recursion_depth: recursive EBNF rules
-    are unrolled this many levels (0: such grammars are refused).
+    from asking for a grammar to its compile failing with GrammarError; the "outlines" build stops
+    then too (in its queue or its helper process, see dfa_process.py), so its worker is free for
+    the next one; an llguidance build cannot be stopped once it runs (it finishes in its worker,
+    and is cached). max_states ("outlines"): the most states a grammar's byte DFA may have; a
+    larger one is refused with GrammarError (and cached as refused). lenient: the default of
+    `compile`'s own `lenient` (JSON schemas skip the keywords we cannot enforce instead of being
+    refused; outputs must then be checked, see `CompiledGrammar.validate_output`).
+    ebnf_recursion_depth ("outlines"; llguidance parses recursion as written): recursive EBNF
+    rules are unrolled this many levels (0: such grammars are refused).
     """
 
     def __init__(

@@ -7,13 +7,15 @@ that the output is usable, never narrower than the schema's own bounds.
   small model otherwise writes `"population":1000000000...` until max_new_tokens runs out.
 - Objects that list `properties` and say nothing of other keys get `additionalProperties: false`
   unless unlisted properties are allowed (a model fills an open object with made-up keys).
+- For llguidance, which reads bounds as doubles, a bound past 64 bits is brought to the widest
+  it reads (`fit_bounds`): the one rewrite narrower than the schema, and only there.
 
 The finished output is still validated against the schema as the user wrote it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +70,29 @@ def map_subschemas(
     return fn(out, where)
 
 
+def iter_subschemas(schema: Any, pointer: str = "#") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every (sub)schema object of `schema` with its JSON pointer ("#", "#/properties/a", ...),
+    parents first and in the order the schema is written; values of `enum`, `const`,
+    `default` and the like are data, not schemas, and are not entered."""
+    if not isinstance(schema, dict):
+        return
+    yield pointer, schema
+    for key, value in schema.items():
+        where = f"{pointer}/{_pointer_token(key)}"
+        if key in _ONE and isinstance(value, dict):
+            yield from iter_subschemas(value, where)
+        elif key in _LIST and isinstance(value, list):
+            for i, sub in enumerate(value):
+                yield from iter_subschemas(sub, f"{where}/{i}")
+        elif key in (*_MAP, "dependencies") and isinstance(value, dict):
+            for name, sub in value.items():
+                yield from iter_subschemas(sub, f"{where}/{_pointer_token(name)}")
+
+
+def _pointer_token(key: str) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
+
+
 def bound_numbers(schema: Any, limits: NumberLimits) -> Any:
     """`schema` with the limits put on each integer or number schema that lacks its own."""
 
@@ -94,6 +119,42 @@ def _add_bounds(node: dict[str, Any], bound: int) -> None:
         node["maximum"] = bound
 
 
+def fit_bounds(schema: Any, integer_limit: int, number_limit: int) -> Any:
+    """`schema` with each bound past +-`integer_limit` (integers) or +-`number_limit` (other
+    numbers) brought to that limit: for a compiler that reads bounds as 64-bit numbers
+    (llguidance refuses a minimum of -10**19 and narrows a maximum of 10**20 to 2**63-1 itself).
+    The one place a rewrite may be narrower than the schema, and only past 64 bits."""
+
+    def fit(node: dict[str, Any], _where: str) -> dict[str, Any]:
+        types = node.get("type")
+        types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+        if "number" in types:
+            _fit(node, number_limit)
+        elif "integer" in types:
+            _fit(node, integer_limit)
+        return node
+
+    return map_subschemas(schema, fit)
+
+
+def _fit(node: dict[str, Any], limit: int) -> None:
+    for inclusive, exclusive, sign in (
+        ("minimum", "exclusiveMinimum", -1),
+        ("maximum", "exclusiveMaximum", 1),
+    ):
+        past = [
+            k for k in (inclusive, exclusive) if _is_number(node.get(k)) and node[k] * sign > limit
+        ]
+        for key in past:
+            del node[key]
+        if past and inclusive not in node and exclusive not in node:
+            node[inclusive] = sign * limit
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def close_objects(schema: Any) -> Any:
     """`additionalProperties: false` on every object schema that lists `properties` and says
     nothing of other keys. Not where other schemas combine with it (a branch of `allOf`, a node
@@ -112,4 +173,11 @@ def close_objects(schema: Any) -> Any:
     return map_subschemas(schema, close)
 
 
-__all__ = ["NumberLimits", "bound_numbers", "close_objects", "map_subschemas"]
+__all__ = [
+    "NumberLimits",
+    "bound_numbers",
+    "close_objects",
+    "fit_bounds",
+    "iter_subschemas",
+    "map_subschemas",
+]

@@ -286,9 +286,21 @@ def test_jump_forward_after_a_long_free_run_never_rolls_back_past_the_grammars_m
 
 
 def test_a_grammar_no_token_can_continue_fails_with_that_reason(engine):
-    """U+10FFFF is a valid regex character no tokenizer produces: every token is masked at once,
-    and the request says so (it said "internal error: the grammar refused the sampled token 0")."""
-    out = engine.generate("Hi", {"max_new_tokens": 3, "regex": "\U0010ffff+"})
+    """After "Hi" the grammar wants a character of an empty class: every token is masked, and
+    the request says so (it said "internal error: the grammar refused the sampled token 0"; with
+    llguidance, which then allows only EOS, it would have ended as if "Hi" were complete)."""
+    params = {"max_new_tokens": 4, "ebnf": 'root ::= "Hi" [^\\x00-\\U0010FFFF]'}
+    out = engine.generate("Hi", params)
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "cannot go on" in reason["message"], reason
     assert engine.generate("Hi", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
+
+
+def test_a_character_the_dfa_backend_never_generates_fails_with_that_reason(tiny_model_folder):
+    """U+10FFFF ends every match in the DFA backend's automaton, so it is never generated:
+    every token is masked at once. (llguidance writes it like any other character.)"""
+    with radixlm.Engine(tiny_model_folder, grammar_backend="outlines") as eng:
+        out = eng.generate("Hi", {"max_new_tokens": 3, "regex": "\U0010ffff+"})
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "cannot go on" in reason["message"], reason
+        assert eng.generate("Hi", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1

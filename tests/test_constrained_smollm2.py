@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from radixlm.constrained import (
+    GRAMMAR_BACKENDS,
     GrammarCompiler,
     GrammarError,
     allocate_token_bitmask,
@@ -31,21 +32,30 @@ def tokenizer():
         pytest.skip(str(e))
 
 
+@pytest.fixture(scope="module", params=GRAMMAR_BACKENDS)
+def compiler(request, tokenizer) -> GrammarCompiler:
+    """Each backend in turn (what a user sees holds on both); logits wider than the tokenizer."""
+    return GrammarCompiler(
+        tokenizer, vocab_size=49152 + 64, compile_timeout=60, backend=request.param
+    )
+
+
 @pytest.fixture(scope="module")
-def compiler(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, vocab_size=49152 + 64, compile_timeout=60)
+def outlines(tokenizer) -> GrammarCompiler:
+    """The DFA backend alone: for its automaton's own checks."""
+    return GrammarCompiler(tokenizer, vocab_size=49152 + 64, compile_timeout=60, backend="outlines")
 
 
 _STRUCTURAL = np.frombuffer(b'{}[],:"@.', dtype=np.uint8)
 
 
-def random_walk(grammar, rng: random.Random, max_tokens: int = 400) -> str | None:
-    """Sample allowed tokens until EOS; the text, or None if the walk ran too long.
+def random_walk(grammar, vocab, rng: random.Random, max_tokens: int = 400) -> str | None:
+    """Sample allowed tokens until EOS; the text, or None if the walk ran too long. `vocab`: the
+    compiler's TokenVocabulary (token bytes, first bytes).
 
     Picks a first byte uniformly among those allowed (structural ones more often), then a
     short token starting with it, so that strings close and walks end.
     """
-    vocab = grammar.vocab
     first = vocab.first_byte
     lengths = np.array([len(b) if b else 0 for b in vocab.token_bytes])
     matcher = grammar.matcher()
@@ -74,9 +84,9 @@ def random_walk(grammar, rng: random.Random, max_tokens: int = 400) -> str | Non
     return None
 
 
-def walks(grammar, n: int, seed: int = 0) -> list[str]:
+def walks(grammar, vocab, n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    texts = [random_walk(grammar, rng) for _ in range(n)]
+    texts = [random_walk(grammar, vocab, rng) for _ in range(n)]
     done = [t for t in texts if t is not None]
     assert len(done) >= n // 2, "random walks should mostly terminate"
     return done
@@ -96,7 +106,7 @@ REGEXES = {
 @pytest.mark.parametrize("name", sorted(REGEXES))
 def test_random_walks_full_match_the_regex(compiler, name):
     grammar = compiler.compile("regex", REGEXES[name])
-    for text in walks(grammar, 12):
+    for text in walks(grammar, compiler.vocab, 12):
         assert re.fullmatch(REGEXES[name], text), (name, text)
 
 
@@ -143,11 +153,12 @@ def _oracle_allowed(index, state: int, skip: set[int]) -> set[int]:
         ),
     ],
 )
-def test_lazy_masks_equal_outlines_cores_precomputed_index(compiler, kind, spec):
+def test_lazy_masks_equal_outlines_cores_precomputed_index(outlines, kind, spec):
     """The plain twin: outlines-core's Index over the whole vocabulary, built up front for every
     state, must allow exactly the tokens our lazily built masks allow, state by state."""
     from outlines_core import Guide, Index
 
+    compiler = outlines
     grammar = compiler.compile(kind, spec)
     index = Index(grammar.regex, compiler.vocab.outlines_vocabulary())
     skip = {*compiler.vocab.eos_token_ids, compiler.vocab.sentinel_id}
@@ -188,12 +199,27 @@ def _nested_list_depth(text: str) -> int:
 
 
 def test_recursive_ebnf_walks_stay_in_the_grammar(tokenizer):
-    compiler = GrammarCompiler(tokenizer, compile_timeout=60, ebnf_recursion_depth=3)
+    compiler = GrammarCompiler(
+        tokenizer, compile_timeout=60, ebnf_recursion_depth=3, backend="outlines"
+    )
     grammar = compiler.compile("ebnf", NESTED_LISTS)
-    depths = [_nested_list_depth(t) for t in walks(grammar, 16, seed=3)]
+    depths = [_nested_list_depth(t) for t in walks(grammar, compiler.vocab, 16, seed=3)]
     assert max(depths) <= 4 and max(depths) >= 2  # root plus at most 3 nested levels
     assert grammar.matcher().accept_string("[1,[2,[3,[4]]]]")
     assert not grammar.matcher().accept_string("[1,[2,[3,[4,[")
+
+
+def test_recursive_ebnf_is_enforced_as_written_by_llguidance(tokenizer):
+    compiler = GrammarCompiler(tokenizer, compile_timeout=60)  # no recursion depth to set
+    grammar = compiler.compile("ebnf", NESTED_LISTS)
+    depths = [_nested_list_depth(t) for t in walks(grammar, compiler.vocab, 16, seed=3)]
+    assert max(depths) >= 2
+    deep = "[1," * 12 + "[]" + "]" * 12
+    m = grammar.matcher()
+    assert m.accept_string(deep) and m.is_accepting()
+    m = grammar.matcher()
+    assert m.accept_string("[1,[2,[3,[4,[") and not m.is_accepting()
+    assert not grammar.matcher().accept_string("[1,]")
 
 
 # -- JSON schemas -----------------------------------------------------------------------------
@@ -282,7 +308,7 @@ def test_random_walks_validate_against_the_schema(compiler, name):
     schema = SCHEMAS[name]
     grammar = compiler.compile("json_schema", json.dumps(schema))
     validator = schema_validator(schema)
-    for text in walks(grammar, 10):
+    for text in walks(grammar, compiler.vocab, 10):
         value = json.loads(text)
         errors = list(validator.iter_errors(value))
         assert not errors, (text, errors[0].message)
@@ -302,13 +328,14 @@ def test_pydantic_model(compiler):
 
     schema = Order.model_json_schema()
     grammar = compiler.compile("json_schema", json.dumps(schema))
-    for text in walks(grammar, 8):
+    for text in walks(grammar, compiler.vocab, 8):
         Order.model_validate_json(text)
         schema_validator(schema).validate(json.loads(text))
 
 
-def test_flexible_whitespace_accepts_pretty_printed_json(tokenizer):
-    flexible = GrammarCompiler(tokenizer, whitespace="flexible")
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
+def test_flexible_whitespace_accepts_pretty_printed_json(tokenizer, backend):
+    flexible = GrammarCompiler(tokenizer, whitespace="flexible", backend=backend)
     schema = SCHEMAS["nested"]
     value = {"name": "Bo", "address": {"city": "Oslo", "zip": "01234"}}
     grammar = flexible.compile("json_schema", json.dumps(schema))
@@ -318,7 +345,11 @@ def test_flexible_whitespace_accepts_pretty_printed_json(tokenizer):
         json.dumps(value, separators=(",", ":")),
     ]:
         assert accepts(grammar, tokenizer.encode(text, add_special_tokens=False)), text
-    for text in walks(grammar, 5):
+    # bounded (a model must not write whitespace until max_new_tokens): 20 in a row, not 21
+    for n, ok in [(20, True), (21, False)]:
+        text = "{" + " " * n + '"name":"Bo","address":{"city":"Oslo"}}'
+        assert accepts(grammar, tokenizer.encode(text, add_special_tokens=False)) is ok, n
+    for text in walks(grammar, flexible.vocab, 5):
         schema_validator(schema).validate(json.loads(text))
 
 
@@ -333,14 +364,22 @@ def test_jump_forward_gives_the_forced_keys(compiler):
 
 
 def test_refused_schemas_name_the_keyword(compiler):
-    cases = {
-        "uniqueItems": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
-        "if": {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
-        "multipleOf": {"type": "number", "multipleOf": 0.01},
-        "contains": {"type": "array", "contains": {"const": 1}},
-    }
-    for keyword, schema in cases.items():
-        with pytest.raises(GrammarError, match=f"unsupported keyword '{keyword}' at #"):
+    cases = [
+        ("uniqueItems", "#", {"type": "array", "items": {"type": "string"}, "uniqueItems": True}),
+        ("if", "#", {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}),
+        ("contains", "#", {"type": "array", "contains": {"const": 1}}),
+        (
+            "if",
+            "#/properties/a",
+            {"type": "object", "properties": {"a": {"if": {"type": "string"}, "then": {}}}},
+        ),
+    ]
+    if compiler.backend == "outlines":  # (llguidance enforces a fractional multipleOf)
+        cases.append(("multipleOf", "#", {"type": "number", "multipleOf": 0.01}))
+    for keyword, where, schema in cases:
+        with pytest.raises(
+            GrammarError, match=f"unsupported keyword '{keyword}' at {where}(?![/\\w])"
+        ):
             compiler.compile("json_schema", json.dumps(schema))
 
 
@@ -391,11 +430,16 @@ def accepts(grammar, token_ids: list[int]) -> bool:
 
 
 @pytest.mark.skipif(not (DATA / "schemas").exists(), reason="shared data not present")
-def test_soundness_sample(tokenizer):
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
+def test_soundness_sample(tokenizer, backend):
     # unlisted properties allowed, as the JSON Schema semantics say (some valid instances
     # carry keys the schema does not list)
     compiler = GrammarCompiler(
-        tokenizer, compile_timeout=60, allow_unlisted_properties=True, any_depth=1
+        tokenizer,
+        compile_timeout=60,
+        allow_unlisted_properties=True,
+        any_depth=1,
+        backend=backend,
     )
     false_accepts, false_rejects, refused = [], [], []
     for name in SOUNDNESS_SAMPLE:

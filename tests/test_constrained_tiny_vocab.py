@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from radixlm.constrained import (
+    GRAMMAR_BACKENDS,
     GrammarCompiler,
     GrammarError,
     TokenVocabulary,
@@ -46,6 +47,7 @@ TOKENS = [
     "-",
     '{"',
     '":',
+    "\\",
 ]
 EOS = 0
 VOCAB = {t: i for i, t in enumerate(TOKENS)}
@@ -69,10 +71,26 @@ def texts(token_ids: list[int]) -> set[str]:
     return {TOKENS[i] for i in token_ids}
 
 
-@pytest.fixture(scope="module")
-def compiler() -> GrammarCompiler:
+@pytest.fixture(scope="module", params=GRAMMAR_BACKENDS)
+def compiler(request) -> GrammarCompiler:
+    """Each backend in turn: what a user sees is the same on both. (Tests of what only the DFA
+    backend has build their own `backend="outlines"` compiler.)"""
     # logits wider than the tokenizer: the extra ids must never be allowed
-    return GrammarCompiler(FakeTokenizer(), vocab_size=40, compile_timeout=10)
+    return GrammarCompiler(
+        FakeTokenizer(), vocab_size=40, compile_timeout=10, backend=request.param
+    )
+
+
+def outlines(**options) -> GrammarCompiler:
+    """The DFA backend's compiler, for what only it has (its automaton, helper processes, max
+    states, recursion unrolled to a depth)."""
+    options = {"tokenizer": FakeTokenizer(), "vocab_size": 40, **options}
+    return GrammarCompiler(backend="outlines", **options)
+
+
+def where(matcher) -> tuple[tuple[int, ...], bool, int]:
+    """What a user can see of where a matcher stands."""
+    return tuple(matcher.allowed_token_ids()), matcher.is_accepting(), matcher.rollback_depth
 
 
 def test_vocabulary_reads_the_tokenizer():
@@ -167,21 +185,29 @@ def test_jump_forward_stops_where_the_grammar_may_end(compiler):
 
 def test_accept_string_is_all_or_nothing(compiler):
     matcher = compiler.compile("regex", "abcx").matcher()
-    before = matcher.state
+    before = where(matcher)
     assert not matcher.accept_string("abcy")
-    assert matcher.state == before
+    assert where(matcher) == before
     assert matcher.accept_string("abcx")
     assert matcher.accept_token(EOS)
 
 
+def test_accept_string_refuses_text_off_the_grammar_or_the_vocabulary(compiler):
+    matcher = compiler.compile("regex", "a[bz]c").matcher()
+    before = where(matcher)
+    assert not matcher.accept_string("azd")  # "z" is allowed, "d" no token spells
+    assert where(matcher) == before
+    assert matcher.accept_string("abc") and matcher.accept_token(EOS)
+
+
 def test_rollback_restores_states(compiler):
     matcher = compiler.compile("regex", "a(b|c)12").matcher()
-    states = [matcher.state]
+    states = [where(matcher)]
     for t in ["a", "c", "1"]:
         assert matcher.accept_token(VOCAB[t])
-        states.append(matcher.state)
+        states.append(where(matcher))
     matcher.rollback(2)
-    assert matcher.state == states[1]
+    assert where(matcher) == states[1]
     assert texts(matcher.allowed_token_ids()) == {"b", "c"}
     with pytest.raises(GrammarError):
         matcher.rollback(5)
@@ -200,7 +226,8 @@ def test_choice_and_ebnf(compiler):
     assert m.accept_token(EOS)
 
 
-def test_recursive_ebnf_is_refused_clearly(compiler):
+def test_recursive_ebnf_is_refused_clearly():
+    compiler = outlines()
     with pytest.raises(
         GrammarError, match="recursive.*not supported.*regex or a json_schema.*ebnf_recursion_depth"
     ):
@@ -210,7 +237,7 @@ def test_recursive_ebnf_is_refused_clearly(compiler):
 
 
 def test_recursive_ebnf_unrolled_to_the_configured_depth():
-    compiler = GrammarCompiler(FakeTokenizer(), vocab_size=40, ebnf_recursion_depth=2)
+    compiler = outlines(ebnf_recursion_depth=2)
     grammar = compiler.compile("ebnf", 'root ::= "{" root "}" | "x"')
     for text in ["x", "{x}", "{{x}}"]:
         m = grammar.matcher()
@@ -250,13 +277,45 @@ def test_compile_is_cached_and_async(compiler):
 
 
 def test_a_vocabulary_without_usable_tokens_is_a_grammar_error():
-    # the EOS token and one spelling plane 16 (never generated): nothing a grammar could allow
-    compiler = GrammarCompiler(TokenVocabulary([None, "\U00100000".encode()], [0]))
+    # the EOS token and one spelling plane 16 (which the DFA backend never generates: its
+    # automaton ends every match with U+10FFFF): nothing a grammar could allow
+    compiler = outlines(
+        tokenizer=TokenVocabulary([None, "\U00100000".encode()], [0]), vocab_size=None
+    )
     with pytest.raises(GrammarError, match="no usable tokens"):
         compiler.compile("regex", "a")
+    with pytest.raises(GrammarError, match="no usable tokens"):  # llguidance, at once
+        GrammarCompiler(TokenVocabulary([None, None], [0])).compile("regex", "a")
+    # llguidance generates plane 16 like any other plane
+    grammar = GrammarCompiler(TokenVocabulary([None, "\U00100000".encode()], [0])).compile(
+        "regex", "\U00100000+"
+    )
+    assert grammar.matcher().allowed_token_ids() == [1]
 
 
-def test_lenient_validation_skips_jsonschema_only_for_whole_matches(compiler, monkeypatch):
+def test_a_grammar_that_fails_midway_allows_nothing_not_eos(compiler):
+    """No token can follow "ab" (no token spells "z"): the mask is empty, so the engine fails the
+    request ("cannot go on") instead of ending it as if it were complete."""
+    matcher = compiler.compile("regex", "abz").matcher()
+    assert matcher.accept_token(VOCAB["ab"])
+    assert matcher.allowed_token_ids() == []
+    assert not matcher.is_accepting() and not matcher.is_terminated()
+    assert not matcher.accept_token(EOS)
+    row = allocate_token_bitmask(1, compiler.vocab_size)[0]
+    matcher.fill_next_token_bitmask(row)
+    assert not row.any()
+
+
+def test_lenient_validation_reports_outputs_cut_short(compiler):
+    grammar = compiler.compile("json_schema", {"enum": [12, 21]}, lenient=True)
+    assert grammar.lenient and grammar.notes == ()  # nothing had to be skipped
+    assert grammar.validate_output("12") == {"valid": True, "error": None, "ignored_keywords": []}
+    report = grammar.validate_output("1")
+    assert report["valid"] is False and "is not one of" in report["error"]
+
+
+def test_lenient_validation_skips_jsonschema_only_for_whole_matches(monkeypatch):
+    compiler = outlines()
     grammar = compiler.compile("json_schema", {"enum": [12, 21]}, lenient=True)
     assert grammar.lenient and grammar.notes == ()  # nothing had to be skipped
     with monkeypatch.context() as m:
@@ -277,7 +336,7 @@ def _no_validator(schema):
 
 
 def test_compile_timeout_is_a_grammar_error():
-    slow = GrammarCompiler(FakeTokenizer(), vocab_size=40, compile_timeout=0.05)
+    slow = outlines(compile_timeout=0.05)
     start = time.perf_counter()
     with pytest.raises(GrammarError, match="took longer than"):
         slow.compile("regex", runaway("a", 22))  # a DFA of 2**23 states
@@ -308,7 +367,7 @@ def runaway(letter: str, n: int = 20) -> str:
 
 
 def test_a_build_past_its_deadline_gives_its_worker_back():
-    compiler = GrammarCompiler(FakeTokenizer(), vocab_size=40, compile_timeout=1, max_workers=2)
+    compiler = outlines(compile_timeout=1, max_workers=2)
     stuck = [compiler.compile_async("regex", runaway(letter)) for letter in "ab"]  # both workers
     for future in stuck:
         with pytest.raises(GrammarError, match="took longer than 1 s; bound its repetitions"):
@@ -319,7 +378,7 @@ def test_a_build_past_its_deadline_gives_its_worker_back():
 
 
 def test_a_dfa_past_max_states_is_refused_with_what_to_simplify():
-    compiler = GrammarCompiler(FakeTokenizer(), vocab_size=40, max_states=1000)
+    compiler = outlines(max_states=1000)
     start = time.perf_counter()
     with pytest.raises(GrammarError, match="regex needs more than 1,000 automaton states; bound"):
         compiler.compile("regex", runaway("a", 12))
@@ -330,7 +389,7 @@ def test_a_dfa_past_max_states_is_refused_with_what_to_simplify():
 
 
 def test_a_grammar_that_ran_out_of_time_is_not_remembered_as_refused():
-    compiler = GrammarCompiler(FakeTokenizer(), vocab_size=40, compile_timeout=0.05)
+    compiler = outlines(compile_timeout=0.05)
     with pytest.raises(GrammarError, match="took longer than"):
         compiler.compile("regex", runaway("a", 14))  # ~0.3 s
     compiler.compile_timeout = 60  # as if the machine were less busy now
@@ -348,7 +407,7 @@ def test_a_deadline_moves_later_only_until_it_has_passed():
 
 
 def test_close_stops_a_running_build():
-    compiler = GrammarCompiler(FakeTokenizer(), vocab_size=40, compile_timeout=60)
+    compiler = outlines(compile_timeout=60)
     future = compiler.compile_async("regex", runaway("a"))
     time.sleep(0.3)
     compiler.close()

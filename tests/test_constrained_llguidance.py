@@ -1,0 +1,343 @@
+"""The llguidance backend (the default) end to end: recursion enforced as written, refusals that
+name keyword and place, a refused or slow grammar failing only its own items, number bounds, and
+one build per spec however many ask at once. CPU-only; the real default model where a model is
+needed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import jsonschema
+import pytest
+
+import radixlm
+from radixlm.constrained import GrammarCompiler, GrammarError
+from radixlm.constrained.llguidance_backend import LLGuidanceBackend, keyword_locations
+from radixlm.runtime.model_loader import default_tokenizer
+
+TREE = {
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "value": {"type": "integer"},
+                "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+            },
+            "required": ["value", "children"],
+        }
+    },
+    "$ref": "#/$defs/node",
+}
+NESTED_LISTS = 'root ::= "[" (value ("," value)*)? "]"\nvalue ::= [0-9] | root'
+REFUSED = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}, "required": ["a"]}
+COLOR = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}},
+    "required": ["color"],
+}
+DIGIT = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"],
+}
+# measured here: about 2 s to build (the lexer states of a 10**6-character repetition)
+SLOW_REGEX = "(ab){500000}"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    try:
+        return default_tokenizer()
+    except ValueError as e:  # the embedded model package is missing
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, compile_timeout=60)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with radixlm.Engine(max_total_tokens=4096) as eng:
+        yield eng
+
+
+def accepts(compiler: GrammarCompiler, spec, text: str, kind: str = "json_schema") -> bool:
+    """Whether `text`, tokenized as the model would write it, is a complete output."""
+    matcher = compiler.compile(kind, spec).matcher()
+    ids = compiler._tokenizer.encode(text, add_special_tokens=False)
+    return matcher.accept_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def chat(engine, text: str) -> str:
+    return engine.apply_chat_template([{"role": "user", "content": text}])
+
+
+def tree_depth(node: dict) -> int:
+    return 1 + max((tree_depth(c) for c in node["children"]), default=0)
+
+
+def nested_list_depth(text: str) -> int:
+    """The nesting depth of `text` in NESTED_LISTS's language; ValueError if it is not in it."""
+    at = 0
+
+    def value() -> int:
+        nonlocal at
+        if text[at : at + 1].isdigit() and text[at].isascii():
+            at += 1
+            return 0
+        if text[at : at + 1] != "[":
+            raise ValueError(text)
+        at += 1
+        depth = 0
+        if text[at : at + 1] != "]":
+            depth = value()
+            while text[at : at + 1] == ",":
+                at += 1
+                depth = max(depth, value())
+        if text[at : at + 1] != "]":
+            raise ValueError(text)
+        at += 1
+        return depth + 1
+
+    if text[:1] != "[":
+        raise ValueError(text)
+    depth = value()
+    if at != len(text):
+        raise ValueError(text)
+    return depth
+
+
+# -- refusals name the keyword and where it is -------------------------------------------------
+
+
+def test_keyword_locations_are_json_pointers_in_schema_order():
+    schema = {
+        "$defs": {"a/b": {"not": {"const": 1}}},
+        "properties": {
+            "x": {"anyOf": [{"type": "string"}, {"items": {"not": {}}}]},
+            "y": {"enum": [{"not": 1}]},  # data, not a schema
+        },
+        "not": {"type": "null"},
+    }
+    assert keyword_locations(schema, "not") == [
+        "#",
+        "#/$defs/a~1b",
+        "#/properties/x/anyOf/1/items",
+    ]
+    assert keyword_locations(schema, "uniqueItems") == []
+    assert keyword_locations(True, "not") == []
+
+
+def test_a_refusal_names_the_keyword_and_its_place(compiler):
+    with pytest.raises(GrammarError) as e:
+        compiler.compile("json_schema", REFUSED)
+    message = str(e.value)
+    assert "unsupported keyword 'not' at #/properties/a" in message, message
+    assert "json_schema_lenient" in message  # and how to go on without it
+    nested = {"$defs": {"n": {"type": "array", "uniqueItems": True}}, "$ref": "#/$defs/n"}
+    with pytest.raises(GrammarError, match="'uniqueItems' at #/\\$defs/n"):
+        compiler.compile("json_schema", nested)
+
+
+def test_lenient_notes_name_each_skipped_keyword_where_it_is(compiler):
+    schema = {
+        "type": "object",
+        "properties": {"a": {"not": {"type": "string"}}, "b": {"not": {"type": "null"}}},
+    }
+    grammar = compiler.compile("json_schema", schema, lenient=True)
+    assert grammar.notes == (
+        "unsupported keyword 'not' at #/properties/a",
+        "unsupported keyword 'not' at #/properties/b",
+    )
+    assert grammar.validate_output('{"a":"x"}')["valid"] is False
+
+
+def test_other_refusals_say_what_to_change(compiler):
+    with pytest.raises(GrammarError, match="^invalid regex: (?s:.*)unclosed group"):
+        compiler.compile("regex", "(ab")
+    with pytest.raises(GrammarError, match="allows no text"):
+        compiler.compile("regex", "[^\\s\\S]")  # matches nothing at all
+
+
+# -- recursion as written ----------------------------------------------------------------------
+
+
+def test_a_recursive_schema_is_enforced_at_any_depth(compiler):
+    def chain(depth: int) -> dict:
+        node: dict = {"value": depth, "children": []}
+        for d in range(depth - 1, 0, -1):
+            node = {"value": d, "children": [node]}
+        return node
+
+    deep = json.dumps(chain(12), separators=(",", ":"))
+    assert accepts(compiler, TREE, deep)
+    leaf = {"value": 1, "children": []}
+    three = json.dumps({"value": 0, "children": [leaf] * 3}, separators=(",", ":"))
+    assert not accepts(compiler, TREE, three)  # maxItems, at every level
+    assert not accepts(compiler, TREE, '{"value":1,"children":[{"value":2}]}')  # required
+
+
+def test_the_model_writes_a_tree_that_validates(engine):
+    example = json.dumps(
+        {"value": 7, "children": [{"value": 8, "children": []}]}, separators=(",", ":")
+    )
+    prompt = f"A tree as JSON: {example}\nAnother tree as JSON: "
+    out = engine.generate(prompt, {"max_new_tokens": 60, "temperature": 0, "json_schema": TREE})
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+    tree = json.loads(out["text"])
+    jsonschema.validate(tree, TREE)
+    assert tree_depth(tree) >= 2, out["text"]  # a node inside a node: the recursion was used
+
+
+def test_the_model_writes_nested_lists_in_a_recursive_ebnf(engine):
+    prompt = chat(engine, "Write a nested list of digits like [1,[2,[3]],4].")
+    out = engine.generate(prompt, {"max_new_tokens": 40, "temperature": 0, "ebnf": NESTED_LISTS})
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+    assert nested_list_depth(out["text"]) >= 2, out["text"]
+
+
+# -- a refused or slow grammar fails only its own items ---------------------------------------
+
+BATCH_PARAMS = [
+    {"max_new_tokens": 16, "temperature": 0.7, "seed": 1, "n": 2, "json_schema": COLOR},
+    {"max_new_tokens": 16, "n": 2, "json_schema": REFUSED},
+    {"max_new_tokens": 16, "temperature": 0.7, "seed": 2, "n": 2, "json_schema": DIGIT},
+]
+
+
+def check_batch(outs: list[dict]) -> None:
+    assert len(outs) == 6  # n outputs per prompt, in prompt order
+    for out, schema in zip(outs[:2] + outs[4:], [COLOR, COLOR, DIGIT, DIGIT], strict=True):
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
+        jsonschema.validate(json.loads(out["text"]), schema)
+    for out in outs[2:4]:
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort", reason
+        assert "unsupported keyword 'not' at #/properties/a" in reason["message"], reason
+        assert out["output_ids"] == []
+
+
+def test_a_refused_schema_in_a_list_fails_only_its_items(engine):
+    prompts = [chat(engine, f"A {what} as JSON.") for what in ("colour", "thing", "digit")]
+    check_batch(engine.generate(prompts, BATCH_PARAMS))
+
+
+def test_a_refused_schema_in_a_list_fails_only_its_items_async(engine):
+    prompts = [chat(engine, f"A {what} as JSON.") for what in ("colour", "thing", "digit")]
+    check_batch(asyncio.run(engine.async_generate(prompts, BATCH_PARAMS)))
+
+
+def test_a_single_refused_schema_raises(engine):
+    with pytest.raises(ValueError, match="unsupported keyword 'not' at #/properties/a"):
+        engine.generate("Hi", {"max_new_tokens": 4, "json_schema": REFUSED})
+    assert engine.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_a_slow_compile_times_out_its_own_request_only():
+    """llguidance builds a long counted repetition's lexer states in seconds (measured: ~2 s for
+    SLOW_REGEX; found by trying, see the compile's first mask in llguidance_backend.build):
+    that request fails at grammar_compile_timeout, the others in its list finish."""
+    with radixlm.Engine(max_total_tokens=4096, grammar_compile_timeout=0.5) as eng:
+        params = [
+            {"max_new_tokens": 16, "temperature": 0, "json_schema": COLOR},
+            {"max_new_tokens": 16, "regex": SLOW_REGEX},
+            {"max_new_tokens": 8, "temperature": 0, "regex": "(yes|no)"},
+        ]
+        start = time.perf_counter()
+        outs = eng.generate([chat(eng, "Pick one.")] * 3, params)
+        assert time.perf_counter() - start < 30
+    reason = outs[1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "took longer than 0.5 s" in reason["message"], reason
+    jsonschema.validate(json.loads(outs[0]["text"]), COLOR)
+    assert outs[2]["text"] in ("yes", "no")
+    assert all(o["meta_info"]["finish_reason"]["type"] == "stop" for o in (outs[0], outs[2]))
+
+
+# -- numbers -----------------------------------------------------------------------------------
+
+
+def test_an_unbounded_integer_is_held_to_the_default_bound(compiler):
+    population = {
+        "type": "object",
+        "properties": {"population": {"type": "integer"}},
+        "required": ["population"],
+    }
+    for digits, ok in [
+        ("9" * 18, True),
+        ("1" + "0" * 18, True),  # the bound itself: 10**18
+        ("1" + "0" * 17 + "1", False),
+        ("1" * 20, False),
+        ("-" + "9" * 18, True),
+    ]:
+        assert accepts(compiler, population, f'{{"population":{digits}}}') is ok, digits
+    row = compiler.compile("json_schema", population).matcher()
+    assert row.accept_string('{"population":' + "1" * 18)
+    assert row.allowed_token_ids() and not row.accept_string("11")  # no 20th digit
+
+
+def test_a_schemas_own_bounds_are_never_narrowed(compiler):
+    wide = {"type": "integer", "maximum": 5 * 10**18}  # above the default bound
+    assert accepts(compiler, wide, str(5 * 10**18))
+    assert not accepts(compiler, wide, str(5 * 10**18 + 1))
+    tight = {"type": "integer", "minimum": -3, "exclusiveMaximum": 12}
+    assert accepts(compiler, tight, "-3") and accepts(compiler, tight, "11")
+    assert not accepts(compiler, tight, "12") and not accepts(compiler, tight, "-4")
+    # past what llguidance reads (64 bits): brought inside instead of refused
+    huge = {"type": "integer", "minimum": -(10**19), "maximum": 10**20}
+    assert accepts(compiler, huge, str(9 * 10**18)) and accepts(compiler, huge, "-7")
+
+
+def test_numbers_keep_their_fraction_digits_bounded(compiler):
+    number = {"type": "number"}
+    assert accepts(compiler, number, "0.1234567890")
+    assert not accepts(compiler, number, "0.12345678901")
+    assert not accepts(compiler, number, "1e5")  # no exponent
+
+
+# -- regexes read as the DFA backend reads them ------------------------------------------------
+
+
+def test_regex_classes_are_ascii_and_slashes_are_plain(compiler):
+    date = r"\d{4}-\d{2}"
+    assert accepts(compiler, date, "2024-05", kind="regex")
+    assert not accepts(compiler, date, "٢٠٢٤-05", kind="regex")  # Arabic-Indic digits
+    url = r"https?://[a-z]+\.com/\w+"
+    assert accepts(compiler, url, "https://abc.com/x_1", kind="regex")
+
+
+# -- one build per spec ------------------------------------------------------------------------
+
+
+def test_eight_threads_compiling_one_spec_build_it_once(compiler, monkeypatch):
+    builds = []
+    real_build = LLGuidanceBackend.build
+
+    def counted(self, kind, spec, lenient):
+        builds.append(spec)
+        time.sleep(0.2)  # long enough for every thread to ask while it runs
+        return real_build(self, kind, spec, lenient)
+
+    monkeypatch.setattr(LLGuidanceBackend, "build", counted)
+    spec = {"type": "object", "properties": {"threads": {"const": 8}}, "required": ["threads"]}
+    barrier = threading.Barrier(8)
+    grammars: list = []
+
+    def ask() -> None:
+        barrier.wait()
+        grammars.append(compiler.compile("json_schema", spec))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(grammars) == 8 and len(builds) == 1
+    assert all(g is grammars[0] for g in grammars)
+    assert compiler.compile("json_schema", spec) is grammars[0]  # a cache hit
+    assert compiler.compile_async("json_schema", spec).result(timeout=5) is grammars[0]
+    assert len(builds) == 1
