@@ -276,7 +276,9 @@ class LLGuidanceMatcher:
         self._eos = frozenset(grammar.eos_token_ids)
         self._terminated = False
         self._depth = 0  # tokens accepted that rollback can undo (EOS included)
-        self._ahead: int | None = None  # a token accept_batch took for the next accept_token
+        # a token accept_batch took for the next accept_token: in llguidance's state, not yet in
+        # ours (any other use of the matcher first gives it back: _settle)
+        self._ahead: int | None = None
         self._max_rollback = max_rollback
 
     @property
@@ -292,16 +294,24 @@ class LLGuidanceMatcher:
         """The llguidance matcher inside (for filling many masks at once, see fill_bitmasks)."""
         return self._m
 
+    def _settle(self) -> None:
+        if self._ahead is not None:
+            self._ahead = None
+            self._m.rollback(1)
+
     def is_terminated(self) -> bool:
         """EOS was accepted, or the grammar is complete and nothing but EOS may follow."""
+        self._settle()
         # (llguidance's matcher also reads "stopped" once it has failed: that is no success)
         return self._terminated or (self._m.is_stopped() and not self._m.is_error())
 
     def is_accepting(self) -> bool:
+        self._settle()
         return self._terminated or (self._m.is_accepting() and not self._m.is_error())
 
     def next_token_mask(self) -> np.ndarray:
         """The (W,) int32 mask of the next token."""
+        self._settle()
         if self._terminated:
             return self.grammar.eos_only_mask
         mask = np.zeros(self.grammar._words, dtype=np.int32)
@@ -312,6 +322,7 @@ class LLGuidanceMatcher:
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor | np.ndarray, index: int = 0) -> None:
         """Write the allowed next tokens into `bitmask`: a (W,) row or row `index` of (B, W)."""
+        self._settle()
         row = bitmask[index] if bitmask.ndim == 2 else bitmask
         if row.shape[-1] != self.grammar._words:
             raise GrammarError(
@@ -342,11 +353,12 @@ class LLGuidanceMatcher:
         if self._terminated:
             return False
         token_id = int(token_id)
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:  # taken already, with its step's others (accept_batch)
-            if ahead == token_id:
+        if self._ahead is not None:  # taken already, with its step's others (accept_batch)
+            if self._ahead == token_id:
+                self._ahead = None
+                self._depth += 1
                 return True
-            self.rollback(1)
+            self._settle()
         if token_id in self._eos:
             if not self._m.is_accepting():
                 return False
@@ -371,6 +383,7 @@ class LLGuidanceMatcher:
     def accept_string(self, text: str) -> bool:
         """Advance over `text` (tokenized by the grammar's tokenizer), all or nothing; False
         also where the vocabulary cannot spell `text`."""
+        self._settle()
         if self._terminated:
             return False
         tokenizer = self.grammar.backend.tokenizer
@@ -385,6 +398,7 @@ class LLGuidanceMatcher:
 
     def jump_forward_string(self) -> str | None:
         """The text the grammar forces from here, cut at whole characters, or None."""
+        self._settle()
         if self._terminated:
             return None
         forced = bytes(self._m.compute_ff_bytes()[:_MAX_JUMP_BYTES])
@@ -401,7 +415,7 @@ class LLGuidanceMatcher:
             raise GrammarError(f"cannot roll back {n} tokens; {self.rollback_depth} can be undone")
         if n == 0:
             return
-        self._ahead = None  # (counted in the depth: undone with the rest)
+        self._settle()
         self._depth -= n
         if self._terminated:  # EOS is always the last token accepted, and never reached llguidance
             self._terminated = False
@@ -410,7 +424,7 @@ class LLGuidanceMatcher:
             raise GrammarError(f"llguidance could not roll back {n} tokens: {self._m.get_error()}")
 
     def reset(self) -> None:
-        self._ahead = None
+        self._ahead = None  # (undone with the rest)
         self._m.reset()
         self._terminated = False
         self._depth = 0
@@ -431,12 +445,13 @@ def accept_batch(pairs: list[tuple[LLGuidanceMatcher, int]], executor: Any) -> N
     for (m, t), ok in zip(todo, taken):
         if ok:  # (a refused token leaves the matcher failed: accept_token then refuses it too)
             m._ahead = t
-            m._depth += 1
 
 
 def fill_bitmasks(matchers: list[tuple[Any, int]], bitmask: torch.Tensor, executor: Any) -> None:
     """Fill rows of a contiguous CPU (B, W) int32 bitmask for many llguidance matchers at once,
     in llguidance's own threads (without the GIL): [(LLGuidanceMatcher, row)]."""
+    for m, _ in matchers:
+        m._settle()
     live = [(m.ll_matcher, row) for m, row in matchers if not m._terminated]
     for m, row in matchers:
         if m._terminated:

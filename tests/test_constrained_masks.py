@@ -10,6 +10,7 @@ import torch
 
 from radixlm.constrained import (
     GrammarCompiler,
+    accept_next_tokens,
     allocate_token_bitmask,
     fill_next_token_bitmasks,
 )
@@ -71,3 +72,28 @@ def test_sampler_masks_every_grammar_row(tokenizer):
     for r, m in ((0, matchers[0]), (2, matchers[1]), (3, matchers[2])):
         finite = torch.isfinite(logits[r]).nonzero().flatten().tolist()
         assert finite == m.allowed_token_ids()
+
+
+def test_tokens_taken_together_are_those_accept_token_takes(tokenizer):
+    """accept_next_tokens then accept_token ends where accept_token alone does; a matcher used
+    otherwise in between (a mask, a rollback) first gives the token back."""
+    compiler = GrammarCompiler(tokenizer, vocab_size=49152)
+    grammar = compiler.compile("json_schema", json.dumps(SCHEMAS[0]))
+    ids = tokenizer.encode('{"name":"Bob"}', add_special_tokens=False)
+    together, alone = grammar.matcher(), grammar.matcher()
+    for t in ids:
+        accept_next_tokens([together], [t])
+        assert together.accept_token(t) and alone.accept_token(t)
+        assert together.rollback_depth == alone.rollback_depth
+        np.testing.assert_array_equal(together.next_token_mask(), alone.next_token_mask())
+    assert together.is_accepting() and alone.is_accepting()
+
+    m = grammar.matcher()
+    first = ids[0]
+    accept_next_tokens([m], [first])
+    fresh = grammar.matcher().next_token_mask()
+    np.testing.assert_array_equal(m.next_token_mask(), fresh)  # given back: the start again
+    assert m.rollback_depth == 0 and m.accept_token(first) and m.rollback_depth == 1
+    accept_next_tokens([m], [ids[1]])
+    m.rollback(1)  # gives ids[1] back, then undoes `first`
+    np.testing.assert_array_equal(m.next_token_mask(), fresh)
