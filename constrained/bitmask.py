@@ -61,6 +61,35 @@ def fill_next_token_bitmasks(matchers: list, bitmask: torch.Tensor) -> None:
             fill_bitmasks([(m, row) for row, m in pairs], bitmask, backend.executor)
 
 
+class PendingMasks:
+    """Masks filling (begin_next_token_bitmasks); `result()` gives the bitmask once filled."""
+
+    def __init__(self, bitmask: torch.Tensor, pending: list, others: list) -> None:
+        self._bitmask, self._pending, self._others = bitmask, pending, others
+
+    def result(self) -> torch.Tensor:
+        for fill in self._pending:
+            fill.result()
+        for row, matcher in self._others:
+            matcher.fill_next_token_bitmask(self._bitmask, row)
+        return self._bitmask
+
+
+def begin_next_token_bitmasks(matchers: list, bitmask: torch.Tensor) -> PendingMasks:
+    """fill_next_token_bitmasks, begun: llguidance's matchers fill in another thread while the
+    caller goes on (the engine core applies the previous step's tokens meanwhile; a matcher that
+    changes before `result()` is filled again then); others fill at `result()`."""
+    from radixlm.constrained.llguidance_backend import begin_fill
+
+    pending, others = [], []
+    for backend, pairs in _by_parallel_backend(list(enumerate(matchers))).items():
+        if backend is None or not bitmask.is_contiguous():
+            others.extend(pairs)
+        else:
+            pending.append(begin_fill([(m, row) for row, m in pairs], bitmask))
+    return PendingMasks(bitmask, pending, others)
+
+
 def accept_next_tokens(matchers: list, tokens: list[int]) -> None:
     """Let matchers[i] take tokens[i] ahead of its `accept_token(tokens[i])`, all together where
     the backend can (llguidance's threads); `accept_token` then answers at once. Others wait for

@@ -76,8 +76,18 @@ class LLGuidanceBackend:
         self.allow_unlisted_properties = allow_unlisted_properties
         self.numbers = numbers if numbers is not None else NumberLimits()
         self._executor: Any = None
+        self._fill_thread: Any = None
         # errors without the parser's state dump: they reach the user
         self._limits = llguidance.LLParserLimits(verbose_errors=False)
+
+    @property
+    def fill_thread(self) -> Any:
+        """The thread a batch of masks fills in while the engine core goes on (begin_fill)."""
+        if self._fill_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._fill_thread
 
     @property
     def executor(self) -> Any:
@@ -280,6 +290,12 @@ class LLGuidanceMatcher:
         # ours (any other use of the matcher first gives it back: _settle)
         self._ahead: int | None = None
         self._max_rollback = max_rollback
+        # a batch mask fill running in another thread holds llguidance's matcher (begin_fill):
+        # every call into it waits for that first (_idle), but for what `_snap` answers: (stopped,
+        # accepting, failed, forced bytes) of llguidance's state as the fill began
+        self._busy: Any = None
+        self._snap: tuple[bool, bool, bool, bytes] | None = None
+        self.version = 0  # bumped by every change of what the next mask is
 
     @property
     def max_rollback(self) -> int:
@@ -294,24 +310,51 @@ class LLGuidanceMatcher:
         """The llguidance matcher inside (for filling many masks at once, see fill_bitmasks)."""
         return self._m
 
+    def _idle(self) -> None:
+        busy, self._busy = self._busy, None
+        if busy is not None:
+            busy.exception()  # (waits; a fill that failed is PendingFill.result's to redo)
+
+    def _changed(self) -> None:
+        self._snap = None
+        self.version += 1
+
     def _settle(self) -> None:
         if self._ahead is not None:
+            self._idle()
             self._ahead = None
             self._m.rollback(1)
+            self._changed()
+
+    def _state(self) -> tuple[bool, bool, bool, bytes] | None:
+        """What `_snap` knows of llguidance's state, if it is still that state."""
+        self._settle()
+        return self._snap
 
     def is_terminated(self) -> bool:
         """EOS was accepted, or the grammar is complete and nothing but EOS may follow."""
-        self._settle()
+        if self._terminated:
+            return True
+        snap = self._state()
+        if snap is not None:
+            return snap[0] and not snap[2]
+        self._idle()
         # (llguidance's matcher also reads "stopped" once it has failed: that is no success)
-        return self._terminated or (self._m.is_stopped() and not self._m.is_error())
+        return self._m.is_stopped() and not self._m.is_error()
 
     def is_accepting(self) -> bool:
-        self._settle()
-        return self._terminated or (self._m.is_accepting() and not self._m.is_error())
+        if self._terminated:
+            return True
+        snap = self._state()
+        if snap is not None:
+            return snap[1] and not snap[2]
+        self._idle()
+        return self._m.is_accepting() and not self._m.is_error()
 
     def next_token_mask(self) -> np.ndarray:
         """The (W,) int32 mask of the next token."""
         self._settle()
+        self._idle()
         if self._terminated:
             return self.grammar.eos_only_mask
         mask = np.zeros(self.grammar._words, dtype=np.int32)
@@ -323,6 +366,7 @@ class LLGuidanceMatcher:
     def fill_next_token_bitmask(self, bitmask: torch.Tensor | np.ndarray, index: int = 0) -> None:
         """Write the allowed next tokens into `bitmask`: a (W,) row or row `index` of (B, W)."""
         self._settle()
+        self._idle()
         row = bitmask[index] if bitmask.ndim == 2 else bitmask
         if row.shape[-1] != self.grammar._words:
             raise GrammarError(
@@ -360,17 +404,19 @@ class LLGuidanceMatcher:
                 return True
             self._settle()
         if token_id in self._eos:
-            if not self._m.is_accepting():
+            if not self.is_accepting():
                 return False
             self._terminated = True
             self._depth += 1
+            self._changed()
             return True
-        if (
-            not 0 <= token_id < self.grammar.vocab_size
-            or self._m.try_consume_tokens([token_id]) != 1
-        ):
+        if not 0 <= token_id < self.grammar.vocab_size:
+            return False
+        self._idle()
+        if self._m.try_consume_tokens([token_id]) != 1:
             return False
         self._depth += 1
+        self._changed()
         return True
 
     def accept_tokens(self, token_ids: list[int]) -> int:
@@ -384,6 +430,7 @@ class LLGuidanceMatcher:
         """Advance over `text` (tokenized by the grammar's tokenizer), all or nothing; False
         also where the vocabulary cannot spell `text`."""
         self._settle()
+        self._idle()
         if self._terminated:
             return False
         tokenizer = self.grammar.backend.tokenizer
@@ -394,14 +441,19 @@ class LLGuidanceMatcher:
         if self._m.validate_tokens(ids) != len(ids) or self._m.try_consume_tokens(ids) != len(ids):
             return False
         self._depth += len(ids)
+        self._changed()
         return True
 
     def jump_forward_string(self) -> str | None:
         """The text the grammar forces from here, cut at whole characters, or None."""
-        self._settle()
         if self._terminated:
             return None
-        forced = bytes(self._m.compute_ff_bytes()[:_MAX_JUMP_BYTES])
+        snap = self._state()
+        if snap is not None:
+            forced = snap[3]
+        else:
+            self._idle()
+            forced = bytes(self._m.compute_ff_bytes()[:_MAX_JUMP_BYTES])
         for cut in range(len(forced), max(len(forced) - 4, -1), -1):
             try:
                 text = forced[:cut].decode("utf-8")
@@ -416,6 +468,8 @@ class LLGuidanceMatcher:
         if n == 0:
             return
         self._settle()
+        self._idle()
+        self._changed()
         self._depth -= n
         if self._terminated:  # EOS is always the last token accepted, and never reached llguidance
             self._terminated = False
@@ -424,6 +478,8 @@ class LLGuidanceMatcher:
             raise GrammarError(f"llguidance could not roll back {n} tokens: {self._m.get_error()}")
 
     def reset(self) -> None:
+        self._idle()
+        self._changed()
         self._ahead = None  # (undone with the rest)
         self._m.reset()
         self._terminated = False
@@ -441,6 +497,9 @@ def accept_batch(pairs: list[tuple[LLGuidanceMatcher, int]], executor: Any) -> N
     ]  # fmt: skip
     if not todo:
         return
+    for m, _ in todo:
+        m._idle()
+        m._changed()
     taken = executor.consume_token_par([(m._m, t) for m, t in todo])
     for (m, t), ok in zip(todo, taken):
         if ok:  # (a refused token leaves the matcher failed: accept_token then refuses it too)
@@ -452,6 +511,7 @@ def fill_bitmasks(matchers: list[tuple[Any, int]], bitmask: torch.Tensor, execut
     in llguidance's own threads (without the GIL): [(LLGuidanceMatcher, row)]."""
     for m, _ in matchers:
         m._settle()
+        m._idle()
     live = [(m.ll_matcher, row) for m, row in matchers if not m._terminated]
     for m, row in matchers:
         if m._terminated:
@@ -530,6 +590,52 @@ def _plain_escapes(ebnf: str) -> str:
         return chr(code)
 
     return _WIDE_ESCAPE.sub(plain, ebnf)
+
+
+class PendingFill:
+    """A batch of masks filling in another thread (begin_fill); `result()` waits for it, then
+    fills again the rows of the matchers that changed meanwhile."""
+
+    def __init__(self, future: Any, pairs: list, versions: list[int], bitmask: torch.Tensor):
+        self._future, self._pairs, self._versions, self._bitmask = future, pairs, versions, bitmask
+
+    def result(self) -> torch.Tensor:
+        failed = self._future.exception() is not None
+        for m, _ in self._pairs:
+            if m._busy is self._future:
+                m._busy = None
+        for (m, row), version in zip(self._pairs, self._versions):
+            if failed or m.version != version or m._terminated:
+                m.fill_next_token_bitmask(self._bitmask, row)
+            elif m._m.is_error():  # as in LLGuidanceMatcher.next_token_mask: nothing, not EOS
+                self._bitmask[row].zero_()
+        return self._bitmask
+
+
+def begin_fill(pairs: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor) -> PendingFill:
+    """Start filling rows of the contiguous CPU (B, W) int32 `bitmask` for [(matcher, row)] in a
+    thread of the matchers' backend (llguidance's threads, without the GIL), from llguidance's
+    state now (tokens taken ahead included). Until `result()`, the matchers answer what the
+    engine asks of each token (accept it, complete?, forced text) from a snapshot taken here; a
+    matcher changed meanwhile has its row filled again by `result()`."""
+    backend = pairs[0][0].grammar.backend
+    live = []
+    for m, row in pairs:
+        m._idle()
+        if not m._terminated:
+            ll = m._m
+            ff = bytes(ll.compute_ff_bytes()[:_MAX_JUMP_BYTES])
+            m._snap = (ll.is_stopped(), ll.is_accepting(), ll.is_error(), ff)
+            live.append((ll, row))
+    versions = [m.version for m, _ in pairs]
+    batch, words = bitmask.shape
+    future = backend.fill_thread.submit(
+        backend.executor.unsafe_compute_mask_ptr, live, bitmask.data_ptr(), words * 4, batch
+    )
+    for m, _ in pairs:
+        if not m._terminated:
+            m._busy = future
+    return PendingFill(future, pairs, versions, bitmask)
 
 
 def _lark_string(text: str) -> str:

@@ -133,6 +133,7 @@ class EngineCore:
         self._num_not_greedy = 0  # unfinished requests that are not plain greedy
         # unfinished requests sampled as the host says: grammar masks, penalties over the output
         self._num_sampled_on_host = 0
+        self._next_masks: DeferredStep | None = None  # the step whose masks _complete begins
         self.error: str | None = None  # why the core thread stopped on its own, if it did
         # held while putting into the inbox and while stopping: what gets in is answered
         self._gate = threading.Lock()
@@ -295,7 +296,10 @@ class EngineCore:
                     # may read these slots at once
                     self.cache.cache_prefix(item.req)
             if inflight is not None:
+                # (a deferred step's masks begin filling once the grammars took N's tokens)
+                self._next_masks = handle if isinstance(handle, DeferredStep) else None
                 self._complete(*inflight)
+                self._next_masks = None
                 inflight = None
             if isinstance(handle, DeferredStep):
                 # the previous step's tokens are applied (grammars advanced) while the device
@@ -334,6 +338,8 @@ class EngineCore:
         tokens, extras = results.tokens, results.extras
         if self._num_sampled_on_host:
             self._advance_grammars(plan, tokens)
+            if self._next_masks is not None:  # filled in the background while N is applied
+                self._next_masks.begin_masks()
         apply = self._apply_contained
         if extras:
             for i, req in enumerate(plan.decodes):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -91,10 +92,23 @@ class StepHandle:
 
 
 class DeferredStep:
-    """A step whose forward is queued and whose sampling waits for `sample()`."""
+    """A step whose forward is queued and whose sampling waits for `sample()`. `begin_masks()`,
+    once the grammars have taken the previous step's tokens, starts filling this step's grammar
+    masks in the background, while the caller applies the rest of that step."""
 
-    def __init__(self, sample) -> None:
-        self.sample: Callable[[], StepHandle] = sample
+    def __init__(self, sample: Callable[[Any], StepHandle], begin: Callable[[], Any]) -> None:
+        self._sample, self._begin = sample, begin
+        self._masks: Any = None
+
+    def begin_masks(self) -> None:
+        if self._masks is None:
+            try:
+                self._masks = self._begin()
+            except Exception:  # (then `sample()` fills them itself)
+                logger.exception("beginning a step's grammar masks failed")
+
+    def sample(self) -> StepHandle:
+        return self._sample(self._masks)
 
 
 class ModelRunner:
@@ -188,10 +202,13 @@ class ModelRunner:
             if pool_rows is None:  # (now: a request the previous step finishes loses its row)
                 pool_rows = to_device(int64_tensor([r.pool_row for r in reqs]), self.device)
             return DeferredStep(
-                lambda: self._sample(
+                lambda masks: self._sample(
                     plan, reqs, rows, row_logits, greedy, pool_rows, at, order, items,
-                    logits, input_lp_rows,
-                )
+                    logits, input_lp_rows, masks,
+                ),
+                lambda: self.sampler.begin_masks(
+                    rows, row_logits.shape[-1], row_logits.device.type == "cuda"
+                ),
             )  # fmt: skip
         return self._sample(
             plan, reqs, rows, row_logits, greedy, pool_rows, at, order, items, logits, input_lp_rows
@@ -199,7 +216,7 @@ class ModelRunner:
 
     def _sample(
         self, plan, reqs, rows, row_logits, greedy, pool_rows, at, order, items, logits,
-        input_lp_rows,
+        input_lp_rows, masks=None,
     ) -> StepHandle:  # fmt: skip
         """Sample the step's tokens (queued on the device) and return its handle."""
         tokens = None
@@ -209,7 +226,7 @@ class ModelRunner:
                 tokens = greedy if greedy is not None else greedy_ids(row_logits)
             else:
                 try:
-                    tokens = self.sampler.sample_ids(row_logits, rows)
+                    tokens = self.sampler.sample_ids(row_logits, rows, masks)
                 except Exception:
                     if len(rows) == 1:
                         raise

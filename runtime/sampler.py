@@ -154,8 +154,22 @@ class Sampler:
             out[i] = (chosen[j], tops[j][:k] if k else None)
         return out
 
-    def sample_ids(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """The chosen tokens (B,) int64 on the logits' device, without waiting for the device."""
+    def begin_masks(self, rows: list[SamplingRow], vocab: int, on_gpu: bool) -> Any:
+        """Start filling the grammar masks of `rows` (for `sample_ids(..., masks=)`), in the
+        grammar backend's threads while the caller goes on; None if no row has a grammar."""
+        from radixlm.constrained import begin_next_token_bitmasks
+
+        constrained = [r.grammar for r in rows if r.grammar is not None]
+        if not constrained:
+            return None
+        bitmask = self.mask_buffer(len(constrained), vocab, on_gpu)
+        return begin_next_token_bitmasks(constrained, bitmask)
+
+    def sample_ids(
+        self, logits: torch.Tensor, rows: list[SamplingRow], masks: Any = None
+    ) -> torch.Tensor:
+        """The chosen tokens (B,) int64 on the logits' device, without waiting for the device.
+        masks: what `begin_masks(rows, ...)` began, if it was."""
         if all(r.is_plain_greedy for r in rows):
             return greedy_ids(logits)
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
@@ -173,8 +187,11 @@ class Sampler:
             at = packed_to_device([list(rows_idx), list(tokens)], logits.device)
             logits[at[0], at[1]] = float("-inf")
         if constrained:
-            bitmask = self.mask_buffer(len(constrained), logits.shape[-1], logits.is_cuda)
-            _apply_grammar_masks(logits, rows, constrained, bitmask)
+            if masks is not None:
+                bitmask = masks.result()
+            else:
+                bitmask = self.mask_buffer(len(constrained), logits.shape[-1], logits.is_cuda)
+            _apply_grammar_masks(logits, rows, constrained, bitmask, filled=masks is not None)
             if logits.is_cuda:
                 self._mask_copied[self._mask_flip] = torch.cuda.Event()
                 self._mask_copied[self._mask_flip].record()
@@ -323,6 +340,7 @@ def _apply_grammar_masks(
     rows: list[SamplingRow],
     which: list[int],
     bitmask: torch.Tensor | None = None,
+    filled: bool = False,
 ) -> None:
     """The grammar rows' masks, filled on the host (together, where the backend can) into
     `bitmask` (len(which), W) (pinned memory on a GPU), copied without a wait and applied on the
@@ -335,7 +353,8 @@ def _apply_grammar_masks(
 
     if bitmask is None:
         bitmask = allocate_token_bitmask(len(which), logits.shape[-1])
-    fill_next_token_bitmasks([rows[i].grammar for i in which], bitmask)
+    if not filled:
+        fill_next_token_bitmasks([rows[i].grammar for i in which], bitmask)
     idx = _to_device(which, torch.int64, logits.device)
     masked = logits[idx]
     apply_token_bitmask_(masked, bitmask.to(logits.device, non_blocking=True))

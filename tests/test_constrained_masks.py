@@ -97,3 +97,30 @@ def test_tokens_taken_together_are_those_accept_token_takes(tokenizer):
     accept_next_tokens([m], [ids[1]])
     m.rollback(1)  # gives ids[1] back, then undoes `first`
     np.testing.assert_array_equal(m.next_token_mask(), fresh)
+
+
+def test_masks_begun_in_the_background_match_the_matchers_after_their_step(tokenizer):
+    """The engine's order: tokens taken together, masks begun, each token then applied (taken,
+    complete?, forced text; one matcher rolled back and advanced otherwise, as jump-forward
+    does): the bitmask it gets is every matcher's own mask after all of that."""
+    from radixlm.constrained import begin_next_token_bitmasks
+
+    compiler = GrammarCompiler(tokenizer, vocab_size=49152)
+    texts = ['{"name":"Bo', "[1,2", '"re', '{"n":1.5']
+    matchers = [compiler.compile("json_schema", json.dumps(s)).matcher() for s in SCHEMAS]
+    steps = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    for step in range(max(len(ids) for ids in steps)):
+        live = [(m, ids[step]) for m, ids in zip(matchers, steps) if step < len(ids)]
+        accept_next_tokens([m for m, _ in live], [t for _, t in live])
+        bitmask = allocate_token_bitmask(len(matchers), 49152)
+        pending = begin_next_token_bitmasks(matchers, bitmask)
+        for m, t in live:
+            assert m.accept_token(t)
+            m.is_terminated()
+            m.jump_forward_string()
+        if step == 1:  # changed while its mask was filling: filled again
+            matchers[0].rollback(1)
+            assert matchers[0].accept_token(steps[0][1])
+        got = pending.result()
+        for i, m in enumerate(matchers):
+            np.testing.assert_array_equal(got[i].numpy(), m.next_token_mask())
