@@ -1,4 +1,4 @@
-"""JSON-schema grammar soundness and speed: radixlm vs plain outlines-core, in one run.
+"""JSON-schema grammar engines: soundness and speed of radixlm's two backends and the field's.
 
 Over the MaskBench schemas in /work/shared/data/schemas (see its README), with the default
 model's tokenizer (SmolLM2-135M) and no model: for each schema, compile it (per-schema timeout,
@@ -10,11 +10,24 @@ allowed), an invalid one refused somewhere.
     coverage: schemas compiled with no false accept and no false reject
     FA: invalid instances accepted      FR: valid instances rejected
 
-    python benchmarks/grammar.py --sample 100
-    python benchmarks/grammar.py --sample 400 --timeout 10
-    python benchmarks/grammar.py --sample 0 --shard 0/4 --json s0.json   # every 4th of all schemas
-    python benchmarks/grammar.py --summarize s0.json s1.json s2.json s3.json
-    python benchmarks/grammar.py --suite --sample 0   # the JSON-Schema-Test-Suite's groups
+Engines (--engines): radixlm (our default backend, llguidance), radixlm-outlines (our own regex
+and byte-DFA compiler), and as references plain llguidance, outlines-core and xgrammar; one that
+does not import is skipped with a note. Our compiles run with the compiler's cache off.
+
+    python -m benchmarks.grammar --sample 100
+    python -m benchmarks.grammar --sample 400 --timeout 10
+    python -m benchmarks.grammar --sample 0 --shard 0/4 --json s0.json   # every 4th of all schemas
+    python -m benchmarks.grammar --summarize s0.json s1.json s2.json s3.json
+    python -m benchmarks.grammar --suite --sample 0   # the JSON-Schema-Test-Suite's groups
+
+Two more measurements, each instead of the table above:
+
+    # 64 requests with 64 distinct schemas: each step fills all rows of one (64, W) bitmask,
+    # row by row and (llguidance) with fill_bitmasks in Rust threads; p50/p99 ms per step
+    python -m benchmarks.grammar --sample 400 --batch-masks 64
+    # compile and mask times as the vocabulary grows: byte-level BPE tokenizers trained here on
+    # the schemas' own text (no network), the default backend over 100 schemas
+    python -m benchmarks.grammar --sample 100 --vocab-scaling 49152,128000,152064
 """
 
 from __future__ import annotations
@@ -22,9 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import random
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +53,12 @@ from radixlm.runtime.model_loader import default_tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "schemas"
 SUITE_DATA = ROOT.parent / "shared" / "data" / "json-schema-test-suite"
+ENGINES = ("radixlm", "radixlm-outlines", "llguidance", "outlines-core", "xgrammar")
+BPE_EOS = "<|endoftext|>"
+WARM_SCHEMA = '{"type":"object","properties":{"a":{"type":"string"}},"required":["a"]}'
+
+
+# -- data ----------------------------------------------------------------------------------------
 
 
 def sample_names(
@@ -49,6 +73,24 @@ def sample_names(
     return names[:limit] if limit else names
 
 
+def load_case(path: Path) -> dict[str, Any]:
+    """A schema and its tests: a MaskBench file, or `file.json#i`, a suite file's i-th group."""
+    file, _, group = str(path).partition("#")
+    data = json.loads(Path(file).read_text())
+    return data[int(group)] if group else data
+
+
+def instance_tokens(schema: Any, value: Any, tokenizer: Any) -> list[int]:
+    """The tokenizer's tokens of `value` as compact JSON, keys in the schema's order."""
+    from radixlm.constrained import dump_json_for_schema
+
+    try:
+        text = dump_json_for_schema(schema, value)
+    except Exception:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 @dataclass
 class Result:
     name: str
@@ -59,71 +101,86 @@ class Result:
     false_accepts: int = 0
     false_rejects: int = 0
     mask_us: list[float] = field(default_factory=list)
+    wall_s: float = 0.0  # the whole child: fork, compile, walks
 
 
-# -- engines: each returns a walker(tokens) -> (accepted, [mask seconds]) --------------------------
+# -- engines: compile(schema text) -> grammar; walk(grammar, tokens) -> (accepted, [seconds])
+
+
+def _eos(tokenizer: Any) -> int:
+    if tokenizer.eos_token_id is None:
+        raise SystemExit("the tokenizer has no eos_token_id")
+    return int(tokenizer.eos_token_id)
+
+
+def _package(name: str) -> str:
+    try:
+        return f"{name} {version(name)}"
+    except PackageNotFoundError:
+        return name
 
 
 class RadixEngine:
-    name = "radixlm"
+    """radixlm's GrammarCompiler with one backend, its cache off (every compile is timed)."""
 
-    def __init__(self, tokenizer: Any, timeout: float, allow_unlisted: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        backend: str = "llguidance",
+        compile_timeout: float = 100.0,
+        allow_unlisted: bool = False,
+    ) -> None:
         from radixlm.constrained import GrammarCompiler
 
+        self.name = f"radixlm[{backend}]" + (" (unlisted keys allowed)" if allow_unlisted else "")
+        self.eos = _eos(tokenizer)
         self.compiler = GrammarCompiler(
             tokenizer,
-            compile_timeout=timeout * 10,
-            cache_size=1,
+            eos_token_ids=[self.eos],
+            backend=backend,
+            compile_timeout=compile_timeout,
+            cache_size=0,
             allow_unlisted_properties=allow_unlisted,
         )
-        if allow_unlisted:
-            self.name = "radixlm (unlisted keys allowed)"
-        _ = self.compiler.vocab.trie  # built once per vocabulary, before forking
+        if backend == "outlines":
+            _ = self.compiler.vocab.trie  # built once per vocabulary, before forking
         # warm what a long-running engine has loaded already (jsonschema for enum filtering, the
         # lazy imports of a first mask), so each forked child measures the compile itself
         self.walk(self.compile('{"enum":["a",1],"type":"string","maxLength":3}'), [])
 
-    def compile(self, schema_text: str):
+    def compile(self, schema_text: str) -> Any:
         return self.compiler.compile("json_schema", schema_text)
 
-    def start_child(self) -> None:
-        """In a forked child, before the timed compile: start the process that builds DFAs (a
-        long-running engine has it already; a fork starts its own on first use)."""
-        self.compiler.compile("regex", "[0-9]+")
-
     def walk(self, grammar: Any, tokens: list[int]) -> tuple[bool, list[float]]:
-        import torch
-
         from radixlm.constrained import allocate_token_bitmask
 
         matcher = grammar.matcher()
         row = allocate_token_bitmask(1, self.compiler.vocab_size)[0]
         words = row.numpy().view(np.uint32)
         times = []
-        for tok in [*tokens, None]:
+        for token in [*tokens, self.eos]:
             t0 = time.perf_counter()
             matcher.fill_next_token_bitmask(row)
             times.append(time.perf_counter() - t0)
-            target = self.compiler.vocab.eos_token_ids[0] if tok is None else tok
-            if not (words[target >> 5] >> (target & 31)) & 1:
+            if not (words[token >> 5] >> (token & 31)) & 1:
                 return False, times
-            if not matcher.accept_token(target):
-                raise AssertionError("mask allowed a token accept_token refused")
-        del torch
+            if not matcher.accept_token(token):
+                raise RuntimeError(f"the mask allowed token {token}, accept_token refused it")
         return True, times
 
 
 class OutlinesEngine:
-    name = "outlines-core"
+    """Plain outlines-core: its JSON-schema regex and an Index over the whole vocabulary."""
 
-    def __init__(self, tokenizer: Any, timeout: float) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         from radixlm.constrained import TokenVocabulary
 
+        self.name = _package("outlines-core")
         self.vocab = TokenVocabulary.from_tokenizer(tokenizer)
         self.vocab.outlines_vocabulary()
         self.walk(self.compile('{"type":"string"}'), [])  # warm the lazy imports of a first mask
 
-    def compile(self, schema_text: str):
+    def compile(self, schema_text: str) -> Any:
         from outlines_core import Index
         from outlines_core.json_schema import build_regex_from_schema
 
@@ -140,35 +197,32 @@ class OutlinesEngine:
         words = mask.numpy().view(np.uint32)
         times = []
         eos = self.vocab.eos_token_ids[0]
-        for tok in [*tokens, None]:
+        for token in [*tokens, None]:
             t0 = time.perf_counter()
             guide.write_mask_into(mask.data_ptr(), words_n, 4)
             times.append(time.perf_counter() - t0)
-            target = eos if tok is None else tok
+            target = eos if token is None else token
             if not (words[target >> 5] >> (target & 31)) & 1:
                 return False, times
-            if tok is None:
+            if token is None:
                 return index.is_final_state(guide.get_state()), times
-            guide.advance(tok, return_tokens=False)
+            guide.advance(token, return_tokens=False)
         return True, times
 
 
 class XGrammarEngine:
     """xgrammar (a benchmark-only extra: `pip install xgrammar`), compact JSON, strict mode."""
 
-    name = "xgrammar"
-
-    def __init__(self, tokenizer: Any, timeout: float) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         import xgrammar as xgr
 
-        from radixlm.constrained import TokenVocabulary
-
-        self.eos = TokenVocabulary.from_tokenizer(tokenizer).eos_token_ids[0]
+        self.name = _package("xgrammar")
+        self.eos = _eos(tokenizer)
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, stop_token_ids=[self.eos])
         self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
         self.walk(self.compile('{"type":"string"}'), [])  # warm the lazy imports of a first mask
 
-    def compile(self, schema_text: str):
+    def compile(self, schema_text: str) -> Any:
         return self.compiler.compile_json_schema(
             schema_text, any_whitespace=False, separators=(",", ":"), strict_mode=True
         )
@@ -180,34 +234,31 @@ class XGrammarEngine:
         mask = xgr.allocate_token_bitmask(1, self.info.vocab_size)
         words = mask.numpy().view(np.uint32)[0]
         times = []
-        for tok in [*tokens, None]:
+        for token in [*tokens, self.eos]:
             t0 = time.perf_counter()
             matcher.fill_next_token_bitmask(mask)
             times.append(time.perf_counter() - t0)
-            target = self.eos if tok is None else tok
-            if not (words[target >> 5] >> (target & 31)) & 1:
+            if not (words[token >> 5] >> (token & 31)) & 1:
                 return False, times
-            if not matcher.accept_token(target):
+            if not matcher.accept_token(token):
                 return False, times
         return True, times
 
 
 class LLGuidanceEngine:
-    """llguidance (a benchmark-only extra: `pip install llguidance`), compact JSON, not lenient.
-    Building its matcher is the compile; each walk starts from a copy of it."""
+    """Plain llguidance (the reference for our default backend, which adds number bounds and
+    closed objects), compact JSON, not lenient. Building its matcher is the compile; each walk
+    starts from a copy of it."""
 
-    name = "llguidance"
-
-    def __init__(self, tokenizer: Any, timeout: float) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         import llguidance.hf
 
-        from radixlm.constrained import TokenVocabulary
-
-        self.eos = TokenVocabulary.from_tokenizer(tokenizer).eos_token_ids[0]
+        self.name = _package("llguidance")
+        self.eos = _eos(tokenizer)
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, eos_token=self.eos)
         self.walk(self.compile('{"type":"string"}'), [])  # warm the lazy imports of a first mask
 
-    def compile(self, schema_text: str):
+    def compile(self, schema_text: str) -> Any:
         from llguidance import LLMatcher
 
         grammar = LLMatcher.grammar_from_json_schema(
@@ -225,57 +276,76 @@ class LLGuidanceEngine:
         mask = allocate_token_bitmask(1, self.tokenizer.vocab_size)
         words = mask.view(np.uint32)[0]
         times = []
-        for tok in [*tokens, None]:
+        for token in [*tokens, None]:
             t0 = time.perf_counter()
             fill_next_token_bitmask(matcher, mask)
             times.append(time.perf_counter() - t0)
-            target = self.eos if tok is None else tok
+            target = self.eos if token is None else token
             if not (words[target >> 5] >> (target & 31)) & 1:
                 return False, times
-            if tok is None:
+            if token is None:
                 return matcher.is_accepting(), times
-            if not matcher.consume_token(tok):
+            if not matcher.consume_token(token):
                 return False, times
         return True, times
 
 
+def make_engines(
+    keys: list[str], tokenizer: Any, compile_timeout: float, allow_unlisted: bool = False
+) -> dict[str, Any]:
+    """The engines named in `keys`; one whose package does not import is left out, with a note."""
+    engines: dict[str, Any] = {}
+    for key in keys:
+        try:
+            if key == "radixlm":
+                engines[key] = RadixEngine(tokenizer, "llguidance", compile_timeout, allow_unlisted)
+            elif key == "radixlm-outlines":
+                engines[key] = RadixEngine(tokenizer, "outlines", compile_timeout, allow_unlisted)
+            elif key == "llguidance":
+                engines[key] = LLGuidanceEngine(tokenizer)
+            elif key == "outlines-core":
+                engines[key] = OutlinesEngine(tokenizer)
+            elif key == "xgrammar":
+                engines[key] = XGrammarEngine(tokenizer)
+            else:
+                raise SystemExit(f"unknown engine {key!r}; choose from {', '.join(ENGINES)}")
+        except (ImportError, OSError) as e:
+            print(f"{key}: skipped, it does not import ({e}); `pip install {key}` to include it")
+    return engines
+
+
 # -- one schema, in a child process ------------------------------------------------------------
 
-_STATE: dict[str, Any] = {}
 
+def _evaluate(engine: Any, tokenizer: Any, path: str, conn: Any) -> None:
+    from radixlm.constrained import GrammarError
 
-def _evaluate(engine_name: str, path: str, conn) -> None:
-    from radixlm.constrained import GrammarError, dump_json_for_schema
-
-    engine, tokenizer = _STATE[engine_name], _STATE["tokenizer"]
-    file, _, group = path.partition("#")
-    data = json.loads(Path(file).read_text())
-    if group:
-        data = data[int(group)]
-    schema_text = json.dumps(data["schema"])
+    case = load_case(Path(path))
     r = Result(Path(path).name, engine.name, "ok")
-    if hasattr(engine, "start_child"):
-        engine.start_child()
+    # A compile before the timed one, as a long-running engine has done: it starts what a fork
+    # lacks (our compile thread and DFA-building process) and pays the child's first-use costs
+    # (copied memory pages, lazy imports), so that the timed compile is the schema's own work.
+    engine.compile(WARM_SCHEMA)
     t0 = time.perf_counter()
     try:
-        grammar = engine.compile(schema_text)
+        grammar = engine.compile(json.dumps(case["schema"]))
     except GrammarError as e:
         r.status, r.message = "refused", str(e)
         conn.send(r)
         return
-    except BaseException as e:  # outlines-core raises its own errors for what it refuses
+    except BaseException as e:  # the other engines raise their own errors for what they refuse
         r.status, r.message = "refused", f"{type(e).__name__}: {str(e)[:200]}"
         conn.send(r)
         return
     r.compile_s = time.perf_counter() - t0
     conn.send(("compiled", r.compile_s))
-    for test in data["tests"]:
+    for test in case["tests"]:
+        tokens = instance_tokens(case["schema"], test["data"], tokenizer)
         try:
-            text = dump_json_for_schema(data["schema"], test["data"])
-        except Exception:
-            text = json.dumps(test["data"], ensure_ascii=False, separators=(",", ":"))
-        tokens = tokenizer.encode(text, add_special_tokens=False)
-        accepted, times = engine.walk(grammar, tokens)
+            accepted, times = engine.walk(grammar, tokens)
+        except Exception as e:  # an engine inconsistent with itself: reported, not a crash
+            r.status, r.message = "error", f"{type(e).__name__}: {e}"
+            break
         r.mask_us.extend(t * 1e6 for t in times)
         if accepted and not test["valid"]:
             r.false_accepts += 1
@@ -284,10 +354,11 @@ def _evaluate(engine_name: str, path: str, conn) -> None:
     conn.send(r)
 
 
-def run_one(engine_name: str, path: Path, timeout: float) -> Result:
+def run_one(engine: Any, tokenizer: Any, path: Path, timeout: float) -> Result:
+    # fork: the child shares the engine as built (no pickling), and is killed at the deadline
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_evaluate, args=(engine_name, str(path), child))
+    proc = ctx.Process(target=_evaluate, args=(engine, tokenizer, str(path), child))
     proc.start()
     child.close()
     result: Result | None = None
@@ -302,8 +373,8 @@ def run_one(engine_name: str, path: Path, timeout: float) -> Result:
             proc.kill()
             proc.join()
             if compile_s is None:
-                return Result(path.name, engine_name, "timeout", f"compile over {timeout:g} s")
-            return Result(path.name, engine_name, "error", "walking the tests timed out", compile_s)
+                return Result(path.name, engine.name, "timeout", f"compile over {timeout:g} s")
+            return Result(path.name, engine.name, "error", "walking the tests timed out", compile_s)
         try:
             msg = parent.recv()
         except EOFError:
@@ -316,8 +387,265 @@ def run_one(engine_name: str, path: Path, timeout: float) -> Result:
         break
     proc.join()
     if result is None:
-        return Result(path.name, engine_name, "error", f"child exited with {proc.exitcode}")
+        return Result(path.name, engine.name, "error", f"child exited with {proc.exitcode}")
     return result
+
+
+def run_sample(
+    engines: dict[str, Any],
+    tokenizer: Any,
+    data: Path,
+    names: list[str],
+    timeout: float,
+    verbose: bool = False,
+) -> dict[str, list[Result]]:
+    """Every schema of `names` with every engine, each in its own child process."""
+    results: dict[str, list[Result]] = {key: [] for key in engines}
+    for i, name in enumerate(names):
+        for key, engine in engines.items():
+            t0 = time.perf_counter()
+            r = run_one(engine, tokenizer, data / name, timeout)
+            r.wall_s = time.perf_counter() - t0
+            results[key].append(r)
+            if verbose or r.false_accepts or r.status == "error":
+                print(
+                    f"[{i + 1}/{len(names)}] {key:16s} {name:50s} {r.status:8s} "
+                    f"{r.compile_s * 1e3:8.1f} ms FA={r.false_accepts} FR={r.false_rejects} {r.message[:120]}",
+                    flush=True,
+                )
+    return results
+
+
+# -- a batch of requests with distinct schemas: the masks of one decode step ---------------------
+
+
+@dataclass
+class Request:
+    """One request of the batch: a schema's grammar and one of its valid instances (then EOS),
+    walked token by token and started again when it ends, so the batch stays full."""
+
+    name: str
+    grammar: Any
+    tokens: list[int]
+    matcher: Any = None
+    at: int = 0
+
+    def __post_init__(self) -> None:
+        self.matcher = self.grammar.matcher()
+
+    def advance(self, allowed: np.ndarray) -> None:
+        """Take the next token, which the (W,) uint32 row `allowed` must allow."""
+        token = self.tokens[self.at]
+        if not (allowed[token >> 5] >> (token & 31)) & 1 or not self.matcher.accept_token(token):
+            raise RuntimeError(f"{self.name}: token {self.at} of a valid instance refused")
+        self.at += 1
+        if self.at == len(self.tokens):
+            self.matcher, self.at = self.grammar.matcher(), 0
+
+
+def pick_batch(
+    engines: dict[str, Any], tokenizer: Any, data: Path, names: list[str], batch: int
+) -> dict[str, list[Request]]:
+    """One request per engine for each of `batch` schemas spread over `names`: cut into `batch`
+    runs of consecutive names, the first schema of each run that every engine compiles and whose
+    first valid instance every engine accepts (the sorted names group by source, so the first
+    `batch` names would all be function-calling schemas)."""
+    requests: dict[str, list[Request]] = {key: [] for key in engines}
+    for i in range(batch):
+        for name in names[(i * len(names)) // batch : ((i + 1) * len(names)) // batch]:
+            picked = _requests_for(engines, tokenizer, data, name)
+            if picked:
+                for key, request in picked.items():
+                    requests[key].append(request)
+                break
+    return requests
+
+
+def _requests_for(
+    engines: dict[str, Any], tokenizer: Any, data: Path, name: str
+) -> dict[str, Request]:
+    from radixlm.constrained import GrammarError
+
+    case = load_case(data / name)
+    valid = [t for t in case["tests"] if t["valid"]]
+    if not valid:
+        return {}
+    tokens = instance_tokens(case["schema"], valid[0]["data"], tokenizer)
+    schema_text = json.dumps(case["schema"])
+    picked = {}
+    for key, engine in engines.items():
+        try:
+            if not engine.walk(engine.compile(schema_text), tokens)[0]:
+                return {}
+        except GrammarError:
+            return {}
+        # a second compile for the batch, whose first masks nothing has cached yet
+        picked[key] = Request(name, engine.compile(schema_text), [*tokens, engine.eos])
+    return picked
+
+
+def time_batch_fill(
+    requests: list[Request], vocab_size: int, steps: int, executor: Any = None
+) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) seconds per step to fill the (B, W) bitmask of all `requests`: row by row,
+    and with executor (llguidance) also by fill_bitmasks, checked to write the same rows. CPU
+    time is the process's (fill_bitmasks' threads included): what the step costs with the
+    machine to itself, where the wall time also holds what other work took from us."""
+    import torch
+
+    from radixlm.constrained import allocate_token_bitmask
+    from radixlm.constrained.llguidance_backend import fill_bitmasks
+
+    bitmask = allocate_token_bitmask(len(requests), vocab_size)  # (B, W)
+    twin = bitmask.clone()
+
+    def one_by_one() -> None:
+        for row, r in enumerate(requests):
+            r.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def in_parallel() -> None:
+        fill_bitmasks([(r.matcher, row) for row, r in enumerate(requests)], twin, executor)
+
+    fills = {"one by one": one_by_one}
+    if executor is not None:
+        fills["fill_bitmasks"] = in_parallel
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label in fills}
+    allowed = bitmask.numpy().view(np.uint32)  # (B, W)
+    for step in range(steps):
+        order = list(fills.items())
+        if step % 2:
+            order.reverse()  # neither fill always goes first (and finds the caches warm)
+        for label, fill in order:
+            wall, cpu = time.perf_counter(), time.process_time()
+            fill()
+            times[label].append((time.perf_counter() - wall, time.process_time() - cpu))
+        if executor is not None and not torch.equal(bitmask, twin):
+            raise RuntimeError(f"step {step}: fill_bitmasks and the row-by-row fill disagree")
+        for row, r in enumerate(requests):
+            r.advance(allowed[row])
+    return times
+
+
+def batch_masks(
+    keys: list[str], tokenizer: Any, data: Path, names: list[str], args: argparse.Namespace
+) -> None:
+    """--batch-masks: the step time of filling one (B, W) bitmask for B distinct schemas."""
+    import llguidance
+
+    engines = make_engines(
+        [k for k in keys if k.startswith("radixlm")], tokenizer, args.timeout, args.allow_unlisted
+    )
+    if not engines:
+        raise SystemExit("--batch-masks measures radixlm's backends: radixlm, radixlm-outlines")
+    requests = pick_batch(engines, tokenizer, data, names, args.batch_masks)
+    n = len(next(iter(requests.values())))
+    print(
+        f"{n} requests, each its own schema (spread over the {len(names)} sampled, ones that "
+        f"{' and '.join(e.name for e in engines.values())} compile and accept), {args.steps} "
+        f"steps; each request walks one valid instance and starts again at its end"
+    )
+    print("| engine | fill | threads | wall p50 / p99 / max | CPU p50 / p99 | per row (wall p50) |")
+    print("|---|---|---|---|---|---|")
+    for key, engine in engines.items():
+        executor = None
+        if engine.compiler.backend == "llguidance":
+            executor = llguidance.LLExecutor(args.fill_threads)
+        times = time_batch_fill(requests[key], engine.compiler.vocab_size, args.steps, executor)
+        for label, ts in times.items():
+            wall = [1e3 * w for w, _ in ts]
+            cpu = [1e3 * c for _, c in ts]
+            threads = (args.fill_threads or "default") if label == "fill_bitmasks" else 1
+            print(
+                f"| {engine.name} | {label} | {threads} | {percentile(wall, 50):.2f} / "
+                f"{percentile(wall, 99):.2f} / {max(wall):.2f} ms | {percentile(cpu, 50):.2f} / "
+                f"{percentile(cpu, 99):.2f} ms | {1e3 * percentile(wall, 50) / n:.1f} µs |"
+            )
+
+
+# -- how compile and mask times grow with the vocabulary -----------------------------------------
+
+
+def _training_text(data: Path) -> Iterator[str]:
+    """The schemas' own JSON and test instances, then pseudo-words (so the largest vocabularies
+    find enough merges): all made here, nothing downloaded."""
+    for path in sorted(data.glob("*.json")):
+        case = json.loads(path.read_text())
+        yield json.dumps(case["schema"], ensure_ascii=False)
+        for test in case["tests"]:
+            yield json.dumps(test["data"], ensure_ascii=False, separators=(",", ":"))
+    rng = random.Random(0)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]
+    for _ in range(100_000):
+        words = ("".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(16))
+        yield " ".join(words)
+
+
+def _train_bpe(vocab_size: int, data: Path, out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BPE_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        # like real tokenizers (SmolLM2's longest token has 81 bytes; the schemas' test data has
+        # runs that would make 2 kB tokens, past llguidance's token trie, which takes 1 kB)
+        max_token_length=64,
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_text(data), trainer)
+    tmp = out.with_suffix(".tmp")
+    tok.save(str(tmp))
+    os.replace(tmp, out)
+
+
+def bpe_tokenizer(vocab_size: int, data: Path) -> Any:
+    """A byte-level BPE tokenizer of (up to) `vocab_size` tokens, trained on `data` once and kept
+    in the temp directory, as a transformers fast tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(tempfile.gettempdir()) / f"radixlm-bench-bpe-{vocab_size}-max64.json"
+    if not path.exists():
+        # trained in a child: the tokenizers library's threads never run in this process, which
+        # forks a child per schema next
+        proc = mp.get_context("fork").Process(target=_train_bpe, args=(vocab_size, data, path))
+        proc.start()
+        proc.join()
+        if proc.exitcode:
+            raise SystemExit(f"training the {vocab_size}-token BPE failed ({proc.exitcode})")
+    return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=BPE_EOS)
+
+
+def vocab_scaling(
+    sizes: list[int], tokenizer: Any, data: Path, names: list[str], args: argparse.Namespace
+) -> None:
+    """The default backend's soundness table over `names` with SmolLM2's tokenizer and with BPE
+    tokenizers of each size: how its setup, compile and mask times grow with the vocabulary."""
+    tokenizers = [("SmolLM2-135M", tokenizer)]
+    for size in sizes:
+        t0 = time.perf_counter()
+        tokenizers.append((f"BPE {size} (trained here)", bpe_tokenizer(size, DEFAULT_DATA)))
+        print(f"BPE {size}: ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = []
+    for label, tok in tokenizers:
+        t0 = time.perf_counter()
+        engine = RadixEngine(tok, "llguidance", 10 * args.timeout, args.allow_unlisted)
+        setup_s = time.perf_counter() - t0
+        results = run_sample({"radixlm": engine}, tok, data, names, args.timeout, args.verbose)
+        rows.append((label, len(tok), setup_s, summarize(engine.name, results["radixlm"])))
+    print(f"\n{engine.name} over {len(names)} schemas; setup: the GrammarCompiler (tokenizer read)")
+    print(
+        "| tokenizer | vocab | setup | coverage | FA | FR | compile p50 / p99 | mask p50 / p99 / p99.9 |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for label, vocab, setup_s, s in rows:
+        print(
+            f"| {label} | {vocab:,} | {setup_s:.2f} s | {s['coverage']:.1f}% | {s['FA']} | "
+            f"{s['FR']} | {s['compile_p50_ms']:.2f} / {s['compile_p99_ms']:.1f} ms | "
+            f"{s['mask_p50_us']:.1f} / {s['mask_p99_us']:.0f} / {s['mask_p999_us']:.0f} µs |"
+        )
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -348,6 +676,7 @@ def summarize(engine: str, results: list[Result]) -> dict[str, Any]:
         "mask_p99_us": percentile(masks, 99),
         "mask_p999_us": percentile(masks, 99.9),
         "masks": len(masks),
+        "wall_s": sum(r.wall_s for r in results),
     }
 
 
@@ -358,25 +687,58 @@ def print_common_compiles(results: dict[str, list[Result]]) -> None:
     if not common or len(results) < 2:
         return
     print(f"\ncompile time on the {len(common)} schemas every engine compiled:")
-    for engine, rs in results.items():
+    for rs in results.values():
         times = [r.compile_s for r in rs if r.name in common]
         print(
-            f"  {engine}: p50 {1e3 * percentile(times, 50):.1f} ms, "
-            f"p99 {1e3 * percentile(times, 99):.0f} ms, max {1e3 * max(times):.0f} ms"
+            f"  {rs[0].engine}: p50 {1e3 * percentile(times, 50):.2f} ms, "
+            f"p99 {1e3 * percentile(times, 99):.1f} ms, max {1e3 * max(times):.0f} ms"
         )
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
-        "| engine | coverage | FA | FR | refused | timeouts | compile p50 / p99 | mask p50 / p99 / p99.9 |"
+        "| engine | coverage | FA | FR | refused | timeouts | errors | compile p50 / p99 "
+        "| mask p50 / p99 / p99.9 |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for s in rows:
         print(
             f"| {s['engine']} | {s['coverage']:.1f}% | {s['FA']} | {s['FR']} | {s['refused']} | "
-            f"{s['timeouts']} | {s['compile_p50_ms']:.1f} ms / {s['compile_p99_ms']:.0f} ms | "
-            f"{s['mask_p50_us']:.1f} / {s['mask_p99_us']:.1f} / {s['mask_p999_us']:.1f} µs |"
+            f"{s['timeouts']} | {s['errors']} | "
+            f"{s['compile_p50_ms']:.2f} / {s['compile_p99_ms']:.1f} ms | "
+            f"{s['mask_p50_us']:.1f} / {s['mask_p99_us']:.0f} / {s['mask_p999_us']:.0f} µs |"
         )
+
+
+def print_wall_times(rows: list[dict[str, Any]]) -> None:
+    spent = ", ".join(f"{s['engine']} {s['wall_s']:.0f} s" for s in rows)
+    print(f"\ntime per engine (children, fork to result): {spent}")
+
+
+def print_targets(s: dict[str, Any]) -> None:
+    """The default backend against the issue's targets."""
+    checks = [
+        ("0 false accepts", s["FA"] == 0, f"{s['FA']}"),
+        ("coverage >= 85%", s["coverage"] >= 85.0, f"{s['coverage']:.1f}%"),
+        ("compile p50 <= 1 ms", s["compile_p50_ms"] <= 1.0, f"{s['compile_p50_ms']:.2f} ms"),
+        ("compile p99 <= 10 ms", s["compile_p99_ms"] <= 10.0, f"{s['compile_p99_ms']:.1f} ms"),
+        ("mask p99 <= 300 µs", s["mask_p99_us"] <= 300.0, f"{s['mask_p99_us']:.0f} µs"),
+    ]
+    print(f"\ntargets, {s['engine']}:")
+    for what, met, got in checks:
+        print(f"  {what:22s} {got:>10s}  {'met' if met else 'NOT met'}")
+
+
+def print_refusals(results: list[Result]) -> None:
+    refusals: dict[str, int] = {}
+    for r in results:
+        if r.status == "refused":
+            key = r.message.split(" at ")[0][:100]
+            refusals[key] = refusals.get(key, 0) + 1
+    if refusals:
+        print(f"\n{results[0].engine} refusals:")
+        for k, v in sorted(refusals.items(), key=lambda kv: -kv[1])[:15]:
+            print(f"  {v:4d}  {k}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -409,8 +771,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=10.0, help="per-schema compile timeout (s)")
     ap.add_argument(
         "--engines",
-        default="radixlm,outlines-core",
-        help="also: xgrammar, llguidance (where they install)",
+        default=",".join(ENGINES),
+        help="a list of: radixlm (the llguidance backend), radixlm-outlines, llguidance, "
+        "outlines-core, xgrammar (those that do not import are skipped)",
     )
     ap.add_argument("--json", type=Path, default=None, help="also write per-schema results here")
     ap.add_argument("--verbose", action="store_true")
@@ -418,6 +781,26 @@ def main(argv: list[str] | None = None) -> None:
         "--allow-unlisted",
         action="store_true",
         help="radixlm generates keys the schema does not list when additionalProperties is unset",
+    )
+    ap.add_argument(
+        "--batch-masks",
+        type=int,
+        default=0,
+        metavar="B",
+        help="instead: time filling the masks of B requests with B distinct schemas per step",
+    )
+    ap.add_argument("--steps", type=int, default=500, help="decode steps of --batch-masks")
+    ap.add_argument(
+        "--fill-threads",
+        type=int,
+        default=None,
+        help="llguidance.LLExecutor threads of --batch-masks (default: llguidance's own choice)",
+    )
+    ap.add_argument(
+        "--vocab-scaling",
+        default=None,
+        metavar="SIZES",
+        help="instead: the default backend with BPE tokenizers of these vocabulary sizes",
     )
     args = ap.parse_args(argv)
 
@@ -427,8 +810,13 @@ def main(argv: list[str] | None = None) -> None:
             for engine, rows in json.loads(path.read_text()).items():
                 merged.setdefault(engine, []).extend(Result(**r) for r in rows)
         print(f"{len(next(iter(merged.values()), []))} schemas from {len(args.summarize)} file(s)")
-        print_table([summarize(e, rs) for e, rs in merged.items()])
+        rows = [summarize(rs[0].engine, rs) for rs in merged.values() if rs]
+        print_table(rows)
         print_common_compiles(merged)
+        print_wall_times(rows)
+        if merged.get("radixlm"):
+            print_targets(summarize(merged["radixlm"][0].engine, merged["radixlm"]))
+            print_refusals(merged["radixlm"])
         return
     k, _, n = args.shard.partition("/")
     shard = (int(k), int(n or 1))
@@ -443,57 +831,36 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = default_tokenizer()
     except ValueError as e:  # the embedded model package is missing
         raise SystemExit(str(e)) from e
-    _STATE["tokenizer"] = tokenizer
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    for e in engines:
-        if e == "radixlm":
-            _STATE[e] = RadixEngine(tokenizer, args.timeout, args.allow_unlisted)
-        elif e == "xgrammar":
-            _STATE[e] = XGrammarEngine(tokenizer, args.timeout)
-        elif e == "llguidance":
-            _STATE[e] = LLGuidanceEngine(tokenizer, args.timeout)
-        else:
-            _STATE[e] = OutlinesEngine(tokenizer, args.timeout)
+    keys = [e.strip() for e in args.engines.split(",") if e.strip()]
+    command = " ".join(["python -m benchmarks.grammar", *(sys.argv[1:] if argv is None else argv)])
+    print(f"load average (1 min) at the start: {os.getloadavg()[0]:.1f}", flush=True)
 
-    all_results: dict[str, list[Result]] = {e: [] for e in engines}
-    t0 = time.time()
-    for i, name in enumerate(names):
-        for e in engines:
-            r = run_one(e, args.data / name, args.timeout)
-            all_results[e].append(r)
-            if args.verbose or r.false_accepts or r.status == "error":
-                print(
-                    f"[{i + 1}/{len(names)}] {e:14s} {name:50s} {r.status:8s} "
-                    f"{r.compile_s * 1e3:8.1f} ms FA={r.false_accepts} FR={r.false_rejects} {r.message[:120]}",
-                    flush=True,
-                )
-    rows = [summarize(_STATE[e].name, rs) for e, rs in all_results.items()]
-    print()
-    print(
-        f"{len(names)} schemas, {time.time() - t0:.0f} s; SmolLM2-135M tokenizer; compact JSON, keys in schema order"
-    )
-    print_table(rows)
-    print_common_compiles(all_results)
-    print()
-    print(
-        "command: python "
-        + " ".join(
-            [f"benchmarks/{Path(__file__).name}", *(argv if argv is not None else sys.argv[1:])]
+    if args.batch_masks:
+        batch_masks(keys, tokenizer, args.data, names, args)
+    elif args.vocab_scaling:
+        sizes = [int(s) for s in args.vocab_scaling.split(",")]
+        vocab_scaling(sizes, tokenizer, args.data, names, args)
+    else:
+        engines = make_engines(keys, tokenizer, 10 * args.timeout, args.allow_unlisted)
+        t0 = time.time()
+        results = run_sample(engines, tokenizer, args.data, names, args.timeout, args.verbose)
+        rows = [summarize(engines[key].name, rs) for key, rs in results.items()]
+        print(
+            f"\n{len(names)} schemas, {time.time() - t0:.0f} s; SmolLM2-135M tokenizer; "
+            f"compact JSON, keys in schema order; {args.timeout:g} s per-schema compile timeout"
         )
-    )
-    if args.json:
-        args.json.write_text(
-            json.dumps({e: [r.__dict__ for r in rs] for e, rs in all_results.items()}, indent=1)
-        )
-    refusals: dict[str, int] = {}
-    for r in all_results.get("radixlm", []):
-        if r.status == "refused":
-            key = r.message.split(" at ")[0][:80]
-            refusals[key] = refusals.get(key, 0) + 1
-    if refusals:
-        print("\nradixlm refusals:")
-        for k, v in sorted(refusals.items(), key=lambda kv: -kv[1]):
-            print(f"  {v:4d}  {k}")
+        print_table(rows)
+        print_common_compiles(results)
+        print_wall_times(rows)
+        if "radixlm" in results:
+            print_targets(rows[list(results).index("radixlm")])
+            print_refusals(results["radixlm"])
+        if args.json:
+            args.json.write_text(
+                json.dumps({k: [r.__dict__ for r in rs] for k, rs in results.items()}, indent=1)
+            )
+    print(f"\nload average (1 min) at the end: {os.getloadavg()[0]:.1f}")
+    print(f"command: {command}")
 
 
 if __name__ == "__main__":

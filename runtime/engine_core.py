@@ -30,8 +30,9 @@ from radixlm.runtime.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[Req, bool], None]  # (request, finished) -> None
-# the shortest forced text jumped over while the request has a step in flight (about 3 tokens)
-_MIN_JUMP_BYTES_IN_FLIGHT = 8
+# the shortest forced text jumped over while the request has a step in flight (about 10 tokens:
+# the jump costs that step, and waits for the masks filling in the background)
+_MIN_JUMP_BYTES_IN_FLIGHT = 32
 
 
 def use_cuda_graphs(config, device, backend) -> bool:
