@@ -355,7 +355,11 @@ def _apply_grammar_masks(
         bitmask = allocate_token_bitmask(len(which), logits.shape[-1])
     if not filled:
         fill_next_token_bitmasks([rows[i].grammar for i in which], bitmask)
+    device_mask = bitmask.to(logits.device, non_blocking=True)
+    if len(which) == logits.shape[0]:  # every row (the common case): no gather and scatter
+        apply_token_bitmask_(logits, device_mask)
+        return
     idx = _to_device(which, torch.int64, logits.device)
     masked = logits[idx]
-    apply_token_bitmask_(masked, bitmask.to(logits.device, non_blocking=True))
+    apply_token_bitmask_(masked, device_mask)
     logits[idx] = masked
