@@ -37,9 +37,14 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         )
     if bitmask.dtype != torch.int32:
         raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")
+    mask = bitmask.to(logits.device, non_blocking=True)
+    if logits.is_cuda and logits.stride(1) == 1 and mask.stride(1) == 1:
+        from radixlm.kernels.sampling import apply_token_bitmask  # (triton: only on a GPU)
+
+        apply_token_bitmask(logits, mask)  # one kernel for what follows
+        return
     vocab = logits.shape[1]
     covered = min(vocab, 32 * bitmask.shape[1])
-    mask = bitmask.to(logits.device, non_blocking=True)
     allowed = unpack_bitmask(mask, covered)  # (B, covered)
     logits[:, :covered].masked_fill_(~allowed, float("-inf"))
     if covered < vocab:

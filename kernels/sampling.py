@@ -321,3 +321,32 @@ def argmax_rows(
         SCATTER=scatter, BLOCK_C=max(2, triton.next_power_of_2(chunks)), num_warps=1,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _apply_bitmask_kernel(
+    logits_ptr, logits_stride, mask_ptr, mask_stride, vocab, words, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_vocab = cols < vocab
+    word = tl.load(
+        mask_ptr + row * mask_stride + cols // 32, mask=in_vocab & (cols // 32 < words), other=0
+    )
+    allowed = (word >> (cols % 32)) & 1
+    tl.store(logits_ptr + row * logits_stride + cols, float("-inf"), mask=in_vocab & (allowed == 0))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, block: int = 4096) -> None:
+    """In place, in one kernel: the logits (B, V) of tokens whose bit is clear in the packed
+    (B, W) int32 `bitmask` (bit i % 32 of word i // 32), and of columns past 32 * W, become -inf.
+    The oracle is constrained.bitmask.apply_token_bitmask_'s torch path."""
+    b, vocab = logits.shape
+    if b == 0:
+        return
+    if logits.stride(1) != 1 or bitmask.stride(1) != 1:
+        raise ValueError("apply_token_bitmask takes rows with a unit stride")
+    _apply_bitmask_kernel[(b, triton.cdiv(vocab, block))](
+        logits, logits.stride(0), bitmask, bitmask.stride(0), vocab, bitmask.shape[1],
+        BLOCK=block, num_warps=4,
+    )  # fmt: skip

@@ -262,3 +262,25 @@ def test_argmax_rows_is_torchs_argmax_ties_included(vocab, block):
     got = sampling.argmax_rows(logits, into=into, rows=rows, block=block)
     assert torch.equal(got, want)
     assert torch.equal(into[rows], want) and (into[[1, 4, 6, 8]] == -1).all()
+
+
+@pytest.mark.parametrize("vocab,words", [(300, 10), (300, 8), (33, 2)])
+def test_apply_token_bitmask_is_the_torch_path(vocab, words):
+    """The one-kernel mask against constrained's torch path: random bits, a row all clear, a row
+    all set, and a bitmask narrower than the vocabulary (columns past it are -inf)."""
+    from radixlm.constrained.bitmask import unpack_bitmask
+
+    gen = torch.Generator().manual_seed(vocab + words)
+    logits = torch.randn(4, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, words), generator=gen, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[1] = 0
+    bitmask[2] = -1
+    covered = min(vocab, 32 * words)
+    want = logits.clone()
+    want[:, :covered].masked_fill_(~unpack_bitmask(bitmask, covered), float("-inf"))
+    want[:, covered:] = float("-inf")
+    got = logits.to(DEVICE)
+    sampling.apply_token_bitmask(got, bitmask.to(DEVICE), block=64)
+    assert torch.equal(got.cpu(), want)
+    assert torch.isinf(got[1]).all() and torch.isfinite(got[2, :covered]).all()
