@@ -30,9 +30,13 @@ from radixlm.runtime.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[Req, bool], None]  # (request, finished) -> None
-# the shortest forced text jumped over while the request has a step in flight (about 10 tokens:
-# the jump costs that step, and waits for the masks filling in the background)
-_MIN_JUMP_BYTES_IN_FLIGHT = 32
+# The shortest forced text jumped over while the request has a step in flight, which the jump
+# costs: about 3 tokens in a small batch, where the device's step is the time; about 10 in a large
+# one, where the host's work is and the jump also waits for the masks filling in the background
+# (measured on the H200 with 88 requests: 0.41x of unconstrained jumping from 8 bytes, 0.68x from 32)
+_MIN_JUMP_BYTES_IN_FLIGHT = 8
+_MIN_JUMP_BYTES_IN_FLIGHT_LARGE_BATCH = 32
+_LARGE_BATCH = 16
 
 
 def use_cuda_graphs(config, device, backend) -> bool:
@@ -598,10 +602,16 @@ class EngineCore:
             return
         grammar = req.grammar
         text = grammar.jump_forward_string()
-        if not text or (req.num_pending and len(text.encode()) < _MIN_JUMP_BYTES_IN_FLIGHT):
+        if not text:
+            return
+        if req.num_pending:
             # with a step in flight, a jump costs that step (its token is dropped) and the next
             # one: a short forced text is cheaper sampled a token a step under the mask
-            return
+            large = len(self.scheduler.running) >= _LARGE_BATCH
+            if len(text.encode()) < (
+                _MIN_JUMP_BYTES_IN_FLIGHT_LARGE_BATCH if large else _MIN_JUMP_BYTES_IN_FLIGHT
+            ):
+                return
         tokenizer = req.detokenizer.tokenizer
         ids = req.output_ids
         full = tokenizer.encode(tokenizer.decode(ids) + text, add_special_tokens=False)

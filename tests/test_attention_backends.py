@@ -176,14 +176,14 @@ def _checking_graph_inputs(runner, checked: list, wrong: list):
     every decode whose newest token is known on the host (pending ones are sampled into it)."""
     launch = runner.launch
 
-    def wrapped(plan, greedy_only=False):
+    def wrapped(plan, greedy_only=False, **kwargs):
         if runner._graphable(plan):
             for req, row, seq_len in zip(plan.decodes, plan.rows, plan.seq_lens):
                 if not req.num_pending:
                     checked.append(req.rid)
                     if int(runner.token_buf[row]) != req.all_ids[seq_len - 1]:
                         wrong.append((req.rid, seq_len))
-        return launch(plan, greedy_only)
+        return launch(plan, greedy_only, **kwargs)
 
     return wrapped
 
