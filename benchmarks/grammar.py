@@ -33,6 +33,7 @@ Two more measurements, each instead of the table above:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -420,9 +421,18 @@ def run_sample(
 
 
 @dataclass
+class Pick:
+    """A schema of the batch and the tokens of one of its valid instances, then EOS."""
+
+    name: str
+    schema_text: str
+    tokens: list[int]
+
+
+@dataclass
 class Request:
-    """One request of the batch: a schema's grammar and one of its valid instances (then EOS),
-    walked token by token and started again when it ends, so the batch stays full."""
+    """One request of the batch: walks its instance token by token and starts again at its end,
+    so the batch stays full."""
 
     name: str
     grammar: Any
@@ -445,91 +455,86 @@ class Request:
 
 def pick_batch(
     engines: dict[str, Any], tokenizer: Any, data: Path, names: list[str], batch: int
-) -> dict[str, list[Request]]:
-    """One request per engine for each of `batch` schemas spread over `names`: cut into `batch`
-    runs of consecutive names, the first schema of each run that every engine compiles and whose
-    first valid instance every engine accepts (the sorted names group by source, so the first
-    `batch` names would all be function-calling schemas)."""
-    requests: dict[str, list[Request]] = {key: [] for key in engines}
+) -> list[Pick]:
+    """`batch` schemas spread over `names`: cut into `batch` runs of consecutive names, the first
+    of each run that every engine compiles and whose first valid instance every engine accepts
+    (the sorted names group by source: the first `batch` would all be function-calling ones);
+    for a run with none, the first such schema among the names not tried yet."""
+    picks: list[Pick] = []
+    tried: set[str] = set()
+
+    def first_of(run: list[str]) -> None:
+        for name in run:
+            if name in tried:
+                continue
+            tried.add(name)
+            pick = _pick(engines, tokenizer, data, name)
+            if pick is not None:
+                picks.append(pick)
+                return
+
     for i in range(batch):
-        for name in names[(i * len(names)) // batch : ((i + 1) * len(names)) // batch]:
-            picked = _requests_for(engines, tokenizer, data, name)
-            if picked:
-                for key, request in picked.items():
-                    requests[key].append(request)
-                break
-    return requests
+        first_of(names[(i * len(names)) // batch : ((i + 1) * len(names)) // batch])
+    while len(picks) < batch and len(tried) < len(names):
+        first_of(names)
+    return picks
 
 
-def _requests_for(
-    engines: dict[str, Any], tokenizer: Any, data: Path, name: str
-) -> dict[str, Request]:
+def _pick(engines: dict[str, Any], tokenizer: Any, data: Path, name: str) -> Pick | None:
     from radixlm.constrained import GrammarError
 
     case = load_case(data / name)
     valid = [t for t in case["tests"] if t["valid"]]
     if not valid:
-        return {}
+        return None
     tokens = instance_tokens(case["schema"], valid[0]["data"], tokenizer)
     schema_text = json.dumps(case["schema"])
-    picked = {}
-    for key, engine in engines.items():
+    for engine in engines.values():
         try:
             if not engine.walk(engine.compile(schema_text), tokens)[0]:
-                return {}
+                return None
         except GrammarError:
-            return {}
-        # a second compile for the batch, whose first masks nothing has cached yet
-        picked[key] = Request(name, engine.compile(schema_text), [*tokens, engine.eos])
-    return picked
+            return None
+    return Pick(name, schema_text, tokens)
+
+
+def fresh_requests(engine: Any, picks: list[Pick]) -> list[Request]:
+    """The batch's requests, each from a compile of its own (no mask cached by an earlier walk)."""
+    return [Request(p.name, engine.compile(p.schema_text), [*p.tokens, engine.eos]) for p in picks]
 
 
 def time_batch_fill(
     requests: list[Request], vocab_size: int, steps: int, executor: Any = None
-) -> dict[str, list[tuple[float, float]]]:
-    """(wall, CPU) seconds per step to fill the (B, W) bitmask of all `requests`: row by row,
-    and with executor (llguidance) also by fill_bitmasks, checked to write the same rows. CPU
-    time is the process's (fill_bitmasks' threads included): what the step costs with the
-    machine to itself, where the wall time also holds what other work took from us."""
-    import torch
-
+) -> tuple[list[float], list[bytes]]:
+    """Seconds per step to fill the (B, W) bitmask of all `requests`, row by row or, given an
+    llguidance executor, with fill_bitmasks; and a digest of each step's bitmask (the two fills
+    must agree)."""
     from radixlm.constrained import allocate_token_bitmask
     from radixlm.constrained.llguidance_backend import fill_bitmasks
 
     bitmask = allocate_token_bitmask(len(requests), vocab_size)  # (B, W)
-    twin = bitmask.clone()
-
-    def one_by_one() -> None:
-        for row, r in enumerate(requests):
-            r.matcher.fill_next_token_bitmask(bitmask, row)
-
-    def in_parallel() -> None:
-        fill_bitmasks([(r.matcher, row) for row, r in enumerate(requests)], twin, executor)
-
-    fills = {"one by one": one_by_one}
-    if executor is not None:
-        fills["fill_bitmasks"] = in_parallel
-    times: dict[str, list[tuple[float, float]]] = {label: [] for label in fills}
     allowed = bitmask.numpy().view(np.uint32)  # (B, W)
-    for step in range(steps):
-        order = list(fills.items())
-        if step % 2:
-            order.reverse()  # neither fill always goes first (and finds the caches warm)
-        for label, fill in order:
-            wall, cpu = time.perf_counter(), time.process_time()
-            fill()
-            times[label].append((time.perf_counter() - wall, time.process_time() - cpu))
-        if executor is not None and not torch.equal(bitmask, twin):
-            raise RuntimeError(f"step {step}: fill_bitmasks and the row-by-row fill disagree")
+    times, digests = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        if executor is None:
+            for row, r in enumerate(requests):
+                r.matcher.fill_next_token_bitmask(bitmask, row)
+        else:
+            fill_bitmasks([(r.matcher, row) for row, r in enumerate(requests)], bitmask, executor)
+        times.append(time.perf_counter() - t0)
+        digests.append(hashlib.blake2b(allowed.tobytes(), digest_size=16).digest())
         for row, r in enumerate(requests):
             r.advance(allowed[row])
-    return times
+    return times, digests
 
 
 def batch_masks(
     keys: list[str], tokenizer: Any, data: Path, names: list[str], args: argparse.Namespace
 ) -> None:
-    """--batch-masks: the step time of filling one (B, W) bitmask for B distinct schemas."""
+    """--batch-masks: the step time of filling one (B, W) bitmask for B distinct schemas. Each
+    fill runs over all the steps on its own, from fresh compiles (llguidance's threads, which
+    spin a while after each fill, would otherwise take the CPU from the row-by-row fill)."""
     import llguidance
 
     engines = make_engines(
@@ -537,28 +542,34 @@ def batch_masks(
     )
     if not engines:
         raise SystemExit("--batch-masks measures radixlm's backends: radixlm, radixlm-outlines")
-    requests = pick_batch(engines, tokenizer, data, names, args.batch_masks)
-    n = len(next(iter(requests.values())))
+    picks = pick_batch(engines, tokenizer, data, names, args.batch_masks)
     print(
-        f"{n} requests, each its own schema (spread over the {len(names)} sampled, ones that "
-        f"{' and '.join(e.name for e in engines.values())} compile and accept), {args.steps} "
-        f"steps; each request walks one valid instance and starts again at its end"
+        f"{len(picks)} requests, each its own schema (spread over the {len(names)} sampled, ones "
+        f"that {' and '.join(e.name for e in engines.values())} compile and accept), "
+        f"{args.steps} steps; each request walks one valid instance and starts again at its end"
     )
-    print("| engine | fill | threads | wall p50 / p99 / max | CPU p50 / p99 | per row (wall p50) |")
-    print("|---|---|---|---|---|---|")
-    for key, engine in engines.items():
-        executor = None
+    print("| engine | fill | threads | step p50 / p99 / max | step p50 per row |")
+    print("|---|---|---|---|---|")
+    for engine in engines.values():
+        fills: list[tuple[str, Any]] = [("one by one", None)]
         if engine.compiler.backend == "llguidance":
-            executor = llguidance.LLExecutor(args.fill_threads)
-        times = time_batch_fill(requests[key], engine.compiler.vocab_size, args.steps, executor)
-        for label, ts in times.items():
-            wall = [1e3 * w for w, _ in ts]
-            cpu = [1e3 * c for _, c in ts]
-            threads = (args.fill_threads or "default") if label == "fill_bitmasks" else 1
+            fills.append(("fill_bitmasks", llguidance.LLExecutor(args.fill_threads)))
+        oracle = None
+        for label, executor in fills:
+            requests = fresh_requests(engine, picks)
+            ts, digests = time_batch_fill(
+                requests, engine.compiler.vocab_size, args.steps, executor
+            )
+            if oracle is not None and digests != oracle:
+                raise RuntimeError(f"{engine.name}: {label} and the row-by-row fill disagree")
+            oracle = digests
+            ms = [1e3 * t for t in ts]
+            threads = (args.fill_threads or "default") if executor is not None else 1
             print(
-                f"| {engine.name} | {label} | {threads} | {percentile(wall, 50):.2f} / "
-                f"{percentile(wall, 99):.2f} / {max(wall):.2f} ms | {percentile(cpu, 50):.2f} / "
-                f"{percentile(cpu, 99):.2f} ms | {1e3 * percentile(wall, 50) / n:.1f} µs |"
+                f"| {engine.name} | {label} | {threads} | {percentile(ms, 50):.2f} / "
+                f"{percentile(ms, 99):.2f} / {max(ms):.2f} ms | "
+                f"{1e3 * percentile(ms, 50) / len(picks):.1f} µs |",
+                flush=True,
             )
 
 
