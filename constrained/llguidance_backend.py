@@ -124,7 +124,11 @@ class LLGuidanceBackend:
                 raise GrammarError("the tokenizer has no eos_token_id; pass eos_token_ids")
             size = int(vocab_size) if vocab_size is not None else len(tokenizer)
             try:
-                lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=size, eos_token=list(eos))
+                lltok = _unpanicked(
+                    lambda: llguidance.hf.from_tokenizer(
+                        tokenizer, n_vocab=size, eos_token=list(eos)
+                    )
+                )
             except ValueError:  # not one llguidance reads ("only fast tokenizers"): by its bytes
                 pass
             else:
@@ -133,8 +137,10 @@ class LLGuidanceBackend:
         if not any(words.token_bytes):
             raise GrammarError("the vocabulary has no usable tokens")
         wrapper = llguidance.TokenizerWrapper(_ByteTokenizer(words))
-        lltok = llguidance.LLTokenizer(
-            wrapper, n_vocab=words.size, eos_token=list(words.eos_token_ids)
+        lltok = _unpanicked(
+            lambda: llguidance.LLTokenizer(
+                wrapper, n_vocab=words.size, eos_token=list(words.eos_token_ids)
+            )
         )
         return cls(lltok, words.size, words.eos_token_ids, **options)
 
@@ -636,6 +642,22 @@ def begin_fill(pairs: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor
         if not m._terminated:
             m._busy = future
     return PendingFill(future, pairs, versions, bitmask)
+
+
+def _unpanicked(read: Callable[[], Any]) -> Any:
+    """`read()` (llguidance reading a tokenizer), with a panic of its Rust code (a BaseException,
+    past `except Exception`: a token over 1024 bytes, say) as a GrammarError that says what to do."""
+    try:
+        return read()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception:
+        raise
+    except BaseException as e:
+        raise GrammarError(
+            f"llguidance cannot read this tokenizer ({type(e).__name__}: {e}); "
+            "use grammar_backend='outlines'"
+        ) from None
 
 
 def _lark_string(text: str) -> str:

@@ -159,13 +159,17 @@ def close_objects(schema: Any) -> Any:
     """`additionalProperties: false` on every object schema that lists `properties` and says
     nothing of other keys. Not where other schemas combine with it (a branch of `allOf`, a node
     with `allOf`, `anyOf`, `oneOf`, `$ref` or conditionals): closing one part there could forbid
-    what another part allows."""
+    what another part allows; nor where it requires a key it does not list."""
 
     def close(node: dict[str, Any], where: str) -> dict[str, Any]:
+        properties = node.get("properties")
+        required = node.get("required")
         if (
             where != "allOf"
-            and isinstance(node.get("properties"), dict)
+            and isinstance(properties, dict)
             and not any(k in node for k in _OPEN_KEYS)
+            # (a required key it does not list: closed, no value could have it)
+            and not (isinstance(required, list) and any(k not in properties for k in required))
         ):
             node["additionalProperties"] = False
         return node

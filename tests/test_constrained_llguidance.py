@@ -341,3 +341,24 @@ def test_eight_threads_compiling_one_spec_build_it_once(compiler, monkeypatch):
     assert compiler.compile("json_schema", spec) is grammars[0]  # a cache hit
     assert compiler.compile_async("json_schema", spec).result(timeout=5) is grammars[0]
     assert len(builds) == 1
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_a_clear_error():
+    """A token past llguidance's 1024 bytes panics in its Rust code (a BaseException): it is a
+    GrammarError that names the other backend."""
+    from radixlm.constrained import TokenVocabulary
+
+    vocab = TokenVocabulary([b"a", b"b", b"x" * 1100, None], [3])
+    with pytest.raises(GrammarError, match="grammar_backend='outlines'"):
+        GrammarCompiler(vocab)
+
+
+def test_an_object_requiring_a_key_it_does_not_list_stays_open():
+    """Closing objects must not make a schema unsatisfiable: one that requires a key it does not
+    list in `properties` is left open."""
+    from radixlm.constrained.schema_rewrite import close_objects
+
+    schema = {"type": "object", "properties": {"guid": {"type": "string"}}, "required": ["gid"]}
+    assert "additionalProperties" not in close_objects(schema)
+    listed = {"type": "object", "properties": {"gid": {"type": "string"}}, "required": ["gid"]}
+    assert close_objects(listed)["additionalProperties"] is False
