@@ -1,6 +1,6 @@
 """JSON-schema grammar engines: soundness and speed of radixlm's two backends and the field's.
 
-Over the MaskBench schemas in /work/shared/data/schemas (see its README), with the default
+Over the MaskBench schemas in ../shared/data/schemas (see its README), with the default
 model's tokenizer (SmolLM2-135M) and no model: for each schema, compile it (per-schema timeout,
 in a child process so a runaway compile is killed), then walk every test instance token by token
 (the tokenizer's own tokenization of the instance written as compact JSON, keys in schema order),
