@@ -147,6 +147,11 @@ class Engine:
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict back) or a list (a list back, n outputs per prompt).
 
+        Grammars (regex, json_schema, ebnf) compile in worker threads while the engine runs the
+        rest. In a list, an item whose grammar is refused or does not compile in time comes back
+        alone with finish_reason {"type": "abort", "message": why}; for a single prompt it is a
+        ValueError (GrammarError) raised here.
+
         With stream=True (one prompt, n=1), returns an iterator of snapshots whose `text` and
         `output_ids` are cumulative; the last one carries the finish reason."""
         reqs, single = self._make_requests(
