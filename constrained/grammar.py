@@ -4,7 +4,6 @@ per-request matcher that walks it."""
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -15,7 +14,7 @@ import torch
 from radixlm.constrained.automaton import ByteAutomaton
 from radixlm.constrained.bitmask import bitmask_words, ids_from_bitmask
 from radixlm.constrained.errors import GrammarError
-from radixlm.constrained.json_schema import schema_validator, validate_json_output
+from radixlm.constrained.json_schema import OutputCheck
 from radixlm.constrained.vocab import TokenVocabulary
 
 _MAX_JUMP_BYTES = 4096
@@ -84,8 +83,7 @@ class CompiledGrammar:
         self.vocab = vocab
         self.notes = notes  # keywords skipped in lenient mode: the output must be validated
         self.lenient = lenient  # a JSON schema compiled leniently: see validate_output
-        self._schema: Any = None  # the parsed spec and its validator, built on the first check
-        self._validator: Any = None
+        self._check: OutputCheck | None = None  # built on the first check
         self._masks = masks
         self._owner = masks.new_owner()
         self._words = bitmask_words(vocab.size)
@@ -106,15 +104,9 @@ class CompiledGrammar:
             raise GrammarError(f"validate_output checks JSON-schema outputs, not {self.kind}")
         if not self.notes and self._matches(text):  # the automaton enforced the whole schema
             return {"valid": True, "error": None, "ignored_keywords": []}
-        if self._validator is None:
-            try:
-                self._schema = json.loads(self.spec)
-                self._validator = schema_validator(self._schema)
-            except Exception as e:  # a broken schema is reported, never raised into the engine
-                error = f"the schema could not be checked: {type(e).__name__}: {e}"
-                return {"valid": False, "error": error, "ignored_keywords": list(self.notes)}
-        error = validate_json_output(self._schema, text, self._validator)
-        return {"valid": error is None, "error": error, "ignored_keywords": list(self.notes)}
+        if self._check is None:
+            self._check = OutputCheck(self.spec, self.notes)
+        return self._check(text)
 
     def _matches(self, text: str) -> bool:
         """Whether `text` is a whole match of the grammar (an output cut short is not)."""

@@ -103,6 +103,29 @@ class JsonSchemaOptions:
     max_counted: int = 32
 
 
+class OutputCheck:
+    """A finished output checked against a JSON schema given as text (what lenient mode owes the
+    caller), the validator built on the first check: {"valid", "error" (None or what is wrong),
+    "ignored_keywords" (`notes`: what the grammar did not enforce)}. A schema that cannot be
+    checked is reported, never raised into the engine."""
+
+    def __init__(self, spec: str, notes: tuple[str, ...] = ()) -> None:
+        self.spec, self.notes = spec, notes
+        self._schema: Any = None
+        self._validator: Any = None
+
+    def __call__(self, text: str) -> dict[str, Any]:
+        if self._validator is None:
+            try:
+                self._schema = json.loads(self.spec)
+                self._validator = schema_validator(self._schema)
+            except Exception as e:
+                error = f"the schema could not be checked: {type(e).__name__}: {e}"
+                return {"valid": False, "error": error, "ignored_keywords": list(self.notes)}
+        error = validate_json_output(self._schema, text, self._validator)
+        return {"valid": error is None, "error": error, "ignored_keywords": list(self.notes)}
+
+
 def schema_validator(schema: Any):
     """A `jsonschema` validator for `schema`, with format checking; the draft from `$schema`.
 

@@ -24,11 +24,7 @@ import torch
 
 from radixlm.constrained.bitmask import bitmask_words, ids_from_bitmask
 from radixlm.constrained.errors import GrammarError
-from radixlm.constrained.json_schema import (
-    FLEXIBLE_WHITESPACE,
-    schema_validator,
-    validate_json_output,
-)
+from radixlm.constrained.json_schema import FLEXIBLE_WHITESPACE, OutputCheck
 from radixlm.constrained.schema_rewrite import (
     NumberLimits,
     bound_numbers,
@@ -259,8 +255,7 @@ class LLGuidanceGrammar:
         for e in self.eos_token_ids:
             eos_only.view(np.uint32)[e >> 5] |= np.uint32(1 << (e & 31))
         self.eos_only_mask = eos_only
-        self._validator: Any = None
-        self._schema: Any = None
+        self._check: OutputCheck | None = None  # built on the first check
 
     def matcher(self, max_rollback: int = 64) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self, self._template.deep_copy(), max_rollback)
@@ -270,15 +265,9 @@ class LLGuidanceGrammar:
         "ignored_keywords"} (what lenient mode owes the caller)."""
         if self.kind != "json_schema":
             raise GrammarError(f"validate_output checks JSON-schema outputs, not {self.kind}")
-        if self._validator is None:
-            try:
-                self._schema = json.loads(self.spec)
-                self._validator = schema_validator(self._schema)
-            except Exception as e:  # a broken schema is reported, never raised into the engine
-                error = f"the schema could not be checked: {type(e).__name__}: {e}"
-                return {"valid": False, "error": error, "ignored_keywords": list(self.notes)}
-        error = validate_json_output(self._schema, text, self._validator)
-        return {"valid": error is None, "error": error, "ignored_keywords": list(self.notes)}
+        if self._check is None:
+            self._check = OutputCheck(self.spec, self.notes)
+        return self._check(text)
 
 
 class LLGuidanceMatcher:

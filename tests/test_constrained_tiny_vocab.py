@@ -319,7 +319,7 @@ def test_lenient_validation_skips_jsonschema_only_for_whole_matches(monkeypatch)
     grammar = compiler.compile("json_schema", {"enum": [12, 21]}, lenient=True)
     assert grammar.lenient and grammar.notes == ()  # nothing had to be skipped
     with monkeypatch.context() as m:
-        m.setattr("radixlm.constrained.grammar.schema_validator", _no_validator)
+        m.setattr("radixlm.constrained.json_schema.schema_validator", _no_validator)
         assert grammar.validate_output("12") == {
             "valid": True,
             "error": None,
