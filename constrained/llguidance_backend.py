@@ -300,11 +300,6 @@ class LLGuidanceMatcher:
     def rollback_depth(self) -> int:
         return min(self._depth, self._max_rollback)
 
-    @property
-    def ll_matcher(self) -> Any:
-        """The llguidance matcher inside (for filling many masks at once, see fill_bitmasks)."""
-        return self._m
-
     def _idle(self) -> None:
         busy, self._busy = self._busy, None
         if busy is not None:
@@ -507,7 +502,7 @@ def fill_bitmasks(matchers: list[tuple[Any, int]], bitmask: torch.Tensor, execut
     for m, _ in matchers:
         m._settle()
         m._idle()
-    live = [(m.ll_matcher, row) for m, row in matchers if not m._terminated]
+    live = [(m._m, row) for m, row in matchers if not m._terminated]
     for m, row in matchers:
         if m._terminated:
             np.copyto(bitmask[row].numpy(), m.grammar.eos_only_mask)

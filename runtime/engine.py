@@ -335,23 +335,26 @@ class Engine:
         return reqs, single
 
     def grammar_compiler(self):
-        """The engine's GrammarCompiler (built on the first constrained request)."""
-        if self._grammar_compiler is None:
-            from radixlm.constrained import GrammarCompiler, NumberLimits
+        """The engine's GrammarCompiler (built on the first constrained request, once)."""
+        with self._grammar_lock:
+            return self._grammar_compiler or self._new_grammar_compiler()
 
-            config = self.config
-            self._grammar_compiler = GrammarCompiler(
-                self.tokenizer,
-                vocab_size=self.model_config.vocab_size,
-                whitespace=config.json_whitespace,
-                compile_timeout=config.grammar_compile_timeout,
-                ebnf_recursion_depth=config.ebnf_recursion_depth,
-                eos_token_ids=sorted(self.eos_token_ids),
-                backend=config.grammar_backend,
-                numbers=NumberLimits(
-                    config.json_integer_bound, config.json_number_bound, config.json_fraction_digits
-                ),
-            )
+    def _new_grammar_compiler(self):
+        from radixlm.constrained import GrammarCompiler, NumberLimits
+
+        config = self.config
+        self._grammar_compiler = GrammarCompiler(
+            self.tokenizer,
+            vocab_size=self.model_config.vocab_size,
+            whitespace=config.json_whitespace,
+            compile_timeout=config.grammar_compile_timeout,
+            ebnf_recursion_depth=config.ebnf_recursion_depth,
+            eos_token_ids=sorted(self.eos_token_ids),
+            backend=config.grammar_backend,
+            numbers=NumberLimits(
+                config.json_integer_bound, config.json_number_bound, config.json_fraction_digits
+            ),
+        )
         return self._grammar_compiler
 
     def _grammar_future(self, params: SamplingParams):
@@ -363,8 +366,7 @@ class Engine:
         constraint = params.constraint
         if constraint is None:
             return None
-        with self._grammar_lock:
-            compiler = self.grammar_compiler()
+        compiler = self.grammar_compiler()
         t0 = time.perf_counter()
         future = compiler.compile_async(*constraint, lenient=params.json_schema_lenient)
         future.add_done_callback(lambda _: self._grammar_times.observe(time.perf_counter() - t0))
