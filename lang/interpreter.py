@@ -90,6 +90,8 @@ class StreamExecutor:
         self._ended = False
         self._children: list[StreamExecutor] = []  # its forks, ended with it
         self._queue: queue.Queue[Any] = queue.Queue()
+        # a streamed run's program body, still submitting steps in its own thread
+        self._body: threading.Thread | None = None
         self._worker = threading.Thread(
             target=self._work, name=f"radixlm-program-{self.sid[:8]}", daemon=True
         )
@@ -105,6 +107,11 @@ class StreamExecutor:
         self._queue.put(expr)
 
     def sync(self) -> None:
+        """Wait for every step of the program: in a streamed run, for its body to have
+        submitted them all too (unless asked from the body itself)."""
+        body = self._body
+        if body is not None and body is not threading.current_thread():
+            body.join()
         self._queue.join()
 
     def end(self) -> None:
@@ -579,6 +586,7 @@ def run_program(
         thread = threading.Thread(
             target=_run_body, args=(state, program, arguments, False, True), daemon=True
         )
+        state.stream_executor._body = thread
         thread.start()
         return state
     _run_body(state, program, arguments, sync, False)

@@ -529,6 +529,22 @@ def test_a_remote_stream_that_failed_is_an_error(monkeypatch, body, match):
         state["n"]
 
 
+def test_a_streamed_run_syncs_with_steps_its_body_has_not_submitted_yet(monkeypatch):
+    """sync() on a streamed state waits for the program body (run in its own thread) too:
+    it returned at once when the body had not queued its first step yet."""
+    body = b'data: {"text": "7", "meta_info": {}}\n\ndata: [DONE]\n\n'
+
+    @sgl.function
+    def prog(s):
+        time.sleep(0.2)
+        s += "Count: " + sgl.gen("n")
+
+    state = prog.run(backend=stub_sse(monkeypatch, body), stream=True)
+    state.sync()
+    assert state.stream_executor.variables.get("n") == "7"
+    assert state.text() == "Count: 7"
+
+
 def test_import_radixlm_and_the_language_stay_free_of_torch():
     code = (
         "import sys, radixlm as sgl\n"
