@@ -1,7 +1,8 @@
 """The engine core: model, KV memory, scheduler and the loop that drives them, in its own thread.
 
-Clients submit requests from any thread; the core batches whatever is waiting at each step and
-hands each request's progress to its sink (a callable run on the core thread, which must not block).
+Clients submit requests from any thread; the core batches whatever is waiting at each step, and
+its output processor (output_processor.py) takes each step's tokens into their requests and hands
+their progress to their sinks (callables run on the core thread, which must not block).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import os
 import queue
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -23,20 +23,12 @@ from radixlm.radix_cache.base import NoPrefixCache
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.cache_manager import CacheManager
 from radixlm.runtime.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
-from radixlm.runtime.model_runner import DeferredStep, ModelRunner, ReqStepResult
-from radixlm.runtime.request import Req, ReqStatus
+from radixlm.runtime.model_runner import DeferredStep, ModelRunner
+from radixlm.runtime.output_processor import OutputProcessor, Sink
+from radixlm.runtime.request import Req
 from radixlm.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-Sink = Callable[[Req, bool], None]  # (request, finished) -> None
-# The shortest forced text jumped over while the request has a step in flight, which the jump
-# costs: about 3 tokens in a small batch, where the device's step is the time; about 10 in a large
-# one, where the host's work is and the jump also waits for the masks filling in the background
-# (measured on the H200 with 88 requests: 0.41x of unconstrained jumping from 8 bytes, 0.68x from 32)
-_MIN_JUMP_BYTES_IN_FLIGHT = 8
-_MIN_JUMP_BYTES_IN_FLIGHT_LARGE_BATCH = 32
-_LARGE_BATCH = 16
 
 
 def use_cuda_graphs(config, device, backend) -> bool:
@@ -79,10 +71,6 @@ def tune_batch1_matmuls(model) -> None:
         )
 
 
-class SamplingFailed(RuntimeError):
-    """One request's token could not be sampled (the rest of its step's were)."""
-
-
 class EngineCore:
     def __init__(
         self, config, model_config, model, kv_pool: KVPool, context_len: int, device
@@ -121,23 +109,19 @@ class EngineCore:
         )
         self.overlap = not config.disable_overlap_schedule
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._sinks: dict[str, Sink] = {}
-        self._progress: dict[str, Sink] = {}  # the sinks that also want every step's progress
-        self._reqs: dict[str, Req] = {}
-        # requests whose grammar is still compiling: not yet the scheduler's
-        self._grammar_queue: dict[str, Req] = {}
+        # the unfinished requests, and what each step's tokens do to them
+        self.output = OutputProcessor(
+            self.cache,
+            self.scheduler,
+            enable_jump_forward=config.enable_jump_forward,
+            abort=self.abort,
+        )
         self._stop = threading.Event()
         self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.num_jump_forward_tokens = 0
         self.num_overlapped_steps = 0  # steps launched before the previous one was applied
         # the core thread's time by phase: planning, launching (with sampling unless deferred),
         # deferred sampling (grammar masks), waiting for the device, applying the tokens
         self.host_seconds = dict.fromkeys(("schedule", "launch", "sample", "wait", "apply"), 0.0)
-        self._num_lockstep = 0  # unfinished requests whose steps need the previous step's tokens
-        self._num_not_greedy = 0  # unfinished requests that are not plain greedy
-        # unfinished requests sampled as the host says: grammar masks, penalties over the output
-        self._num_sampled_on_host = 0
         self._next_masks: DeferredStep | None = None  # the step whose masks _complete begins
         self.error: str | None = None  # why the core thread stopped on its own, if it did
         # held while putting into the inbox and while stopping: what gets in is answered
@@ -230,7 +214,7 @@ class EngineCore:
 
     def _fail_everything(self, message: str) -> None:
         """Finish every request, queued or running, with `message`, and answer pending calls."""
-        reqs = list(self._reqs.values()) + list(self._grammar_queue.values())
+        submitted = []
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
@@ -238,22 +222,10 @@ class EngineCore:
                 break
             if kind == "add":
                 req, sink, _ = payload
-                self._sinks[req.rid] = sink
-                self._reqs[req.rid] = req
-                reqs.append(req)
+                submitted.append((req, sink))
             elif kind == "call":
                 payload[1].put((False, EngineShutDown(message)))
-        for req in reqs:
-            try:
-                self._fail(req, message)
-            except Exception:  # the state may be what broke: still tell the caller
-                try:
-                    req.fail(message)
-                    sink = self._sinks.pop(req.rid, None)
-                    if sink is not None:
-                        sink(req, True)
-                except Exception:
-                    logger.exception("could not fail request %s", req.rid)
+        self.output.fail_all(message, submitted)
 
     def _loop(self) -> None:
         """Schedule, launch, apply. With overlap on, step N+1 is scheduled and launched before
@@ -282,11 +254,11 @@ class EngineCore:
             try:
                 handle = self.runner.launch(
                     plan,
-                    greedy_only=not self._num_not_greedy,
-                    defer_sampling=inflight is not None and self._num_sampled_on_host > 0,
+                    greedy_only=not self.output.num_not_greedy,
+                    defer_sampling=inflight is not None and self.output.num_sampled_on_host > 0,
                 )
             except Exception as e:  # a failed step fails its requests, never the engine
-                self._fail_step(plan, e)
+                self.output.fail_step(plan, e)
                 continue
             self.host_seconds["launch"] += time.perf_counter() - t1
             self.num_steps += 1
@@ -313,7 +285,7 @@ class EngineCore:
                 try:
                     handle = handle.sample()
                 except Exception as e:
-                    self._fail_step(plan, e)
+                    self.output.fail_step(plan, e)
                     continue
                 self.host_seconds["sample"] += time.perf_counter() - t2
             if handle.ready or not self.overlap:
@@ -325,140 +297,19 @@ class EngineCore:
             self._complete(*inflight)
 
     def _can_overlap(self) -> bool:
-        return self.overlap and not self._num_lockstep
+        return self.overlap and not self.output.num_lockstep
 
     def _complete(self, plan, handle) -> None:
         t0 = time.perf_counter()
         try:
             results = handle.results()
         except Exception as e:
-            self._fail_step(plan, e)
+            self.output.fail_step(plan, e)
             return
         t1 = time.perf_counter()
         self.host_seconds["wait"] += t1 - t0
-        self._apply_results(plan, results)
+        self.output.apply_step(plan, results, self._next_masks)
         self.host_seconds["apply"] += time.perf_counter() - t1
-
-    def _apply_results(self, plan, results) -> None:
-        tokens, extras = results.tokens, results.extras
-        if self._num_sampled_on_host:
-            self._advance_grammars(plan, tokens)
-            if self._next_masks is not None:  # filled in the background while N is applied
-                self._next_masks.begin_masks()
-        apply = self._apply_contained
-        if extras:
-            for i, req in enumerate(plan.decodes):
-                if req.num_discard:
-                    req.num_discard -= 1
-                    continue
-                if req.num_pending:
-                    req.num_pending -= 1
-                apply(req, tokens[i], extras.get(i))
-        else:
-            self._apply_decodes(plan.decodes, tokens)
-        for i, item in enumerate(plan.items, len(plan.decodes)):
-            req = item.req
-            if item.samples and req.num_discard:
-                req.num_discard -= 1
-                continue
-            if item.samples and req.num_pending:
-                req.num_pending -= 1
-            apply(req, tokens[i], extras.get(i) if extras else None)
-
-    @staticmethod
-    def _advance_grammars(plan, tokens: list[int | None]) -> None:
-        """The step's grammars take their tokens together (in the grammar backend's threads,
-        where it has them), before each request's token is applied in turn."""
-        matchers, taken = [], []
-        sampled = [*plan.decodes, *(it.req if it.samples else None for it in plan.items)]
-        for req, token in zip(sampled, tokens):
-            if (
-                req is not None
-                and req.grammar is not None
-                and token is not None
-                and not req.num_discard
-                and not req.is_finished
-            ):
-                matchers.append(req.grammar)
-                taken.append(token)
-        if matchers:
-            from radixlm.constrained import accept_next_tokens
-
-            accept_next_tokens(matchers, taken)
-
-    def _apply_contained(self, req: Req, token: int, extra) -> None:
-        try:
-            if extra is not None and extra.error is not None:
-                raise SamplingFailed(extra.error)
-            self._apply(req, token, extra)
-        except Exception as e:
-            self._contain(req, e)
-
-    def _contain(self, req: Req, e: Exception) -> None:
-        """An error sampling or applying one request's token (its grammar's mask, detokenizer,
-        stop checks) fails that request, not the engine with everyone in it."""
-        what = "sampling" if isinstance(e, SamplingFailed) else "applying"
-        logger.exception("%s a token of request %s failed", what, req.rid)
-        if req.rid not in self._reqs:  # (finished already)
-            return
-        if req.status is ReqStatus.FINISHED:  # failed inside _finish: its memory is in doubt
-            raise e
-        if req.pool_row is not None and req.kv_len > len(req.all_ids):
-            # its token was not applied: the K/V that a step in flight computes for it belongs to
-            # no token (a step launched later may reuse the slot: it runs after that one)
-            self.cache.truncate(req, len(req.all_ids))
-        why = str(e) if isinstance(e, SamplingFailed) else f"{type(e).__name__}: {e}"
-        self._fail(req, f"internal error {what} its token: {why}")
-
-    def _apply_decodes(self, reqs: list[Req], tokens: list[int]) -> None:
-        """`_apply` for a step's decodes when no request asked for log-probabilities, with the
-        common case inline: a plain request (no grammar, stop strings or log-probabilities) that
-        is running, has a first token already, and that this token does not finish."""
-        progress = self._progress
-        running = ReqStatus.RUNNING
-        plain = 0
-        for req, token in zip(reqs, tokens):
-            if req.num_discard:  # computed before jump-forward changed its text
-                req.num_discard -= 1
-                continue
-            if req.num_pending:
-                req.num_pending -= 1
-            out = req.output_ids
-            try:
-                if (
-                    req.plain_output
-                    and req.status is running
-                    and out
-                    and token not in req.finish_token_ids
-                    and len(out) + 1 < req.max_output_len
-                ):
-                    out.append(token)
-                    req.detokenizer.add_one(token)
-                    plain += 1
-                    if progress:
-                        sink = progress.get(req.rid)
-                        if sink is not None:
-                            self._deliver(req, sink, False)
-                else:
-                    self._apply(req, token, None)
-            except Exception as e:
-                self._contain(req, e)
-        self.num_generated_tokens += plain
-
-    def _fail_step(self, plan, e: Exception) -> None:
-        logger.error("step failed: %s\n%s", e, traceback.format_exc())
-        for item in plan:
-            req = item.req
-            req.num_pending = 0
-            if req.is_finished:
-                continue
-            keep = max(item.start, req.locked_len)
-            if req.pool_row is not None and req.kv_len > keep:
-                # the step's positions have no K/V: they must not reach the prefix cache. (A step
-                # that fails after its launch has shared its prompt chunk with the cache already;
-                # only a device error fails there, which leaves the engine unusable anyway.)
-                self.cache.truncate(req, keep)
-            self._fail(req, f"internal error during the forward step: {e}")
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -470,14 +321,14 @@ class EngineCore:
             if kind == "add":
                 self._add(*payload)
             elif kind == "grammar":
-                req = self._grammar_queue.pop(payload, None)
+                req = self.output.grammar_queue.pop(payload, None)
                 if req is not None:  # (not aborted meanwhile)
                     self._admit(req)
             elif kind == "abort":
-                req = self._reqs.get(payload) or self._grammar_queue.get(payload)
+                req = self.output.get(payload)
                 if req is not None:
                     req.finish({"type": "abort", "message": "aborted by the client"})
-                    self._finish(req)
+                    self.output.finish(req)
             elif kind == "call":
                 fn, done = payload
                 try:
@@ -492,12 +343,10 @@ class EngineCore:
     def _add(self, req: Req, sink: Sink, progress: bool) -> None:
         """A request from the inbox: to the scheduler, or to the grammar queue while its grammar
         compiles (every other request decodes meanwhile)."""
-        self._sinks[req.rid] = sink
-        if progress:
-            self._progress[req.rid] = sink
+        self.output.track(req, sink, progress)
         future = req.grammar_future
         if future is not None and not future.done():
-            self._grammar_queue[req.rid] = req
+            self.output.grammar_queue[req.rid] = req
             future.add_done_callback(lambda _, rid=req.rid: self._inbox.put(("grammar", rid)))
             return
         self._admit(req)
@@ -510,184 +359,17 @@ class EngineCore:
             if future is not None:
                 error = future.exception()
                 if error is not None:
-                    self._fail(req, str(error))
+                    self.output.fail(req, str(error))
                     return
                 req.grammar = future.result().matcher()
             req.max_output_len = min(
                 req.params.max_new_tokens, self.context_len - len(req.input_ids)
             )
-            lockstep, not_greedy = req.needs_lockstep, not req.plain_greedy
+            self.output.register(req)
         except Exception as e:  # a request the checks let through: it alone fails
-            self._fail(req, f"the request could not be admitted: {type(e).__name__}: {e}")
+            self.output.fail(req, f"the request could not be admitted: {type(e).__name__}: {e}")
             return
-        self._reqs[req.rid] = req
-        self._num_lockstep += lockstep
-        self._num_not_greedy += not_greedy
-        self._num_sampled_on_host += req.sampled_on_host
         self.scheduler.add(req)
-
-    def _apply(self, req: Req, token: int | None, extra: ReqStepResult | None) -> None:
-        """Take one step's result for `req`: its new token (None if the step did not end at its
-        newest token) and any log-probabilities. Runs for every request every step: keep it lean."""
-        if req.status is ReqStatus.FINISHED:
-            return
-        if extra is not None and extra.input_logprobs:
-            req.input_token_logprobs.extend(extra.input_logprobs)
-            req.input_top_logprobs.extend(extra.input_top_logprobs)
-        if token is None:
-            return
-        output_ids = req.output_ids
-        if not output_ids:
-            if req.params.max_new_tokens == 0:  # prompt scoring only
-                req.finish({"type": "length", "length": 0})
-                self._finish(req)
-                return
-            req.first_token_time = time.perf_counter()
-        output_ids.append(token)
-        self.num_generated_tokens += 1
-        if req.logprob.return_logprob:
-            lp, top = (extra.logprob, extra.top_logprobs) if extra is not None else (None, None)
-            req.output_token_logprobs.append((lp, token))
-            req.output_top_logprobs.append(top)
-        grammar = req.grammar
-        if grammar is not None and not grammar.accept_token(token):
-            if not grammar.next_token_mask().any():  # every token masked: none was allowed
-                self._fail(
-                    req,
-                    "the grammar cannot go on: no token of this model's vocabulary continues it "
-                    "here (it asks for text the tokenizer cannot produce)",
-                )
-            else:
-                self._fail(req, f"internal error: the grammar refused the sampled token {token}")
-            return
-        if token in req.finish_token_ids:
-            req.finish({"type": "stop", "matched": token})
-        else:
-            detokenizer = req.detokenizer
-            detokenizer.add_one(token)
-            if (
-                detokenizer.matched_stop is not None
-                or len(output_ids) >= req.max_output_len
-                or (grammar is not None and grammar.is_terminated())
-            ):
-                self._check_stop_or_length(req)
-            elif grammar is not None and self.config.enable_jump_forward:
-                self._jump_forward(req)
-        if req.status is ReqStatus.FINISHED:
-            self._finish(req)
-        else:
-            sink = self._progress.get(req.rid)
-            if sink is not None:
-                self._deliver(req, sink, False)
-
-    def _check_stop_or_length(self, req: Req) -> None:
-        if req.detokenizer.matched_stop is not None:
-            req.finish({"type": "stop", "matched": req.detokenizer.matched_stop})
-        elif req.grammar is not None and req.grammar.is_terminated():
-            # complete, and nothing but EOS may follow: done now, not a step (or, at the length
-            # limit, a "length") later; matched: its last token, as SGLang reports it
-            req.finish({"type": "stop", "matched": req.output_ids[-1]})
-        elif len(req.output_ids) >= req.max_output_len:
-            req.finish({"type": "length", "length": len(req.output_ids)})
-
-    def _jump_forward(self, req: Req) -> None:
-        """Append the text the grammar forces next, tokenized the way the tokenizer tokenizes the
-        whole output, so the next step computes it in one forward instead of a token a step.
-
-        Where the forced text changes how the end of the output tokenizes (the model wrote `{` and
-        `"` where the tokenizer has `{"`), those last tokens are rolled back (grammar state and KV)
-        and replaced by the canonical ones. Skipped with log-probabilities on: forced tokens have
-        none."""
-        if req.logprob.return_logprob:
-            return
-        grammar = req.grammar
-        text = grammar.jump_forward_string()
-        if not text:
-            return
-        if req.num_pending:
-            # with a step in flight, a jump costs that step (its token is dropped) and the next
-            # one: a short forced text is cheaper sampled a token a step under the mask
-            large = len(self.scheduler.running) >= _LARGE_BATCH
-            if len(text.encode()) < (
-                _MIN_JUMP_BYTES_IN_FLIGHT_LARGE_BATCH if large else _MIN_JUMP_BYTES_IN_FLIGHT
-            ):
-                return
-        tokenizer = req.detokenizer.tokenizer
-        ids = req.output_ids
-        full = tokenizer.encode(tokenizer.decode(ids) + text, add_special_tokens=False)
-        keep = _common_prefix_len(full, ids)
-        dropped = ids[keep:]
-        # no further than the request may go, and no more forced tokens than the grammar can
-        # undo should one be refused (the rest come at the next jump)
-        full = full[: min(req.max_output_len, keep + grammar.max_rollback)]
-        if len(full) <= len(ids) or len(req.input_ids) + keep < req.locked_len:
-            return  # nothing gained, or the tokens to replace belong to the prefix cache
-        if len(dropped) > grammar.rollback_depth:
-            return  # the model's own tokens to replace go back further than the grammar can undo
-        grammar.rollback(len(dropped))
-        accepted = grammar.accept_tokens(full[keep:])
-        if accepted < len(full) - keep:  # restore the state the model's own tokens gave
-            grammar.rollback(accepted)
-            grammar.accept_tokens(dropped)
-            return
-        if dropped:
-            self.cache.truncate(req, min(req.kv_len, len(req.input_ids) + keep))
-            del ids[keep:]
-            req.detokenizer.reset(ids)
-        self.num_jump_forward_tokens += len(full) - len(ids)
-        extra = full[len(ids) :]
-        ids.extend(extra)
-        req.token_in_buf = False  # its newest tokens are forced ones, on the host
-        # a step in flight (overlap) sampled its next token after the text before the jump:
-        # that token is dropped when it arrives, and the next step computes the forced text
-        req.num_discard += req.num_pending
-        req.num_pending = 0
-        req.detokenizer.add(extra)
-        self._check_stop_or_length(req)  # (the forced text may complete the grammar)
-
-    def _finish(self, req: Req) -> None:
-        if self._grammar_queue.pop(req.rid, None) is None:
-            self.scheduler.remove(req)
-        try:
-            self._final_text(req)
-        except Exception as e:  # this request's own text failed it; the engine goes on
-            logger.exception("finishing the text of request %s failed", req.rid)
-            req.fail(f"finishing the output failed: {type(e).__name__}: {e}")
-        if self._reqs.pop(req.rid, None) is not None:
-            self._num_lockstep -= req.needs_lockstep
-            self._num_not_greedy -= not req.plain_greedy
-            self._num_sampled_on_host -= req.sampled_on_host
-        self._progress.pop(req.rid, None)
-        sink = self._sinks.pop(req.rid, None)
-        if sink is not None:
-            self._deliver(req, sink, True)
-
-    @staticmethod
-    def _final_text(req: Req) -> None:
-        req.detokenizer.flush()
-        matched = req.detokenizer.matched_stop
-        if matched is not None and (req.finish_reason or {}).get("type") in ("length", "stop"):
-            # a stop string the held bytes completed: the text ends there, so does the reason
-            req.finish_reason = {"type": "stop", "matched": matched}
-        grammar = getattr(req.grammar, "grammar", None)
-        if grammar is not None and grammar.lenient:  # skipped keywords: check what was made
-            req.grammar_validation = grammar.validate_output(req.detokenizer.text)
-
-    def _deliver(self, req: Req, sink: Sink, finished: bool) -> None:
-        """Run a request's sink: the caller's code (a closed event loop raises there), so an error
-        in it costs that request, aborted, and not the engine with everyone else's."""
-        try:
-            sink(req, finished)
-        except Exception:
-            logger.exception("the sink of request %s failed; it is aborted", req.rid)
-            self._progress.pop(req.rid, None)
-            self._sinks.pop(req.rid, None)
-            if not finished:
-                self.abort(req.rid)
-
-    def _fail(self, req: Req, message: str) -> None:
-        req.fail(message)
-        self._finish(req)
 
     # ---- statistics -----------------------------------------------------------------------
 
@@ -696,7 +378,7 @@ class EngineCore:
         return {
             "num_running_reqs": len(self.scheduler.running),
             "num_waiting_reqs": len(self.scheduler.waiting),
-            "num_grammar_queue_reqs": len(self._grammar_queue),
+            "num_grammar_queue_reqs": len(self.output.grammar_queue),
             "kv_pool_capacity_tokens": self.allocator.capacity,
             "kv_pool_free_tokens": self.allocator.num_free,
             "radix_cache_tokens": pc.total_size,
@@ -705,12 +387,12 @@ class EngineCore:
             "cache_hit_rate": self.cache.stats.hit_rate,
             "prompt_tokens": self.cache.stats.prompt_tokens,
             "cached_tokens": self.cache.stats.cached_tokens,
-            "generated_tokens": self.num_generated_tokens,
+            "generated_tokens": self.output.num_generated_tokens,
             "num_steps": self.num_steps,
             "graph_steps": self.runner.num_graph_steps,
             "prefill_graph_steps": self.runner.num_prefill_graph_steps,
             "num_preemptions": self.scheduler.num_preemptions,
-            "jump_forward_tokens": self.num_jump_forward_tokens,
+            "jump_forward_tokens": self.output.num_jump_forward_tokens,
             "overlapped_steps": self.num_overlapped_steps,
             **{f"host_seconds_{k}": v for k, v in self.host_seconds.items()},
         }
@@ -769,12 +451,3 @@ def _available_host_memory() -> int:
     import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -221,16 +221,16 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_sampled(tmp_path, default_
 def test_a_request_whose_text_cannot_be_finished_fails_alone(tiny_model_folder, monkeypatch):
     """An error finishing one request's text (its detokenizer, its grammar's check) fails that
     request; it escaped the core loop before, and stopped the engine for everyone."""
-    from radixlm.runtime.engine_core import EngineCore
+    from radixlm.runtime.output_processor import OutputProcessor
 
-    final_text = EngineCore._final_text
+    final_text = OutputProcessor._final_text
 
     def failing(req):
         if req.input_ids[0] == 7:
             raise TypeError("injected in the text")
         final_text(req)
 
-    monkeypatch.setattr(EngineCore, "_final_text", staticmethod(failing))
+    monkeypatch.setattr(OutputProcessor, "_final_text", staticmethod(failing))
     params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
     with radixlm.Engine(tiny_model_folder) as eng:
         bad, good = eng.generate(input_ids=[[7, 8, 9], [5, 8, 9]], sampling_params=params)
@@ -243,16 +243,16 @@ def test_a_request_whose_text_cannot_be_finished_fails_alone(tiny_model_folder, 
 def test_an_error_applying_one_requests_token_fails_that_request_alone(
     tiny_model_folder, monkeypatch
 ):
-    from radixlm.runtime.engine_core import EngineCore
+    from radixlm.runtime.output_processor import OutputProcessor
 
-    apply = EngineCore._apply
+    apply = OutputProcessor._apply
 
     def failing(self, req, token, extra):
         if req.input_ids[0] == 7 and req.output_ids:  # its second token, on the decode path
             raise TypeError("injected while applying")
         apply(self, req, token, extra)
 
-    monkeypatch.setattr(EngineCore, "_apply", failing)
+    monkeypatch.setattr(OutputProcessor, "_apply", failing)
     params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "stop": ["\x00"]}
     with radixlm.Engine(tiny_model_folder) as eng:
         bad, good = eng.generate(input_ids=[[7, 8, 9], [5, 8, 9]], sampling_params=params)
