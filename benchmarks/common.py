@@ -83,13 +83,17 @@ def random_hf_model(folder: Path):
         torch.set_default_dtype(torch.float32)
 
 
-def offline_gpu_workload(requests: int) -> tuple[list[list[int]], list[dict]]:
-    """The GPU offline workload: prompts of 100-400 random tokens, 100-300 new tokens each, greedy,
-    EOS ignored (so every request produces exactly its length)."""
+def offline_gpu_workload(
+    requests: int,
+    prompt_lens: tuple[int, int] = (100, 400),
+    output_lens: tuple[int, int] = (100, 300),
+) -> tuple[list[list[int]], list[dict]]:
+    """The GPU offline workload: prompts of 100-400 random tokens, 100-300 new tokens each (or
+    the spans given), greedy, EOS ignored (so every request produces exactly its length)."""
     rng = random.Random(0)
-    prompts = random_prompts(requests, 100, 400, 32000, seed=3)
+    prompts = random_prompts(requests, *prompt_lens, 32000, seed=3)
     params = [
-        {"max_new_tokens": rng.randint(100, 300), "temperature": 0, "ignore_eos": True}
+        {"max_new_tokens": rng.randint(*output_lens), "temperature": 0, "ignore_eos": True}
         for _ in prompts
     ]
     return prompts, params

@@ -107,7 +107,13 @@ async def _stream_all(engine, prompts, params_list):
 
 
 def run_distinct(
-    model_path, folder: Path, count: int, max_new_tokens: int, backend: str, **engine_args
+    model_path,
+    folder: Path,
+    count: int,
+    max_new_tokens: int,
+    backend: str,
+    profile: int = 0,
+    **engine_args,
 ) -> None:
     import jsonschema
 
@@ -157,6 +163,10 @@ def run_distinct(
                 for i in range(count)
                 if i not in ok
             ]
+        if profile:  # once more, profiled (the timed runs are not)
+            prof = _profile_core(eng)
+            asyncio.run(_stream_all(eng, prompts, cons))
+            profiled = _profile_report(eng, prof, profile)
     extra = "".join(f", {k}={v}" for k, v in engine_args.items())
     print(f"\n{count} requests, {count} distinct schemas, grammar_backend={backend}{extra}")
     print(f"refused (each failed alone): {len(refused)}")
@@ -176,6 +186,28 @@ def run_distinct(
     print("\nthe engine core's host time (wait: for the device):")
     for label, host, f_host in hosts:
         print(f"  {label}: constrained {host}\n  {'':{len(label)}}  unconstrained {f_host}")
+    if profile:
+        print("\nthe engine core thread in a third constrained run (cProfile, by own time):\n")
+        print(profiled)
+
+
+def _profile_core(engine):
+    """A cProfile of the engine core's thread, started there between two steps."""
+    import cProfile
+
+    prof = cProfile.Profile()
+    engine._core.call(prof.enable)
+    return prof
+
+
+def _profile_report(engine, prof, top: int) -> str:
+    import io
+    import pstats
+
+    engine._core.call(prof.disable)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 def _host_per_step(before: dict, after: dict) -> str:
@@ -208,6 +240,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--grammar-backend", default="llguidance")
     ap.add_argument(
+        "--profile", type=int, default=0, metavar="N",
+        help="with --distinct: then a third constrained run, profiled: the N functions of the "
+        "engine core thread with the most own time (cProfile)",
+    )  # fmt: skip
+    ap.add_argument(
         "--engine-arg", action="append", default=[], metavar="NAME=VALUE",
         help="an engine option for the --distinct run (VALUE read as JSON, else as text)",
     )  # fmt: skip
@@ -216,7 +253,7 @@ def main() -> None:
     if args.distinct:
         run_distinct(
             args.model_path, args.schemas_dir, args.distinct, args.max_new_tokens,
-            args.grammar_backend, **dict(_engine_arg(a) for a in args.engine_arg),
+            args.grammar_backend, args.profile, **dict(_engine_arg(a) for a in args.engine_arg),
         )  # fmt: skip
         return
 

@@ -3,6 +3,7 @@ prompts, same machine, one run.
 
     python -m benchmarks.offline_throughput [--model-path P] [--batch 64] [--new-tokens 64]
     python -m benchmarks.offline_throughput --shape smollm2-135m   # GPU: random weights, bf16
+        [--ablate pdl,prefill-graphs,cuda-graphs,overlap] [--prompt-lens 1000-2000 --output-lens 20-100]
 
 On the CPU, two workloads: batch 1 (decode speed: a short prompt, many new tokens) and a batch of prompts of
 mixed lengths generated all at once (transformers pads them to the longest; radixlm batches them
@@ -11,7 +12,8 @@ continuously without padding). EOS is ignored so both produce exactly the same n
 With --shape (a GPU and random weights of a real model's shape): 1,000 requests with prompts of
 100-400 tokens and 100-300 new tokens each, submitted at once, against transformers'
 continuous-batching `generate_batch` on the same prompts (a subset, --hf-requests, since it is much
-slower; its rate is output tokens per second of that subset).
+slower; its rate is output tokens per second of that subset). The rate is the median of
+--repeats runs on one engine; --ablate runs it again with each named switch off, one at a time.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ from benchmarks.common import (
     random_prompts,
     shape_folder,
 )
+
+
+def _span(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
 
 
 def time_ours(engine, prompts, new_tokens):
@@ -81,6 +88,18 @@ def main() -> None:
     ap.add_argument("--shape", default=None, help="GPU workload on random weights of this shape")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--hf-requests", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=3, help="with --shape: runs, median taken")
+    ap.add_argument(
+        "--ablate",
+        default="",
+        help=f"with --shape: switches to turn off one at a time, of {','.join(ABLATIONS)}",
+    )
+    ap.add_argument(
+        "--prompt-lens", type=_span, default=(100, 400), help="with --shape: LO-HI prompt tokens"
+    )
+    ap.add_argument(
+        "--output-lens", type=_span, default=(100, 300), help="with --shape: LO-HI new tokens"
+    )
     ap.add_argument(
         "--max-running", type=int, default=None,
         help="with --shape: concurrent requests (default: all of them, at once)",
@@ -122,32 +141,74 @@ def main() -> None:
         print(f"| {label} | {tokens / ours:.1f} | {tokens / theirs:.1f} | {theirs / ours:.2f}x |")
 
 
+# switches one run turns off, one at a time, to see what each is worth at this batch size
+ABLATIONS = {
+    "pdl": ({"RADIXLM_DISABLE_PDL": "1"}, {}),  # each Triton kernel launched after the last ends
+    "prefill-graphs": ({}, {"cuda_graph_max_prefill_tokens": 0}),  # prompt steps run eagerly
+    "cuda-graphs": ({}, {"disable_cuda_graph": True}),  # every step launched kernel by kernel
+    "overlap": ({}, {"disable_overlap_schedule": True}),  # the host waits for each step
+}
+
+
+def ours_offline(args, folder, prompts, params, without: str = "") -> tuple[float, dict]:
+    """Median output tokens/s over --repeats runs of the whole workload on one engine, and the
+    engine's statistics; `without` names a switch of ABLATIONS to turn off."""
+    import os
+    import statistics
+
+    env, engine_args = ABLATIONS[without] if without else ({}, {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with radixlm.Engine(
+            str(folder), load_format="dummy", disable_radix_cache=True,
+            max_running_requests=args.max_running, cuda_graph_max_bs=args.max_running,
+            **engine_args,
+        ) as eng:  # fmt: skip
+            eng.generate(input_ids=prompts[:64], sampling_params=params[:64])  # warm-up
+            rates = []
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                results = eng.generate(input_ids=prompts, sampling_params=params)
+                wall = time.perf_counter() - t
+                produced = sum(len(r["output_ids"]) for r in results)
+                assert produced == sum(p["max_new_tokens"] for p in params)
+                rates.append(produced / wall)
+            stats = eng.get_stats()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.cuda.empty_cache()
+    label = f"without {without}" if without else "radixlm"
+    runs = ", ".join(f"{r:.0f}" for r in rates)
+    print(f"{label}: median {statistics.median(rates):.0f} output tok/s (runs: {runs})")
+    return statistics.median(rates), stats
+
+
 def gpu_workload(args) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("--shape measures the GPU: no CUDA device here")
     folder = shape_folder(args.shape)
-    prompts, params = offline_gpu_workload(args.requests)
+    prompts, params = offline_gpu_workload(args.requests, args.prompt_lens, args.output_lens)
     outs = [p["max_new_tokens"] for p in params]
     print(f"device: {device_line()}  commit: {commit()}  shape: {args.shape}")
-
-    with radixlm.Engine(
-        str(folder), load_format="dummy", disable_radix_cache=True,
-        max_running_requests=args.max_running, cuda_graph_max_bs=args.max_running,
-    ) as eng:  # fmt: skip
-        eng.generate(input_ids=prompts[:64], sampling_params=params[:64])  # warm-up
-        t = time.perf_counter()
-        results = eng.generate(input_ids=prompts, sampling_params=params)
-        wall = time.perf_counter() - t
-        produced = sum(len(r["output_ids"]) for r in results)
-        assert produced == sum(outs)
-        stats = eng.get_stats()
-    ours = produced / wall
-    print(f"radixlm: {len(prompts)} requests, {produced} output tokens in {wall:.1f}s")
+    lo, hi = args.prompt_lens
     print(
-        f"  = {ours:.0f} output tok/s, {(produced + sum(map(len, prompts))) / wall:.0f} total tok/s"
+        f"{len(prompts)} requests, {lo}-{hi} in / {args.output_lens[0]}-{args.output_lens[1]} "
+        f"out, {args.max_running} running, {sum(outs)} output tokens a run"
     )
+    ours, stats = ours_offline(args, folder, prompts, params)
     print(f"  engine stats: {stats}")
-    torch.cuda.empty_cache()
+    ablate = [a for a in args.ablate.split(",") if a]
+    if ablate:
+        print("\n| switched off | median out tok/s | vs all on |\n|---|---|---|")
+        rows = [(a, ours_offline(args, folder, prompts, params, a)[0]) for a in ablate]
+        print(f"| (nothing) | {ours:.0f} | 1.00x |")
+        for a, rate in rows:
+            print(f"| {a} | {rate:.0f} | {rate / ours:.2f}x |")
 
     if not args.hf_requests:
         return
