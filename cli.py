@@ -142,6 +142,18 @@ def _chat_template(text: str) -> str:
     )
 
 
+def _tool_call_parsers() -> tuple[str, ...]:
+    from radixlm.server.tool_parsers import TOOL_CALL_PARSERS
+
+    return TOOL_CALL_PARSERS
+
+
+def _reasoning_parsers() -> tuple[str, ...]:
+    from radixlm.server.reasoning import REASONING_PARSERS
+
+    return REASONING_PARSERS
+
+
 def _add_sglang_options(parser: argparse.ArgumentParser) -> None:
     """SGLang's launch flags that radixlm takes with one meaning only, or refuses saying why."""
     group = parser.add_argument_group("SGLang compatibility")
@@ -217,6 +229,19 @@ def _build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="on SIGTERM, seconds to let in-flight requests finish before they are aborted",
+    )
+    net.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=_tool_call_parsers(),
+        help="the model's tool-call format, as SGLang names them (auto: read from the chat "
+        "template; default: the server's own, <tool_call> blocks and bare JSON calls)",
+    )
+    net.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=_reasoning_parsers(),
+        help="return the thinking between <think> and </think> as reasoning_content",
     )
     limits = serve.add_argument_group("limits")
     limits.add_argument(
@@ -307,6 +332,8 @@ def _serve(args: argparse.Namespace) -> int:
             limits=limits,
             owns_engine=True,
             server_info={"host": args.host, "port": args.port},
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
         # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish for
         # the graceful timeout (then cancels them, which aborts their generations), and runs the

@@ -21,7 +21,9 @@ from radixlm.server.backend import GenerationBackend, LocalEngineBackend, engine
 from radixlm.server.errors import APIError, ClientDisconnected, unavailable
 from radixlm.server.guard import GuardMiddleware
 from radixlm.server.metrics import Metrics
+from radixlm.server.reasoning import reasoning_parser as get_reasoning_parser
 from radixlm.server.state import ServerLimits, ServerState
+from radixlm.server.tool_parsers import resolve_tool_call_parser
 
 logger = logging.getLogger("radixlm.server")
 
@@ -34,17 +36,25 @@ def create_app(
     limits: ServerLimits | None = None,
     owns_engine: bool = True,
     server_info: dict[str, Any] | None = None,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """Build the app over an engine (a `radixlm.Engine` or any `GenerationBackend`).
 
     With `owns_engine`, the engine is shut down when the app shuts down (uvicorn on SIGTERM: it
     stops accepting, lets in-flight requests finish for its graceful timeout, then runs this).
     `served_model_name` is the model id of the OpenAI API (default: the model folder's name).
+    `tool_call_parser` is the model's tool-call format under SGLang's names (`hermes`, `qwen25`,
+    `llama3`, `pythonic`, `mistral`, `deepseekv3`, or `auto`: from the chat template; default:
+    the server's own format, see server/tools.py); `reasoning_parser` (`deepseek-r1`, `qwen3`)
+    splits the thinking off into `reasoning_content`. ValueError for an unknown name.
     """
+    reasoning = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
     backend: GenerationBackend = (
         engine if _is_backend(engine) else LocalEngineBackend(engine)
     )  # fmt: skip
     info = backend.model_info()
+    tool_parser = resolve_tool_call_parser(tool_call_parser, info.chat_template)
     name = served_model_name or info.name
     state = ServerState(
         backend=backend,
@@ -55,6 +65,8 @@ def create_app(
         owns_engine=owns_engine,
         extra_server_info=dict(server_info or {}),
         json_whitespace=backend.engine_config().get("json_whitespace", "compact"),
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning,
     )
 
     @contextlib.asynccontextmanager

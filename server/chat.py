@@ -7,6 +7,7 @@ from typing import Any
 from radixlm.server.backend import GenerationBackend
 from radixlm.server.errors import bad_request
 from radixlm.server.openai_protocol import ChatMessage
+from radixlm.server.tool_parsers import ToolCallParser
 from radixlm.server.tools import (
     ToolPlan,
     arguments_dict,
@@ -45,7 +46,11 @@ def render_chat_prompt(
     messages: list[ChatMessage],
     plan: ToolPlan,
     template_kwargs: dict[str, Any] | None = None,
+    parser: ToolCallParser | None = None,
 ) -> str:
+    """The prompt of a chat. Tools go to a template that takes them; otherwise they are described
+    in the system prompt, with earlier calls written as `parser`'s format writes them (None: the
+    default format's `<tool_call>` blocks)."""
     if not messages:
         raise bad_request("messages must hold at least one message", "messages")
     for key in template_kwargs or {}:
@@ -56,15 +61,18 @@ def render_chat_prompt(
                 "chat_template_kwargs",
             )
     native_tools = backend.model_info().chat_template_has_tools
-    dicts = chat_messages(messages, native_tools)
+    dicts = chat_messages(messages, native_tools, parser)
     tools = None
     if plan.active:
+        instructions = plan.instructions()
+        if parser is not None:
+            instructions = parser.instructions(plan.mode, plan.name, plan.parallel)
         if native_tools:
             tools = plan.offered
             if plan.constrained:
-                _add_to_system(dicts, plan.instructions())
+                _add_to_system(dicts, instructions)
         else:
-            _add_to_system(dicts, tools_system_prompt(plan))
+            _add_to_system(dicts, tools_system_prompt(plan, instructions))
     try:
         if template_kwargs:
             return backend.render_chat(dicts, tools, template_kwargs)
@@ -73,7 +81,9 @@ def render_chat_prompt(
         raise bad_request(f"the model's chat template cannot render these messages: {e}") from e
 
 
-def chat_messages(messages: list[ChatMessage], native_tools: bool) -> list[dict[str, Any]]:
+def chat_messages(
+    messages: list[ChatMessage], native_tools: bool, parser: ToolCallParser | None = None
+) -> list[dict[str, Any]]:
     """Plain dicts for the template; tool calls and results as text where it lacks tools."""
     out: list[dict[str, Any]] = []
     call_names: dict[str, str] = {}  # tool_call_id -> function name, for the results
@@ -108,7 +118,16 @@ def chat_messages(messages: list[ChatMessage], native_tools: bool) -> list[dict[
                     }
                 )
             else:
-                calls = [call_as_text(c.function.name, c.function.arguments) for c in m.tool_calls]
+                if parser is not None:
+                    written = [
+                        (c.function.name, arguments_dict(c.function.arguments))
+                        for c in m.tool_calls
+                    ]
+                    calls = [parser.format_calls(written)]
+                else:
+                    calls = [
+                        call_as_text(c.function.name, c.function.arguments) for c in m.tool_calls
+                    ]
                 out.append(
                     {"role": "assistant", "content": "\n".join(filter(None, [content, *calls]))}
                 )

@@ -39,12 +39,15 @@ from radixlm.server.openai_protocol import (
     CompletionRequest,
     ResponseFormat,
 )
+from radixlm.server.reasoning import ReasoningParser, ReasoningStream
 from radixlm.server.state import ServerState
+from radixlm.server.tool_parsers import HermesParser, ToolCallParser, ToolCallStream
 from radixlm.server.tools import (
     ContentFilter,
     ToolCallStreamer,
     ToolPlan,
     auto_output_regex,
+    openai_call,
     parse_output,
     plan_tools,
 )
@@ -516,20 +519,31 @@ async def chat_completions(request: Request) -> Response:
                 "top_logprobs",
             )
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    # the server's tool-call format (None: the default one, below)
+    parser = state.tool_parser if plan.active else None
     # rendering and tokenizing (long chats take a while) off the event loop
-    ids = await asyncio.to_thread(_chat_prompt_ids, state, req, plan)
+    ids = await asyncio.to_thread(_chat_prompt_ids, state, req, plan, parser)
     max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_param = req.max_tokens, "max_tokens"
     params = _sampling_params(state, req, max_tokens, max_param, len(ids))
     _apply_response_format(params, req.response_format)
-    schema = plan.output_schema()
-    if schema is not None:
-        _set_constraint(params, "json_schema", json.dumps(schema), "tool_choice")
+    reasoning = state.reasoning_parser if req.separate_reasoning else None
+    if reasoning is not None and (_constraints(params) or (plan.constrained and parser is None)):
+        # a constraint that holds from the first token leaves no room for thinking: the output
+        # is all answer
+        reasoning = None
+    if parser is not None:
+        _set_tool_grammar(state, params, plan, parser, reasoning)
+        stream_calls = False
+    else:
+        schema = plan.output_schema()
+        if schema is not None:
+            _set_constraint(params, "json_schema", json.dumps(schema), "tool_choice")
+        stream_calls = plan.constrained
     # with "auto", calls follow their schemas once opened (unless a response_format constrains
     # the whole output already); streamed, calls then go out as deltas while generated
-    stream_calls = plan.constrained
-    if plan.mode == "auto" and not _constraints(params):
+    if parser is None and plan.mode == "auto" and not _constraints(params):
         try:
             params["regex"] = auto_output_regex(plan, state.json_whitespace)
         except ValueError as e:
@@ -547,12 +561,13 @@ async def chat_completions(request: Request) -> Response:
         streams = _keep_stop_strings(streams)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
+    output = _ChatOutput(plan, parser, reasoning)
     if req.stream:
-        events = _chat_events(state, req, plan, n, streams, rid, created, stream_calls)
+        events = _chat_events(state, req, output, n, streams, rid, created, stream_calls)
         return _sse_response(_guarded(state, events))
     finals = await cancel_on_disconnect(request, collect(streams))
     _raise_if_failed(finals)
-    choices = [_chat_choice(state, req, plan, i, f) for i, f in enumerate(finals)]
+    choices = [_chat_choice(state, req, output, i, f) for i, f in enumerate(finals)]
     return json_response(
         {
             "id": rid,
@@ -565,8 +580,50 @@ async def chat_completions(request: Request) -> Response:
     )
 
 
-def _chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
-    prompt = render_chat_prompt(state.backend, req.messages, plan, req.chat_template_kwargs)
+@dataclass(frozen=True)
+class _ChatOutput:
+    """How a chat output is read: its tools, their call format (None: the default one) and the
+    reasoning parser that splits off its thinking (None: no thinking apart)."""
+
+    plan: ToolPlan
+    parser: ToolCallParser | None
+    reasoning: ReasoningParser | None
+
+
+def _set_tool_grammar(
+    state: ServerState,
+    params: dict[str, Any],
+    plan: ToolPlan,
+    parser: ToolCallParser,
+    reasoning: ReasoningParser | None,
+) -> None:
+    """A demanded call is forced in the parser's own format (after the thinking, with a reasoning
+    parser); under "auto", Hermes-format calls follow their schemas once opened, other formats
+    are read from free text."""
+    if plan.constrained:
+        try:
+            regex = parser.forced_regex(
+                plan.offered, plan.mode == "named" or not plan.parallel, state.json_whitespace
+            )
+        except ValueError as e:
+            raise bad_request(f"cannot enforce the tools' parameter schemas: {e}", "tools") from e
+        if reasoning is not None:
+            regex = f"{reasoning.grammar_prefix()}(?:{regex})"
+        _set_constraint(params, "regex", regex, "tool_choice")
+    elif isinstance(parser, HermesParser) and reasoning is None and not _constraints(params):
+        try:
+            params["regex"] = auto_output_regex(plan, state.json_whitespace)
+        except ValueError as e:
+            raise bad_request(f"cannot enforce the tools' parameter schemas: {e}", "tools") from e
+
+
+def _chat_prompt_ids(
+    state: ServerState,
+    req: ChatCompletionRequest,
+    plan: ToolPlan,
+    parser: ToolCallParser | None,
+) -> list[int]:
+    prompt = render_chat_prompt(state.backend, req.messages, plan, req.chat_template_kwargs, parser)
     check_text_fits(state, prompt, "messages")
     ids = state.backend.tokenize(prompt)
     check_prompt(state, ids, "messages")
@@ -574,14 +631,25 @@ def _chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, plan: ToolP
 
 
 def _chat_choice(
-    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan, index: int, final: dict
+    state: ServerState, req: ChatCompletionRequest, output: _ChatOutput, index: int, final: dict
 ) -> dict[str, Any]:
     meta = final["meta_info"]
-    parsed = parse_output(final["text"], plan)
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    text, thinking = final["text"], None
+    if output.reasoning is not None:
+        thinking, text = output.reasoning.split(text)
+    if output.parser is not None:
+        found = output.parser.parse(text, output.plan.names())
+        calls = [openai_call(c.name, c.arguments) for c in found.calls]
+        content = found.normal_text if found.normal_text or not calls else None
+    else:
+        parsed = parse_output(text, output.plan)
+        content, calls = parsed.content, parsed.tool_calls
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if thinking:
+        message["reasoning_content"] = thinking
     reason = _finish_reason(meta)
-    if parsed.tool_calls:
-        message["tool_calls"] = parsed.tool_calls
+    if calls:
+        message["tool_calls"] = calls
         reason = _reason_with_calls(reason)
     logprobs = None
     if req.logprobs:
@@ -622,6 +690,8 @@ def _chat_logprobs(state: ServerState, meta: dict[str, Any], skip: int) -> list[
 class _ChoiceProgress:
     filter: ContentFilter
     calls: ToolCallStreamer | None  # tool calls streamed as they are generated
+    thinking: ReasoningStream | None  # the thinking, split off as it arrives
+    parsed: ToolCallStream | None  # content and calls of a parser's format
     text_sent: int = 0  # characters of the output shown (no tools)
     tokens_sent: int = 0  # output tokens whose logprobs were sent
     started: bool = False
@@ -631,7 +701,7 @@ class _ChoiceProgress:
 async def _chat_events(
     state: ServerState,
     req: ChatCompletionRequest,
-    plan: ToolPlan,
+    output: _ChatOutput,
     n: int,
     streams: list[AsyncIterator[dict[str, Any]]],
     rid: str,
@@ -639,8 +709,14 @@ async def _chat_events(
     stream_calls: bool,
 ) -> AsyncIterator[bytes]:
     include_usage, continuous = _stream_usage(req)
+    plan, parser, reasoning = output.plan, output.parser, output.reasoning
     progress = [
-        _ChoiceProgress(ContentFilter(plan), ToolCallStreamer(plan) if stream_calls else None)
+        _ChoiceProgress(
+            ContentFilter(plan),
+            ToolCallStreamer(plan) if stream_calls else None,
+            reasoning.stream() if reasoning is not None else None,
+            parser.stream(plan.names()) if parser is not None else None,
+        )
         for _ in streams
     ]
 
@@ -673,7 +749,14 @@ async def _chat_events(
             error = finish_error(meta)
             if error is not None:
                 raise internal_error(f"generation failed: {error}")
-        if plan.active:
+        if p.thinking is not None:  # the thinking goes out apart; the rest is read as the answer
+            if thinking := p.thinking.feed(text, finished):
+                yield chunk([choice(index, {"reasoning_content": thinking})])
+            text = p.thinking.answer
+        call_deltas: list[dict[str, Any]] = []
+        if p.parsed is not None:
+            content, call_deltas = p.parsed.feed(text, finished)
+        elif plan.active:
             content = p.filter.visible(text)
         else:
             content = text[p.text_sent :]
@@ -686,12 +769,18 @@ async def _chat_events(
                 logprobs = {"content": entries}
         if content or logprobs:
             yield chunk([choice(index, {"content": content}, logprobs)])
-        call_deltas = p.calls.feed(text) if p.calls is not None else []
+        if p.calls is not None:
+            call_deltas = p.calls.feed(text)
         if call_deltas:
             yield chunk([choice(index, {"tool_calls": call_deltas})])
         if not finished:
             continue
         p.final = snap
+        if p.parsed is not None:
+            reason = _finish_reason(meta)
+            reason = _reason_with_calls(reason) if p.parsed.count else reason
+            yield chunk([choice(index, {}, None, reason)])
+            continue
         calls_found = p.calls is not None and p.calls.count > 0
         # (no calls streamed: those of an output no grammar wrote, found now; the streamer's own
         # scan, which found none, is not run again)

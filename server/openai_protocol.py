@@ -136,7 +136,12 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    _NULL_MEANS = {**_SamplingFields._NULL_MEANS, "logprobs": False, "parallel_tool_calls": True}
+    _NULL_MEANS = {
+        **_SamplingFields._NULL_MEANS,
+        "logprobs": False,
+        "parallel_tool_calls": True,
+        "separate_reasoning": True,
+    }
     messages: list[ChatMessage] = msgspec.field(default_factory=list)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -149,6 +154,9 @@ class ChatCompletionRequest(_SamplingFields):
     # extra variables for the model's chat template (vLLM's and SGLang's name), e.g. Qwen3's
     # {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's: with a reasoning parser, the thinking apart as reasoning_content (false: all of
+    # the output is content)
+    separate_reasoning: bool | None = True
     # accepted, no effect here
     metadata: dict[str, Any] | None = None
     store: bool | None = None

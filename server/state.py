@@ -8,6 +8,8 @@ from typing import Any
 
 from radixlm.server.backend import GenerationBackend
 from radixlm.server.metrics import Metrics
+from radixlm.server.reasoning import ReasoningParser
+from radixlm.server.tool_parsers import ToolCallParser
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class ServerState:
     extra_server_info: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
     json_whitespace: str = "compact"  # the engine's, for the tool-call grammars the server builds
+    tool_parser: ToolCallParser | None = None  # the model's tool-call format (None: the default)
+    reasoning_parser: ReasoningParser | None = None  # splits off the thinking (None: none)
 
     def accepts_model(self, name: str | None) -> bool:
         return name is None or name in (

@@ -402,14 +402,15 @@ class _JsonValueScanner:
         return piece, self.end >= 0
 
 
-def tools_system_prompt(plan: ToolPlan) -> str:
-    """The tools and how to call them, for a model whose chat template has no tool support."""
+def tools_system_prompt(plan: ToolPlan, instructions: str | None = None) -> str:
+    """The tools and how to call them (default: `plan.instructions()`), for a model whose chat
+    template has no tool support."""
     lines = ["# Tools", "", "You can call these functions (JSON schemas of their signatures):"]
     lines.append("<tools>")
     lines.extend(json.dumps(t, ensure_ascii=False) for t in plan.offered)
     lines.append("</tools>")
     lines.append("")
-    lines.append(plan.instructions())
+    lines.append(instructions or plan.instructions())
     return "\n".join(lines)
 
 
@@ -457,7 +458,7 @@ def parse_output(text: str, plan: ToolPlan, scan: bool = True) -> ParsedOutput:
     streamed = _streamed_calls(text, plan) if scan else []
     if streamed:
         content = None if plan.constrained else _without_blocks(text).strip() or None
-        calls = [_openai_call(name, _arguments_text(arguments)) for name, arguments in streamed]
+        calls = [openai_call(name, _arguments_text(arguments)) for name, arguments in streamed]
         return ParsedOutput(content, calls)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in plan.offered}
     calls: list[tuple[str, str]] = []
@@ -472,7 +473,7 @@ def parse_output(text: str, plan: ToolPlan, scan: bool = True) -> ParsedOutput:
             calls, content = whole, ""
     if not calls:
         return ParsedOutput(text, [])
-    return ParsedOutput(content or None, [_openai_call(name, args) for name, args in calls])
+    return ParsedOutput(content or None, [openai_call(name, args) for name, args in calls])
 
 
 def _streamed_calls(text: str, plan: ToolPlan) -> list[tuple[str, str]]:
@@ -541,7 +542,7 @@ def _follows(value: Any, schema: dict[str, Any]) -> bool:
         return False
 
 
-def _openai_call(name: str, arguments: str) -> dict[str, Any]:
+def openai_call(name: str, arguments: str) -> dict[str, Any]:
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",

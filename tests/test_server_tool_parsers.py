@@ -1,0 +1,223 @@
+"""`tool_call_parser` and `reasoning_parser` through the server: with the real default model, a
+demanded call (tool_choice "required" or a named tool) comes out in the family's own format and
+the same server reads it back into `tool_calls` whose arguments follow the schema, streamed and
+not; the reasoning split over a scripted output."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+from fastapi.testclient import TestClient
+
+from radixlm.server.app import create_app
+from radixlm.server.backend import LocalEngineBackend
+from radixlm.server.chat import render_chat_prompt
+from radixlm.server.tool_parsers import tool_call_parser
+from radixlm.server.tools import plan_tools
+from tests.live_server import sse_payloads
+from tests.test_server_tools import TIME, WEATHER, ScriptedBackend, chat_request
+
+# what each family's output opens with (as its documentation writes it), whatever the grammar
+FAMILY_OPENING = {
+    "hermes": '<tool_call>\n{"name": "',
+    "llama3": '{"name": "',
+    "pythonic": "[get_",
+    "mistral": '[TOOL_CALLS] [{"name": "',
+}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+class RecordingBackend(LocalEngineBackend):
+    """The real engine, keeping each generation's sampling params and finished text."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.runs: list[tuple[dict[str, Any], str]] = []
+
+    async def stream(self, input_ids, sampling_params, **options):
+        snapshots = await super().stream(input_ids, sampling_params, **options)
+
+        async def recorded():
+            last = None
+            async for last in snapshots:
+                yield last
+            self.runs.append((dict(sampling_params), last["text"] if last else ""))
+
+        return recorded()
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    """family -> (client, backend), one app per family over the one engine."""
+    apps: dict[str, tuple[TestClient, RecordingBackend]] = {}
+    try:
+        for family in FAMILY_OPENING:
+            backend = RecordingBackend(engine)
+            client = TestClient(create_app(backend, owns_engine=False, tool_call_parser=family))
+            apps[family] = (client.__enter__(), backend)
+        yield apps
+    finally:
+        for client, _ in apps.values():
+            client.__exit__(None, None, None)
+
+
+def _streamed_calls(chunks: list[dict[str, Any]]) -> tuple[str, list[list[str]], str]:
+    content, calls, reason = "", [], None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for d in delta.get("tool_calls") or []:
+                if "id" in d:
+                    assert d["index"] == len(calls)
+                    calls.append([d["function"]["name"], d["function"].get("arguments", "")])
+                else:
+                    calls[d["index"]][1] += d["function"]["arguments"]
+            reason = choice["finish_reason"] or reason
+    return content, calls, reason
+
+
+@pytest.mark.parametrize("family", list(FAMILY_OPENING))
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_demanded_call_is_written_in_the_family_format_and_read_back(
+    served, family, tool_choice, stream
+):
+    client, backend = served[family]
+    choice: Any = tool_choice
+    if tool_choice == "named":
+        choice = {"type": "function", "function": {"name": "get_weather"}}
+    body = {
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [WEATHER, TIME],
+        "tool_choice": choice,
+        "max_tokens": 60,
+        "temperature": 0,
+        "stream": stream,
+    }
+    if stream:
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            chunks = [x for x in sse_payloads(r.iter_lines()) if x != "[DONE]"]
+        content, calls, reason = _streamed_calls(chunks)
+    else:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()["choices"][0]
+        message, reason = out["message"], out["finish_reason"]
+        content = message["content"]
+        calls = [[c["function"]["name"], c["function"]["arguments"]] for c in message["tool_calls"]]
+    params, raw = backend.runs[-1]
+    # the output is the family's format, as the grammar the server sent demands
+    assert "json_schema" not in params
+    assert raw.startswith(FAMILY_OPENING[family]), raw
+    assert re.fullmatch(params["regex"], raw, re.DOTALL) or reason == "length", raw
+    # ... and the server read it back: every call the output holds, nothing left as content
+    parsed = tool_call_parser(family).parse(raw, {"get_weather", "get_time"})
+    assert calls == [[c.name, c.arguments] for c in parsed.calls]
+    assert calls, raw
+    if tool_choice == "named":
+        assert [name for name, _ in calls] == ["get_weather"] and reason == "tool_calls"
+    if reason == "tool_calls":
+        assert not content
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_earlier_calls_are_written_in_the_parser_format_where_the_template_has_no_tools(engine):
+    backend = LocalEngineBackend(engine)
+    req = chat_request(
+        tools=[WEATHER],
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+        ],
+    )
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    prompt = render_chat_prompt(backend, req.messages, plan, None, tool_call_parser("pythonic"))
+    assert '[get_weather(city="Paris")]' in prompt
+    assert "<tool_call>" not in prompt  # (the default format's blocks)
+    system = prompt.split("<|im_start|>user")[0]  # how to call, in the parser's format
+    assert '[<function name>(<argument>="<value>")]' in system
+
+
+# ---- reasoning, over a scripted output -----------------------------------------------------
+
+THINKING = "The user wants the time in UTC, so get_time."
+# (as the grammar writes it: the arguments' JSON compact)
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"timezone":"UTC"}}\n</tool_call>'
+
+
+def _app(script: str, **options: Any) -> tuple[TestClient, ScriptedBackend]:
+    backend = ScriptedBackend(script)
+    return TestClient(create_app(backend, **options)), backend
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_thinking_is_reasoning_content_and_calls_are_read_from_the_answer(stream):
+    # deepseek-r1: the template opened <think>, so the output starts inside the thinking; a
+    # call written while thinking is no call
+    script = f"{THINKING} Maybe <tool_call>\n</think>\n\n{CALL}"
+    client, backend = _app(script, tool_call_parser="hermes", reasoning_parser="deepseek-r1")
+    body = {
+        "messages": [{"role": "user", "content": "Time?"}],
+        "tools": [WEATHER, TIME],
+        "tool_choice": "required",
+        "stream": stream,
+    }
+    with client:
+        if stream:
+            with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                chunks = [x for x in sse_payloads(r.iter_lines()) if x != "[DONE]"]
+            content, calls, reason = _streamed_calls(chunks)
+            thinking = "".join(
+                c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks
+            )
+        else:
+            out = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+            message, reason = out["message"], out["finish_reason"]
+            content, thinking = message["content"], message.get("reasoning_content")
+            calls = [
+                [c["function"]["name"], c["function"]["arguments"]] for c in message["tool_calls"]
+            ]
+    assert thinking == f"{THINKING} Maybe <tool_call>"
+    assert calls == [["get_time", '{"timezone": "UTC"}']]
+    assert not content and reason == "tool_calls"
+    # the forced grammar lets the model think first, then demands the call in its format
+    forced = re.compile(backend.calls[0]["regex"], re.DOTALL)
+    assert forced.fullmatch(script) and not forced.fullmatch(f"{THINKING}\n</think>\nNo call.")
+
+
+def test_separate_reasoning_false_keeps_the_thinking_in_the_content():
+    script = f"<think>{THINKING}</think>\n\nIt is noon."
+    client, _ = _app(script, reasoning_parser="qwen3")
+    body = {"messages": [{"role": "user", "content": "Time?"}]}
+    with client:
+        apart = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        together = client.post(
+            "/v1/chat/completions", json={**body, "separate_reasoning": False}
+        ).json()["choices"][0]["message"]
+    assert apart["reasoning_content"] == THINKING and apart["content"] == "It is noon."
+    assert together["content"] == script and "reasoning_content" not in together
+
+
+def test_an_unknown_parser_name_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match="pythonic"):
+        create_app(ScriptedBackend("x"), tool_call_parser="llama9")
+    with pytest.raises(ValueError, match="deepseek-r1"):
+        create_app(ScriptedBackend("x"), reasoning_parser="r2")

@@ -1,0 +1,398 @@
+"""The tool-call formats of model families (`--tool-call-parser`) and the reasoning split
+(`--reasoning-parser`): outputs written in each family's documented format, whole and streamed
+in random pieces (which must agree), malformed and cut-off calls, the forced-call grammars, and
+choosing the format from a chat template."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from typing import Any
+
+import pytest
+
+from radixlm.server.reasoning import REASONING_PARSERS, reasoning_parser
+from radixlm.server.tool_parsers import (
+    TOOL_CALL_PARSERS,
+    detect_tool_call_parser,
+    resolve_tool_call_parser,
+    tool_call_parser,
+)
+
+TOOLS = {"get_weather", "get_time"}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string"}},
+            "required": ["timezone"],
+        },
+    },
+}
+
+PARIS = ("get_weather", {"city": "Paris", "unit": "celsius"})
+UTC = ("get_time", {"timezone": "UTC"})
+
+DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+# (parser, output as the family writes it, expected content, expected calls)
+CASES: list[tuple[str, str, str, list[tuple[str, dict[str, Any]]]]] = [
+    (
+        "hermes",
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+        '{"timezone": "UTC"}}\n</tool_call>',
+        "Let me check.",
+        [PARIS, UTC],
+    ),
+    (  # an unknown tool and a block of no JSON stay text; a call cut off too
+        "qwen25",
+        '<tool_call>{"name": "launch", "arguments": {}}</tool_call> <tool_call>oops</tool_call>'
+        ' <tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>'
+        '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+        # (whitespace between content and a call in the middle stays: " " before, "\n" after)
+        '<tool_call>{"name": "launch", "arguments": {}}</tool_call> <tool_call>oops</tool_call>'
+        ' \n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+        [UTC],
+    ),
+    (  # broken JSON inside a closed block
+        "hermes",
+        'x <tool_call>{"name": "get_time", "arguments": {"timezone": }}</tool_call>',
+        'x <tool_call>{"name": "get_time", "arguments": {"timezone": }}</tool_call>',
+        [],
+    ),
+    (
+        "llama3",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
+        '"celsius"}}; {"name": "get_time", "parameters": {"timezone": "UTC"}}',
+        "",
+        [PARIS, UTC],
+    ),
+    (  # without the tag, as the whole answer; "arguments" is read too
+        "llama3",
+        '  {"name": "get_time", "arguments": {"timezone": "UTC"}}',
+        "",
+        [UTC],
+    ),
+    (  # JSON that is no call is the answer; a call after text needs the tag
+        "llama3",
+        '{"answer": 42} and {"name": "get_time", "parameters": {"timezone": "UTC"}}',
+        '{"answer": 42} and {"name": "get_time", "parameters": {"timezone": "UTC"}}',
+        [],
+    ),
+    (
+        "llama3",
+        'Sure. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Par',
+        'Sure. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Par',
+        [],
+    ),
+    (
+        "pythonic",
+        '[get_weather(city="Paris", unit="celsius"), get_time(timezone=\'UTC\')]',
+        "",
+        [PARIS, UTC],
+    ),
+    (  # Llama 4's wrapping; JSON's literals; a bracket of plain text
+        "pythonic",
+        'See [1]. <|python_start|>[get_weather(city="Paris", unit="celsius", extra=[1, true, '
+        "null], more={'a': -1.5})]<|python_end|>",
+        "See [1].",
+        [
+            (
+                "get_weather",
+                {"city": "Paris", "unit": "celsius", "extra": [1, True, None], "more": {"a": -1.5}},
+            )
+        ],
+    ),  # fmt: skip
+    (  # positional arguments, a call that is code, an unknown tool, a cut-off list: all text
+        "pythonic",
+        '[get_time("UTC")] [get_time(timezone=__import__("os").getcwd())] [launch(x=1)] '
+        '[get_time(timezone="U',
+        '[get_time("UTC")] [get_time(timezone=__import__("os").getcwd())] [launch(x=1)] '
+        '[get_time(timezone="U',
+        [],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+        '"celsius"}}, {"name": "get_time", "arguments": {"timezone": "UTC"}}]',
+        "",
+        [PARIS, UTC],
+    ),
+    (  # one unknown tool in the list: no calls
+        "mistral",
+        'Hm. [TOOL_CALLS] [{"name": "get_time", "arguments": {"timezone": "UTC"}}, '
+        '{"name": "launch", "arguments": {}}]',
+        'Hm. [TOOL_CALLS] [{"name": "get_time", "arguments": {"timezone": "UTC"}}, '
+        '{"name": "launch", "arguments": {}}]',
+        [],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "get_time", "arguments": {"timezone": "U',
+        '[TOOL_CALLS] [{"name": "get_time", "arguments": {"timezone": "U',
+        [],
+    ),
+    (
+        "deepseekv3",
+        f"Checking.{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n"
+        f'{{"city": "Paris", "unit": "celsius"}}\n```{DS_CALL_END}\n{DS_CALL}function{DS_SEP}'
+        f'get_time\n```json\n{{"timezone": "UTC"}}\n```{DS_CALL_END}{DS_END}',
+        "Checking.",
+        [PARIS, UTC],
+    ),
+    (
+        "deepseekv3",
+        f'{DS_BEGIN}{DS_CALL}function{DS_SEP}get_time\n```json\n{{"timezone": "UTC"',
+        f'{DS_BEGIN}{DS_CALL}function{DS_SEP}get_time\n```json\n{{"timezone": "UTC"',
+        [],
+    ),
+    (  # no calls at all: every character is content, whitespace included
+        "hermes",
+        "  Paris is sunny today.\n\n",
+        "  Paris is sunny today.\n\n",
+        [],
+    ),
+]
+
+
+def _expected(calls: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    return [(name, arguments) for name, arguments in calls]
+
+
+def _whole(parser: str, text: str) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+    result = tool_call_parser(parser).parse(text, TOOLS)
+    return result.normal_text, [(c.name, json.loads(c.arguments)) for c in result.calls]
+
+
+def _streamed(parser: str, text: str, cuts: list[int]) -> tuple[str, list[list[str]]]:
+    stream = tool_call_parser(parser).stream(TOOLS)
+    content, calls = "", []
+    for cut in [*cuts, len(text)]:
+        piece, deltas = stream.feed(text[:cut], final=cut == len(text))
+        content += piece
+        for delta in deltas:
+            if "id" in delta:  # a call's first delta: its id, type and name
+                assert delta["index"] == len(calls) and delta["type"] == "function"
+                assert delta["id"].startswith("call_")
+                calls.append([delta["function"]["name"], delta["function"]["arguments"]])
+            else:
+                calls[delta["index"]][1] += delta["function"]["arguments"]
+    return content, calls
+
+
+@pytest.mark.parametrize("parser,text,content,calls", CASES)
+def test_whole_outputs_in_each_family_format(parser, text, content, calls):
+    assert _whole(parser, text) == (content, _expected(calls))
+
+
+@pytest.mark.parametrize("parser,text,content,calls", CASES)
+def test_streamed_in_random_pieces_agrees_with_the_whole_output(parser, text, content, calls):
+    whole = tool_call_parser(parser).parse(text, TOOLS)
+    rng = random.Random(hash((parser, text)) & 0xFFFF)
+    for _ in range(60):
+        n = rng.choice([1, 3, 10, len(text) // 2])
+        cuts = sorted(rng.sample(range(1, len(text)), min(n, len(text) - 1)))
+        got = _streamed(parser, text, cuts)
+        assert got == (whole.normal_text, [[c.name, c.arguments] for c in whole.calls]), cuts
+    # character by character too
+    assert _streamed(parser, text, list(range(1, len(text))))[0] == whole.normal_text
+
+
+def test_a_call_streams_only_once_it_is_complete():
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>'
+    stream = tool_call_parser("hermes").stream(TOOLS)
+    for cut in range(1, len(text)):
+        assert stream.feed(text[:cut]) == ("", [])
+    _, deltas = stream.feed(text)
+    assert [d["function"] for d in deltas] == [
+        {"name": "get_time", "arguments": ""},
+        {"arguments": '{"timezone": "UTC"}'},
+    ]
+
+
+def test_text_that_cannot_open_a_call_is_not_held_back():
+    stream = tool_call_parser("hermes").stream(TOOLS)
+    assert stream.feed("Hello <tool") == ("Hello", [])  # "<tool" may open a call; " " may be its
+    assert stream.feed("Hello <tools are") == (" <tools are", [])
+    pythonic = tool_call_parser("pythonic").stream(TOOLS)
+    assert pythonic.feed("See [1] and") == ("See [1] and", [])
+
+
+# ---- forced calls --------------------------------------------------------------------------
+
+FORCED_FAMILIES = ["hermes", "llama3", "pythonic", "mistral", "deepseekv3"]
+
+
+@pytest.mark.parametrize("parser", FORCED_FAMILIES)
+def test_the_forced_grammar_is_the_family_format_with_valid_arguments(parser):
+    p = tool_call_parser(parser)
+    many = re.compile(p.forced_regex([WEATHER, TIME], one=False, whitespace="flexible"))
+    one = re.compile(p.forced_regex([WEATHER, TIME], one=True, whitespace="flexible"))
+    both = p.format_calls([PARIS, UTC])
+    single = p.format_calls([PARIS])
+    assert many.fullmatch(both) and many.fullmatch(single)
+    assert one.fullmatch(single) and not one.fullmatch(both)
+    # what it admits, the same parser reads back
+    assert _whole(parser, both) == ("", [PARIS, UTC])
+    # arguments the schema refuses, an unknown tool, another family's format: refused
+    assert not many.fullmatch(p.format_calls([("get_weather", {"city": "Paris", "unit": "K"})]))
+    assert not many.fullmatch(p.format_calls([("get_weather", {"town": "Paris"})]))
+    assert not many.fullmatch(p.format_calls([("launch", {})]))
+    assert not many.fullmatch(p.format_calls([("get_time", {})]))  # (timezone is required)
+    other = "mistral" if parser != "mistral" else "hermes"
+    assert not many.fullmatch(tool_call_parser(other).format_calls([PARIS]))
+
+
+def test_pythonic_grammar_keeps_optional_arguments_optional_and_in_order():
+    regex = re.compile(tool_call_parser("pythonic").forced_regex([WEATHER], one=True))
+    assert regex.fullmatch('[get_weather(city="Paris")]')
+    assert regex.fullmatch('[get_weather(city="Paris", unit="fahrenheit")]')
+    assert not regex.fullmatch('[get_weather(unit="celsius")]')
+    assert not regex.fullmatch('[get_weather(unit="celsius", city="Paris")]')
+
+
+@pytest.mark.parametrize(
+    "parameters,needle",
+    [
+        ({"type": "object", "properties": {"for": {"type": "string"}}}, "'for' is no Python"),
+        ({"type": "object", "properties": {"a-b": {"type": "string"}}}, "'a-b' is no Python"),
+        ({"type": "object", "minProperties": 1}, "cannot enforce 'minProperties'"),
+    ],
+)
+def test_pythonic_grammar_refuses_what_keyword_arguments_cannot_say(parameters, needle):
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    with pytest.raises(ValueError, match=needle):
+        tool_call_parser("pythonic").forced_regex([tool], one=True)
+
+
+def test_a_forced_grammar_refuses_keywords_it_cannot_enforce():
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "tag",
+            "parameters": {
+                "type": "object",
+                "properties": {"tags": {"type": "array", "uniqueItems": True}},
+            },
+        },
+    }
+    with pytest.raises(ValueError, match="uniqueItems"):
+        tool_call_parser("mistral").forced_regex([tool], one=True)
+
+
+def test_a_tool_set_builds_its_forced_grammar_once(monkeypatch):
+    import radixlm.server.tool_parsers as tp
+
+    tool = {"type": "function", "function": {"name": "cached_once", "parameters": {}}}
+    tool["function"]["parameters"] = {"type": "object", "properties": {"q": {"type": "string"}}}
+    built: list[str] = []
+    real = tp.MistralParser._forced
+    monkeypatch.setattr(
+        tp.MistralParser, "_forced", lambda self, *a: built.append("x") or real(self, *a)
+    )
+    parser = tool_call_parser("mistral")
+    first = parser.forced_regex([tool], one=False)
+    assert parser.forced_regex([json.loads(json.dumps(tool))], one=False) == first
+    assert built == ["x"]
+
+
+# ---- the registry and "auto" ---------------------------------------------------------------
+
+
+def test_sglang_names_are_all_there():
+    assert set(TOOL_CALL_PARSERS) == {
+        "hermes", "qwen25", "qwen", "llama3", "pythonic", "mistral", "deepseekv3", "auto",
+    }  # fmt: skip
+    assert {"deepseek-r1", "qwen3"} <= set(REASONING_PARSERS)
+    with pytest.raises(ValueError, match="use one of"):
+        tool_call_parser("gpt4")
+    with pytest.raises(ValueError, match="use one of"):
+        reasoning_parser("o1")
+
+
+@pytest.mark.parametrize(
+    "template,expected",
+    [
+        ("{% for tool_call in message.tool_calls %}<tool_call>\n{{ tool_call }}", "hermes"),
+        ("{{- '<|python_tag|>' + tool_call.name }}", "llama3"),
+        ("{{- '<|python_start|>' }}[{{ call }}]", "pythonic"),
+        ("{{ '[TOOL_CALLS] ' + message.tool_calls|tojson }}", "mistral"),
+        ("{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'}}", "deepseekv3"),
+        ("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}", None),
+        (None, None),
+    ],
+)
+def test_auto_reads_the_format_from_the_chat_template(template, expected):
+    assert detect_tool_call_parser(template) == expected
+
+
+def test_auto_says_which_format_it_chose(caplog):
+    with caplog.at_level("INFO", logger="radixlm.server"):
+        parser = resolve_tool_call_parser("auto", "x [TOOL_CALLS] y")
+    assert parser is not None and parser.name == "mistral"
+    assert "tool_call_parser=auto" in caplog.text and "mistral" in caplog.text
+    assert resolve_tool_call_parser(None, "x [TOOL_CALLS] y") is None
+
+
+# ---- reasoning -----------------------------------------------------------------------------
+
+REASONING_CASES = [
+    # deepseek-r1: the template opens <think>, so the output may start inside it
+    ("deepseek-r1", "The user wants Paris.\n</think>\n\nIt is sunny.", "The user wants Paris.",
+     "It is sunny."),
+    ("deepseek-r1", "<think>\nHmm.\n</think>Answer", "Hmm.", "Answer"),
+    ("deepseek-r1", "Still thinking when cut", "Still thinking when cut", ""),
+    ("qwen3", "<think>\nLet me see.\n</think>\n\nParis.", "Let me see.", "Paris."),
+    ("qwen3", "Paris, no thinking.", None, "Paris, no thinking."),
+    ("qwen3", "<think>\n\n</think>\n\nParis.", "", "Paris."),
+    ("qwen3", "<think>cut off", "cut off", ""),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,text,thinking,answer", REASONING_CASES)
+def test_reasoning_split_whole_and_streamed(name, text, thinking, answer):
+    parser = reasoning_parser(name)
+    assert parser.split(text) == (thinking, answer)
+    rng = random.Random(len(text))
+    for _ in range(40):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(8, len(text) - 1))))
+        stream, streamed, answers = parser.stream(), "", []
+        for cut in [*cuts, len(text)]:
+            streamed += stream.feed(text[:cut], final=cut == len(text))
+            answers.append(stream.answer)
+        assert streamed == (thinking or "")
+        assert stream.answer == answer
+        # the answer so far only ever grows (the tool-call parsing reads it as it arrives)
+        assert all(b.startswith(a) for a, b in zip(answers, answers[1:]))
+
+
+@pytest.mark.parametrize("name", ["deepseek-r1", "qwen3"])
+def test_the_reasoning_grammar_prefix_lets_thinking_come_before_a_forced_call(name):
+    parser = reasoning_parser(name)
+    call = tool_call_parser("hermes").forced_regex([TIME], one=True)
+    regex = re.compile(f"{parser.grammar_prefix()}(?:{call})", re.DOTALL)
+    forced = '<tool_call>\n{"name": "get_time", "arguments": {"timezone":"UTC"}}\n</tool_call>'
+    assert regex.fullmatch(f"<think>\nWhich zone? UTC.\n</think>\n\n{forced}")
+    assert not regex.fullmatch(f"<think>\nno end {forced}")
+    assert bool(regex.fullmatch(forced)) == (name == "qwen3")  # (r1 always thinks first)
+    assert bool(regex.fullmatch(f"Thinking.</think>{forced}")) == (name == "deepseek-r1")
