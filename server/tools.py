@@ -13,6 +13,9 @@ with its id and name, then pieces of its arguments.
 Tools reach the model through the chat template when the template knows about tools; otherwise
 they are described in the system prompt, and earlier calls and their results are written into
 the conversation as the same tagged blocks.
+
+This is the server's default format; `--tool-call-parser` replaces it with a model family's own
+(tool_parsers.py), which then writes, forces and reads the calls.
 """
 
 from __future__ import annotations
