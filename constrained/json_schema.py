@@ -31,6 +31,7 @@ from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.formats import FORMATS, UNSUPPORTED_FORMATS
 from radixlm.constrained.numeric import JSON_NUMBER, decimal_range, int_range
 from radixlm.constrained.pattern import PatternError, pattern_language, pattern_with_length
+from radixlm.constrained.schema_rewrite import iter_subschemas
 
 L = rt.lit
 
@@ -132,14 +133,24 @@ def schema_validator(schema: Any):
     Without `$schema`, draft 2020-12, or 2019-09 when the schema uses the array form of `items`
     (which 2020-12 no longer reads).
     """
+    cls = _validator_class(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def _validator_class(schema: Any) -> Any:
     import jsonschema
     from jsonschema.validators import validator_for
 
     default = jsonschema.Draft202012Validator
     if isinstance(schema, dict) and "$schema" not in schema and _uses_item_arrays(schema):
         default = jsonschema.Draft201909Validator
-    cls = validator_for(schema, default=default)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+    return validator_for(schema, default=default)
+
+
+_OLD_DRAFT = re.compile(r"draft-0[3467]\b")
+# keywords under which a wider subschema makes a narrower schema: where they are, a oneOf read
+# as anyOf (or a format left unchecked) widens nothing for sure
+_NARROWING = frozenset({"not", "if", "maxContains"})
 
 
 def _uses_item_arrays(node: Any) -> bool:
@@ -222,6 +233,35 @@ class _TooLarge(Exception):
     pass
 
 
+def one_of_exclusivity(schema: Any, narrowed: Any = None) -> dict[str, str | None]:
+    """Each `oneOf` of `schema` (by JSON pointer, in schema order) -> None where no value of one
+    branch (with what surrounds the oneOf) satisfies another, so that "exactly one" is "at least
+    one" and an `anyOf` of the same branches is the same schema; else why not (as a refusal says
+    it). For a generator that is not ours: the proof reads every value a schema accepts, not
+    only those our regex generates. narrowed: what is generated instead of `schema`, where a
+    rewrite narrowed it (closed objects: the same pointers, with keywords added); its values
+    must then each satisfy one branch of `schema`, as written: narrowing a oneOf's branches can
+    make them exclusive without making its values valid."""
+    out: dict[str, str | None] = {}
+    if not isinstance(schema, dict):
+        return out
+    places = [where for where, node in iter_subschemas(schema) if "oneOf" in node]
+    if not places:
+        return out
+    if any("oneOf" in ref for ref in _refs(schema)):  # renaming it would move what they name
+        return {where: "a $ref points inside a oneOf" for where in places}
+    options = JsonSchemaOptions(allow_unlisted_properties=True)
+    written = _SchemaCompiler(schema, options, accepted=True)
+    generated = written if narrowed is None else _SchemaCompiler(narrowed, options, accepted=True)
+    generated.theirs = written
+    for where in places:
+        try:
+            out[where] = generated.one_of_overlap(where)
+        except (GrammarError, RecursionError, LookupError) as e:
+            out[where] = f"cannot tell whether branches overlap ({e})"
+    return out
+
+
 def dump_json_for_schema(schema: Any, value: Any) -> str:
     """`value` as compact JSON with object keys in the schema's property order (then the rest in
     their own order): the spelling the compact grammar generates."""
@@ -268,7 +308,8 @@ class Flat:
     )  # (anyOf|oneOf, alts, path)
     nots: list[tuple[Sub, str]] = field(default_factory=list)
     unsupported: list[tuple[str, str]] = field(default_factory=list)  # (keyword, path)
-    false: bool = False  # no value satisfies it
+    false: bool = False  # no value satisfies it (or `cut`: none within the unrolled depth)
+    cut: bool = False  # a recursive $ref was cut off at max_ref_depth (as false) in it
 
 
 def _pointer(path: str, *parts: Any) -> str:
@@ -276,9 +317,17 @@ def _pointer(path: str, *parts: Any) -> str:
 
 
 class _SchemaCompiler:
-    def __init__(self, root: Any, options: JsonSchemaOptions) -> None:
+    """A schema's regex (`value`), and the reasoning it rests on. accepted: what `_excludes`
+    reasons about is every value a schema accepts (for a generator other than ours, which may
+    write any of them), not the narrower set this compiler generates."""
+
+    def __init__(self, root: Any, options: JsonSchemaOptions, *, accepted: bool = False) -> None:
         self.root = root
         self.options = options
+        self.accepted = accepted
+        # who reads the schemas whose values `_excludes` rules out (`other`): another compiler
+        # where the values come from a narrowed copy of the schema (one_of_exclusivity)
+        self.theirs = self
         if options.whitespace == "compact":
             self.ws = ""
         elif options.whitespace == "flexible":
@@ -302,7 +351,10 @@ class _SchemaCompiler:
         if root_id is not None:
             self.root_base = urldefrag(root_id)[0]
         self._collect(root, self.root_base, "#")
-        self._validator: Any = None
+        self._readings: dict[str, Any] = {}  # the validators of _check, by reading
+        # drafts 3 to 7 ignore the keywords beside a $ref (the accepted view reads them so; a
+        # `$schema` naming another draft, or none, reads them all: wider is what it may be)
+        self._ref_alone = accepted and isinstance(draft, str) and bool(_OLD_DRAFT.search(draft))
         self.skipped: list[str] = []
 
     def root_loc(self) -> Loc:
@@ -387,7 +439,10 @@ class _SchemaCompiler:
         here = Loc(schema, path, base, loc.refs)
         out = Flat(sources=[here])
         parts: list[Flat] = []
-        for k, v in schema.items():
+        keywords = schema.items()
+        if self._ref_alone and "$ref" in schema:
+            keywords = [("$ref", schema["$ref"])]
+        for k, v in keywords:
             if k in ANNOTATIONS or k not in KEYWORDS:
                 continue
             at = _pointer(path, k)
@@ -396,7 +451,8 @@ class _SchemaCompiler:
                     raise GrammarError(f"$ref at {path} must be a string")
                 target = self._resolve(v, here)
                 if target.refs.count(target.refs[-1]) > self.options.max_ref_depth:
-                    parts.append(Flat(false=True))  # recursion unrolled as deep as allowed
+                    # recursion unrolled as deep as allowed
+                    parts.append(Flat(false=True, cut=True))
                 else:
                     parts.append(self._flat_loc(target))
             elif k == "allOf":
@@ -549,6 +605,7 @@ class _SchemaCompiler:
             nots=a.nots + b.nots,
             unsupported=a.unsupported + b.unsupported,
             false=a.false or b.false,
+            cut=a.cut or b.cut,
         )
         # unevaluated* only sees the annotations of its own object and what it applies in place:
         # `b`'s must not see `a`'s, nor (between cousins) `a`'s see `b`'s
@@ -715,15 +772,8 @@ class _SchemaCompiler:
             return None
 
     def _valid_everywhere(self, value: Any, sources: list[Loc]) -> bool:
-        if self._validator is None:
-            self._validator = schema_validator(self.root)
-        for loc in sources:
-            try:
-                if not self._validator.evolve(schema=loc.schema).is_valid(value):
-                    return False
-            except Exception:  # unresolvable refs and the like: not provably valid
-                return False
-        return True
+        # (unresolvable refs and the like: not provably valid)
+        return self._check("exact", value, sources) is True
 
     # -- anyOf / oneOf / not -------------------------------------------------------------------
 
@@ -731,46 +781,117 @@ class _SchemaCompiler:
         kind, alts, path = f.anyof[0]
         rest = Flat(
             kw=f.kw, at=f.at, sources=f.sources, anyof=f.anyof[1:], nots=f.nots,
-            unsupported=f.unsupported, false=f.false,
+            unsupported=f.unsupported, false=f.false, cut=f.cut,
         )  # fmt: skip
         branches = [self._merge(rest, self.flat(a)) for a in alts]
-        if kind == "oneOf" and len(branches) > 1:
-            alt_flats = [self.flat(a) for a in alts]
-            for i, bi in enumerate(branches):
-                for j, aj in enumerate(alt_flats):
-                    if i != j and not bi.false and not self._excludes(bi, aj):
-                        self._refuse(
-                            "oneOf",
-                            path,
-                            f"branches {i} and {j} may both match; cannot enforce exactly one",
-                        )
-                        break
-                else:
-                    continue
-                break
+        if kind == "oneOf":
+            overlap = self._overlap(branches, alts)
+            if overlap is not None:
+                self._refuse("oneOf", path, _overlap_reason(overlap))
         return rt.alt(self.emit(b) for b in branches)
 
-    def _excludes(self, produced: Flat, other: Flat) -> bool:
-        """True when no value generated from `produced` can satisfy `other`."""
-        if other.false:
+    def one_of_overlap(self, where: str) -> str | None:
+        """Why the branches of the oneOf of the subschema at the JSON pointer `where` may
+        overlap, or None: no value of one (as this compiler reads its root) satisfies another
+        (as `theirs` reads its own)."""
+        mine, f = self._one_of_at(where)
+        theirs, _ = self.theirs._one_of_at(where)
+        if mine is None or theirs is None:  # drafts 3 to 7 read a $ref alone, not beside it
+            return "beside a $ref (the schema's draft reads the $ref alone)"
+        rest = Flat(
+            kw=f.kw, at=f.at, sources=f.sources, nots=f.nots, unsupported=f.unsupported,
+            false=f.false, cut=f.cut,
+        )  # fmt: skip
+        overlap = self._overlap([self._merge(rest, self.flat(a)) for a in mine], theirs)
+        return None if overlap is None else _overlap_reason(overlap)
+
+    def _one_of_at(self, where: str) -> tuple[list[Sub] | None, Flat]:
+        """The branches of the oneOf of the subschema at `where` (None if it is not read), and
+        that subschema flattened."""
+        node, base = self._node_at(where)
+        f = self._flat_loc(Loc(node, where, base))
+        at = _pointer(where, "oneOf")
+        return next((alts for kind, alts, path in f.anyof if path == at), None), f
+
+    def _node_at(self, where: str) -> tuple[Any, str]:
+        """The subschema at the JSON pointer `where`, and its base URI (its enclosing $ids)."""
+        node, base = self.root, self.root_base
+        for part in where.split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node[int(part)] if isinstance(node, list) else node[part]
+            ident = node.get(self.id_keys[0]) if isinstance(node, dict) else None
+            if not isinstance(ident, str) and isinstance(node, dict):
+                ident = node.get(self.id_keys[-1])
+            if isinstance(ident, str) and not ident.startswith("#"):
+                base = urldefrag(urljoin(base, ident))[0]
+        return node, base
+
+    def _overlap(self, branches: list[Flat], alts: list[Sub]) -> tuple[int, int] | None:
+        """Two oneOf branches (i, j) that may both match a value of branch i (`branches[i]`:
+        the i-th of `alts` with what surrounds the oneOf), or None: exactly one matches."""
+        if len(branches) < 2:
+            return None
+        alt_flats = [self.theirs.flat(a) for a in alts]
+        for i, bi in enumerate(branches):
+            if self._unsatisfiable(bi):
+                continue
+            for j, aj in enumerate(alt_flats):
+                if i != j and not self._excludes(bi, aj):
+                    return i, j
+        return None
+
+    def _unsatisfiable(self, f: Flat) -> bool:
+        # (where recursion was cut off, only what this compiler generates is nothing)
+        return f.false and not (self.accepted and f.cut)
+
+    def _excludes(self, produced: Flat, other: Flat, depth: int = 0) -> bool:
+        """True when no value of `produced` can satisfy `other`: of the values this compiler
+        generates from it, or (accepted view) of all the values it accepts."""
+        if self._unsatisfiable(other):
             return True
+        # the cheap proofs first: types, then values
+        mine = self._produced_types(produced)
+        if not _intersect_types(mine, _accepted_types(other)):
+            return True
+        if "enum" in produced.kw and "enum" in other.kw:
+            values = other.kw["enum"]
+            if not any(_json_equal(x, y) for x in produced.kw["enum"] for y in values):
+                return True
         if "enum" in produced.kw:
-            vals = [v for v in produced.kw["enum"] if self._valid_everywhere(v, produced.sources)]
-            return not any(self._valid_everywhere(v, other.sources) for v in vals)
-        declared = other.kw.get("type")
-        mine = self._types(produced)
-        if declared is not None and not _intersect_types(mine, declared):
+            if self.accepted:
+                vals = [
+                    v
+                    for v in produced.kw["enum"]
+                    if self._check("wide", v, produced.sources) is not False
+                ]
+                theirs = self.theirs
+                if all(theirs._check("plain", v, other.sources) is False for v in vals):
+                    return True
+            else:
+                vals = [
+                    v for v in produced.kw["enum"] if self._valid_everywhere(v, produced.sources)
+                ]
+                if all(self._check("exact", v, other.sources) is False for v in vals):
+                    return True
+        # `other` allows a few values, none of them one of `produced` (read widely: a value
+        # generated from it satisfies it read so; not where lenient mode generates more)
+        if (
+            "enum" in other.kw
+            and (self.accepted or not self.options.lenient)
+            and all(self._check("wide", v, produced.sources) is False for v in other.kw["enum"])
+        ):
             return True
         if mine <= {"object"} and "properties" in produced.kw:
             required = set(produced.kw.get("required", []))
             mine_props = produced.kw.get("properties", {})
-            for name, s in other.kw.get("properties", {}).items():
-                if name in required and name in mine_props:
-                    a, b = self.flat(mine_props[name]), self.flat(s)
-                    if "enum" in a.kw and "enum" in b.kw and self._excludes(a, b):
-                        return True
-            extras = self._extras_allowed(produced) or "patternProperties" in produced.kw
-            if not extras:
+            if depth < _EXCLUDES_DEPTH:
+                # a property we always write whose values the other schema's refuse
+                for name, s in other.kw.get("properties", {}).items():
+                    if name in required and name in mine_props:
+                        a, b = self.flat(mine_props[name]), self.theirs.flat(s)
+                        if self._excludes(a, b, depth + 1):
+                            return True
+            if not self._produced_extras(produced):
                 for name in other.kw.get("required", []):
                     if name not in mine_props:
                         return True
@@ -783,6 +904,48 @@ class _SchemaCompiler:
                 if any(name not in allowed for name in required):
                     return True
         return False
+
+    def _produced_types(self, f: Flat) -> set[str]:
+        if self.accepted or "enum" in f.kw:
+            return _accepted_types(f)
+        return self._types(f)
+
+    def _produced_extras(self, f: Flat) -> bool:
+        """Whether a value of `f` may carry keys `f`'s properties do not list."""
+        if "patternProperties" in f.kw:
+            return True
+        if self.accepted:
+            return f.kw.get("additionalProperties") is not False
+        return self._extras_allowed(f)
+
+    def _check(self, reading: str, value: Any, sources: list[Loc]) -> bool | None:
+        """Whether `value` satisfies each of `sources` as `reading` reads the schema: "exact" as
+        the output check does; "plain" with formats as annotations; "wide" also with every
+        oneOf read as anyOf (a superset of what any sound generator writes from them). None
+        where it cannot be told (a reference that does not resolve; plain or wide readings
+        where `not`, `if` or `maxContains` could turn a wider part into a narrower whole)."""
+        validator = self._reading(reading)
+        if validator is None:
+            return None
+        try:
+            return all(validator.evolve(schema=loc.schema).is_valid(value) for loc in sources)
+        except Exception:
+            return None
+
+    def _reading(self, reading: str) -> Any:
+        if reading not in self._readings:
+            if reading == "exact":
+                self._readings[reading] = schema_validator(self.root)
+            elif _has_key(self.root, _NARROWING):
+                self._readings[reading] = None
+            else:
+                from jsonschema.validators import extend
+
+                cls = _validator_class(self.root)
+                if reading == "wide":
+                    cls = extend(cls, {"oneOf": cls.VALIDATORS["anyOf"]})
+                self._readings[reading] = cls(self.root)
+        return self._readings[reading]
 
     def _apply_nots(self, f: Flat, types: set[str]) -> set[str] | None:
         for sub, path in f.nots:
@@ -1329,6 +1492,58 @@ class _SchemaCompiler:
         array = f"{L('[')}{self.ws}(?:{inner}(?:{sep}{inner})*)?{self.ws}{L(']')}"
         obj = f"{L('{')}{self.ws}(?:{kv}(?:{sep}{kv})*)?{self.ws}{L('}')}"
         return f"(?:{scalar}|{array}|{obj})"
+
+
+def _overlap_reason(overlap: tuple[int, int]) -> str:
+    i, j = overlap
+    return f"branches {i} and {j} may both match; cannot enforce exactly one"
+
+
+_DATA = ("enum", "const", "default", "examples")
+_EXCLUDES_DEPTH = 4  # how deep _excludes looks into the properties of properties
+
+
+def _accepted_types(f: Flat) -> set[str]:
+    """The JSON types of the values `f` accepts, as far as its `enum` and `type` tell (the
+    keywords of other types say nothing of a value of this one)."""
+    if "enum" in f.kw:
+        return {_json_type(v) for v in f.kw["enum"]}
+    return set(f.kw["type"]) if "type" in f.kw else set(_TYPES)
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or isinstance(value, float) and value.is_integer():
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object" if isinstance(value, dict) else "null"
+
+
+def _has_key(node: Any, keys: frozenset[str]) -> bool:
+    """Whether any object in `node` (data values aside) has one of `keys`."""
+    if isinstance(node, dict):
+        return any(k in keys for k in node) or any(
+            _has_key(v, keys) for k, v in node.items() if k not in _DATA
+        )
+    if isinstance(node, list):
+        return any(_has_key(v, keys) for v in node)
+    return False
+
+
+def _refs(node: Any) -> list[str]:
+    """The $ref strings of `node`."""
+    if isinstance(node, dict):
+        own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+        return own + [r for k, v in node.items() if k not in _DATA for r in _refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
 
 
 def _raw(s: Any) -> Any:

@@ -24,7 +24,7 @@ import torch
 
 from radixlm.constrained.bitmask import bitmask_words, ids_from_bitmask
 from radixlm.constrained.errors import GrammarError
-from radixlm.constrained.json_schema import FLEXIBLE_WHITESPACE, OutputCheck
+from radixlm.constrained.json_schema import FLEXIBLE_WHITESPACE, OutputCheck, one_of_exclusivity
 from radixlm.constrained.schema_rewrite import (
     NumberLimits,
     bound_numbers,
@@ -32,6 +32,8 @@ from radixlm.constrained.schema_rewrite import (
     fit_bounds,
     iter_subschemas,
     map_subschemas,
+    one_of_as_any_of,
+    reachable_subschemas,
 )
 from radixlm.constrained.vocab import TokenVocabulary
 
@@ -41,6 +43,9 @@ _MAX_JUMP_BYTES = 4096
 _INTEGER_LIMIT = 9 * 10**18
 _NUMBER_LIMIT = 10**18
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+# what llguidance says of a oneOf whose branches it cannot tell apart (refused; lenient: anyOf)
+_ONE_OF = re.compile(r"oneOf constraints are not supported|oneOf not fully supported")
+_PROCESSING = re.compile(r"while processing \S*?#(/\S*)")
 
 
 class LLGuidanceBackend:
@@ -142,7 +147,12 @@ class LLGuidanceBackend:
 
     def build(self, kind: str, spec: str, lenient: bool) -> LLGuidanceGrammar:
         """Compile `spec`; GrammarError saying what to change if llguidance refuses it."""
-        text = self._grammar_text(kind, spec, lenient)
+        overlapping: dict[str, str] = {}  # the oneOfs whose branches may overlap, and why
+        if kind == "json_schema":
+            schema, overlapping = self._prepared_schema(spec, lenient)
+            text = self._schema_grammar(schema, lenient)
+        else:
+            text = self._grammar_text(kind, spec)
         matcher = self._matcher(text)
         unknown: set[str] = set()
         while kind == "json_schema" and matcher.is_error():
@@ -152,7 +162,7 @@ class LLGuidanceBackend:
             if found is None or found.group(1) in unknown:
                 break
             unknown.add(found.group(1))
-            text = self._grammar_text(kind, spec, lenient, drop_formats=unknown)
+            text = self._schema_grammar(schema, lenient, drop_formats=unknown)
             matcher = self._matcher(text)
         if not matcher.is_error():
             # The first mask builds the lexer states every request starts from (shared with the
@@ -161,29 +171,33 @@ class LLGuidanceBackend:
             # no token can start fails here too.
             matcher.compute_bitmask()
         if matcher.is_error():
-            raise GrammarError(_refusal(kind, matcher.get_error(), spec))
-        notes = _located_notes(matcher.get_grammar_warnings(), spec) if lenient else ()
+            raise GrammarError(_refusal(kind, matcher.get_error(), spec, overlapping))
+        notes = ()
+        if lenient:
+            notes = _located_notes(matcher.get_grammar_warnings(), spec, overlapping)
         return LLGuidanceGrammar(kind, spec, matcher, self, notes, lenient)
 
     def _matcher(self, text: str) -> Any:
         return self._ll.LLMatcher(self.tokenizer, text, log_level=0, limits=self._limits)
 
-    def _grammar_text(
-        self, kind: str, spec: str, lenient: bool, drop_formats: set[str] | None = None
+    def _schema_grammar(
+        self, schema: Any, lenient: bool, drop_formats: set[str] | None = None
     ) -> str:
+        if drop_formats:
+            schema = map_subschemas(
+                schema,
+                lambda node, _: {
+                    k: v for k, v in node.items() if k != "format" or v not in drop_formats
+                },
+            )
+        # as text: a dict with an integer past 64 bits (a bound of 10**20) is refused
+        text = json.dumps(schema, ensure_ascii=False)
+        return self._ll.LLMatcher.grammar_from_json_schema(
+            text, defaults=self._json_options(lenient)
+        )
+
+    def _grammar_text(self, kind: str, spec: str) -> str:
         ll = self._ll.LLMatcher
-        if kind == "json_schema":
-            schema = self._prepared_schema(spec)
-            if drop_formats:
-                schema = map_subschemas(
-                    schema,
-                    lambda node, _: {
-                        k: v for k, v in node.items() if k != "format" or v not in drop_formats
-                    },
-                )
-            # as text: a dict with an integer past 64 bits (a bound of 10**20) is refused
-            text = json.dumps(schema, ensure_ascii=False)
-            return ll.grammar_from_json_schema(text, defaults=self._json_options(lenient))
         if kind == "regex":
             # \d, \w and \s mean their ASCII members, as in the DFA backend (llguidance's own
             # reading is Unicode's: a date regex wrote "🯸202-11-24"); `/` escaped for Lark
@@ -202,19 +216,37 @@ class LLGuidanceBackend:
             return ll.grammar_from_lark(lark)
         raise GrammarError(f"unknown grammar kind {kind!r}")
 
-    def _prepared_schema(self, spec: str) -> Any:
+    def _prepared_schema(self, spec: str, lenient: bool) -> tuple[Any, dict[str, str]]:
+        """The schema llguidance compiles, and the oneOfs left as they are (pointer -> why their
+        branches may overlap). Those a value is checked against are refused here, unless
+        `lenient` (llguidance then generates them as anyOf, and says so): llguidance would
+        otherwise judge them itself, on the objects this closed, which can make branches
+        exclusive whose values still match two of the branches as written."""
         try:
             schema = json.loads(spec)
         except ValueError as e:
             raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object or a boolean")
+        overlapping: dict[str, str] = {}
         if isinstance(schema, dict):
+            narrowed = schema if self.allow_unlisted_properties else close_objects(schema)
+            exclusivity = one_of_exclusivity(schema, None if narrowed is schema else narrowed)
+            overlapping = {where: why for where, why in exclusivity.items() if why is not None}
+            if overlapping and not lenient:
+                reachable = reachable_subschemas(schema)
+                refused = [
+                    f"unsupported keyword 'oneOf' at {where}: {why}"
+                    for where, why in overlapping.items()
+                    if reachable is None or where in reachable
+                ]
+                if refused:
+                    raise GrammarError(_cannot_enforce(refused[:1]))
+            exclusive = [where for where, why in exclusivity.items() if why is None]
+            schema = one_of_as_any_of(narrowed, exclusive)
             schema = bound_numbers(schema, self.numbers)
             schema = fit_bounds(schema, _INTEGER_LIMIT, _NUMBER_LIMIT)
-            if not self.allow_unlisted_properties:
-                schema = close_objects(schema)
-        return schema
+        return schema, overlapping
 
     def _json_options(self, lenient: bool) -> dict[str, Any]:
         options: dict[str, Any] = {"lenient": bool(lenient)}
@@ -653,8 +685,9 @@ _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[.*?\])")
 _LARK_CONTEXT = re.compile(r"\n\s*\d+ \|.*", re.DOTALL)  # the Lark text we made: not the user's
 
 
-def _refusal(kind: str, error: str, spec: str) -> str:
-    """llguidance's error as a message saying what to change in what the user wrote."""
+def _refusal(kind: str, error: str, spec: str, overlapping: dict[str, str] | None = None) -> str:
+    """llguidance's error as a message saying what to change in what the user wrote
+    (`overlapping`: the oneOfs left as written, by pointer, and why)."""
     error = _LARK_CONTEXT.sub("", re.sub(r"^at \d+\(\d+\): ", "", error.strip()))
     error = error.replace("<non-verbose/>", "").strip()
     if kind == "regex" and "regex parse error:" in error:
@@ -663,33 +696,55 @@ def _refusal(kind: str, error: str, spec: str) -> str:
     if error.startswith("NoExtensionBias"):
         return f"the {what} allows no text this model's vocabulary can write"
     if kind == "json_schema":
-        unsupported = _located(error, spec)
+        unsupported = _located(error, spec, overlapping=overlapping)
         if unsupported:
-            return (
-                f"the JSON schema cannot be enforced exactly: {'; '.join(unsupported)}; remove "
-                "or rewrite it, or set json_schema_lenient to generate without it and have the "
-                "output validated"
-            )
+            return _cannot_enforce(unsupported)
     if "too many" in error or "limit" in error:
         error += "; simplify it (smaller repetition counts, fewer alternatives)"
     return f"the {what} cannot be enforced exactly: {error}"
 
 
-def _located_notes(warnings: list[str], spec: str) -> tuple[str, ...]:
+def _cannot_enforce(unsupported: list[str]) -> str:
+    return (
+        f"the JSON schema cannot be enforced exactly: {'; '.join(unsupported)}; remove or "
+        "rewrite it, or set json_schema_lenient to generate without it and have the output "
+        "validated"
+    )
+
+
+def _located_notes(
+    warnings: list[str], spec: str, overlapping: dict[str, str] | None = None
+) -> tuple[str, ...]:
     """Lenient mode's warnings (what was not enforced) as the DFA backend's notes: one per
     keyword and place (llguidance counts repeats: `Unimplemented keys: ["not"] (2 times)`)."""
     notes: list[str] = []
     for warning in warnings:
-        for note in _located(warning, spec, every=True) or [warning]:
+        for note in _located(warning, spec, every=True, overlapping=overlapping) or [warning]:
             if note not in notes:
                 notes.append(note)
     return tuple(notes)
 
 
-def _located(error: str, spec: str, every: bool = False) -> list[str]:
+def _located(
+    error: str, spec: str, every: bool = False, overlapping: dict[str, str] | None = None
+) -> list[str]:
     """`unsupported keyword 'K' at PATH` for each keyword llguidance names in `error` (its
-    "Unimplemented keys: [...]" or "Unknown format: F"): at the first place in the schema that
-    has it, or (`every`) at each; [] if it names none."""
+    "Unimplemented keys: [...]", "Unknown format: F", or a oneOf it cannot enforce, the place
+    one of `overlapping` with why): at the first place in the schema that has it, or (`every`)
+    at each; [] if it names none."""
+    if _ONE_OF.search(error) and overlapping:
+        # where llguidance says it was, if it does ("while processing <uri>#/definitions/a")
+        hint = _PROCESSING.search(error)
+        inside = [
+            where
+            for where in overlapping
+            if hint is not None and (where + "/").startswith("#" + hint.group(1) + "/")
+        ]
+        places = [
+            f"unsupported keyword 'oneOf' at {where}: {overlapping[where]}"
+            for where in inside or overlapping
+        ]
+        return places[: None if every else 1]
     found = _UNIMPLEMENTED.search(error)
     fmt = _UNKNOWN_FORMAT.search(error)
     if found is None and fmt is None:

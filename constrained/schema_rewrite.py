@@ -9,15 +9,19 @@ that the output is usable, never narrower than the schema's own bounds.
   unless unlisted properties are allowed (a model fills an open object with made-up keys).
 - For llguidance, which reads bounds as doubles, a bound past 64 bits is brought to the widest
   it reads (`fit_bounds`): the one rewrite narrower than the schema, and only there.
+- For llguidance, which refuses a `oneOf` whose branches it cannot itself tell apart, a `oneOf`
+  whose branches are proven to exclude each other (json_schema.one_of_exclusivity) is written as
+  the `anyOf` it then equals (`one_of_as_any_of`): the same schema, never a looser one.
 
 The finished output is still validated against the schema as the user wrote it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 # keywords whose value is one schema, a list of schemas, or a name -> schema map
 _ONE = (
@@ -89,6 +93,56 @@ def iter_subschemas(schema: Any, pointer: str = "#") -> Iterator[tuple[str, dict
                 yield from iter_subschemas(sub, f"{where}/{_pointer_token(name)}")
 
 
+def reachable_subschemas(schema: Any) -> set[str] | None:
+    """The JSON pointers of the subschemas of `schema` that a value is checked against: from
+    the root through the keywords that hold subschemas and local `$ref`s ("#/..."), and into
+    `$defs`/`definitions` only so. None where that cannot be told (a `$ref` of another form, an
+    `$id` below the root): any may be."""
+    seen: set[str] = set()
+    todo: list[tuple[str, Any]] = [("#", schema)]
+    while todo:
+        where, node = todo.pop()
+        if where in seen or not isinstance(node, dict):
+            continue
+        seen.add(where)
+        if where != "#" and ("$id" in node or "$dynamicRef" in node or "$recursiveRef" in node):
+            return None
+        for key, value in node.items():
+            at = f"{where}/{_pointer_token(key)}"
+            if key == "$ref":
+                target = _local_target(schema, value)
+                if target is None:
+                    return None
+                todo.append(target)
+            elif key in _ONE and isinstance(value, dict):
+                todo.append((at, value))
+            elif key in _LIST and isinstance(value, list):
+                todo += [(f"{at}/{i}", sub) for i, sub in enumerate(value)]
+            elif key in _APPLIED_MAP and isinstance(value, dict):
+                todo += [(f"{at}/{_pointer_token(name)}", sub) for name, sub in value.items()]
+    return seen
+
+
+_APPLIED_MAP = ("properties", "patternProperties", "dependentSchemas", "dependencies")
+
+
+def _local_target(schema: Any, ref: Any) -> tuple[str, Any] | None:
+    """(pointer, subschema) that a local `$ref` ("#", "#/$defs/a") names; None if another."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return None
+    node, where = schema, "#"
+    for token in unquote(ref[2:]).split("/") if ref != "#" else []:
+        key = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return None
+        where = f"{where}/{_pointer_token(key)}"
+    return where, node
+
+
 def _pointer_token(key: str) -> str:
     return str(key).replace("~", "~0").replace("/", "~1")
 
@@ -155,6 +209,38 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def one_of_as_any_of(schema: Any, exclusive: Iterable[str]) -> Any:
+    """A copy of `schema` with the `oneOf` of the subschema at each JSON pointer of `exclusive`
+    ("#/properties/a") written as `anyOf`: the same schema where those branches exclude each
+    other. A subschema with an `anyOf` of its own gets the branches as one more `allOf` part."""
+
+    def rename(node: dict[str, Any]) -> dict[str, Any]:
+        node = dict(node)
+        branches = node.pop("oneOf")
+        if "anyOf" in node:
+            node["allOf"] = [*node.get("allOf", []), {"anyOf": branches}]
+        else:
+            node["anyOf"] = branches
+        return node
+
+    # the deepest first: renaming a oneOf moves the pointers of what is inside it
+    for where in sorted(exclusive, key=lambda w: -w.count("/")):
+        schema = _replaced(schema, where.split("/")[1:], rename)
+    return schema
+
+
+def _replaced(node: Any, path: list[str], fn: Callable[[Any], Any]) -> Any:
+    """A copy of `node` with `fn` applied to what the JSON pointer tokens `path` name in it."""
+    if not path:
+        return fn(node)
+    key: Any = path[0].replace("~1", "/").replace("~0", "~")
+    copy: Any = list(node) if isinstance(node, list) else dict(node)
+    if isinstance(copy, list):
+        key = int(key)
+    copy[key] = _replaced(copy[key], path[1:], fn)
+    return copy
+
+
 def close_objects(schema: Any) -> Any:
     """`additionalProperties: false` on every object schema that lists `properties` and says
     nothing of other keys. Not where other schemas combine with it (a branch of `allOf`, a node
@@ -184,4 +270,6 @@ __all__ = [
     "fit_bounds",
     "iter_subschemas",
     "map_subschemas",
+    "one_of_as_any_of",
+    "reachable_subschemas",
 ]
