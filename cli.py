@@ -303,7 +303,39 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_address(host: str, port: int) -> None:
+    """Bind the address the server will listen on, and let it go: a busy port or an unknown host
+    is refused at once, not after the model has loaded. (As uvicorn binds: SO_REUSEADDR, so a
+    port left in TIME_WAIT by a server that just stopped is not refused.)"""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as e:
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        if e.errno == errno.EADDRINUSE:
+            why = f"port {port} is in use on {host} (another server?)"
+        elif e.errno == errno.EACCES:
+            why = f"no permission to listen on port {port}"
+        elif isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(
+                f"cannot listen on {where}: {host!r} is not an address of this machine; "
+                'pick another with --host (make serve ARGS="--host 127.0.0.1")'
+            ) from e
+        else:
+            why = e.strerror or str(e)
+        raise ValueError(
+            f"cannot listen on {where}: {why}; pick another port with --port "
+            f'(make serve ARGS="--port {port + 1 if 0 < port < 65535 else 30001}")'
+        ) from e
+
+
 def _serve(args: argparse.Namespace) -> int:
+    _check_address(args.host, args.port)  # before the model loads: a busy port fails at once
     import logging
 
     import uvicorn

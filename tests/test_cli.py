@@ -173,3 +173,32 @@ def test_trust_remote_code_is_accepted_and_changes_no_engine_option():
 def test_a_chat_template_is_refused_saying_how_to_give_one(capsys):
     err = refusal(capsys, "--chat-template", "chatml")
     assert "the tokenizer's own chat template" in err and "--tokenizer-path" in err
+
+
+def test_a_busy_port_is_refused_at_once_naming_the_flag(tmp_path):
+    import socket
+    import time
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "radixlm", "serve", "--port", str(port)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        elapsed = time.monotonic() - started
+    assert done.returncode == 2, done.stderr
+    assert f"port {port} is in use" in done.stderr
+    assert "--port" in done.stderr and 'make serve ARGS="--port ' in done.stderr
+    assert done.stderr.count("\n") == 1  # one line, no trace
+    assert elapsed < 2.0, f"refused after {elapsed:.1f}s: the model must not load first"
+
+
+def test_a_host_that_is_not_this_machines_is_refused_naming_the_flag(capsys):
+    assert cli.main(["serve", "--host", "192.0.2.1", "--port", "0"]) == 2  # TEST-NET-1
+    err = capsys.readouterr().err
+    assert "is not an address of this machine" in err and "--host" in err
