@@ -1,15 +1,12 @@
 """The program language end to end on the real default model (SmolLM2-135M-Instruct, CPU):
 each construct against the engine's own answers, prefix sharing measured on the engine's
-statistics, the HTTP backends against the in-process one, and the examples."""
+statistics, and the HTTP backends against the in-process one (the examples: test_examples.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -505,43 +502,3 @@ def test_openai_backend_chats_and_refuses_what_the_api_cannot_express(engine, se
         )
 
     assert "name" in json.loads(as_json.run(backend=backend, temperature=0)["city"])
-
-
-# ---- the examples ------------------------------------------------------------------------------
-
-
-def load_example(name: str):
-    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"radixlm_example_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_example_json_extraction(engine):
-    example = load_example("json_extraction")
-    results = example.main(engine, texts=example.TEXTS[:2], progress_bar=False)
-    assert len(results) == 2
-    for info in results:
-        assert set(info) == {"name", "birth_year", "city"} and isinstance(info["birth_year"], int)
-    assert results[1]["name"] == "Alan Turing"
-
-
-def test_example_tree_of_thought(engine):
-    state = load_example("tree_of_thought").main(engine)
-    assert state.error() is None
-    assert len(state["idea"]) == 3
-    assert state["best"] in ("1", "2", "3")
-    assert state["answer"].strip()
-
-
-def test_example_agent_tool_loop(engine):
-    example = load_example("agent_tools")
-    assert example.calculate("17 * 23") == "391" and "error" in example.calculate("__import__")
-    state = example.main(engine, max_steps=2)
-    assert state.error() is None
-    assert state["action_0"] in example.TOOLS and state["action_0"] != "finish"
-    json.loads(state["args_0"])  # the arguments follow the tool's schema
-    assert "Observation: " in state.text()
-    assert "action_1" in state  # a second step ran after the observation
