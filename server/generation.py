@@ -114,7 +114,7 @@ def check_max_new_tokens(state: ServerState, value: Any, param: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request(f"{param} must be an integer, got {value!r}", param)
     if value < 0:
-        raise bad_request(f"{param}={value} must be non-negative", param)
+        raise bad_request(f"{param}={value} must be >= 0", param)
     limit = state.limits.max_new_tokens
     if limit is not None and value > limit:
         raise bad_request(f"{param}={value} exceeds this server's limit of {limit}", param)
@@ -260,6 +260,7 @@ async def _observed(
 ) -> AsyncIterator[dict[str, Any]]:
     timer = state.metrics.timer(arrived)
     finished = failed = False
+    meta: dict[str, Any] | None = None  # the last snapshot's
     try:
         async with contextlib.aclosing(stream):  # closing it aborts the engine request
             async for snapshot in stream:
@@ -280,6 +281,8 @@ async def _observed(
         raise
     finally:
         if not finished:
+            if usage is not None and meta is not None:  # cut off: the tokens it got so far
+                usage.add(meta)
             if failed:
                 timer.fail()
             elif request.failed:

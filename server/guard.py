@@ -4,10 +4,12 @@ JSON 500 for anything unexpected (never a dropped connection)."""
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import math
 import time
 import uuid
+from http import HTTPStatus
 from typing import Any
 
 from radixlm.server.errors import APIError
@@ -72,15 +74,14 @@ class GuardMiddleware:
         request_id = uuid.uuid4().hex[:12]
         usage = RequestUsage()
         scope.setdefault("state", {}).update(usage=usage, arrived=started)
-        status = {"code": 0, "sent": False}
+        response = _ResponseRecord()
         metrics = self.state.metrics
 
         async def send_logged(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-                status["sent"] = True
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+            response.saw(message)
             await send(message)
 
         metrics.in_flight += 1
@@ -96,17 +97,18 @@ class GuardMiddleware:
         except Exception as e:
             logger.exception("request %s failed", request_id)
             metrics.count_error("internal_error")
-            if not status["sent"]:
+            response.failure = f"internal server error: {e}"
+            if not response.started:
                 err = APIError(500, f"internal server error: {e}", type="internal_error")
                 await err.response()(scope, receive, send_logged)
         finally:
             metrics.in_flight -= 1
-            code = status["code"] or 499  # 499: the client went away before an answer
+            code, reason = response.outcome()
             metrics.http_requests[f"{code // 100}xx"] += 1
             path = scope.get("path", "")
             if path not in _UNLIMITED_PATHS:
                 logger.info(
-                    "%s %s %s %d in=%d out=%d cached=%d %.3fs",
+                    "%s %s %s %d in=%d out=%d cached=%d %.3fs%s",
                     request_id,
                     scope.get("method", ""),
                     path,
@@ -115,6 +117,7 @@ class GuardMiddleware:
                     usage.completion_tokens,
                     usage.cached_tokens,
                     time.perf_counter() - started,
+                    f": {reason}" if reason else "",
                 )
 
     def _check_access(self, scope: Scope) -> APIError | None:
@@ -176,6 +179,51 @@ class GuardMiddleware:
                 break
         whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         return _replay([whole], receive), None
+
+
+class _ResponseRecord:
+    """What the request log says of a response: its status, and for an error, its reason (the
+    message of the JSON error body every error response has). A response that started but never
+    finished, with no error on our side, was cut off by the client: logged as 499."""
+
+    _MAX_ERROR_BODY = 4096
+
+    def __init__(self) -> None:
+        self.code = 0
+        self.started = False
+        self.complete = False
+        self.failure: str | None = None  # an exception of ours ended the response
+        self._error_body = bytearray()
+
+    def saw(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.code, self.started = message["status"], True
+        elif message["type"] == "http.response.body":
+            if self.code >= 400 and len(self._error_body) < self._MAX_ERROR_BODY:
+                self._error_body += message.get("body", b"")[: self._MAX_ERROR_BODY]
+            if not message.get("more_body", False):
+                self.complete = True
+
+    def outcome(self) -> tuple[int, str | None]:
+        """(status, reason) for the log."""
+        if self.failure is not None:
+            return (self.code if self.started else 500), self.failure
+        if not self.started:  # the client went away before an answer
+            return 499, "the client closed the connection before the response"
+        if not self.complete:
+            return 499, f"the client closed the connection during the response ({self.code} sent)"
+        if self.code >= 400:
+            return self.code, self._error_message()
+        return self.code, None
+
+    def _error_message(self) -> str:
+        try:
+            body = json.loads(bytes(self._error_body))
+            return str(body["error"]["message"])
+        except (ValueError, KeyError, TypeError):  # not our JSON error shape
+            return (
+                HTTPStatus(self.code).phrase if self.code in HTTPStatus._value2member_map_ else ""
+            )
 
 
 def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:

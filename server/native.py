@@ -117,7 +117,7 @@ def translate_sampling_params(state: ServerState, value: Any) -> NativeSampling:
             continue
         if key == "no_stop_trim":
             if not isinstance(v, bool):
-                raise bad_request("sampling_params.no_stop_trim must be a boolean", key)
+                raise bad_request("sampling_params.no_stop_trim must be true or false", key)
             no_stop_trim = v
         elif key == "dtype":
             dtype = v
@@ -188,7 +188,7 @@ def parse_generate(state: ServerState, payload: Any) -> NativeRequest:
     text_in_lp = payload.get("return_text_in_logprobs", False)
     for name, flag in (("stream", stream), ("return_text_in_logprobs", text_in_lp)):
         if not isinstance(flag, bool) and flag is not None:
-            raise bad_request(f"{name} must be a boolean", name)
+            raise bad_request(f"{name} must be true or false", name)
 
     items: list[GenerationInput] = []
     samplings: list[NativeSampling] = []
