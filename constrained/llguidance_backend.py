@@ -34,6 +34,7 @@ from radixlm.constrained.schema_rewrite import (
     map_subschemas,
     one_of_as_any_of,
     reachable_subschemas,
+    share_numbers,
 )
 from radixlm.constrained.vocab import TokenVocabulary
 
@@ -246,6 +247,8 @@ class LLGuidanceBackend:
             schema = one_of_as_any_of(narrowed, exclusive)
             schema = bound_numbers(schema, self.numbers)
             schema = fit_bounds(schema, _INTEGER_LIMIT, _NUMBER_LIMIT)
+            # (the bounds make llguidance's lexer costlier to build: once per distinct bound)
+            schema = share_numbers(schema)
         return schema, overlapping
 
     def _json_options(self, lenient: bool) -> dict[str, Any]:

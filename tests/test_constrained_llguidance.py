@@ -292,6 +292,53 @@ def test_a_schemas_own_bounds_are_never_narrowed(compiler):
     assert accepts(compiler, huge, str(9 * 10**18)) and accepts(compiler, huge, "-7")
 
 
+def test_alike_bounded_numbers_are_shared_and_each_keeps_its_bounds(compiler):
+    """share_numbers (one `$ref` for alike bounded numbers, which llguidance builds once) leaves
+    the schema what it was: jsonschema reads the same, and each place keeps its bounds."""
+    from radixlm.constrained.schema_rewrite import NumberLimits, bound_numbers, share_numbers
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer", "description": "twice alike"},
+            "b": {"type": "integer"},
+            "c": {"type": "integer", "minimum": 0},  # its own bound: not like the others
+            "d": {"type": "number"},
+            "e": {"type": "number"},
+            "tags": {"type": "array", "items": {"type": "integer"}},
+        },
+        "required": ["a", "b", "c", "d"],
+    }
+    bounded = bound_numbers(schema, NumberLimits())
+    shared = share_numbers(bounded)
+    assert (
+        shared["properties"]["a"]
+        == shared["properties"]["b"]
+        == {"$ref": "#/$defs/radixlm-number-0"}
+    )
+    assert shared["properties"]["c"] == bounded["properties"]["c"]
+    assert (
+        shared["properties"]["d"]
+        == shared["properties"]["e"]
+        == {"$ref": "#/$defs/radixlm-number-1"}
+    )
+    big, fraction = 10**18, 0.1234567890
+    values = [
+        {"a": big, "b": -big, "c": 0, "d": 10**15, "tags": [big]},
+        {"a": big + 1, "b": 1, "c": 0, "d": 1},
+        {"a": 1, "b": -big - 1, "c": 0, "d": 1},
+        {"a": 1, "b": 1, "c": -1, "d": 1},
+        {"a": 1, "b": 1, "c": 1, "d": fraction, "e": -(10**15) - 1},
+        {"a": 1, "b": 1, "c": 1, "d": 1, "tags": [1, big + 1]},
+    ]
+    references = [jsonschema.Draft202012Validator(bounded).is_valid(v) for v in values]
+    assert references == [True] + [False] * 5
+    for value, reference in zip(values, references, strict=True):
+        assert jsonschema.Draft202012Validator(shared).is_valid(value) == reference, value
+        text = json.dumps(value, separators=(",", ":"))
+        assert accepts(compiler, schema, text) == reference, value
+
+
 def test_numbers_keep_their_fraction_digits_bounded(compiler):
     number = {"type": "number"}
     assert accepts(compiler, number, "0.1234567890")
