@@ -338,14 +338,18 @@ def _serve(args: argparse.Namespace) -> int:
     _check_address(args.host, args.port)  # before the model loads: a busy port fails at once
     import logging
 
+    from radixlm.runtime import startup
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    startup.say("loading the server and the engine (torch)")
+
     import uvicorn
 
     from radixlm.server.app import create_app
     from radixlm.server.state import ServerLimits
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     limits = ServerLimits(
         max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens,
@@ -416,6 +420,9 @@ def _generate(args: argparse.Namespace) -> int:
     }
     if args.seed is not None:
         params["seed"] = args.seed
+    from radixlm.runtime import startup
+
+    startup.say("loading the engine (torch)")
     with radixlm.Engine(**_engine_kwargs(args)) as engine:
         if args.chat:
             prompt = engine.apply_chat_template([{"role": "user", "content": prompt}])

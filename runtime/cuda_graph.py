@@ -28,6 +28,7 @@ import torch
 
 from radixlm.kernels import fused
 from radixlm.kernels.triton_attention import extend_blocks
+from radixlm.runtime import startup
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.sampler import greedy_ids
 from radixlm.runtime.tensors import int64_tensor
@@ -65,18 +66,19 @@ class _BucketGraphs:
 
     def _capture(self, what: str) -> None:
         t0 = time.perf_counter()
-        self._capture_all()
+        self._capture_all(what)
         logger.info(
             "captured %s CUDA graphs for %d sizes up to %d in %.1fs",
             what, len(self.buckets), self.buckets[-1], time.perf_counter() - t0,
         )  # fmt: skip
 
-    def _capture_all(self) -> None:
+    def _capture_all(self, what: str) -> None:
         """A graph per bucket, largest first (smaller graphs reuse its memory), each after two
         warm-up runs (kernels compiled, cuBLAS's choices made, the backend's scratch allocated)."""
         pool = None
         stream = torch.cuda.Stream(self.device)
-        for bucket in reversed(self.buckets):
+        doing = f"capturing {what} CUDA graphs"
+        for bucket in startup.progress(reversed(self.buckets), len(self.buckets), doing, "graphs"):
             self._padding_inputs(bucket)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):

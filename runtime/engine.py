@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from radixlm.errors import EngineShutDown
+from radixlm.runtime import startup
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.engine_core import EngineCore, free_memory, kv_pool_tokens
@@ -83,6 +84,7 @@ class Engine:
             config.model_path, config.cache_dir, need_weights=not dummy
         )
         self.model_folder = folder
+        startup.say(f"loading {folder.name}: its tokenizer and settings")
         self.tokenizer = model_loader.load_tokenizer(config.tokenizer_path or folder)
         hf_config = model_loader.load_hf_config(folder)
         dtype_name = config.dtype
@@ -96,6 +98,7 @@ class Engine:
             if config.chunked_prefill_size == -1:  # no chunking: a whole prompt in one step
                 chunk = self.context_len
             self.config = config = dataclasses.replace(config, chunked_prefill_size=chunk)
+        startup.say(f"building the model on {self.device} ({dtype_name})")
         with torch.device("meta"):  # (sampled: the ids the tokenizer has; past them, padding)
             model = LlamaForCausalLM(
                 mc, self.context_len + 1, sampled_vocab=self._tokenizer_vocab_end(mc.vocab_size)
@@ -106,7 +109,9 @@ class Engine:
             model.tie_weights_if_needed()
             model_loader.init_dummy_weights(model, config.random_seed)
         else:
-            model.load_weights(model_loader.iter_safetensors(folder))
+            weights = model_loader.iter_safetensors(folder)
+            total = model_loader.count_safetensors(folder)
+            model.load_weights(startup.progress(weights, total, "loading weights", "tensors"))
         model.rope.build_tables(self.device)
         model.eval()
         self.model = model
@@ -120,6 +125,7 @@ class Engine:
             | frozenset(generation_eos_ids(folder))
             | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         )
+        startup.say(f"starting the engine core (KV pool: {num_slots} tokens)")
         self._core = EngineCore(config, mc, model, kv_pool, self.context_len, self.device)
         self._grammar_compiler = None  # built on the first constrained request
         self._grammar_lock = threading.Lock()
@@ -128,10 +134,10 @@ class Engine:
         self._rng = random.Random(config.random_seed)
         self._ids = itertools.count()
         self._closed = False
-        logger.info(
-            "radixlm engine ready in %.1fs: %s on %s (%s), KV pool %d tokens",
-            time.perf_counter() - t0, folder.name, self.device, dtype_name, num_slots,
-        )  # fmt: skip
+        startup.say(
+            f"engine ready in {time.perf_counter() - t0:.1f}s: {folder.name} on {self.device} "
+            f"({dtype_name}), KV pool {num_slots} tokens"
+        )
 
     # ---- the API --------------------------------------------------------------------------
 

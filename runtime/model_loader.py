@@ -8,6 +8,7 @@ GGUF's metadata here; later loads read that folder, which takes a second instead
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import inspect
@@ -17,12 +18,16 @@ import math
 import re
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from radixlm.runtime import startup
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +106,18 @@ def resolve_model_folder(model_path: str | None, cache_dir: str, need_weights: b
 def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
     target = cache_dir / f"{gguf.stem}-{_gguf_key(gguf)}"
     if (target / "model.safetensors").is_file():
+        startup.say(f"using {gguf.name} as converted before, in {target}")
         return target
-    logger.info("converting %s to safetensors in %s (once)", gguf.name, target)
+    startup.say(
+        f"converting {gguf.name} to safetensors in {target} (once: later starts reuse it; "
+        "about a minute for the default model on a small CPU)"
+    )
+    started = time.perf_counter()
     cache_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_dir))
     try:
-        _write_hf_folder_from_gguf(gguf, work)
+        with _one_gguf_reader(gguf):
+            _write_hf_folder_from_gguf(gguf, work)
         (work / _SOURCE_FILE).write_text(str(gguf.resolve()))
         try:
             work.rename(target)
@@ -115,8 +126,39 @@ def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    startup.say(f"converted {gguf.name} in {time.perf_counter() - started:.1f}s")
     _remove_stale_conversions(cache_dir, gguf.stem, keep=target, source=gguf)
     return target
+
+
+_READER_LOCK = threading.Lock()  # one conversion at a time patches gguf.GGUFReader
+
+
+@contextlib.contextmanager
+def _one_gguf_reader(gguf: Path) -> Iterator[None]:
+    """Within: every GGUFReader of this file is the first one made. transformers reads the file
+    anew for the config, the tokenizer and the tensors (it imports GGUFReader from gguf on each
+    call), and each read parses all the metadata (the vocabulary too): about 6 s apiece for the
+    default model on a small CPU. A reader only reads (a memory map), so one serves them all."""
+    import gguf as gguf_module
+
+    with _READER_LOCK:
+        real = gguf_module.GGUFReader
+        made: dict[str, Any] = {}
+        wanted = str(gguf.resolve())
+
+        def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if args or kwargs or str(Path(path).resolve()) != wanted:
+                return real(path, *args, **kwargs)
+            if wanted not in made:
+                made[wanted] = real(path)
+            return made[wanted]
+
+        gguf_module.GGUFReader = reader
+        try:
+            yield
+        finally:
+            gguf_module.GGUFReader = real
 
 
 _SOURCE_FILE = "radixlm-source.txt"  # in a converted folder: the GGUF file it came from
@@ -169,7 +211,8 @@ def _write_hf_folder_from_gguf(gguf: Path, out: Path) -> None:
 
     folder, name = str(gguf.parent), gguf.name
     try:
-        reader = GGUFReader(str(gguf))
+        with startup.step(f"reading {name} (its settings and vocabulary)"):
+            reader = GGUFReader(str(gguf))
     except Exception as e:  # corrupt or not a GGUF file
         raise ValueError(f"cannot read GGUF file {str(gguf)!r}: {e}") from e
     rope_scaling = _gguf_rope_scaling(reader)  # refused before the long dequantization
@@ -181,15 +224,19 @@ def _write_hf_folder_from_gguf(gguf: Path, out: Path) -> None:
 
     ModelConfig.from_hf(config)  # an architecture we cannot run: refused before the conversion
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        with startup.step("building its tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
+        startup.say(f"de-quantizing its {len(reader.tensors)} tensors")
         tensors, dtype = _dequantized_tensors(gguf, skeleton)
     except Exception as e:  # corrupt or unsupported file
         raise ValueError(f"cannot read GGUF file {str(gguf)!r}: {e}") from e
     if getattr(config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    with startup.step(f"writing model.safetensors ({size / 2**20:.0f} MiB)"):
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     _set_rope_scaling(config, rope_scaling)
     if hasattr(config, "dtype"):  # transformers' newer name for torch_dtype
         config.dtype = dtype
@@ -378,18 +425,35 @@ def load_tokenizer(folder: str | Path):
         raise ValueError(f"cannot load a tokenizer from {str(folder)!r}: {e}") from e
 
 
+def _safetensors_files(folder: Path) -> list[str]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    # Hugging Face's files, where there are some (not Mistral's consolidated.safetensors)
+    return sorted(p.name for p in folder.glob("model*.safetensors")) or sorted(
+        p.name for p in folder.glob("*.safetensors")
+    )
+
+
+def count_safetensors(folder: Path) -> int:
+    """How many tensors iter_safetensors yields (read from the files' headers), 0 if unknown."""
+    from safetensors import safe_open
+
+    try:
+        total = 0
+        for file in _safetensors_files(folder):
+            with safe_open(str(folder / file), framework="pt") as f:
+                total += len(f.keys())
+        return total
+    except Exception:  # unreadable: iter_safetensors says why
+        return 0
+
+
 def iter_safetensors(folder: Path, device: str = "cpu"):
     """Yield (name, tensor) for every tensor of every *.safetensors file in the folder."""
     from safetensors import safe_open
 
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:  # Hugging Face's files, where there are some (not Mistral's consolidated.safetensors)
-        files = sorted(p.name for p in folder.glob("model*.safetensors")) or sorted(
-            p.name for p in folder.glob("*.safetensors")
-        )
-    for file in files:
+    for file in _safetensors_files(folder):
         try:
             with safe_open(str(folder / file), framework="pt", device=device) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)

@@ -112,8 +112,10 @@ class EngineProcessBackend(TokenizerSide):
         self._stats_call: asyncio.Future[Any] | None = None
         try:
             ready = self._wait_ready(startup_timeout)
+            from radixlm.runtime import startup
             from radixlm.runtime.model_loader import load_tokenizer
 
+            startup.say("loading the tokenizer in the HTTP server's process")
             super().__init__(load_tokenizer(ready.tokenizer_path))
         except BaseException:
             self._stop_process()
