@@ -165,7 +165,8 @@ def main(backend=None, question: str = "What is 17 * 23?", max_steps: int = 4):
         if seen is not None:
             print(f"  observation: {seen}")
     if state["answer"] is None:
-        print(f"no answer after {max_steps} steps (the step budget); raise max_steps to go on")
+        steps = "1 step" if max_steps == 1 else f"{max_steps} steps"
+        print(f"no answer after {steps} (the step budget); raise max_steps to go on")
     else:
         print(f"answer: {state['answer']} ({state['steps']} steps)")
     return state

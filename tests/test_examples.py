@@ -97,7 +97,7 @@ def test_example_agent_calls_the_tool_then_finishes_with_its_result(
 def test_example_agent_says_so_when_its_step_budget_runs_out(engine, capsys):
     state = load_example("agent_tools").main(engine, "What is 17 * 23?", max_steps=1)
     assert state["answer"] is None and state["steps"] == 1  # finish is not allowed at step one
-    assert "no answer after 1 steps (the step budget)" in capsys.readouterr().out
+    assert "no answer after 1 step (the step budget)" in capsys.readouterr().out
 
 
 def test_example_agent_tools_compute_safely():
