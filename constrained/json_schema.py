@@ -833,16 +833,17 @@ class _SchemaCompiler:
             return None
         alt_flats = [self.theirs.flat(a) for a in alts]
         for i, bi in enumerate(branches):
-            if self._unsatisfiable(bi):
+            if self._unsatisfiable(bi, produced=True):
                 continue
             for j, aj in enumerate(alt_flats):
                 if i != j and not self._excludes(bi, aj):
                     return i, j
         return None
 
-    def _unsatisfiable(self, f: Flat) -> bool:
-        # (where recursion was cut off, only what this compiler generates is nothing)
-        return f.false and not (self.accepted and f.cut)
+    def _unsatisfiable(self, f: Flat, produced: bool = False) -> bool:
+        """No value satisfies `f`; or (`produced`, not the accepted view) this compiler
+        generates none: where recursion was cut off, only the generated values are none."""
+        return f.false and not (f.cut and (self.accepted or not produced))
 
     def _excludes(self, produced: Flat, other: Flat, depth: int = 0) -> bool:
         """True when no value of `produced` can satisfy `other`: of the values this compiler

@@ -46,7 +46,6 @@ _NUMBER_LIMIT = 10**18
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 # what llguidance says of a oneOf whose branches it cannot tell apart (refused; lenient: anyOf)
 _ONE_OF = re.compile(r"oneOf constraints are not supported|oneOf not fully supported")
-_PROCESSING = re.compile(r"while processing \S*?#(/\S*)")
 
 
 class LLGuidanceBackend:
@@ -736,16 +735,8 @@ def _located(
     one of `overlapping` with why): at the first place in the schema that has it, or (`every`)
     at each; [] if it names none."""
     if _ONE_OF.search(error) and overlapping:
-        # where llguidance says it was, if it does ("while processing <uri>#/definitions/a")
-        hint = _PROCESSING.search(error)
-        inside = [
-            where
-            for where in overlapping
-            if hint is not None and (where + "/").startswith("#" + hint.group(1) + "/")
-        ]
         places = [
-            f"unsupported keyword 'oneOf' at {where}: {overlapping[where]}"
-            for where in inside or overlapping
+            f"unsupported keyword 'oneOf' at {where}: {why}" for where, why in overlapping.items()
         ]
         return places[: None if every else 1]
     found = _UNIMPLEMENTED.search(error)
