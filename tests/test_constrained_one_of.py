@@ -15,7 +15,11 @@ import pytest
 
 from radixlm.constrained import GrammarCompiler, GrammarError, dump_json_for_schema
 from radixlm.constrained.json_schema import json_schema_to_regex, one_of_exclusivity
-from radixlm.constrained.schema_rewrite import close_objects, one_of_as_any_of
+from radixlm.constrained.schema_rewrite import (
+    close_objects,
+    one_of_as_any_of,
+    reachable_subschemas,
+)
 from radixlm.runtime.model_loader import default_tokenizer
 
 OVERLAP = "branches 0 and 1 may both match; cannot enforce exactly one"
@@ -312,6 +316,23 @@ def test_a_one_of_in_an_unused_definition_is_not_refused(compiler):
     used = {**schema, "properties": {"a": {"$ref": "#/$defs/unused"}}}
     with pytest.raises(GrammarError, match="'oneOf' at #/\\$defs/unused: branches"):
         compiler.compile("json_schema", used)
+
+
+def test_reachable_subschemas_follow_local_refs_only():
+    schema = {
+        "properties": {"a": {"$ref": "#/$defs/used"}, "b": {"items": {"$ref": "#"}}},
+        "$defs": {"used": {"anyOf": [{"type": "null"}]}, "unused": {"type": "string"}},
+    }
+    assert reachable_subschemas(schema) == {
+        "#",
+        "#/properties/a",
+        "#/properties/b",
+        "#/properties/b/items",
+        "#/$defs/used",
+        "#/$defs/used/anyOf/0",
+    }
+    assert reachable_subschemas({"$ref": "other.json#/a"}) is None  # cannot tell: all may be
+    assert reachable_subschemas({"$defs": {"x": {"$id": "x.json"}}, "$ref": "#/$defs/x"}) is None
 
 
 # Closed (the default), the first branch writes {"a": 1} only, which the second, open, accepts
