@@ -84,10 +84,11 @@ class RuntimeEndpoint(Backend):
             raise ValueError("gen with n > 1 cannot stream")
         payload = {**self._payload(s, params), "stream": True}
         sent = 0
+        logprobs = _StreamedLogprobs()
         for event in self._http.stream("/generate", payload):
             _check(event)
             text = event["text"]
-            yield text[sent:], event["meta_info"]
+            yield text[sent:], logprobs.so_far(event["meta_info"])
             sent = len(text)
 
     # ---- select --------------------------------------------------------------------------
@@ -184,6 +185,34 @@ class RuntimeEndpoint(Backend):
             self.model_info.get("model_path"),
         )
         return plain_template()
+
+
+class _StreamedLogprobs:
+    """The log-probabilities of a stream so far. A chunk of the server's stream carries only what
+    is new of each list (the prompt's in the first chunk, then the new tokens'), with the count
+    so far in `output_token_logprobs_length`; a server that sends whole lists each time (SGLang's
+    default) is read too: its lists are as long as that count."""
+
+    def __init__(self) -> None:
+        self._lists: dict[str, list[Any]] = {}
+
+    def so_far(self, meta: dict[str, Any]) -> dict[str, Any]:
+        meta = dict(meta)
+        total = meta.get("output_token_logprobs_length")
+        new = meta.get("output_token_logprobs")
+        had = self._lists.get("output_token_logprobs", [])
+        appended = isinstance(total, int) and new is not None and len(had) + len(new) == total
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            if meta.get(key) is not None:
+                kept = self._lists.get(key, []) if appended else []
+                self._lists[key] = kept + list(meta[key])
+        for key in ("input_token_logprobs", "input_top_logprobs"):
+            if meta.get(key):  # the prompt's come whole, once
+                self._lists[key] = list(meta[key])
+        for key, entries in self._lists.items():
+            if key in meta:
+                meta[key] = list(entries)
+        return meta
 
 
 def _check(out: dict[str, Any]) -> None:

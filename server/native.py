@@ -3,7 +3,9 @@
 POST /generate          text or input_ids, single or batch; sampling_params; stream (SSE).
                         In a batch (a list of prompts) an item whose grammar is refused ends
                         alone, finish_reason {"type": "abort", "message"}; a single request with
-                        one is a 400
+                        one is a 400. Streamed, text and output_ids are cumulative and each
+                        log-probability list holds only what is new since the last chunk
+POST /concate_and_append_request   SGLang's fork(...).join(mode="concate_and_append")
 GET  /model_info        (and /get_model_info)
 GET  /server_info       (and /get_server_info); 503 if the engine does not answer in time
 GET  /health            liveness (503 once the engine process is gone), no engine work, no API key
@@ -265,23 +267,53 @@ def _per_prompt(value: Any, count: int, name: str, kind: type) -> list[Any]:
     return values
 
 
+# The log-probability lists of a meta_info. In a stream each chunk carries only the entries new
+# since the chunk before it (the prompt's in the first chunk, then each step's new tokens), with
+# the count so far in `output_token_logprobs_length`, as SGLang streams them; `text` and
+# `output_ids` stay cumulative (SGLang's frontend slices the text itself).
+_LOGPROB_LISTS = (
+    "input_token_logprobs",
+    "input_top_logprobs",
+    "output_token_logprobs",
+    "output_top_logprobs",
+)
+
+
 def native_output(
     state: ServerState,
     snapshot: dict[str, Any],
     sampling: NativeSampling,
     return_text_in_logprobs: bool,
     index: int | None = None,
+    logprobs_sent: dict[str, int] | None = None,
 ) -> dict[str, Any]:
+    """The native API's output for a snapshot. In a stream, `logprobs_sent` counts the entries of
+    each log-probability list sent so far for this generation: the chunk carries the rest, and
+    the counts move on."""
     meta = dict(snapshot["meta_info"])
     text = snapshot["text"]
     if sampling.no_stop_trim:
         text = stop_string_kept(text, meta)
+    if meta.get("output_token_logprobs") is not None:
+        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+    if logprobs_sent is not None:
+        _new_logprobs_only(meta, logprobs_sent)
     if return_text_in_logprobs:
         _fill_logprob_texts(state, meta)
     out: dict[str, Any] = {"text": text, "output_ids": snapshot["output_ids"], "meta_info": meta}
     if index is not None:
         out["index"] = index
     return out
+
+
+def _new_logprobs_only(meta: dict[str, Any], sent: dict[str, int]) -> None:
+    for key in _LOGPROB_LISTS:
+        entries = meta.get(key)
+        if entries is None:
+            continue
+        start = sent.get(key, 0)
+        meta[key] = entries[start:]
+        sent[key] = max(start, len(entries))
 
 
 def _fill_logprob_texts(state: ServerState, meta: dict[str, Any]) -> None:
@@ -340,6 +372,7 @@ async def _sse(
 ) -> AsyncIterator[bytes]:
     many = len(streams) > 1
     merged = merge(streams)
+    logprobs_sent: list[dict[str, int]] = [{} for _ in streams]
     try:
         async for index, snapshot in merged:
             error = finish_error(snapshot["meta_info"])
@@ -351,6 +384,7 @@ async def _sse(
                 req.samplings[index],
                 req.return_text_in_logprobs,
                 index if many else None,
+                logprobs_sent[index],
             )
             yield sse_event(out)
     except Exception as e:  # the stream has begun: report in-band, never hang
@@ -437,6 +471,34 @@ async def flush_cache(request: Request) -> Response:
         # as SGLang: a 400 while requests run (their prefixes are in use)
         raise bad_request("cache not flushed: requests are running; retry when the server is idle")
     return Response("Cache flushed.\n", status_code=200, media_type="text/plain")
+
+
+@router.post("/concate_and_append_request")
+async def concatenate_and_append(request: Request) -> Response:
+    """SGLang's frontend joins forks with `join(mode="concate_and_append")` by appending each
+    fork's text to its own state, after sending each fork's text as a prompt (`max_new_tokens`
+    0), then posts {"src_rids", "dst_rid"} here and reads only the status. Those ids are its
+    program states', which no request carries, so there is nothing to copy by them; and
+    concatenating the forks' KV as computed (each fork's tokens at the positions after the
+    shared prefix) would change what follows. The next request sends the joined text, whose KV
+    comes from the prefix cache as far as it matches (the shared prefix and the first fork's
+    tokens, sitting where they were computed) and is computed past that: the same result as
+    appending the texts."""
+    payload = await read_json(request)
+    if not isinstance(payload, dict):
+        raise bad_request("the body of /concate_and_append_request must be a JSON object")
+    unknown = sorted(set(payload) - {"src_rids", "dst_rid"})
+    if unknown:
+        raise bad_request(
+            f"unknown field(s) {unknown} for /concate_and_append_request; "
+            "known: ['dst_rid', 'src_rids']"
+        )
+    src, dst = payload.get("src_rids"), payload.get("dst_rid")
+    if not isinstance(src, list) or not src or not all(isinstance(r, str) for r in src):
+        raise bad_request("src_rids must be a non-empty list of request ids (strings)", "src_rids")
+    if not isinstance(dst, str) or not dst:
+        raise bad_request("dst_rid must be a request id (a non-empty string)", "dst_rid")
+    return json_response({"success": True, "src_rids": src, "dst_rid": dst})
 
 
 PROFILER_DIR_ENV = "RADIXLM_TORCH_PROFILER_DIR"

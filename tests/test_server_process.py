@@ -200,13 +200,19 @@ def test_logprobs_batches_and_n_cross_the_process_boundary(server, engine):
         top_logprobs_num=2,
     )  # fmt: skip
     with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True}) as r:
-        final = sse_payloads(r.iter_lines())[-2]
-    for key in ("input_token_logprobs", "output_token_logprobs", "output_top_logprobs"):
-        got, want = final["meta_info"][key], expected["meta_info"][key]
+        chunks = sse_payloads(r.iter_lines())[:-1]
+    # each chunk carries the entries new since the one before: together, the whole lists
+    joined = {
+        key: [e for c in chunks for e in c["meta_info"][key]]
+        for key in ("input_token_logprobs", "output_token_logprobs", "output_top_logprobs")
+    }
+    for key, got in joined.items():
+        want = expected["meta_info"][key]
         assert len(got) == len(want), key
         flat = [e for e in got if e is not None]
         assert all(isinstance(e, list) for e in flat)
-    got_lp = [e[0] for e in final["meta_info"]["output_token_logprobs"]]
+    assert chunks[-1]["meta_info"]["output_token_logprobs_length"] == 4
+    got_lp = [e[0] for e in joined["output_token_logprobs"]]
     want_lp = [e[0] for e in expected["meta_info"]["output_token_logprobs"]]
     assert got_lp == pytest.approx(want_lp, abs=1e-4)
 
