@@ -51,9 +51,9 @@ class GenerationBackend(Protocol):
 
     def model_info(self) -> ModelInfo: ...
 
-    def tokenize(self, text: str) -> list[int]: ...
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
     def token_texts(self, ids: list[int]) -> list[str]: ...
 
@@ -109,11 +109,15 @@ class TokenizerSide:
         self._tokenizer = tokenizer
         self._token_text: dict[int, str] = {}
 
-    def tokenize(self, text: str) -> list[int]:
-        return encode_prompt(self._tokenizer, text)  # as the engine tokenizes a text prompt
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of a text prompt as the engine tokenizes one; without `add_special_tokens`,
+        the text's own tokens only (no BOS put in front)."""
+        if not add_special_tokens:
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return encode_prompt(self._tokenizer, text)
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_texts(self, ids: list[int]) -> list[str]:
         out = []

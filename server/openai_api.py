@@ -63,7 +63,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
+def check_model(state: ServerState, model: str | None) -> None:
     if not state.accepts_model(model):
         raise not_found(
             f"the model {model!r} does not exist; this server serves {state.served_model_name!r}",
@@ -76,14 +76,17 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
-    info = state.backend.model_info()
+    """OpenAI's model object (id, object, created, owned_by) with SGLang's additions: `root` (the
+    base model's id: the served model itself), `parent` (a LoRA adapter's base: none here) and
+    `max_model_len` (the context length, prompt and output)."""
     return {
         "id": state.served_model_name,
         "object": "model",
         "created": int(state.started_at),
         "owned_by": "radixlm",
-        "root": info.model_path,
-        "max_model_len": info.context_len,
+        "root": state.served_model_name,
+        "parent": None,
+        "max_model_len": state.backend.model_info().context_len,
     }
 
 
@@ -95,7 +98,7 @@ async def list_models(request: Request) -> Response:
 @router.get("/v1/models/{model_id:path}")
 async def get_model(request: Request, model_id: str) -> Response:
     state = _state(request)
-    _check_model(state, model_id)
+    check_model(state, model_id)
     return json_response(_model_card(state))
 
 
@@ -333,7 +336,7 @@ def _completion_prompts(state: ServerState, prompt: Any) -> list[_Prompt]:
 async def completions(request: Request) -> Response:
     state = _state(request)
     req = await read_json(request, CompletionRequest)
-    _check_model(state, req.model)
+    check_model(state, req.model)
     if req.prompt is None:
         raise bad_request("prompt is required", "prompt")
     if req.suffix:
@@ -506,7 +509,7 @@ async def _completion_events(
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
     req = await read_json(request, ChatCompletionRequest)
-    _check_model(state, req.model)
+    check_model(state, req.model)
     n = check_n(state, req.n)
     if req.modalities not in (None, ["text"]):
         raise bad_request("this model produces text only", "modalities")

@@ -164,3 +164,30 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: str | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None  # a hint only
+
+
+class TokenizeRequest(_Strict):
+    """SGLang's /tokenize (and /v1/tokenize): a prompt (or a list of them), or chat messages
+    rendered as a chat completion renders them."""
+
+    _NULL_MEANS = {"add_special_tokens": True, "continue_final_message": False}
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | ToolChoiceNamed | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = False
+    reasoning_effort: str | None = None  # accepted, no effect here
+
+
+class DetokenizeRequest(_Strict):
+    """SGLang's /detokenize (and /v1/detokenize)."""
+
+    _NULL_MEANS = {"skip_special_tokens": True}
+    model: str | None = None
+    # a list of token ids or a list of such lists (checked by hand, as CompletionRequest.prompt)
+    tokens: Any = None
+    skip_special_tokens: bool | None = True
