@@ -20,6 +20,8 @@ _ENGINE_HELP = {
     "model_path": "a Hugging Face model folder (config.json, *.safetensors, tokenizer) or a GGUF "
     "file; default: the embedded SmolLM2-135M-Instruct",
     "tokenizer_path": "a tokenizer folder, when it is not the model's",
+    "chat_template": "the chat template in place of the tokenizer's own, as SGLang's: a Jinja "
+    'file, a JSON file holding {"chat_template": ...}, or a name radixlm ships (chatml, plain)',
     "device": "cpu, cuda or cuda:N (default: cuda when available)",
     "dtype": "weights and KV dtype: auto (float32 on CPU; on GPU the checkpoint's float16, else "
     "bfloat16), float32, float16, "
@@ -134,14 +136,6 @@ def _tensor_parallel_size(text: str) -> int:
     return 1
 
 
-def _chat_template(text: str) -> str:
-    raise argparse.ArgumentTypeError(
-        "radixlm renders chats with the tokenizer's own chat template; to use another, copy the "
-        "model's tokenizer files to a folder, write the template to chat_template.jinja there, "
-        "and pass --tokenizer-path FOLDER"
-    )
-
-
 def _tool_call_parsers() -> tuple[str, ...]:
     from radixlm.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -171,13 +165,6 @@ def _add_sglang_options(parser: argparse.ArgumentParser) -> None:
         "--trust-remote-code",
         action="store_true",
         help="accepted, no effect: radixlm runs its own model code, never a checkpoint's",
-    )
-    group.add_argument(
-        "--chat-template",
-        type=_chat_template,
-        default=None,
-        metavar="NAME_OR_FILE",
-        help="refused: chats use the tokenizer's own template (--tokenizer-path gives another)",
     )
 
 

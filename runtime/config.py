@@ -49,6 +49,9 @@ class EngineConfig:
 
     model_path: str | None = None
     tokenizer_path: str | None = None
+    # the chat template in place of the tokenizer's own: a Jinja file, or the name of one
+    # radixlm ships (runtime/chat_templates.py)
+    chat_template: str | None = None
     device: str | None = None  # cpu, cuda or cuda:N; default: "cuda" when available, else "cpu"
     # auto: float32 on CPU; on GPU float16 for a float16 checkpoint, else bfloat16 (float16 on a
     # GPU without bfloat16)
@@ -106,6 +109,13 @@ class EngineConfig:
             if not any(_is_kind(value, kind) for kind in kinds):
                 bad(f"{f.name}={value!r} must be {' or '.join(kinds)}")
 
+        if self.chat_template is not None:
+            from radixlm.runtime.chat_templates import load_chat_template
+
+            try:
+                load_chat_template(self.chat_template)
+            except ValueError as e:
+                bad(str(e))
         if self.device is not None and not _DEVICE_NAME.fullmatch(self.device):
             bad(f"device={self.device!r}; use cpu, cuda or cuda:N (N: the GPU's index)")
         if self.dtype in _DTYPE_ALIASES:  # SGLang's names

@@ -86,6 +86,10 @@ class Engine:
         self.model_folder = folder
         startup.say(f"loading {folder.name}: its tokenizer and settings")
         self.tokenizer = model_loader.load_tokenizer(config.tokenizer_path or folder)
+        if config.chat_template is not None:
+            from radixlm.runtime.chat_templates import load_chat_template
+
+            self.tokenizer.chat_template = load_chat_template(config.chat_template)
         hf_config = model_loader.load_hf_config(folder)
         dtype_name = config.dtype
         if dtype_name == "auto":

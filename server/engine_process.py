@@ -116,7 +116,10 @@ class EngineProcessBackend(TokenizerSide):
             from radixlm.runtime.model_loader import load_tokenizer
 
             startup.say("loading the tokenizer in the HTTP server's process")
-            super().__init__(load_tokenizer(ready.tokenizer_path))
+            tokenizer = load_tokenizer(ready.tokenizer_path)
+            if kwargs.get("chat_template") is not None:  # the engine's, as it resolved it
+                tokenizer.chat_template = ready.model_info["chat_template"]
+            super().__init__(tokenizer)
         except BaseException:
             self._stop_process()
             raise

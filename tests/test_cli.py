@@ -170,11 +170,6 @@ def test_trust_remote_code_is_accepted_and_changes_no_engine_option():
     assert args.trust_remote_code is True and cli._engine_kwargs(args) == {}
 
 
-def test_a_chat_template_is_refused_saying_how_to_give_one(capsys):
-    err = refusal(capsys, "--chat-template", "chatml")
-    assert "the tokenizer's own chat template" in err and "--tokenizer-path" in err
-
-
 def test_a_busy_port_is_refused_at_once_naming_the_flag(tmp_path):
     import socket
     import time
