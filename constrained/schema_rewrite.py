@@ -11,7 +11,11 @@ that the output is usable, never narrower than the schema's own bounds.
   it reads (`fit_bounds`): the one rewrite narrower than the schema, and only there.
 - For llguidance, which refuses a `oneOf` whose branches it cannot itself tell apart, a `oneOf`
   whose branches are proven to exclude each other (json_schema.one_of_exclusivity) is written as
-  the `anyOf` it then equals (`one_of_as_any_of`): the same schema, never a looser one.
+  the `anyOf` it then equals (`one_of_as_any_of`): the same schema, never a looser one. Closing
+  objects narrows a oneOf's branches, which can make them exclusive without making the values
+  valid (a value of one closed branch may still match another branch as written): the proof
+  reads the values of the closed branches against the branches as written.
+- For llguidance, alike bounded numbers point to one copy (`share_numbers`), built once.
 
 The finished output is still validated against the schema as the user wrote it.
 """
