@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 SGL_VENV  := .venv-sglang
 SGL_STAMP := $(SGL_VENV)/.installed
 
-.PHONY: install serve test lint format bench clean
+.PHONY: install serve test test-fast lint format bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +43,16 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# The tests run in as many workers as there are cores (pytest-xdist), a test file to a worker so
+# its module fixtures are built once; PYTEST_ARGS adds to that (e.g. PYTEST_ARGS="-n 0 -x").
+PYTEST := $(BIN)/python -m pytest -q -n auto --dist loadfile
+
 test: lint $(SGL_STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
+
+# The quick loop: unit tests and the tiny model's mechanics, without the real model or slow tests.
+test-fast: lint
+	$(PYTEST) -m "not real_model and not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) .pytest_cache .ruff_cache

@@ -10,10 +10,24 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# With pytest-xdist each worker gets its share of the cores (two workers each running torch on
+# every core would only take turns).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // _WORKERS)))
+
+# A test that needs one of these runs the real default model, as does one that needs its folder
+# other than for the tiny model's tokenizer: marked `real_model` (`make test-fast` skips those).
+_REAL_MODEL_FIXTURES = {"engine", "hf_model", "tokenizer"}
 
 
 def pytest_collection_modifyitems(config, items):
+    real_model = pytest.mark.real_model
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & _REAL_MODEL_FIXTURES or (
+            "default_model_folder" in names and "tiny_model_folder" not in names
+        ):
+            item.add_marker(real_model)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -49,6 +49,7 @@ def test_triton_backend_matches_torch_backend_end_to_end(tiny_model_folder):
     ]
 
 
+@pytest.mark.slow  # (the Triton interpreter on the CPU: tens of seconds)
 def test_padded_decode_graph_path_matches_eager(tiny_model_folder):
     """The CUDA-graph decode path (inputs padded to a bucket, positions and KV slots derived from
     the request table) gives the tokens of the ordinary path; run eagerly here, replayed on a GPU."""
@@ -125,6 +126,7 @@ def test_padded_prefill_rows_leave_outputs_and_the_padding_slot_alone(
     assert_same_outputs(want, got)
 
 
+@pytest.mark.slow  # (the Triton interpreter on the CPU: tens of seconds)
 def test_graph_decodes_read_each_requests_newest_token_after_preemption(tiny_model_folder):
     """A preempted request resumes on a new request row by recomputing its tokens in prompt
     chunks; when a chunk stops one token short of its newest token, the next step computes that
@@ -260,6 +262,7 @@ def test_flash_attn_prompt_path_gathers_prefix_and_new_keys(tiny_model_folder):
     assert_same_outputs(outs["torch"], outs["triton"])
 
 
+@pytest.mark.slow  # (the Triton interpreter on the CPU: tens of seconds)
 def test_prompt_steps_padded_for_prefill_graphs_match_eager(tiny_model_folder):
     """Prompt steps through PrefillGraphs (inputs padded to a bucket in one buffer, attention tiles
     listed, a newest token still on the device read from token_buf), run eagerly here and replayed
@@ -312,6 +315,7 @@ def test_prompt_steps_padded_for_prefill_graphs_match_eager(tiny_model_folder):
     assert_same_outputs(eager, graphed)
 
 
+@pytest.mark.slow  # (the Triton interpreter on the CPU: tens of seconds)
 def test_prefill_graph_layout_under_load_matches_eager(tiny_model_folder):
     """Many requests with shared prefixes (radix hits), small chunks, a cap of 5 running (buckets
     whose request lists fill up), greedy and seeded sampling, arriving in two waves: the padded
