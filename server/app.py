@@ -87,10 +87,11 @@ def create_app(
     )
     app.state.server = state
 
-    from radixlm.server import native, openai_api, tokenizer_api
+    from radixlm.server import native, openai_api, responses_api, tokenizer_api
 
     app.include_router(native.router)
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     app.include_router(tokenizer_api.router)
 
     @app.get("/metrics")

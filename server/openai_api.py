@@ -505,12 +505,11 @@ async def _completion_events(
 # ---- /v1/chat/completions ------------------------------------------------------------------
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    state = _state(request)
-    req = await read_json(request, ChatCompletionRequest)
-    check_model(state, req.model)
-    n = check_n(state, req.n)
+async def prepare_chat(
+    state: ServerState, req: ChatCompletionRequest
+) -> tuple[GenerationInput, _ChatOutput, bool]:
+    """A chat request's generation (its prompt, sampling params and the grammar of its tools),
+    how its output is read, and whether its tool calls can stream as they are generated."""
     if req.modalities not in (None, ["text"]):
         raise bad_request("this model produces text only", "modalities")
     if req.top_logprobs is not None:
@@ -558,19 +557,28 @@ async def chat_completions(request: Request) -> Response:
         return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0,
     )
+    return item, _ChatOutput(plan, parser, reasoning), stream_calls
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    req = await read_json(request, ChatCompletionRequest)
+    check_model(state, req.model)
+    n = check_n(state, req.n)
+    item, output, stream_calls = await prepare_chat(state, req)
     usage_log = getattr(request.state, "usage", None)
     streams = await start(state, fan_out(item, n), usage_log, arrival(request))
     if req.no_stop_trim:
         streams = _keep_stop_strings(streams)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    output = _ChatOutput(plan, parser, reasoning)
     if req.stream:
         events = _chat_events(state, req, output, n, streams, rid, created, stream_calls)
         return _sse_response(_guarded(state, events))
     finals = await cancel_on_disconnect(request, collect(streams))
     _raise_if_failed(finals)
-    choices = [_chat_choice(state, req, output, i, f) for i, f in enumerate(finals)]
+    choices = [chat_choice(state, req, output, i, f) for i, f in enumerate(finals)]
     return json_response(
         {
             "id": rid,
@@ -633,7 +641,7 @@ def _chat_prompt_ids(
     return ids
 
 
-def _chat_choice(
+def chat_choice(
     state: ServerState, req: ChatCompletionRequest, output: _ChatOutput, index: int, final: dict
 ) -> dict[str, Any]:
     meta = final["meta_info"]

@@ -191,3 +191,42 @@ class DetokenizeRequest(_Strict):
     # a list of token ids or a list of such lists (checked by hand, as CompletionRequest.prompt)
     tokens: Any = None
     skip_special_tokens: bool | None = True
+
+
+class ResponsesTool(_Lenient):
+    """A tool of the Responses API: a function, described flat (not under "function")."""
+
+    type: str = "function"
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesRequest(_Strict):
+    """The stateless part of OpenAI's /v1/responses: nothing is stored, so `previous_response_id`
+    is refused and `store` changes nothing."""
+
+    _NULL_MEANS = {"stream": False, "parallel_tool_calls": True}
+    model: str | None = None
+    # a string, or a list of input items (messages, function calls and their outputs), checked
+    # by hand
+    input: Any = None
+    instructions: str | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Any = None  # "auto" | "none" | "required" | {"type": "function", "name"}
+    parallel_tool_calls: bool | None = True
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | ...}}
+    previous_response_id: str | None = None
+    # accepted, no effect here
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    service_tier: str | None = None
+    include: list[str] | None = None
