@@ -21,13 +21,15 @@ own and refuses, naming keyword and location, whatever it cannot enforce exactly
 
 from __future__ import annotations
 
-from radixlm.constrained.bitmask import (
+from radixlm.constrained.batch import (
     accept_next_tokens,
+    begin_next_token_bitmasks,
+    fill_next_token_bitmasks,
+)
+from radixlm.constrained.bitmask import (
     allocate_token_bitmask,
     apply_token_bitmask_,
-    begin_next_token_bitmasks,
     bitmask_from_ids,
-    fill_next_token_bitmasks,
     ids_from_bitmask,
 )
 from radixlm.constrained.compiler import GRAMMAR_BACKENDS, KINDS, GrammarCompiler

@@ -5,7 +5,7 @@ vocabulary of the 256 single bytes (built in a helper process, see dfa_process.p
 about what building the DFA costs; `ByteAutomaton` renumbers it into a dense table. The token-level
 view (which tokens may follow in a state) is computed the first time a state is visited, by walking
 the whole vocabulary through the DFA at once: the vocabulary is a trie laid out level by level
-(`TokenTrie`), so a prefix shared by many tokens is walked once, and each level is one vectorized
+(`vocab.TokenTrie`), so a prefix shared by many tokens is walked once, and each level is one vectorized
 gather in the DFA's transition table. A token is allowed iff its walk ends in a live state, which
 is exactly what outlines-core's token `Index` precomputes for every state up front (its `Index`
 over the real vocabulary is the oracle the tests compare against).
@@ -15,13 +15,11 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from radixlm.constrained.dfa_process import RawDfa
-from radixlm.constrained.errors import GrammarError
-from radixlm.constrained.vocab import SENTINEL_BYTES, TokenVocabulary
+from radixlm.constrained.vocab import SENTINEL_BYTES, TokenTrie
 
 # Cost model of one walk over the trie (measured on a 2-core x86 CPU, SmolLM2's 49k tokens):
 # about this many nodes cost what one more level of numpy calls costs. Live first bytes are
@@ -134,128 +132,33 @@ class ByteAutomaton:
             self._first_bytes[state] = out
         return out
 
-
-@dataclass
-class _Level:
-    """The trie nodes at depth j+1 (prefixes of j+1 bytes), in lexicographic order."""
-
-    parent: np.ndarray  # (N,) int64: index of the node's prefix one byte shorter (level j-1)
-    byte: np.ndarray  # (N,) int64: the node's last byte
-    start: np.ndarray  # (257,) int64: nodes with first byte b are start[b]:start[b+1]
-    end_node: np.ndarray  # (E,) int64: nodes that spell a whole token, ascending
-    end_token: np.ndarray  # (E,) int64: that token's id
-    end_start: (
-        np.ndarray
-    )  # (257,) int64: ends whose first byte is b are end_start[b]:end_start[b+1]
-
-
-class TokenTrie:
-    """The vocabulary's usable tokens as a trie, one array level per byte depth.
-
-    Tokens that contain byte 0xF4 are left out: it only starts plane-16 characters, which
-    grammars never generate (the end-of-match sentinel lives there).
-    """
-
-    def __init__(self, vocab: TokenVocabulary) -> None:
-        self.size = vocab.size
-        tokens = sorted((b, i) for i, b in enumerate(vocab.token_bytes) if b and 0xF4 not in b)
-        if not tokens:
-            raise GrammarError("the vocabulary has no usable tokens")
-        self.levels: list[_Level] = []
-        previous: dict[bytes, int] = {}
-        depth = 0
-        alive = tokens
-        while alive:
-            index: dict[bytes, int] = {}
-            parents: list[int] = []
-            last: list[int] = []
-            firsts: list[int] = []
-            end_node: list[int] = []
-            end_token: list[int] = []
-            for data, tok in alive:
-                prefix = data[: depth + 1]
-                node = index.get(prefix)
-                if node is None:
-                    node = index[prefix] = len(parents)
-                    parents.append(previous[prefix[:-1]] if depth else 0)
-                    last.append(prefix[-1])
-                    firsts.append(prefix[0])
-                if len(data) == depth + 1:
-                    end_node.append(node)
-                    end_token.append(tok)
-            first = np.asarray(firsts, dtype=np.int64)
-            ends = np.asarray(end_node, dtype=np.int64)
-            self.levels.append(
-                _Level(
-                    parent=np.asarray(parents, dtype=np.int64),
-                    byte=np.asarray(last, dtype=np.int64),
-                    start=np.searchsorted(first, np.arange(257)),
-                    end_node=ends,
-                    end_token=np.asarray(end_token, dtype=np.int64),
-                    end_start=np.searchsorted(first[ends], np.arange(257)),
-                )
-            )
-            previous = index
-            depth += 1
-            alive = [(d, t) for d, t in alive if len(d) > depth]
-        per_first = sum(np.diff(level.start) for level in self.levels)  # (256,) subtrie sizes
-        self._nodes_before = np.concatenate([[0], np.cumsum(per_first)]).tolist()
-        self._depth = sum(
-            (np.diff(level.start) > 0).astype(np.int64) for level in self.levels
-        ).tolist()
-        # the same nodes numbered globally, level after level
-        sizes = [len(level.parent) for level in self.levels]
-        self._offset = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-        self.n_nodes = self._offset[-1]
-        self.byte = np.concatenate([level.byte for level in self.levels])
-        self._parent = np.concatenate(
-            [np.zeros(sizes[0], dtype=np.int64)]
-            + [level.parent + self._offset[j] for j, level in enumerate(self.levels[1:])]
-        )
-        self._starts = [level.start.tolist() for level in self.levels]
-        self._end_token = np.concatenate([level.end_token for level in self.levels])
-        self._end_node = np.concatenate(
-            [level.end_node + self._offset[j] for j, level in enumerate(self.levels)]
-        )
-
-    def allowed(self, dfa: ByteAutomaton, state: int) -> np.ndarray:
-        """(size,) bool: the tokens whose bytes the DFA accepts from `state` without dying."""
-        out = np.zeros(self.size, dtype=bool)
-        runs = self._runs(dfa.live_bytes(state).tolist())
-        nodes = sum(self._nodes_before[hi] - self._nodes_before[lo] for lo, hi in runs)
+    def allowed_tokens(self, trie: TokenTrie, state: int) -> np.ndarray:
+        """(size,) bool: the tokens whose bytes this DFA accepts from `state` without dying."""
+        out = np.zeros(trie.size, dtype=bool)
+        runs = _runs(trie, self.live_bytes(state).tolist())
+        nodes = sum(trie.nodes_before[hi] - trie.nodes_before[lo] for lo, hi in runs)
         if nodes < _BUFFERED_WALK_NODES:
             for lo, hi in runs:
-                self._walk(dfa, state, out, lo, hi)
+                self._walk(trie, state, out, lo, hi)
             return out
-        buffer = np.full(self.n_nodes, dfa.dead_offset, dtype=dfa.offsets.dtype)
+        buffer = np.full(trie.n_nodes, self.dead_offset, dtype=self.offsets.dtype)
         for lo, hi in runs:
-            self._walk_buffered(dfa, state, buffer, lo, hi)
-        out[self._end_token] = buffer[self._end_node] != dfa.dead_offset
+            self._walk_buffered(trie, state, buffer, lo, hi)
+        out[trie.end_token] = buffer[trie.end_node] != self.dead_offset
         return out
 
-    def _runs(self, firsts: list[int]) -> list[tuple[int, int]]:
-        """Ranges of first bytes to walk: every live byte in one, merged where that is cheaper."""
-        runs: list[list[int]] = []
-        nodes, depth = self._nodes_before, self._depth
-        for b in firsts:
-            if runs and nodes[b] - nodes[runs[-1][1]] <= depth[b] * _NODES_PER_LEVEL_OVERHEAD:
-                runs[-1][1] = b + 1
-            else:
-                runs.append([b, b + 1])
-        return [(lo, hi) for lo, hi in runs]
-
-    def _walk(self, dfa: ByteAutomaton, state: int, out: np.ndarray, lo: int, hi: int) -> None:
+    def _walk(self, trie: TokenTrie, state: int, out: np.ndarray, lo: int, hi: int) -> None:
         """Walk the subtries of first bytes lo..hi-1 from `state`, marking live token ends."""
-        offsets, dead = dfa.offsets, dfa.dead_offset
-        classes = dfa.node_classes(self)
-        root = state * dfa.n_classes
+        offsets, dead = self.offsets, self.dead_offset
+        classes = self.node_classes(trie)
+        root = state * self.n_classes
         states = offsets[:0]
         base = 0  # index of the first node of the previous level's slice
-        for j, level in enumerate(self.levels):
-            a, b = self._starts[j][lo], self._starts[j][hi]
+        for j, level in enumerate(trie.levels):
+            a, b = trie.starts[j][lo], trie.starts[j][hi]
             if a == b:
                 return
-            g = self._offset[j]
+            g = trie.offset[j]
             if j == 0:
                 cur = offsets[root + classes[a:b]]
             else:
@@ -271,24 +174,36 @@ class TokenTrie:
             states, base = cur, a
 
     def _walk_buffered(
-        self, dfa: ByteAutomaton, state: int, buffer: np.ndarray, lo: int, hi: int
+        self, trie: TokenTrie, state: int, buffer: np.ndarray, lo: int, hi: int
     ) -> None:
         """Like _walk, writing each node's state offset into `buffer` (global node numbers);
         nodes left unwritten keep the dead offset they were filled with."""
-        offsets, dead = dfa.offsets, dfa.dead_offset
-        classes, parent = dfa.node_classes(self), self._parent
-        for j in range(len(self.levels)):
-            g = self._offset[j]
-            a, b = g + self._starts[j][lo], g + self._starts[j][hi]
+        offsets, dead = self.offsets, self.dead_offset
+        classes, parent = self.node_classes(trie), trie.parent
+        for j in range(len(trie.levels)):
+            g = trie.offset[j]
+            a, b = g + trie.starts[j][lo], g + trie.starts[j][hi]
             if a == b:
                 return
             cur = buffer[a:b]
             if j == 0:
-                np.take(offsets, state * dfa.n_classes + classes[a:b], out=cur)
+                np.take(offsets, state * self.n_classes + classes[a:b], out=cur)
             else:
                 np.take(offsets, buffer[parent[a:b]] + classes[a:b], out=cur)
             if cur.min() == dead:  # the dead state has the largest offset
                 return
 
 
-__all__ = ["ByteAutomaton", "TokenTrie"]
+def _runs(trie: TokenTrie, firsts: list[int]) -> list[tuple[int, int]]:
+    """Ranges of first bytes to walk: every live byte in one, merged where that is cheaper."""
+    runs: list[list[int]] = []
+    nodes, depth = trie.nodes_before, trie.depth
+    for b in firsts:
+        if runs and nodes[b] - nodes[runs[-1][1]] <= depth[b] * _NODES_PER_LEVEL_OVERHEAD:
+            runs[-1][1] = b + 1
+        else:
+            runs.append([b, b + 1])
+    return [(lo, hi) for lo, hi in runs]
+
+
+__all__ = ["ByteAutomaton"]

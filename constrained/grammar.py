@@ -134,7 +134,7 @@ class CompiledGrammar:
         key = (self._owner, state)
         mask = self._masks.get(key)
         if mask is None:
-            allowed = self.vocab.trie.allowed(self.automaton, state)  # (size,) bool
+            allowed = self.automaton.allowed_tokens(self.vocab.trie, state)  # (size,) bool
             allowed[list(self.vocab.eos_token_ids)] = self.is_final(state)  # EOS is ours
             flags = np.zeros(self._words * 32, dtype=bool)
             flags[: allowed.shape[0]] = allowed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -110,10 +111,8 @@ class TokenVocabulary:
         return out
 
     @cached_property
-    def trie(self) -> Any:
-        """The usable tokens as a level-by-level trie (constrained.automaton.TokenTrie)."""
-        from radixlm.constrained.automaton import TokenTrie
-
+    def trie(self) -> TokenTrie:
+        """The usable tokens as a level-by-level trie."""
         return TokenTrie(self)
 
     def outlines_vocabulary(self) -> Any:
@@ -180,3 +179,88 @@ def _token_bytes(text: str, mode: str) -> bytes | None:
                 pass
         return text.replace("\u2581", " ").encode("utf-8")
     return text.encode("utf-8")
+
+
+@dataclass
+class _Level:
+    """The trie nodes at depth j+1 (prefixes of j+1 bytes), in lexicographic order."""
+
+    parent: np.ndarray  # (N,) int64: index of the node's prefix one byte shorter (level j-1)
+    byte: np.ndarray  # (N,) int64: the node's last byte
+    start: np.ndarray  # (257,) int64: nodes with first byte b are start[b]:start[b+1]
+    end_node: np.ndarray  # (E,) int64: nodes that spell a whole token, ascending
+    end_token: np.ndarray  # (E,) int64: that token's id
+    end_start: (
+        np.ndarray
+    )  # (257,) int64: ends whose first byte is b are end_start[b]:end_start[b+1]
+
+
+class TokenTrie:
+    """The vocabulary's usable tokens as a trie, one array level per byte depth (a DFA walks it
+    to find the tokens a state allows: automaton.ByteAutomaton.allowed_tokens).
+
+    Tokens that contain byte 0xF4 are left out: it only starts plane-16 characters, which
+    grammars never generate (the end-of-match sentinel lives there).
+    """
+
+    def __init__(self, vocab: TokenVocabulary) -> None:
+        self.size = vocab.size
+        tokens = sorted((b, i) for i, b in enumerate(vocab.token_bytes) if b and 0xF4 not in b)
+        if not tokens:
+            raise GrammarError("the vocabulary has no usable tokens")
+        self.levels: list[_Level] = []
+        previous: dict[bytes, int] = {}
+        depth = 0
+        alive = tokens
+        while alive:
+            index: dict[bytes, int] = {}
+            parents: list[int] = []
+            last: list[int] = []
+            firsts: list[int] = []
+            end_node: list[int] = []
+            end_token: list[int] = []
+            for data, tok in alive:
+                prefix = data[: depth + 1]
+                node = index.get(prefix)
+                if node is None:
+                    node = index[prefix] = len(parents)
+                    parents.append(previous[prefix[:-1]] if depth else 0)
+                    last.append(prefix[-1])
+                    firsts.append(prefix[0])
+                if len(data) == depth + 1:
+                    end_node.append(node)
+                    end_token.append(tok)
+            first = np.asarray(firsts, dtype=np.int64)
+            ends = np.asarray(end_node, dtype=np.int64)
+            self.levels.append(
+                _Level(
+                    parent=np.asarray(parents, dtype=np.int64),
+                    byte=np.asarray(last, dtype=np.int64),
+                    start=np.searchsorted(first, np.arange(257)),
+                    end_node=ends,
+                    end_token=np.asarray(end_token, dtype=np.int64),
+                    end_start=np.searchsorted(first[ends], np.arange(257)),
+                )
+            )
+            previous = index
+            depth += 1
+            alive = [(d, t) for d, t in alive if len(d) > depth]
+        per_first = sum(np.diff(level.start) for level in self.levels)  # (256,) subtrie sizes
+        self.nodes_before = np.concatenate([[0], np.cumsum(per_first)]).tolist()
+        self.depth = sum(
+            (np.diff(level.start) > 0).astype(np.int64) for level in self.levels
+        ).tolist()
+        # the same nodes numbered globally, level after level
+        sizes = [len(level.parent) for level in self.levels]
+        self.offset = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        self.n_nodes = self.offset[-1]
+        self.byte = np.concatenate([level.byte for level in self.levels])
+        self.parent = np.concatenate(
+            [np.zeros(sizes[0], dtype=np.int64)]
+            + [level.parent + self.offset[j] for j, level in enumerate(self.levels[1:])]
+        )
+        self.starts = [level.start.tolist() for level in self.levels]
+        self.end_token = np.concatenate([level.end_token for level in self.levels])
+        self.end_node = np.concatenate(
+            [level.end_node + self.offset[j] for j, level in enumerate(self.levels)]
+        )
