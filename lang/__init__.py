@@ -34,7 +34,7 @@ from radixlm.lang.api import (
     user_end,
     video,
 )
-from radixlm.lang.backend import Backend, BackendError, get_default_backend, set_default_backend
+from radixlm.lang.backend import Backend, BackendError, PromptContext
 from radixlm.lang.chat_template import ChatTemplate, get_chat_template
 from radixlm.lang.choices import (
     ChoicesDecision,
@@ -43,6 +43,7 @@ from radixlm.lang.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from radixlm.lang.default_backend import get_default_backend, set_default_backend
 from radixlm.lang.engine_backend import EngineBackend
 from radixlm.lang.interpreter import ProgramError, ProgramState, ProgramStateGroup
 from radixlm.lang.openai_backend import OpenAI
@@ -61,6 +62,7 @@ __all__ = [
     "ProgramError",
     "ProgramState",
     "ProgramStateGroup",
+    "PromptContext",
     "RuntimeEndpoint",
     "assistant",
     "assistant_begin",

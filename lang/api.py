@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from radixlm.lang.backend import get_default_backend, resolve_backend
 from radixlm.lang.choices import ChoicesSamplingMethod, token_length_normalized
+from radixlm.lang.default_backend import get_default_backend, resolve_backend
 from radixlm.lang.ir import (
     ExprList,
     Gen,

@@ -1,25 +1,25 @@
 """What the interpreter needs from a backend, and the scoring of `select` shared by backends.
 
-A backend turns the state's text into completions (`generate`, `generate_stream`), scores the
+A backend turns the state's prompt into completions (`generate`, `generate_stream`), scores the
 choices of a `select`, and warms the prefix cache before a fork (`cache_prefix`). Backends:
 `EngineBackend` (an in-process `radixlm.Engine`), `RuntimeEndpoint` (a radixlm or SGLang server's
-native API), `OpenAI` (any `/v1/chat/completions` server).
+native API), `OpenAI` (any `/v1/chat/completions` server). Which one a program runs on is
+`lang/default_backend.py`'s business.
+
+A backend is given a `PromptContext`, the part of a program's state it reads, never the state
+itself: this module sits below the interpreter and imports nothing above it.
 """
 
 from __future__ import annotations
 
 import random
-import threading
-import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from radixlm.lang.chat_template import ChatTemplate
-from radixlm.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprobs
+from radixlm.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprobs, mean_logprob
 from radixlm.lang.ir import GenParams
-
-if TYPE_CHECKING:
-    from radixlm.lang.interpreter import StreamExecutor
 
 
 class BackendError(RuntimeError):
@@ -28,6 +28,17 @@ class BackendError(RuntimeError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class PromptContext:
+    """What a backend reads of a program's state at one call: the text so far, the finished
+    messages, and the open role (if any) with where its content begins in `text`."""
+
+    text: str
+    messages: tuple[dict[str, Any], ...] = ()
+    role: str | None = None
+    role_begin: int | None = None
 
 
 class Backend:
@@ -39,27 +50,28 @@ class Backend:
     def get_chat_template(self) -> ChatTemplate:
         return self.chat_template
 
-    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[Any, Any]:
-        """Complete the state's text: (text, meta_info), or (list of texts, list of meta_info)
+    def generate(self, prompt: PromptContext, params: GenParams) -> tuple[Any, Any]:
+        """Complete the prompt's text: (text, meta_info), or (list of texts, list of meta_info)
         when params.n > 1."""
         raise NotImplementedError
 
     def generate_stream(
-        self, s: StreamExecutor, params: GenParams
+        self, prompt: PromptContext, params: GenParams
     ) -> Iterator[tuple[str, dict[str, Any]]]:
-        """Complete the state's text, yielding (new text, meta_info so far)."""
+        """Complete the prompt's text, yielding (new text, meta_info so far)."""
         raise NotImplementedError
 
     def select(
         self,
-        s: StreamExecutor,
+        prompt: PromptContext,
         choices: list[str],
         temperature: float,
         choices_method: Any,
         rng: random.Random,
     ) -> ChoicesDecision:
+        """The choice to append after the prompt's text, scored by `score_choices`."""
         conditional, unconditional, meta = self.score_choices(
-            s.text_, choices, _needs_unconditional(choices_method)
+            prompt.text, choices, _needs_unconditional(choices_method)
         )
         return decide(choices_method, choices, conditional, unconditional, temperature, rng, meta)
 
@@ -73,9 +85,10 @@ class Backend:
     def cache_prefix(self, prefix: str) -> None:
         """Put the prefix's KV into the server's prefix cache (no-op where there is none)."""
 
-    def commit_lazy_operations(self, s: StreamExecutor) -> None:
-        if s.text_:
-            self.cache_prefix(s.text_)
+    def commit_lazy_operations(self, prompt: PromptContext) -> None:
+        """Compute the prompt's text in the prefix cache (before a fork shares it)."""
+        if prompt.text:
+            self.cache_prefix(prompt.text)
 
     def flush_cache(self) -> bool:
         return False
@@ -110,8 +123,6 @@ def decide(
             meta_info=meta,
         )
     # a method written for SGLang's interface (a callable taking these keywords)
-    from radixlm.lang.choices import mean_logprob
-
     if temperature > 0:
         raise ValueError("select with temperature > 0 needs one of radixlm's choices methods")
     decision = method(
@@ -140,62 +151,3 @@ def choice_tokens(prefix_ids: list[int], full_ids: list[int]) -> int:
     while n < limit and prefix_ids[n] == full_ids[n]:
         n += 1
     return n
-
-
-# ---- the default backend --------------------------------------------------------------------
-
-# SGLang's `set_default_backend` makes this one process-wide setting; everything else takes an
-# explicit `backend=`.
-_default: list[Backend] = []
-_engine_backends: weakref.WeakKeyDictionary[Any, Backend] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
-
-
-def set_default_backend(backend: Any) -> None:
-    """The backend `run` / `run_batch` use when given none: a `radixlm.Engine`, a
-    `RuntimeEndpoint` or an `OpenAI` backend; None clears it."""
-    resolved = None if backend is None else resolve_backend(backend)
-    with _lock:
-        _default[:] = [] if resolved is None else [resolved]
-
-
-def get_default_backend() -> Backend | None:
-    with _lock:
-        return _default[0] if _default else None
-
-
-def resolve_backend(backend: Any) -> Backend:
-    """A backend object from what a user passes: a Backend, an Engine (wrapped once per engine),
-    or an object with an `endpoint` (SGLang's `Runtime`)."""
-    if backend is None:
-        default = get_default_backend()
-        if default is None:
-            raise RuntimeError(
-                "no backend: call radixlm.set_default_backend(radixlm.Engine()) (or a "
-                "radixlm.RuntimeEndpoint(url)), or pass backend= to run()"
-            )
-        return default
-    if isinstance(backend, Backend):
-        return backend
-    if isinstance(getattr(backend, "endpoint", None), Backend):
-        return backend.endpoint
-    if _is_engine(backend):
-        with _lock:
-            wrapped = _engine_backends.get(backend)
-        if wrapped is None:
-            from radixlm.lang.engine_backend import EngineBackend
-
-            wrapped = EngineBackend(backend)
-            with _lock:
-                wrapped = _engine_backends.setdefault(backend, wrapped)
-        return wrapped
-    raise TypeError(
-        f"unknown backend {backend!r}: use a radixlm.Engine, radixlm.RuntimeEndpoint(url) or "
-        "radixlm.OpenAI(...)"
-    )
-
-
-def _is_engine(obj: Any) -> bool:
-    return all(
-        callable(getattr(obj, name, None)) for name in ("generate", "apply_chat_template")
-    ) and hasattr(obj, "tokenizer")

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from radixlm.lang.backend import Backend, BackendError, choice_tokens, pad_logprobs
+from radixlm.lang.backend import Backend, BackendError, PromptContext, choice_tokens, pad_logprobs
 from radixlm.lang.chat_template import ChatTemplate, derive_chat_template, plain_template
 from radixlm.lang.choices import TokenLogprobs
 from radixlm.lang.ir import GenParams
 from radixlm.runtime.prompt_tokens import encode_prompt
-
-if TYPE_CHECKING:
-    from radixlm.lang.interpreter import StreamExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +32,10 @@ class EngineBackend(Backend):
 
     # ---- generation ----------------------------------------------------------------------
 
-    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[Any, Any]:
-        out = self.engine.generate(s.text_, params.sampling_params(), **params.logprob_options())
+    def generate(self, prompt: PromptContext, params: GenParams) -> tuple[Any, Any]:
+        out = self.engine.generate(
+            prompt.text, params.sampling_params(), **params.logprob_options()
+        )
         outs = out if isinstance(out, list) else [out]
         for o in outs:
             self._check(o)
@@ -46,13 +45,13 @@ class EngineBackend(Backend):
         return outs[0]["text"], outs[0]["meta_info"]
 
     def generate_stream(
-        self, s: StreamExecutor, params: GenParams
+        self, prompt: PromptContext, params: GenParams
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         if (params.n or 1) > 1:
             raise ValueError("gen with n > 1 cannot stream")
         sent = 0
         for snapshot in self.engine.generate(
-            s.text_, params.sampling_params(), stream=True, **params.logprob_options()
+            prompt.text, params.sampling_params(), stream=True, **params.logprob_options()
         ):
             self._check(snapshot)
             text = snapshot["text"]

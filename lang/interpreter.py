@@ -7,24 +7,24 @@ batched by the engine, and a streamed run shows text as it is generated.
 A failure inside an expression (a bad regex, a server error) is kept on the state
 (`state.error()`); the expressions queued after it are skipped, and reading a variable that was
 never set raises `ProgramError` naming the cause.
+
+This module knows states, not programs: running a `@function` (`run`, `run_batch`) is
+`lang/program.py`'s. A backend call is given a `PromptContext`, not the executor.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
-import multiprocessing
 import queue
 import random
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
-from radixlm.lang.backend import Backend
+from radixlm.lang.backend import Backend, PromptContext
 from radixlm.lang.chat_template import ChatTemplate
 from radixlm.lang.ir import (
     CommitLazy,
@@ -41,9 +41,6 @@ from radixlm.lang.ir import (
     VarScopeEnd,
     as_expr,
 )
-
-if TYPE_CHECKING:
-    from radixlm.lang.program import Function
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +254,7 @@ class StreamExecutor:
         elif isinstance(expr, VarScopeEnd):
             self._set(expr.name, self.text_[self._scopes.pop(expr.name, len(self.text_)) :])
         elif isinstance(expr, CommitLazy):
-            self.backend.commit_lazy_operations(self)
+            self.backend.commit_lazy_operations(self._prompt())
         elif isinstance(expr, ConcatenateAndAppend):
             self._concatenate_and_append(expr.states)
         else:
@@ -288,6 +285,12 @@ class StreamExecutor:
             event.set()
         self._notify()
 
+    def _prompt(self) -> PromptContext:
+        """What the backend reads of this state for its next call."""
+        return PromptContext(
+            self.text_, tuple(self.messages_), self.cur_role, self.cur_role_begin_pos
+        )
+
     def _params(self, gen: Gen) -> GenParams:
         return self.default_params.merged(gen.params).resolved(self.chat_template.stop_str)
 
@@ -296,7 +299,7 @@ class StreamExecutor:
         if self.stream and (params.n or 1) == 1:
             self._gen_stream(gen.name, params)
             return
-        comp, meta = self.backend.generate(self, params)
+        comp, meta = self.backend.generate(self._prompt(), params)
         self._fill(comp[0] if isinstance(comp, list) else comp)
         self._set(gen.name, comp, meta)
 
@@ -305,7 +308,7 @@ class StreamExecutor:
         self.variables[key] = ""
         meta: dict[str, Any] | None = None
         try:
-            for chunk, meta in self.backend.generate_stream(self, params):
+            for chunk, meta in self.backend.generate_stream(self._prompt(), params):
                 self.variables[key] += chunk
                 self.meta_info[key] = meta
                 self._fill(chunk)
@@ -322,7 +325,7 @@ class StreamExecutor:
 
     def _select(self, select: Select) -> None:
         decision = self.backend.select(
-            self, select.choices, select.temperature, select.choices_method, self.rng
+            self._prompt(), select.choices, select.temperature, select.choices_method, self.rng
         )
         self._fill(decision.decision)
         self._set(select.name, decision.decision, decision.meta_info)
@@ -566,148 +569,3 @@ class ProgramStateGroup:
             for state in self.states:
                 state += other
         return self
-
-
-# ---- running programs -----------------------------------------------------------------------
-
-
-def run_program(
-    program: Function,
-    backend: Backend,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    default_params: GenParams,
-    stream: bool,
-    sync: bool = False,
-) -> ProgramState:
-    arguments = program.arguments(args, kwargs)
-    state = ProgramState(StreamExecutor(backend, arguments[1], default_params, None, stream))
-    if stream:
-        thread = threading.Thread(
-            target=_run_body, args=(state, program, arguments, False, True), daemon=True
-        )
-        state.stream_executor._body = thread
-        thread.start()
-        return state
-    _run_body(state, program, arguments, sync, False)
-    return state
-
-
-def _run_body(
-    state: ProgramState,
-    program: Function,
-    arguments: tuple[tuple[Any, ...], dict[str, Any]],
-    sync: bool,
-    keep_errors: bool,
-) -> None:
-    """Run the function body; with `keep_errors`, an exception it raises goes to the state."""
-    executor = state.stream_executor
-    try:
-        args, kwargs = arguments
-        state.ret_value = program.func(state, *args, **kwargs)
-    except Exception as e:
-        if not keep_errors:
-            raise
-        logger.warning("program %s failed: %s", program.name, e)
-        logger.debug("program failure", exc_info=True)
-        executor.sync()
-        if executor.error_ is None:
-            executor.error_ = e
-    finally:
-        executor.end()
-    if sync:
-        executor.sync()
-
-
-def run_program_batch(
-    program: Function,
-    backend: Backend,
-    batch_arguments: list[dict[str, Any]],
-    default_params: GenParams,
-    num_threads: int | str,
-    progress_bar: bool,
-    generator_style: bool = False,
-) -> list[ProgramState] | Iterator[ProgramState]:
-    if num_threads == "auto":
-        num_threads = max(96, multiprocessing.cpu_count() * 16)
-    if not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError(f"num_threads={num_threads!r}: give a positive integer or 'auto'")
-    num_threads = min(num_threads, len(batch_arguments))
-
-    def run_one(kwargs: dict[str, Any]) -> ProgramState:
-        try:
-            arguments = program.arguments((), kwargs)
-        except TypeError as e:  # a bad argument list fails its own program only
-            state = ProgramState(StreamExecutor(backend, {}, default_params, None, False))
-            state.stream_executor.error_ = e
-            state.stream_executor.end()
-            return state
-        state = ProgramState(StreamExecutor(backend, arguments[1], default_params, None, False))
-        _run_body(state, program, arguments, True, True)
-        return state
-
-    states = _in_pool(run_one, batch_arguments, num_threads, progress_bar)
-    return states if generator_style else list(states)
-
-
-def _in_pool(
-    run_one: Callable[[dict[str, Any]], ProgramState],
-    batch_arguments: list[dict[str, Any]],
-    num_threads: int,
-    progress_bar: bool,
-) -> Iterator[ProgramState]:
-    """The programs' states in order, each as soon as it and those before it are done."""
-    bar = _progress(len(batch_arguments)) if progress_bar else None
-    pool = ThreadPoolExecutor(num_threads, thread_name_prefix="radixlm-batch")
-    try:
-        futures = [pool.submit(run_one, kwargs) for kwargs in batch_arguments]
-        if bar is not None:
-            for f in futures:
-                f.add_done_callback(lambda _: bar.update(1))
-        for f in futures:
-            yield f.result()
-    finally:
-        # a generator closed early (the caller stopped reading): the programs not started yet
-        # are not run, and only the running ones are waited for
-        pool.shutdown(wait=True, cancel_futures=True)
-        if bar is not None:
-            bar.close()
-
-
-def _progress(total: int) -> Any:
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _PlainProgress(total)
-    return tqdm(total=total)
-
-
-class _PlainProgress:
-    def __init__(self, total: int) -> None:
-        self.total, self.done = total, 0
-        self._lock = threading.Lock()
-
-    def update(self, n: int) -> None:
-        import sys
-
-        with self._lock:
-            self.done += n
-            print(f"\r{self.done}/{self.total}", end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        import sys
-
-        print(file=sys.stderr)
-
-
-def bind_arguments(
-    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The program's (args, kwargs) after `s`, or a TypeError naming the problem."""
-    signature = inspect.signature(func)
-    try:
-        bound = signature.bind(None, *args, **kwargs)
-    except TypeError as e:
-        raise TypeError(f"{func.__name__}{signature}: {e}") from None
-    bound.apply_defaults()
-    return tuple(bound.args[1:]), dict(bound.kwargs)

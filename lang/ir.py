@@ -1,7 +1,8 @@
 """The expressions a program appends to its state (`s += ...`) and the parameters of `gen`.
 
 An expression is data: the interpreter (`lang/interpreter.py`) executes it against a backend.
-Strings and expressions concatenate (`"Q: " + gen("a")`) into an `ExprList`.
+Strings and expressions concatenate (`"Q: " + gen("a")`) into an `ExprList`. This module sits
+below the interpreter and imports nothing of it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from radixlm.lang.choices import ChoicesSamplingMethod
-    from radixlm.lang.interpreter import ProgramState
 
 # SGLang's regexes for `gen(dtype=...)`, with the same meanings (trailing blanks end a number)
 REGEX_INT = r"[-+]?[0-9]+[ \n]*"
@@ -251,7 +251,8 @@ class CommitLazy(Expr):
 
 
 class ConcatenateAndAppend(Expr):
-    """Append the text each fork added to the parent (join mode `concate_and_append`)."""
+    """Append the text each fork added to the parent (join mode `concate_and_append`). The
+    forks are `ProgramState`s, typed `Any` here: the interpreter defines them, above this."""
 
-    def __init__(self, states: list[ProgramState]) -> None:
+    def __init__(self, states: list[Any]) -> None:
         self.states = states

@@ -12,15 +12,13 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from radixlm.lang.backend import Backend
+from radixlm.lang.backend import Backend, PromptContext
 from radixlm.lang.chat_template import ChatTemplate, plain_template
 from radixlm.lang.http_client import HttpClient
 from radixlm.lang.ir import GenParams
 
 if TYPE_CHECKING:
     import random
-
-    from radixlm.lang.interpreter import StreamExecutor
 
 # sampling parameters outside OpenAI's API, sent only when set away from their defaults (servers
 # such as radixlm, SGLang and vLLM accept them)
@@ -63,7 +61,7 @@ class OpenAI(Backend):
     def get_model_name(self) -> str:
         return self.model_name
 
-    def _body(self, s: StreamExecutor, params: GenParams) -> dict[str, Any]:
+    def _body(self, prompt: PromptContext, params: GenParams) -> dict[str, Any]:
         if params.regex is not None:
             raise ValueError(
                 "the OpenAI backend cannot constrain gen by regex or dtype: the OpenAI API has no "
@@ -71,19 +69,19 @@ class OpenAI(Backend):
             )
         body: dict[str, Any] = {"model": self.model_name}
         if self.is_chat_model:
-            if s.cur_role != "assistant":
+            if prompt.role != "assistant":
                 raise ValueError(
                     "with the OpenAI chat backend, gen must open an assistant turn: write "
                     "s += assistant(gen(...))"
                 )
-            if s.text_[s.cur_role_begin_pos or 0 :].strip():
+            if prompt.text[prompt.role_begin or 0 :].strip():
                 raise ValueError(
                     "the OpenAI chat backend cannot continue a partly written assistant message: "
                     "put gen first in the assistant turn"
                 )
-            body["messages"] = list(s.messages_)
+            body["messages"] = list(prompt.messages)
         else:
-            body["prompt"] = s.text_
+            body["prompt"] = prompt.text
         mapping = {
             "max_new_tokens": "max_tokens",
             "temperature": "temperature",
@@ -124,8 +122,8 @@ class OpenAI(Backend):
             return (choice.get("message") or {}).get("content") or ""
         return choice.get("text") or ""
 
-    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[Any, Any]:
-        out = self._http.post(self._path(), self._body(s, params))
+    def generate(self, prompt: PromptContext, params: GenParams) -> tuple[Any, Any]:
+        out = self._http.post(self._path(), self._body(prompt, params))
         choices = out.get("choices") or []
         metas = [
             {
@@ -140,11 +138,11 @@ class OpenAI(Backend):
         return self._text(choices[0]), metas[0]
 
     def generate_stream(
-        self, s: StreamExecutor, params: GenParams
+        self, prompt: PromptContext, params: GenParams
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         if (params.n or 1) > 1:
             raise ValueError("gen with n > 1 cannot stream")
-        body = {**self._body(s, params), "stream": True}
+        body = {**self._body(prompt, params), "stream": True}
         for event in self._http.stream(self._path(), body):
             for choice in event.get("choices") or []:
                 if self.is_chat_model:
@@ -157,7 +155,7 @@ class OpenAI(Backend):
 
     def select(
         self,
-        s: StreamExecutor,
+        prompt: PromptContext,
         choices: list[str],
         temperature: float,
         choices_method: Any,

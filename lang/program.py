@@ -1,20 +1,28 @@
-"""`@function` programs: `run`, `run_batch`, `bind`."""
+"""`@function` programs: `run`, `run_batch`, `bind`, and the runners behind them.
+
+`run` executes the program's body against a fresh `ProgramState` (in a thread of its own when
+streamed); `run_batch` runs one program per argument set in a thread pool, each failure kept on
+its own state.
+"""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import multiprocessing
+import sys
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from radixlm.lang.backend import resolve_backend
-from radixlm.lang.interpreter import (
-    ProgramState,
-    bind_arguments,
-    run_program,
-    run_program_batch,
-)
-from radixlm.lang.ir import default_params
+from radixlm.lang.backend import Backend
+from radixlm.lang.default_backend import resolve_backend
+from radixlm.lang.interpreter import ProgramState, StreamExecutor
+from radixlm.lang.ir import GenParams, default_params
+
+logger = logging.getLogger(__name__)
 
 
 class Function:
@@ -168,7 +176,7 @@ class Function:
         return f"<radixlm program {self.name}>"
 
 
-def _run_defaults(n: Any, stop_regex: Any, **values: Any):
+def _run_defaults(n: Any, stop_regex: Any, **values: Any) -> GenParams:
     """The defaults `run` and `run_batch` give the program's `gen` calls (SGLang's arguments:
     `n` samples each, as a list; stop_regex refused as `gen` refuses it)."""
     if stop_regex:
@@ -176,3 +184,147 @@ def _run_defaults(n: Any, stop_regex: Any, **values: Any):
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"run: n={n!r} must be a positive integer")
     return default_params(n=n if n > 1 else None, **values)
+
+
+# ---- running programs -----------------------------------------------------------------------
+
+
+def run_program(
+    program: Function,
+    backend: Backend,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    params: GenParams,
+    stream: bool,
+    sync: bool = False,
+) -> ProgramState:
+    """Run `program` once with `params` as its gen defaults; streamed, its body runs in a thread
+    of its own and the state is returned at once."""
+    arguments = program.arguments(args, kwargs)
+    state = ProgramState(StreamExecutor(backend, arguments[1], params, None, stream))
+    if stream:
+        thread = threading.Thread(
+            target=_run_body, args=(state, program, arguments, False, True), daemon=True
+        )
+        state.stream_executor._body = thread
+        thread.start()
+        return state
+    _run_body(state, program, arguments, sync, False)
+    return state
+
+
+def _run_body(
+    state: ProgramState,
+    program: Function,
+    arguments: tuple[tuple[Any, ...], dict[str, Any]],
+    sync: bool,
+    keep_errors: bool,
+) -> None:
+    """Run the function body; with `keep_errors`, an exception it raises goes to the state."""
+    executor = state.stream_executor
+    try:
+        args, kwargs = arguments
+        state.ret_value = program.func(state, *args, **kwargs)
+    except Exception as e:
+        if not keep_errors:
+            raise
+        logger.warning("program %s failed: %s", program.name, e)
+        logger.debug("program failure", exc_info=True)
+        executor.sync()
+        if executor.error_ is None:
+            executor.error_ = e
+    finally:
+        executor.end()
+    if sync:
+        executor.sync()
+
+
+def run_program_batch(
+    program: Function,
+    backend: Backend,
+    batch_arguments: list[dict[str, Any]],
+    params: GenParams,
+    num_threads: int | str,
+    progress_bar: bool,
+    generator_style: bool = False,
+) -> list[ProgramState] | Iterator[ProgramState]:
+    """Run `program` once per argument dict in a pool of `num_threads` threads."""
+    if num_threads == "auto":
+        num_threads = max(96, multiprocessing.cpu_count() * 16)
+    if not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"num_threads={num_threads!r}: give a positive integer or 'auto'")
+    num_threads = min(num_threads, len(batch_arguments))
+
+    def run_one(kwargs: dict[str, Any]) -> ProgramState:
+        try:
+            arguments = program.arguments((), kwargs)
+        except TypeError as e:  # a bad argument list fails its own program only
+            state = ProgramState(StreamExecutor(backend, {}, params, None, False))
+            state.stream_executor.error_ = e
+            state.stream_executor.end()
+            return state
+        state = ProgramState(StreamExecutor(backend, arguments[1], params, None, False))
+        _run_body(state, program, arguments, True, True)
+        return state
+
+    states = _in_pool(run_one, batch_arguments, num_threads, progress_bar)
+    return states if generator_style else list(states)
+
+
+def _in_pool(
+    run_one: Callable[[dict[str, Any]], ProgramState],
+    batch_arguments: list[dict[str, Any]],
+    num_threads: int,
+    progress_bar: bool,
+) -> Iterator[ProgramState]:
+    """The programs' states in order, each as soon as it and those before it are done."""
+    bar = _progress(len(batch_arguments)) if progress_bar else None
+    pool = ThreadPoolExecutor(num_threads, thread_name_prefix="radixlm-batch")
+    try:
+        futures = [pool.submit(run_one, kwargs) for kwargs in batch_arguments]
+        if bar is not None:
+            for f in futures:
+                f.add_done_callback(lambda _: bar.update(1))
+        for f in futures:
+            yield f.result()
+    finally:
+        # a generator closed early (the caller stopped reading): the programs not started yet
+        # are not run, and only the running ones are waited for
+        pool.shutdown(wait=True, cancel_futures=True)
+        if bar is not None:
+            bar.close()
+
+
+def _progress(total: int) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _PlainProgress(total)
+    return tqdm(total=total)
+
+
+class _PlainProgress:
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+        self._lock = threading.Lock()
+
+    def update(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            print(f"\r{self.done}/{self.total}", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        print(file=sys.stderr)
+
+
+def bind_arguments(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The program's (args, kwargs) after `s`, or a TypeError naming the problem."""
+    signature = inspect.signature(func)
+    try:
+        bound = signature.bind(None, *args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{func.__name__}{signature}: {e}") from None
+    bound.apply_defaults()
+    return tuple(bound.args[1:]), dict(bound.kwargs)

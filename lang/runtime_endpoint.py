@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from radixlm.lang.backend import Backend, BackendError, choice_tokens, pad_logprobs
+from radixlm.lang.backend import Backend, BackendError, PromptContext, choice_tokens, pad_logprobs
 from radixlm.lang.chat_template import (
     ChatTemplate,
     derive_chat_template,
@@ -24,9 +24,6 @@ from radixlm.lang.chat_template import (
 from radixlm.lang.choices import TokenLogprobs
 from radixlm.lang.http_client import HttpClient
 from radixlm.lang.ir import GenParams
-
-if TYPE_CHECKING:
-    from radixlm.lang.interpreter import StreamExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +59,15 @@ class RuntimeEndpoint(Backend):
 
     # ---- generation ----------------------------------------------------------------------
 
-    def _payload(self, s: StreamExecutor, params: GenParams) -> dict[str, Any]:
-        payload: dict[str, Any] = {"text": s.text_, "sampling_params": params.sampling_params()}
+    def _payload(self, prompt: PromptContext, params: GenParams) -> dict[str, Any]:
+        payload: dict[str, Any] = {"text": prompt.text, "sampling_params": params.sampling_params()}
         payload.update(params.logprob_options())
         if params.return_logprob and params.return_text_in_logprobs:
             payload["return_text_in_logprobs"] = True
         return payload
 
-    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[Any, Any]:
-        out = self._http.post("/generate", self._payload(s, params))
+    def generate(self, prompt: PromptContext, params: GenParams) -> tuple[Any, Any]:
+        out = self._http.post("/generate", self._payload(prompt, params))
         if isinstance(out, list):
             if (params.n or 1) > 1:
                 return [o["text"] for o in out], [o["meta_info"] for o in out]
@@ -78,11 +75,11 @@ class RuntimeEndpoint(Backend):
         return out["text"], out["meta_info"]
 
     def generate_stream(
-        self, s: StreamExecutor, params: GenParams
+        self, prompt: PromptContext, params: GenParams
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         if (params.n or 1) > 1:
             raise ValueError("gen with n > 1 cannot stream")
-        payload = {**self._payload(s, params), "stream": True}
+        payload = {**self._payload(prompt, params), "stream": True}
         sent = 0
         logprobs = _StreamedLogprobs()
         for event in self._http.stream("/generate", payload):

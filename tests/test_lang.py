@@ -11,8 +11,9 @@ import threading
 import pytest
 
 import radixlm as sgl
-from radixlm.lang import backend as backend_module
-from radixlm.lang.backend import BackendError, resolve_backend
+from radixlm.lang import default_backend as default_backend_module
+from radixlm.lang.backend import BackendError
+from radixlm.lang.default_backend import resolve_backend
 from radixlm.lang.engine_backend import EngineBackend
 from radixlm.lang.interpreter import ProgramError
 from tests.faults import fail_model_call
@@ -327,7 +328,7 @@ def test_stream_text_iter_and_async_iter(engine):
 
 
 def test_set_default_backend_bind_and_positional_batches(engine, monkeypatch):
-    monkeypatch.setattr(backend_module, "_default", [])
+    monkeypatch.setattr(default_backend_module, "_default", [])
     sgl.set_default_backend(engine)
     assert isinstance(sgl.get_default_backend(), EngineBackend)
     ask_france = qa.bind(question=FRANCE)
@@ -338,7 +339,7 @@ def test_set_default_backend_bind_and_positional_batches(engine, monkeypatch):
 
 
 def test_run_takes_sglangs_n_and_clears_the_default_backend(engine, monkeypatch):
-    monkeypatch.setattr(backend_module, "_default", [])
+    monkeypatch.setattr(default_backend_module, "_default", [])
     state = qa.run(FRANCE, 4, backend=engine, temperature=0.8, n=2)
     answers = state["answer"]
     assert isinstance(answers, list) and len(answers) == 2

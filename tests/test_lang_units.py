@@ -13,14 +13,8 @@ import time
 import pytest
 
 import radixlm as sgl
-from radixlm.lang import backend as backend_module
-from radixlm.lang.backend import (
-    Backend,
-    BackendError,
-    choice_tokens,
-    pad_logprobs,
-    resolve_backend,
-)
+from radixlm.lang import default_backend as default_backend_module
+from radixlm.lang.backend import Backend, BackendError, choice_tokens, pad_logprobs
 from radixlm.lang.chat_template import (
     ChatTemplate,
     derive_chat_template,
@@ -32,6 +26,7 @@ from radixlm.lang.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from radixlm.lang.default_backend import resolve_backend
 from radixlm.lang.http_client import HttpClient
 from radixlm.lang.interpreter import ProgramError
 from radixlm.lang.ir import REGEX_INT, GenParams, default_params
@@ -225,7 +220,7 @@ def test_bad_arguments_fail_at_the_call_with_a_clear_error(make, error, match):
 def test_unknown_or_missing_backend_is_a_clear_error(monkeypatch):
     with pytest.raises(TypeError, match="unknown backend"):
         resolve_backend(object())
-    monkeypatch.setattr(backend_module, "_default", [])
+    monkeypatch.setattr(default_backend_module, "_default", [])
 
     @sgl.function
     def prog(s):
@@ -251,13 +246,13 @@ class ScriptedBackend(Backend):
         self.calls: list[str] = []
         self.lock = threading.Lock()
 
-    def generate(self, s, params):
+    def generate(self, prompt, params):
         with self.lock:
-            self.calls.append(s.text_)
+            self.calls.append(prompt.text)
             n = len(self.calls)
-        return self.answers.get(s.text_.rsplit("\n", 1)[-1], f"gen{n}"), {"params": params}
+        return self.answers.get(prompt.text.rsplit("\n", 1)[-1], f"gen{n}"), {"params": params}
 
-    def generate_stream(self, s, params):
+    def generate_stream(self, prompt, params):
         # each piece waits until the test has read the previous one: chunks cannot coalesce
         for i, piece in enumerate(("one ", "two ", "three")):
             if i:
@@ -366,12 +361,12 @@ def test_stream_without_a_model():
 class FailingBackend(ScriptedBackend):
     """A generation after "fail " raises; a stream gives one piece, then raises."""
 
-    def generate(self, s, params):
-        if s.text_.endswith("fail "):
+    def generate(self, prompt, params):
+        if prompt.text.endswith("fail "):
             raise BackendError("the server failed")
         return "ok", {}
 
-    def generate_stream(self, s, params):
+    def generate_stream(self, prompt, params):
         yield "partial ", {}
         raise BackendError("the server failed mid-stream")
 
@@ -417,9 +412,9 @@ def test_a_variable_generated_twice_is_read_after_its_last_write():
     as SGLang's interpreter does too)."""
 
     class Slow(ScriptedBackend):
-        def generate(self, s, params):
+        def generate(self, prompt, params):
             time.sleep(0.2)
-            return super().generate(s, params)
+            return super().generate(prompt, params)
 
     @sgl.function
     def prog(s):
@@ -436,9 +431,9 @@ def test_a_variable_generated_twice_is_read_after_its_last_write():
 
 def test_a_generator_style_batch_closed_early_runs_no_more_programs():
     class Slow(ScriptedBackend):
-        def generate(self, s, params):
+        def generate(self, prompt, params):
             time.sleep(0.05)
-            return super().generate(s, params)
+            return super().generate(prompt, params)
 
     @sgl.function
     def prog(s, i):
