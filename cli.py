@@ -193,6 +193,27 @@ def _build_parser() -> argparse.ArgumentParser:
         "(default: $RADIXLM_API_KEY, else none)",
     )
     net.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="require this key, not --api-key, on the admin routes: /flush_cache, "
+        "/start_profile, /stop_profile, /abort_request (a user key gets 403 there); without it "
+        "they are guarded by --api-key like the others (default: $RADIXLM_ADMIN_API_KEY, else "
+        "none)",
+    )
+    net.add_argument(
+        "--audit-log",
+        default=None,
+        metavar="PATH",
+        help="write one JSON line per request (time, ids, a hash naming the key, endpoint, "
+        "status, tokens, latency, finish reasons) to PATH, rotated at 100 MB, 5 kept; '-' for "
+        "standard output",
+    )
+    net.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="put the request bodies and the output texts in the audit log too",
+    )
+    net.add_argument(
         "--served-model-name",
         default=None,
         help="the model id of the OpenAI API (default: the model's folder or file name)",
@@ -250,6 +271,20 @@ def _build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-n", type=int, default=16, help="the most completions per prompt")
     limits.add_argument(
         "--max-batch-size", type=int, default=256, help="the most prompts in one request"
+    )
+    limits.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="generations accepted and not finished at most; past it a 503 with Retry-After "
+        "at once (default: no bound)",
+    )
+    limits.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a generation may run before it is aborted (finish_reason abort, its KV "
+        "freed); a request's own request_timeout may ask for less (default: none)",
     )
     limits.add_argument(
         "--rate-limit",
@@ -345,7 +380,11 @@ def _serve(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         rate_limit_per_minute=args.rate_limit,
         rate_limit_burst=args.rate_limit_burst,
+        max_queued_requests=args.max_queued_requests,
+        request_timeout=args.request_timeout,
     )
+    if args.log_requests and args.audit_log is None:
+        raise ValueError("--log-requests writes into the audit log: give --audit-log PATH too")
     engine = _start_engine(args)
     try:
         app = create_app(
@@ -357,6 +396,9 @@ def _serve(args: argparse.Namespace) -> int:
             server_info={"host": args.host, "port": args.port},
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            admin_api_key=args.admin_api_key or os.environ.get("RADIXLM_ADMIN_API_KEY") or None,
+            audit_log=args.audit_log,
+            log_requests=args.log_requests,
         )
         # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish for
         # the graceful timeout (then cancels them, which aborts their generations), and runs the

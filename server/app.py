@@ -17,9 +17,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlm import __version__
 from radixlm.errors import EngineShutDown
+from radixlm.server.audit import AuditLog
 from radixlm.server.backend import GenerationBackend, LocalEngineBackend, engine_stats
 from radixlm.server.errors import APIError, ClientDisconnected, unavailable
 from radixlm.server.guard import GuardMiddleware
+from radixlm.server.inflight import InFlight
+from radixlm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixlm.server.metrics import Metrics
 from radixlm.server.reasoning import reasoning_parser as get_reasoning_parser
 from radixlm.server.state import ServerLimits, ServerState
@@ -38,6 +41,9 @@ def create_app(
     server_info: dict[str, Any] | None = None,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    admin_api_key: str | None = None,
+    audit_log: str | AuditLog | None = None,
+    log_requests: bool = False,
 ) -> FastAPI:
     """Build the app over an engine (a `radixlm.Engine` or any `GenerationBackend`).
 
@@ -48,6 +54,12 @@ def create_app(
     `llama3`, `pythonic`, `mistral`, `deepseekv3`, or `auto`: from the chat template; default:
     the server's own format, see server/tools.py); `reasoning_parser` (`deepseek-r1`, `qwen3`)
     splits the thinking off into `reasoning_content`. ValueError for an unknown name.
+
+    `admin_api_key` guards the admin routes (/flush_cache, /start_profile, /stop_profile,
+    /abort_request) apart from `api_key` (see server/guard.py). `audit_log` (a path, `-` for
+    standard output, or an `AuditLog`) writes one JSON line per request (server/audit.py);
+    `log_requests` puts the request bodies and output texts in it. `limits` bound the requests
+    (`max_queued_requests`, `request_timeout`, sizes, rates: `ServerLimits`).
     """
     reasoning = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
     backend: GenerationBackend = (
@@ -56,10 +68,14 @@ def create_app(
     info = backend.model_info()
     tool_parser = resolve_tool_call_parser(tool_call_parser, info.chat_template)
     name = served_model_name or info.name
+    limits = limits or ServerLimits()
+    owns_audit = isinstance(audit_log, str)
+    if isinstance(audit_log, str):
+        audit_log = AuditLog(audit_log, log_requests=log_requests)
     state = ServerState(
         backend=backend,
         served_model_name=name,
-        limits=limits or ServerLimits(),
+        limits=limits,
         metrics=Metrics(name),
         api_key=api_key or None,
         owns_engine=owns_engine,
@@ -67,6 +83,9 @@ def create_app(
         json_whitespace=backend.engine_config().get("json_whitespace", "compact"),
         tool_parser=tool_parser,
         reasoning_parser=reasoning,
+        admin_api_key=admin_api_key or None,
+        inflight=InFlight(limits.max_queued_requests),
+        audit=audit_log,
     )
 
     @contextlib.asynccontextmanager
@@ -76,6 +95,8 @@ def create_app(
         if state.owns_engine:
             logger.info("shutting down the engine")
             backend.shutdown()
+        if owns_audit and state.audit is not None:
+            state.audit.close()
 
     app = FastAPI(
         title="radixlm",
@@ -104,9 +125,7 @@ def create_app(
         except Exception:  # metrics must answer even when the engine does not
             logger.exception("engine stats unavailable")
             stats = None
-        return Response(
-            state.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
+        return Response(state.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
@@ -132,7 +151,13 @@ def create_app(
     async def disconnected(request: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)
 
-    app.add_middleware(GuardMiddleware, state=state)
+    # the route paths, the metrics' endpoint labels (read from the routers: FastAPI may keep an
+    # included router as one entry of app.routes)
+    routers = (native.router, openai_api.router, responses_api.router, tokenizer_api.router, app)
+    endpoints = frozenset(
+        path for r in routers for route in r.routes if (path := getattr(route, "path", None))
+    )
+    app.add_middleware(GuardMiddleware, state=state, endpoints=endpoints)
     return app
 
 

@@ -28,6 +28,7 @@ from radixlm.server.errors import (
     unavailable,
 )
 from radixlm.server.http_util import sse_event
+from radixlm.server.inflight import Generation, effective_timeout, endable
 from radixlm.server.state import RequestUsage, ServerState
 
 
@@ -150,24 +151,49 @@ async def start(
     usage: RequestUsage | None,
     arrived: float,
     *,
+    ids: list[str] | None = None,
+    timeout: float | None = None,
+    streaming: bool = False,
+    unique_ids: bool = False,
     isolate_refusals: bool = False,
 ) -> list[AsyncIterator[dict[str, Any]]]:
-    """Validate every item with the engine, then hand back their (not yet started) streams,
-    observed by the metrics: latencies from `arrived` (see `arrival`), token counts, outcomes.
+    """Accept the items (a 503 past `max_queued_requests`), validate every one with the engine,
+    then hand back their (not yet started) streams, observed by the metrics: latencies from
+    `arrived` (see `arrival`), token counts, outcomes.
 
-    Nothing is queued until a stream is first advanced, so a bad item fails the whole request
-    before any work is done. With `isolate_refusals` (the items of a list of prompts, as the
-    engine's own list API treats them) an item whose grammar the engine refuses is no 400: its
-    stream ends at once, aborted with the reason, and the other items run."""
-    streams = await open_streams(state, items, isolate_refusals=isolate_refusals)
+    `ids` are the generations' ids, one per item (default: new ones), the `meta_info["id"]` of
+    their snapshots and what `/abort_request` takes (`unique_ids`: a 400 for one in use);
+    `timeout` is the request's own deadline in seconds (the server's `request_timeout` bounds
+    it). Nothing is queued until a stream is first advanced, so a bad item fails the whole
+    request before any work is done. With `isolate_refusals` (the items of a list of prompts, as
+    the engine's own list API treats them) an item whose grammar the engine refuses is no 400:
+    its stream ends at once, aborted with the reason, and the other items run."""
+    if ids is None:
+        ids = [uuid.uuid4().hex for _ in items]
+    deadline = effective_timeout(state.limits.request_timeout, timeout)
+    generations = state.inflight.admit(ids, deadline_s=deadline, arrived=arrived, unique=unique_ids)
+    if usage is not None:  # (released when the request is answered, whatever became of them)
+        usage.generations.extend(generations)
+    try:
+        streams = await open_streams(state, items, isolate_refusals=isolate_refusals)
+    except BaseException:
+        for generation in generations:
+            state.inflight.release(generation)
+        raise
     request = _RequestOutcome()
     observed: list[AsyncIterator[dict[str, Any]]] = []
-    for stream in streams:
+    for stream, item, generation in zip(streams, items, generations):
         if isinstance(stream, RefusedStream):
+            stream.meta_info["id"] = generation.id
             stream.meta_info["e2e_latency"] = state.metrics.timer(arrived).refuse()
+            state.inflight.release(generation)
+            if usage is not None:
+                usage.note_final(stream.meta_info, None)
             observed.append(stream)
         else:
-            observed.append(_observed(state, stream, usage, arrived, request))
+            observed.append(
+                _observed(state, stream, generation, item, usage, arrived, request, streaming)
+            )
     return observed
 
 
@@ -254,23 +280,29 @@ class RefusedStream:
 async def _observed(
     state: ServerState,
     stream: AsyncIterator[dict[str, Any]],
+    generation: Generation,
+    item: GenerationInput,
     usage: RequestUsage | None,
     arrived: float,
     request: _RequestOutcome,
+    streaming: bool,
 ) -> AsyncIterator[dict[str, Any]]:
-    timer = state.metrics.timer(arrived)
+    timer = state.metrics.timer(arrived, streaming)
     finished = failed = False
     meta: dict[str, Any] | None = None  # the last snapshot's
+    snapshots = endable(stream, generation, len(item.input_ids))
     try:
-        async with contextlib.aclosing(stream):  # closing it aborts the engine request
-            async for snapshot in stream:
-                meta = snapshot["meta_info"]
+        async with contextlib.aclosing(snapshots):  # closing it aborts the engine request
+            async for snapshot in snapshots:
+                meta = {**snapshot["meta_info"], "id": generation.id}
+                snapshot = {**snapshot, "meta_info": meta}
                 if meta.get("finish_reason") is not None:
                     finished = True
                     request.failed = request.failed or finish_error(meta) is not None
                     timer.finish(meta)
                     if usage is not None:
                         usage.add(meta)
+                        usage.note_final(meta, snapshot["text"])
                 else:
                     timer.update(int(meta.get("completion_tokens", 0)))
                 yield snapshot
@@ -280,6 +312,7 @@ async def _observed(
         failed = request.failed = True
         raise
     finally:
+        state.inflight.release(generation)
         if not finished:
             if usage is not None and meta is not None:  # cut off: the tokens it got so far
                 usage.add(meta)

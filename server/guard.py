@@ -1,5 +1,13 @@
-"""The ASGI middleware in front of every route: request log, API key, rate limit, body size, and a
-JSON 500 for anything unexpected (never a dropped connection)."""
+"""The ASGI middleware in front of every route: request log and audit log, API keys, rate limit,
+the bound on accepted generations, body size, and a JSON 500 for anything unexpected (never a
+dropped connection).
+
+Keys. `api_key` guards every route but the public ones (/health, /health_generate, /metrics). The
+admin routes (/flush_cache, /start_profile, /stop_profile, /abort_request) are guarded apart by
+`admin_api_key` when one is set, as SGLang's ADMIN_OPTIONAL routes: only the admin key opens them
+(the user key gets a 403, no key or another a 401), and the admin key opens no other route. With
+no admin key they keep the user key's guard (open where no key is set at all). Keys are compared
+in constant time."""
 
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ import uuid
 from http import HTTPStatus
 from typing import Any
 
+from radixlm.server.audit import AuditLog, key_id
 from radixlm.server.errors import APIError
 from radixlm.server.state import RequestUsage, ServerState
 
@@ -24,6 +33,10 @@ Scope = dict[str, Any]
 _PUBLIC_PATHS = {"/health", "/health_generate", "/metrics"}
 # routes not counted against the rate limit
 _UNLIMITED_PATHS = {"/health", "/metrics"}
+# routes that operate the server rather than use it (--admin-api-key)
+ADMIN_PATHS = {"/flush_cache", "/start_profile", "/stop_profile", "/abort_request"}
+# routes that start generations: refused at once while the server is at capacity
+_GENERATION_PATHS = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"}
 
 
 class RateLimiter:
@@ -56,9 +69,12 @@ class RateLimiter:
 
 
 class GuardMiddleware:
-    def __init__(self, app: Any, state: ServerState) -> None:
+    def __init__(
+        self, app: Any, state: ServerState, endpoints: frozenset[str] = frozenset()
+    ) -> None:
         self.app = app
         self.state = state
+        self.endpoints = endpoints  # the app's route paths: the metrics' endpoint label values
         limits = state.limits
         self.rate_limiter = (
             RateLimiter(limits.rate_limit_per_minute, limits.rate_limit_burst)
@@ -72,10 +88,14 @@ class GuardMiddleware:
             return
         started = time.perf_counter()
         request_id = uuid.uuid4().hex[:12]
-        usage = RequestUsage()
+        audit = self.state.audit
+        usage = RequestUsage(outputs=[] if audit is not None and audit.log_requests else None)
         scope.setdefault("state", {}).update(usage=usage, arrived=started)
         response = _ResponseRecord()
         metrics = self.state.metrics
+        path = scope.get("path", "")
+        method = scope.get("method", "")
+        endpoint = self._endpoint(path)
 
         async def send_logged(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -84,11 +104,16 @@ class GuardMiddleware:
             response.saw(message)
             await send(message)
 
-        metrics.in_flight += 1
+        metrics.http_requests.labels(endpoint=endpoint, method=method).inc()
+        active = metrics.http_active.labels(endpoint=endpoint, method=method)
+        active.inc()
+        access = _Access(None, None)
+        body = b""
         try:
-            rejection = self._check_access(scope)
+            access = self._check_access(scope)
+            rejection = access.rejection
             if rejection is None:
-                receive, rejection = await self._buffer_body(scope, receive)
+                receive, rejection, body = await self._buffer_body(scope, receive)
             if rejection is not None:
                 metrics.count_error(rejection.type)
                 await rejection.response()(scope, receive, send_logged)
@@ -102,51 +127,121 @@ class GuardMiddleware:
                 err = APIError(500, f"internal server error: {e}", type="internal_error")
                 await err.response()(scope, receive, send_logged)
         finally:
-            metrics.in_flight -= 1
+            for generation in usage.generations:  # answered: none of them counts any longer
+                self.state.inflight.release(generation)
+            active.dec()
             code, reason = response.outcome()
-            metrics.http_requests[f"{code // 100}xx"] += 1
-            path = scope.get("path", "")
+            metrics.http_responses.labels(
+                endpoint=endpoint, status_code=str(code), method=method
+            ).inc()
+            latency = time.perf_counter() - started
             if path not in _UNLIMITED_PATHS:
                 logger.info(
                     "%s %s %s %d in=%d out=%d cached=%d %.3fs%s",
                     request_id,
-                    scope.get("method", ""),
+                    method,
                     path,
                     code,
                     usage.prompt_tokens,
                     usage.completion_tokens,
                     usage.cached_tokens,
-                    time.perf_counter() - started,
+                    latency,
                     f": {reason}" if reason else "",
                 )
+            if audit is not None:
+                self._audit(audit, scope, request_id, access, code, usage, latency, body)
 
-    def _check_access(self, scope: Scope) -> APIError | None:
+    def _endpoint(self, path: str) -> str:
+        """The endpoint label of the metrics: a route's path, never a path a client made up."""
+        if path in self.endpoints:
+            return path
+        if path.startswith("/v1/models/"):
+            return "/v1/models/{model_id}"
+        return "other"
+
+    def _audit(
+        self,
+        audit: AuditLog,
+        scope: Scope,
+        request_id: str,
+        access: _Access,
+        code: int,
+        usage: RequestUsage,
+        latency: float,
+        body: bytes,
+    ) -> None:
+        client = scope.get("client") or (None, 0)
+        entry: dict[str, Any] = {
+            "request_id": request_id,
+            "rids": sorted({g.id for g in usage.generations}),
+            "key_id": access.key_id,
+            "role": access.role,
+            "client": client[0],
+            "method": scope.get("method", ""),
+            "endpoint": scope.get("path", ""),
+            "status": code,
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens,
+            "latency_s": round(latency, 6),
+            "finish_reasons": usage.finish_reasons,
+        }
+        if audit.log_requests:
+            entry["request"] = body.decode("utf-8", errors="replace")
+            entry["outputs"] = usage.outputs
+        try:
+            audit.write(entry)
+        except Exception:  # a full disk must not fail the requests
+            logger.exception("writing the audit log failed")
+
+    def _check_access(self, scope: Scope) -> _Access:
         path = scope.get("path", "")
-        key = None
-        if self.state.api_key is not None and path not in _PUBLIC_PATHS:
-            key = _bearer_token(scope)
-            if key is None or not hmac.compare_digest(key.encode(), self.state.api_key.encode()):
-                return APIError(
-                    401,
-                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                    type="authentication_error",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
+        access = _Access(None, None)
+        if path not in _PUBLIC_PATHS:
+            access = self._authorize(path, _bearer_token(scope))
+            if access.rejection is not None:
+                return access
         if self.rate_limiter is not None and path not in _UNLIMITED_PATHS:
             client = scope.get("client") or ("unknown", 0)
-            wait = self.rate_limiter.acquire(key or f"addr:{client[0]}")
+            wait = self.rate_limiter.acquire(access.key_id or f"addr:{client[0]}")
             if wait > 0:
-                return APIError(
+                access.rejection = APIError(
                     429,
                     f"rate limit exceeded; retry in {math.ceil(wait)} s",
                     type="rate_limit_error",
                     code="rate_limit_exceeded",
                     headers={"Retry-After": str(math.ceil(wait))},
                 )
-        return None
+                return access
+        if path in _GENERATION_PATHS and scope.get("method") == "POST":
+            access.rejection = self.state.inflight.overloaded()
+        return access
 
-    async def _buffer_body(self, scope: Scope, receive: Any) -> tuple[Any, APIError | None]:
+    def _authorize(self, path: str, token: str | None) -> _Access:
+        user, admin = self.state.api_key, self.state.admin_api_key
+        if path in ADMIN_PATHS and admin is not None:
+            if token is not None and _same(token, admin):
+                return _Access("admin", key_id(token))
+            if token is not None and user is not None and _same(token, user):
+                return _Access(
+                    None,
+                    None,
+                    APIError(
+                        403,
+                        f"{path} is an admin route: the API key given is a user's; send the "
+                        "admin key ('Authorization: Bearer <admin key>')",
+                        type="permission_error",
+                        code="admin_key_required",
+                    ),
+                )
+            return _Access(None, None, _unauthorized("admin API key"))
+        if user is None:
+            return _Access(None, None)
+        if token is not None and _same(token, user):
+            return _Access("user", key_id(token))
+        return _Access(None, None, _unauthorized("API key"))
+
+    async def _buffer_body(self, scope: Scope, receive: Any) -> tuple[Any, APIError | None, bytes]:
         """Read the whole body (up to the limit) so that no route sees an oversized one."""
         limit = self.state.limits.max_body_bytes
         too_large = APIError(
@@ -159,26 +254,52 @@ class GuardMiddleware:
             if name == b"content-length":
                 try:
                     if int(value) > limit:
-                        return receive, too_large
+                        return receive, too_large, b""
                 except ValueError:
-                    return receive, APIError(400, "bad Content-Length header")
+                    return receive, APIError(400, "bad Content-Length header"), b""
         if scope.get("method") in ("GET", "HEAD", "OPTIONS"):
-            return receive, None
+            return receive, None, b""
         chunks = []
         size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return _replay([message], receive), None
+                return _replay([message], receive), None, b""
             body = message.get("body", b"")
             size += len(body)
             if size > limit:
-                return receive, too_large
+                return receive, too_large, b""
             chunks.append(body)
             if not message.get("more_body", False):
                 break
-        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        return _replay([whole], receive), None
+        whole = b"".join(chunks)
+        message = {"type": "http.request", "body": whole, "more_body": False}
+        return _replay([message], receive), None, whole
+
+
+class _Access:
+    """Who a request is (the role its key opened, the key's id) or why it is refused."""
+
+    __slots__ = ("role", "key_id", "rejection")
+
+    def __init__(self, role: str | None, key_id: str | None, rejection: APIError | None = None):
+        self.role = role
+        self.key_id = key_id
+        self.rejection = rejection
+
+
+def _same(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def _unauthorized(what: str) -> APIError:
+    return APIError(
+        401,
+        f"missing or wrong {what}: send the header 'Authorization: Bearer <key>'",
+        type="authentication_error",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 class _ResponseRecord:

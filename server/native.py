@@ -13,6 +13,11 @@ GET  /health_generate   generates one token (not counted in the metrics), no API
 POST /flush_cache       (GET too, as SGLang)
 POST /start_profile     torch.profiler on the engine's core thread; {"output_dir"} optional
 POST /stop_profile      writes the Chrome trace, answers {"trace_file"}
+POST /abort_request     {"rid"} (or {"abort_all": true}): ends running generations, finish_reason
+                        {"type": "abort", "message"}, their KV freed; 404 for an id not running
+
+/flush_cache, the profiler and /abort_request are admin routes (--admin-api-key, server/guard.py).
+A /generate may carry `rid` (the generations' ids, as SGLang's) and `request_timeout` (seconds).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from fastapi import APIRouter, Request, Response
 
 from radixlm import __version__
 from radixlm.server.backend import engine_stats
-from radixlm.server.errors import bad_request, internal_error, unavailable
+from radixlm.server.errors import bad_request, internal_error, not_found, unavailable
 from radixlm.server.generation import (
     GenerationInput,
     arrival,
@@ -49,6 +54,7 @@ from radixlm.server.generation import (
     stream_failure,
 )
 from radixlm.server.http_util import SSE_DONE, json_response, read_json, sse_event
+from radixlm.server.inflight import check_timeout
 from radixlm.server.state import RequestUsage, ServerState
 
 router = APIRouter()
@@ -72,10 +78,12 @@ _INERT_REQUEST_KEYS = {
     "bootstrap_room",
     "data_parallel_rank",
 }
-# keys accepted with any value and ignored: `rid` (request ids are the server's own),
-# `log_metrics` (metrics are always kept), `stream_options` (usage is in every meta_info)
-_IGNORED_REQUEST_KEYS = {"rid", "log_metrics", "stream_options", "background"}
+# keys accepted with any value and ignored: `log_metrics` (metrics are always kept),
+# `stream_options` (usage is in every meta_info)
+_IGNORED_REQUEST_KEYS = {"log_metrics", "stream_options", "background"}
 _GENERATE_KEYS = {
+    "rid",  # the generations' ids (meta_info "id", what /abort_request takes), as SGLang's
+    "request_timeout",  # seconds before the generations are aborted (the server's bounds it)
     "text",
     "input_ids",
     "sampling_params",
@@ -162,6 +170,8 @@ class NativeRequest:
     listed: bool  # the prompts came as a list: a refused grammar aborts its item, not the request
     stream: bool
     return_text_in_logprobs: bool
+    rids: list[str] | None  # one per item; None: the server names them
+    timeout: float | None
 
 
 def parse_generate(state: ServerState, payload: Any) -> NativeRequest:
@@ -195,6 +205,7 @@ def parse_generate(state: ServerState, payload: Any) -> NativeRequest:
     items: list[GenerationInput] = []
     samplings: list[NativeSampling] = []
     n_total = 0
+    prompt_ns: list[int] = []
     for i, ids in enumerate(prompts):
         check_prompt(state, ids, "text" if payload.get("text") is not None else "input_ids")
         sampling = translate_sampling_params(state, sps[i])
@@ -209,7 +220,9 @@ def parse_generate(state: ServerState, payload: Any) -> NativeRequest:
             items.append(copy)
             samplings.append(sampling)
         n_total += sampling.n
+        prompt_ns.append(sampling.n)
     check_batch(state, n_total, "sampling_params.n")
+    rids = _rids(payload.get("rid"), prompt_ns, len(items))
     return NativeRequest(
         items=items,
         samplings=samplings,
@@ -217,6 +230,29 @@ def parse_generate(state: ServerState, payload: Any) -> NativeRequest:
         listed=not single,
         stream=bool(stream),
         return_text_in_logprobs=bool(text_in_lp),
+        rids=rids,
+        timeout=check_timeout(payload.get("request_timeout")),
+    )
+
+
+def _rids(value: Any, prompt_ns: list[int], count: int) -> list[str] | None:
+    """The ids of the items, as SGLang names them: one `rid` for one generation, or `rid_0`,
+    `rid_1`, ... for several; a list of them, one a prompt (`rid_k` for its n samples)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value:
+        return [value] if count == 1 else [f"{value}_{i}" for i in range(count)]
+    if (
+        isinstance(value, list)
+        and all(isinstance(r, str) and r for r in value)
+        and len(value) == len(prompt_ns)
+    ):
+        if len(set(value)) != len(value):
+            raise bad_request("rid holds the same id twice; give each prompt its own", "rid")
+        return [r if n == 1 else f"{r}_{k}" for r, n in zip(value, prompt_ns) for k in range(n)]
+    raise bad_request(
+        f"rid must be a non-empty string or a list of {len(prompt_ns)} of them, one a prompt",
+        "rid",
     )
 
 
@@ -345,7 +381,15 @@ async def generate(request: Request) -> Response:
     # tokenizing (long prompts take a while) off the event loop, which serves every stream
     req = await asyncio.to_thread(parse_generate, state, payload)
     streams = await start(
-        state, req.items, _usage(request), arrival(request), isolate_refusals=req.listed
+        state,
+        req.items,
+        _usage(request),
+        arrival(request),
+        ids=req.rids,
+        timeout=req.timeout,
+        streaming=req.stream,
+        unique_ids=req.rids is not None,
+        isolate_refusals=req.listed,
     )
     if req.stream:
         from fastapi.responses import StreamingResponse
@@ -532,3 +576,31 @@ async def stop_profile(request: Request) -> Response:
     except ValueError as e:
         raise bad_request(f"cannot stop the profiler: {e}") from e
     return json_response({"trace_file": path, "message": "profiling stopped"})
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    """SGLang's route: end a running request by its id (`meta_info["id"]`, or the id of an OpenAI
+    response), or every one with `abort_all`. Each ends with finish_reason {"type": "abort"} and
+    its KV slots are freed; its client gets what was generated so far."""
+    payload = await read_json(request)
+    if not isinstance(payload, dict):
+        raise bad_request("the body of /abort_request must be a JSON object")
+    unknown = sorted(set(payload) - {"rid", "abort_all"})
+    if unknown:
+        raise bad_request(
+            f"unknown field(s) {unknown} for /abort_request; known: ['abort_all', 'rid']"
+        )
+    rid, abort_all = payload.get("rid"), payload.get("abort_all", False)
+    if not isinstance(abort_all, bool):
+        raise bad_request("abort_all must be true or false", "abort_all")
+    inflight = _state(request).inflight
+    if abort_all:
+        count = inflight.abort_all("aborted by /abort_request (abort_all)")
+        return json_response({"success": True, "aborted": count})
+    if not isinstance(rid, str) or not rid:
+        raise bad_request("rid must be the id of a running request (a non-empty string)", "rid")
+    count = inflight.abort(rid, "aborted by /abort_request")
+    if count == 0:
+        raise not_found(f"no request with rid {rid!r} is running (finished, or never was)", "rid")
+    return json_response({"success": True, "aborted": count})

@@ -34,6 +34,7 @@ from radixlm.server.generation import (
     stream_failure,
 )
 from radixlm.server.http_util import SSE_DONE, json_response, read_json, sse_event
+from radixlm.server.inflight import check_timeout
 from radixlm.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -374,10 +375,18 @@ async def completions(request: Request) -> Response:
     # one grammar (json_schema, regex, response_format) for every prompt of the list: refused, it
     # would abort every choice, so it stays the request's 400 (the native /generate batch, with a
     # grammar per prompt, aborts only the refused items)
-    streams = await start(state, items, usage_log, arrival(request))
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    streams = await start(
+        state,
+        items,
+        usage_log,
+        arrival(request),
+        ids=[rid] * len(items),
+        timeout=check_timeout(req.request_timeout),
+        streaming=bool(req.stream),
+    )
     if req.no_stop_trim:
         streams = _keep_stop_strings(streams)
-    rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if req.stream:
         events = _completion_events(state, req, prompts, n, streams, rid, created)
@@ -568,10 +577,18 @@ async def chat_completions(request: Request) -> Response:
     n = check_n(state, req.n)
     item, output, stream_calls = await prepare_chat(state, req)
     usage_log = getattr(request.state, "usage", None)
-    streams = await start(state, fan_out(item, n), usage_log, arrival(request))
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await start(
+        state,
+        fan_out(item, n),
+        usage_log,
+        arrival(request),
+        ids=[rid] * n,
+        timeout=check_timeout(req.request_timeout),
+        streaming=bool(req.stream),
+    )
     if req.no_stop_trim:
         streams = _keep_stop_strings(streams)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if req.stream:
         events = _chat_events(state, req, output, n, streams, rid, created, stream_calls)

@@ -119,6 +119,8 @@ class _SamplingFields(_Strict):
     no_stop_trim: bool | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # radixlm: seconds before the generation is aborted (the server's --request-timeout bounds it)
+    request_timeout: float | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -222,6 +224,8 @@ class ResponsesRequest(_Strict):
     stream: bool | None = False
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | ...}}
     previous_response_id: str | None = None
+    # radixlm: seconds before the generation is aborted (the server's --request-timeout bounds it)
+    request_timeout: float | None = None
     # accepted, no effect here
     store: bool | None = None
     metadata: dict[str, Any] | None = None

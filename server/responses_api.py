@@ -33,6 +33,7 @@ from radixlm.server.generation import (
     stream_failure,
 )
 from radixlm.server.http_util import json_response, read_json
+from radixlm.server.inflight import check_timeout
 from radixlm.server.openai_api import chat_choice, check_model, prepare_chat
 from radixlm.server.openai_protocol import ChatCompletionRequest, ResponsesRequest
 from radixlm.server.state import ServerState
@@ -55,9 +56,18 @@ async def responses(request: Request) -> Response:
         )
     chat = _chat_request(req)
     item, output, _ = await prepare_chat(state, chat)
-    streams = await start(state, [item], getattr(request.state, "usage", None), arrival(request))
+    response_id = f"resp_{uuid.uuid4().hex}"
+    streams = await start(
+        state,
+        [item],
+        getattr(request.state, "usage", None),
+        arrival(request),
+        ids=[response_id],
+        timeout=check_timeout(req.request_timeout),
+        streaming=bool(req.stream),
+    )
     base = {
-        "id": f"resp_{uuid.uuid4().hex}",
+        "id": response_id,
         "object": "response",
         "created_at": int(time.time()),
         "model": state.served_model_name,

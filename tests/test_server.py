@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
-import re
 import time
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from radixlm.runtime.histogram import Histogram
 from radixlm.server import backend as backend_module
@@ -647,24 +647,24 @@ def test_limits_on_body_size_prompt_length_n_and_max_tokens(engine):
 
 # ---- metrics -------------------------------------------------------------------------------
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_]+="[^"]*",?)*\})? (\S+)$')
+# the labels every SGLang metric of one server carries alike: left out of the sample keys below
+_SERVER_LABELS = {"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"}
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
+    """The samples of a Prometheus text, read by prometheus_client's own parser, by
+    `name{label="value",...}` (labels sorted, the server-wide ones left out)."""
     samples = {}
-    types = {}
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            types[name] = kind
-        elif line.startswith("# HELP "):
-            assert len(line.split(" ", 3)) == 4
-        else:
-            m = _SAMPLE.match(line)
-            assert m, f"not a Prometheus sample line: {line!r}"
-            name = line.rsplit(" ", 1)[0]
-            samples[name] = float(m.group(4))
-    assert types, "no metric declared"
+    families = list(text_string_to_metric_families(text))
+    assert families, "no metric declared"
+    for family in families:
+        for sample in family.samples:
+            labels = ",".join(
+                f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k not in _SERVER_LABELS
+            )
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            assert key not in samples, f"the sample {key} twice"
+            samples[key] = sample.value
     return samples
 
 
@@ -679,14 +679,15 @@ def test_the_engines_histograms_render_from_their_snapshots():
         "sum": snapshot["sum"],
         "count": 3,
     }
-    s = parse_prometheus(Metrics("m").render({"grammar_compile_seconds": snapshot}))
+    s = parse_prometheus(Metrics("m").render({"grammar_compile_seconds": snapshot}).decode())
     name = "radixlm_grammar_compile_seconds"
-    assert [s[f'{name}_bucket{{le="{le}"}}'] for le in ("0.1", "1", "+Inf")] == [1, 2, 3]
+    assert [s[f'{name}_bucket{{le="{le}"}}'] for le in ("0.1", "1.0", "+Inf")] == [1, 2, 3]
     assert s[name + "_count"] == 3 and s[name + "_sum"] == pytest.approx(3.6)
     for malformed in ({"buckets": [1.0], "counts": [1]}, {"buckets": [1.0]}, {"counts": "x"}):
-        text = Metrics("m").render({"grammar_compile_seconds": malformed})
+        text = Metrics("m").render({"grammar_compile_seconds": malformed}).decode()
         assert name not in text  # left out; the rest of the scrape still answers
-        assert "radixlm_time_to_first_token_seconds_count 0" in text
+        ttft = 'sglang:time_to_first_token_seconds_count{is_streaming="false"}'
+        assert parse_prometheus(text)[ttft] == 0
 
 
 def test_metrics_are_prometheus_text(client):
@@ -696,19 +697,24 @@ def test_metrics_are_prometheus_text(client):
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
     s = parse_prometheus(r.text)
-    for hist in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
-        name = f"radixlm_{hist}_seconds"
-        buckets = [v for k, v in s.items() if k.startswith(name + "_bucket")]
+    for hist, labels in (
+        ("time_to_first_token", 'is_streaming="false",'),
+        ("inter_token_latency", ""),
+        ("e2e_request_latency", 'is_streaming="false",'),
+    ):
+        name = f"sglang:{hist}_seconds"
+        buckets = [v for k, v in s.items() if k.startswith(f"{name}_bucket{{{labels}")]
         assert buckets == sorted(buckets), "buckets are cumulative"
-        assert s[f'{name}_bucket{{le="+Inf"}}'] == s[name + "_count"] > 0
-        assert s[name + "_sum"] > 0
-    assert s["radixlm_generation_tokens_total"] >= 3
-    assert s["radixlm_prompt_tokens_total"] >= 5
-    assert "radixlm_cached_tokens_total" in s
+        count = f"{name}_count{{{labels[:-1]}}}" if labels else f"{name}_count"
+        assert s[f'{name}_bucket{{{labels}le="+Inf"}}'] == s[count] > 0
+        assert s[count.replace("_count", "_sum")] > 0
+    assert s['sglang:generation_tokens_total{is_streaming="false"}'] >= 3
+    assert s['sglang:prompt_tokens_total{is_streaming="false"}'] >= 5
+    assert 'sglang:cached_tokens_total{cache_source="device"}' in s
     assert s['radixlm_errors_total{kind="invalid_request_error"}'] >= 1
-    assert s["radixlm_num_running_reqs"] == 0
+    assert s["sglang:num_running_reqs"] == 0
     assert 0 <= s["radixlm_kv_cache_usage_ratio"] <= 1
-    assert 0 <= s["radixlm_cache_hit_rate"] <= 1
+    assert 0 <= s["sglang:cache_hit_rate"] <= 1
 
 
 def prometheus_types(text: str) -> dict[str, str]:
@@ -723,24 +729,25 @@ def test_engine_totals_are_counters_and_its_levels_gauges(client):
     client.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 2}})
     types = prometheus_types(client.get("/metrics").text)
     for name in (
-        "engine_steps_total",
-        "preemptions_total",
-        "engine_graph_steps_total",
-        "engine_prefill_graph_steps_total",
-        "engine_overlapped_steps_total",
-        "engine_jump_forward_tokens_total",
+        "radixlm_engine_steps_total",
+        "sglang:num_retracted_requests_total",
+        "radixlm_engine_graph_steps_total",
+        "radixlm_engine_prefill_graph_steps_total",
+        "radixlm_engine_overlapped_steps_total",
+        "radixlm_engine_jump_forward_tokens_total",
     ):
-        assert types.get("radixlm_" + name) == "counter", name
+        assert types.get(name) == "counter", name
     for name in (
-        "num_running_reqs",
-        "num_waiting_reqs",
-        "kv_cache_usage_ratio",
-        "cache_hit_rate",
-        "radix_cache_tokens",
-        "engine_radix_cache_evictable_tokens",
-        "engine_responsive",
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "radixlm_kv_cache_usage_ratio",
+        "sglang:cache_hit_rate",
+        "radixlm_radix_cache_tokens",
+        "sglang:kv_evictable_tokens",
+        "radixlm_engine_radix_cache_protected_tokens",
+        "radixlm_engine_responsive",
     ):
-        assert types.get("radixlm_" + name) == "gauge", name
+        assert types.get(name) == "gauge", name
     for name, kind in types.items():
         assert (kind == "counter") == name.endswith("_total"), (name, kind)
 
@@ -794,9 +801,9 @@ def test_metrics_answer_without_the_engine_and_server_info_is_a_503(engine, monk
         assert r.status_code == 200
         s = parse_prometheus(r.text)
         assert s["radixlm_engine_responsive"] == 0
-        assert s["radixlm_time_to_first_token_seconds_count"] == 1
-        assert s["radixlm_generation_tokens_total"] == 2
-        assert "radixlm_num_running_reqs" not in s
+        assert s['sglang:time_to_first_token_seconds_count{is_streaming="false"}'] == 1
+        assert s['sglang:generation_tokens_total{is_streaming="false"}'] == 2
+        assert "sglang:num_running_reqs" not in s
         started = time.monotonic()
         r = c.get("/get_server_info")
         assert time.monotonic() - started < 3
@@ -807,12 +814,15 @@ def test_metrics_answer_without_the_engine_and_server_info_is_a_503(engine, monk
 
 
 _REQUEST_METRICS = (
-    "radixlm_time_to_first_token_seconds",
-    "radixlm_inter_token_latency_seconds",
-    "radixlm_e2e_request_latency_seconds",
-    "radixlm_prompt_tokens_total",
-    "radixlm_generation_tokens_total",
-    "radixlm_cached_tokens_total",
+    "sglang:time_to_first_token_seconds",
+    "sglang:inter_token_latency_seconds",
+    "sglang:request_time_per_output_token_seconds",
+    "sglang:e2e_request_latency_seconds",
+    "sglang:prompt_tokens_total",
+    "sglang:generation_tokens_total",
+    "sglang:cached_tokens_total",
+    "sglang:num_requests_total",
+    "sglang:num_aborted_requests_total",
     "radixlm_requests_total",
     "radixlm_errors_total",
 )
@@ -858,9 +868,9 @@ def test_time_to_first_token_counts_from_the_requests_arrival(engine, path, body
     with TestClient(create_app(SlowBackend(engine, stream_delay=delay), owns_engine=False)) as c:
         assert c.post(path, json=body).status_code == 200
         s = parse_prometheus(c.get("/metrics").text)
-    assert s["radixlm_time_to_first_token_seconds_count"] == 1
-    assert s["radixlm_time_to_first_token_seconds_sum"] >= delay
-    assert s["radixlm_e2e_request_latency_seconds_sum"] >= delay
+    assert s['sglang:time_to_first_token_seconds_count{is_streaming="false"}'] == 1
+    assert s['sglang:time_to_first_token_seconds_sum{is_streaming="false"}'] >= delay
+    assert s['sglang:e2e_request_latency_seconds_sum{is_streaming="false"}'] >= delay
 
 
 def test_a_shut_down_engine_is_a_503_and_other_engine_failures_a_500(engine, monkeypatch):

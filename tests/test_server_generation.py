@@ -157,7 +157,7 @@ def test_a_client_gone_while_sending_its_body_is_a_499_not_an_internal_error():
     }  # fmt: skip
     asyncio.run(app(scope, receive, send))
     assert [m.get("status") for m in sent if m["type"] == "http.response.start"] == [499]
-    assert app.state.server.metrics.errors.get("internal_error", 0) == 0
+    assert app.state.server.metrics.error_count("internal_error") == 0
 
 
 @pytest.mark.parametrize("route", ["/generate", "/v1/chat/completions"])
