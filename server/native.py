@@ -55,29 +55,12 @@ from radixlm.server.generation import (
 )
 from radixlm.server.http_util import SSE_DONE, json_response, read_json, sse_event
 from radixlm.server.inflight import check_timeout
+from radixlm.server.sglang_fields import GENERATE as GENERATE_FIELDS
+from radixlm.server.sglang_fields import check_field
 from radixlm.server.state import RequestUsage, ServerState
 
 router = APIRouter()
 
-# Top-level keys of SGLang's GenerateReqInput that this server accepts but does not act on, as long
-# as they are unset (null/false/empty): anything else in them asks for a feature we do not have.
-_INERT_REQUEST_KEYS = {
-    "image_data",
-    "video_data",
-    "audio_data",
-    "modalities",
-    "lora_path",
-    "lora_id",
-    "session_params",
-    "custom_logit_processor",
-    "token_ids_logprob",
-    "return_hidden_states",
-    "input_embeds",
-    "bootstrap_host",
-    "bootstrap_port",
-    "bootstrap_room",
-    "data_parallel_rank",
-}
 # keys accepted with any value and ignored: `log_metrics` (metrics are always kept),
 # `stream_options` (usage is in every meta_info)
 _IGNORED_REQUEST_KEYS = {"log_metrics", "stream_options", "background"}
@@ -180,15 +163,8 @@ def parse_generate(state: ServerState, payload: Any) -> NativeRequest:
     for key, value in payload.items():
         if key in _GENERATE_KEYS or key in _IGNORED_REQUEST_KEYS:
             continue
-        if key in _INERT_REQUEST_KEYS:
-            if value not in (None, [], {}, "", False):
-                raise bad_request(f"{key} is not supported by this server", key)
-            continue
-        raise bad_request(
-            f"unknown field {key!r} for /generate; known fields are "
-            f"{sorted(_GENERATE_KEYS | _IGNORED_REQUEST_KEYS)}",
-            key,
-        )
+        # SGLang's other fields: ignored, or refused unless at their default; others unknown
+        check_field(GENERATE_FIELDS, key, value, "/generate")
     prompts, single = _prompts(state, payload.get("text"), payload.get("input_ids"))
     check_batch(state, len(prompts), "text" if payload.get("text") is not None else "input_ids")
     count = len(prompts)

@@ -41,6 +41,7 @@ from radixlm.server.openai_protocol import (
     ResponseFormat,
 )
 from radixlm.server.reasoning import ReasoningParser, ReasoningStream
+from radixlm.server.sglang_fields import CHAT, COMPLETIONS, check_unsupported
 from radixlm.server.state import ServerState
 from radixlm.server.tool_parsers import HermesParser, ToolCallParser, ToolCallStream
 from radixlm.server.tools import (
@@ -338,6 +339,7 @@ async def completions(request: Request) -> Response:
     state = _state(request)
     req = await read_json(request, CompletionRequest)
     check_model(state, req.model)
+    check_unsupported(COMPLETIONS, req, "/v1/completions")
     if req.prompt is None:
         raise bad_request("prompt is required", "prompt")
     if req.suffix:
@@ -574,6 +576,7 @@ async def chat_completions(request: Request) -> Response:
     state = _state(request)
     req = await read_json(request, ChatCompletionRequest)
     check_model(state, req.model)
+    check_unsupported(CHAT, req, "/v1/chat/completions")
     n = check_n(state, req.n)
     item, output, stream_calls = await prepare_chat(state, req)
     usage_log = getattr(request.state, "usage", None)

@@ -3,8 +3,9 @@
 Unknown fields are refused, as OpenAI does. Fields OpenAI defines that change nothing here (`user`,
 `metadata`, `store`, `service_tier`, ...) are accepted and ignored. A few SGLang and vLLM extensions
 are accepted too (`top_k`, `min_p`, `repetition_penalty`, `regex`, `ebnf`, `chat_template_kwargs`,
-...). Fields the OpenAI spec marks nullable take null as their default, as clients that send every
-unset field as null expect.
+...); so is every field of SGLang's own requests (server/sglang_fields.py: which are acted on,
+which ignored, which refused unless at their default). Fields the OpenAI spec marks nullable take
+null as their default, as clients that send every unset field as null expect.
 """
 
 from __future__ import annotations
@@ -119,6 +120,34 @@ class _SamplingFields(_Strict):
     no_stop_trim: bool | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # SGLang's fields that this server does not act on, any value (server/sglang_fields.py:
+    # ignored) or only at SGLang's default (default only: checked by the route)
+    rid: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    routed_dp_rank: Any = None
+    data_parallel_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
+    return_hidden_states: Any = None
+    return_routed_experts: Any = None
+    routed_experts_start_len: Any = None
+    return_cached_tokens_details: Any = None
+    return_spec_tokens_details: Any = None
+    return_token_ids: Any = None
+    lora_path: Any = None
+    session_id: Any = None
+    session_params: Any = None
+    custom_logit_processor: Any = None
+    custom_params: Any = None
+    watermark: Any = None
+    stop_regex: Any = None
+    images_config: Any = None
+    mm_processor_kwargs: Any = None
+    extra_key: Any = None
+    cache_salt: Any = None
+    priority: Any = None
+    custom_labels: Any = None
     # radixlm: seconds before the generation is aborted (the server's --request-timeout bounds it)
     request_timeout: float | None = None
 
@@ -166,6 +195,24 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: str | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None  # a hint only
+    # SGLang's chat fields that this server does not act on (server/sglang_fields.py)
+    stream_reasoning: Any = None
+    continue_final_message: Any = None
+    thinking: Any = None
+    task: Any = None
+    input_ids: Any = None
+    return_prompt_token_ids: Any = None
+    return_meta_info: Any = None
+    return_input_ids_in_sglext: Any = None
+    return_output_ids_in_sglext: Any = None
+    return_sampling_mask: Any = None
+    sampling_logprobs_mode: Any = None
+    return_flat_raw_output_top_logprobs: Any = None
+    return_flat_raw_top_logprobs_b64: Any = None
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    use_audio_in_video: Any = None
+    video_config: Any = None
 
 
 class TokenizeRequest(_Strict):
