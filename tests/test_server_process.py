@@ -305,6 +305,38 @@ def test_a_client_that_gives_up_waiting_aborts_its_generation(server):
     assert 0 < stats["generated_tokens"] - before < 2000
 
 
+def test_a_deadline_and_abort_request_reach_the_engine_process(server):
+    """Through the channel too: a generation past its deadline, or aborted by its id, ends with
+    finish_reason abort and leaves no KV slot locked in the engine process."""
+    body = {"text": "Count:", "sampling_params": LONG, "request_timeout": 0.5}
+    r = httpx.post(server.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200
+    meta = r.json()["meta_info"]
+    assert meta["finish_reason"] == {
+        "type": "abort",
+        "message": "the request timed out after 0.5 s",
+    }
+    assert meta["completion_tokens"] < LONG["max_new_tokens"]
+    assert wait_idle(server.stats, 5.0)["radix_cache_protected_tokens"] == 0
+
+    async def abort_by_id() -> dict:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            body = {"text": "Count:", "sampling_params": LONG, "rid": "process-abort"}
+            pending = asyncio.ensure_future(c.post("/generate", json=body))
+            while True:  # until the request runs
+                r = await c.post("/abort_request", json={"rid": "process-abort"})
+                if r.status_code == 200:
+                    break
+                assert r.status_code == 404
+                await asyncio.sleep(0.05)
+            return (await pending).json()
+
+    out = asyncio.run(abort_by_id())
+    assert out["meta_info"]["id"] == "process-abort"
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert wait_idle(server.stats, 5.0)["radix_cache_protected_tokens"] == 0
+
+
 def test_metrics_cache_flush_and_grammar_compile_time(server):
     r = httpx.post(
         server.url + "/generate",
