@@ -60,6 +60,15 @@ _ENGINE_HELP = {
     "json_number_bound": "JSON numbers whose schema sets no bound stay within +-this (0: no bound)",
     "json_fraction_digits": "digits after the point of a JSON number whose schema sets no "
     "multipleOf, written without exponent (-1: no limit)",
+    "speculative_algorithm": "speculative decoding: NGRAM (drafts from earlier occurrences of "
+    "the context's own ending, verified in one forward); EAGLE, EAGLE3, MEDUSA and STANDALONE are "
+    "not available yet (default: off)",
+    "speculative_num_draft_tokens": "positions one verify step computes: the newest token and up "
+    "to this many - 1 draft tokens (default: 12 with NGRAM)",
+    "speculative_ngram_min_match_window_size": "NGRAM: the shortest ending of the context matched "
+    "(default: 1)",
+    "speculative_ngram_max_match_window_size": "NGRAM: the longest ending of the context matched, "
+    "tried first (default: 12)",
 }
 
 

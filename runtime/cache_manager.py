@@ -111,6 +111,9 @@ class CacheManager:
         when it resumes)."""
         if req.pool_row is None:
             return
+        if req.kv_len > req.num_tokens:
+            # a verified draft that a stop string cut short computed K/V past the output's end
+            self.truncate(req, req.num_tokens)
         slots = self.rows.read(req.pool_row, req.kv_len)
         inserted = self.prefix_cache.insert(req.all_ids[: req.kv_len], slots)
         # slots[:locked_len] are the cache's own; slots[locked_len:prefix_len] duplicate what the

@@ -36,6 +36,9 @@ def _is_kind(value: Any, kind: str) -> bool:
     return True  # (a kind this check does not know: left to the field's own checks)
 
 
+# SGLang's speculative algorithms that radixlm does not have yet
+_SPECULATIVE_LATER = ("EAGLE", "EAGLE3", "MEDUSA", "STANDALONE", "NEXTN")
+
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as SGLang reads them
 
 
@@ -98,6 +101,17 @@ class EngineConfig:
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
     # auto: the checkpoint's weights; dummy: random weights of the config's shape (benchmarks)
     load_format: str = "auto"
+    # speculative decoding, with SGLang's option names: None (off) or NGRAM (drafts from earlier
+    # occurrences of the context's own ending, runtime/speculative/); EAGLE, EAGLE3, MEDUSA and
+    # STANDALONE are SGLang's names for algorithms not available here yet
+    speculative_algorithm: str | None = None
+    # positions a verify step computes: the newest token and up to this many - 1 draft tokens
+    # (default: 12 with NGRAM, as in SGLang)
+    speculative_num_draft_tokens: int | None = None
+    # NGRAM: the context's last n tokens are matched, n from the max down to the min window (the
+    # names SGLang used before its n-gram trie took max_trie_depth)
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -158,6 +172,39 @@ class EngineConfig:
             bad(f"load_format={self.load_format!r}; use 'auto' or 'dummy'")
         if self.context_length is not None and self.context_length < 2:
             bad("context_length must be at least 2")
+        self._check_speculative(bad)
+
+    def _check_speculative(self, bad) -> None:
+        algorithm = self.speculative_algorithm
+        if algorithm is not None:
+            algorithm = algorithm.upper()
+            if algorithm in _SPECULATIVE_LATER:
+                bad(
+                    f"speculative_algorithm={self.speculative_algorithm!r} is not available yet; "
+                    "use NGRAM (or leave it unset)"
+                )
+            if algorithm != "NGRAM":
+                bad(
+                    f"speculative_algorithm={self.speculative_algorithm!r} is unknown; use NGRAM "
+                    "(or leave it unset)"
+                )
+            object.__setattr__(self, "speculative_algorithm", algorithm)
+            if self.speculative_num_draft_tokens is None:
+                object.__setattr__(self, "speculative_num_draft_tokens", 12)
+        elif self.speculative_num_draft_tokens is not None:
+            bad("speculative_num_draft_tokens needs speculative_algorithm (NGRAM)")
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
+            bad(
+                f"speculative_num_draft_tokens={self.speculative_num_draft_tokens}; it counts the "
+                "newest token and the draft tokens, so it must be at least 2"
+            )
+        lo = self.speculative_ngram_min_match_window_size
+        hi = self.speculative_ngram_max_match_window_size
+        if lo < 1 or hi < lo:
+            bad(
+                f"speculative_ngram_min_match_window_size={lo} and "
+                f"speculative_ngram_max_match_window_size={hi}; need 1 <= min <= max"
+            )
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -576,6 +576,8 @@ def request_output(req: Req, stream: bool = False) -> dict[str, Any]:
         meta["error"] = req.error
     if req.grammar_validation is not None:
         meta["grammar_validation"] = req.grammar_validation
+    if req.spec_verify_ct:
+        meta.update(spec_meta_info(req))
     if req.logprob.return_logprob:
         meta["input_token_logprobs"] = _results(req, "input_token_logprobs", _entry)
         meta["output_token_logprobs"] = _results(req, "output_token_logprobs", _entry)
@@ -584,6 +586,22 @@ def request_output(req: Req, stream: bool = False) -> dict[str, Any]:
             meta["output_top_logprobs"] = _results(req, "output_top_logprobs", _top)
     text = req.detokenizer.stream_text if stream else req.detokenizer.text
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def spec_meta_info(req: Req) -> dict[str, Any]:
+    """A speculative request's counters under SGLang's meta_info names. spec_accept_length is
+    the tokens per verify step (accepted draft tokens and the bonus token); SGLang divides all
+    completion tokens by its verify steps, the same where every step verifies, as its NGRAM's do
+    (here a step whose context has no match decodes plainly, and is not counted)."""
+    proposed = req.spec_num_proposed_drafts
+    return {
+        "spec_verify_ct": req.spec_verify_ct,
+        "spec_accept_length": req.spec_verify_tokens / req.spec_verify_ct,
+        "spec_accept_rate": req.spec_num_correct_drafts / proposed if proposed else 0.0,
+        "spec_num_correct_drafts": req.spec_num_correct_drafts,
+        "spec_num_proposed_drafts": proposed,
+        "spec_correct_drafts_histogram": list(req.spec_correct_drafts_histogram),
+    }
 
 
 def _results(req: Req, name: str, convert) -> list[Any]:

@@ -92,12 +92,20 @@ class EngineCore:
 
             prefix_cache = RadixCache()
         self.cache = CacheManager(self.allocator, self.rows, prefix_cache)
+        # speculative decoding: the worker beside the plain decode path, drafting for the
+        # scheduler and verifying for the model runner (runtime/speculative/)
+        self.speculative = None
+        if config.speculative_algorithm is not None:
+            from radixlm.runtime.speculative.worker import SpeculativeWorker
+
+            self.speculative = SpeculativeWorker(config)
         self.scheduler = Scheduler(
             self.cache,
             max_running_requests=config.max_running_requests,
             chunked_prefill_size=config.chunked_prefill_size,
             max_admission_delay=config.max_admission_delay,
             schedule_policy=config.schedule_policy,
+            drafter=self.speculative.propose if self.speculative is not None else None,
         )
         graphs = prefill_graphs = None
         token_buf = torch.zeros(self.rows.max_requests, dtype=torch.int64, device=device)
@@ -105,9 +113,11 @@ class EngineCore:
             with on_device(device):  # tuning and capture follow the thread's current device
                 graphs, prefill_graphs = self._capture_graphs(config, model, backend, token_buf)
         self.runner = ModelRunner(
-            model, backend, self.rows.table, device, graphs, token_buf, prefill_graphs
-        )
-        self.overlap = not config.disable_overlap_schedule
+            model, backend, self.rows.table, device, graphs, token_buf, prefill_graphs,
+            verifier=self.speculative,
+        )  # fmt: skip
+        # (a draft is made from the newest tokens on the host: speculation runs in lockstep)
+        self.overlap = not config.disable_overlap_schedule and self.speculative is None
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         # the unfinished requests, and what each step's tokens do to them
         self.output = OutputProcessor(
@@ -115,6 +125,7 @@ class EngineCore:
             self.scheduler,
             enable_jump_forward=config.enable_jump_forward,
             abort=self.abort,
+            speculative=self.speculative,
         )
         self._stop = threading.Event()
         self.num_steps = 0
@@ -395,6 +406,7 @@ class EngineCore:
             "jump_forward_tokens": self.output.num_jump_forward_tokens,
             "overlapped_steps": self.num_overlapped_steps,
             **{f"host_seconds_{k}": v for k, v in self.host_seconds.items()},
+            **(self.speculative.stats() if self.speculative is not None else {}),
         }
 
 

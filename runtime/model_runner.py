@@ -45,6 +45,9 @@ class StepResults:
     # per plan item, its new token; None where the step did not end at the request's newest token
     tokens: list[int | None]
     extras: dict[int, ReqStepResult]  # plan index -> log-probabilities, only where asked
+    # plan index -> the output tokens a verified draft gave (accepted draft tokens, then the
+    # target's own next token); its entry in `tokens` is None
+    verified: dict[int, list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -66,6 +69,8 @@ class _StepLists:
     input_lp_rows: dict[int, list[tuple[int, int]]] = field(
         default_factory=dict
     )  # item -> [(logits row, token index)]
+    # items verifying a draft: (item, its first logits row), each with a row per position
+    drafts: list[tuple[int, int]] = field(default_factory=list)
 
 
 class StepHandle:
@@ -121,6 +126,7 @@ class ModelRunner:
         graphs=None,
         token_buf: torch.Tensor | None = None,
         prefill_graphs=None,
+        verifier=None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -129,6 +135,8 @@ class ModelRunner:
         self.graphs = graphs  # a cuda_graph.DecodeGraphs, or None
         self.prefill_graphs = prefill_graphs  # a cuda_graph.PrefillGraphs, or None
         self.sampler = Sampler()
+        # speculative decoding (runtime/speculative/worker.py): verifies the steps' drafts
+        self.verifier = verifier
         # the newest sampled token of each request row, on the device
         self.token_buf = (
             token_buf
@@ -162,6 +170,7 @@ class ModelRunner:
         items: list[ScheduledReq] = []
         greedy = None  # the graph's argmax, already in token_buf
         logits = None  # every logits row of an eager step
+        verified = None  # plan index -> the output tokens of a verified draft
         if self._graphable(plan):  # decodes only: one logits row each, in plan order
             reqs = plan.decodes
             row_logits, greedy = self.graphs.run(plan.rows, plan.seq_lens, plan.slots)
@@ -179,6 +188,7 @@ class ModelRunner:
             if (
                 self.prefill_graphs is not None
                 and not input_lp_rows
+                and not lists.drafts
                 and self.prefill_graphs.can_run(len(lists.input_ids), len(items))
             ):
                 logits = self.prefill_graphs.run(
@@ -188,6 +198,8 @@ class ModelRunner:
                 self.num_prefill_graph_steps += 1
             else:
                 logits = self.model(self._to_batch(lists), self.backend)  # (L, V)
+            if lists.drafts:
+                verified = self._verify(logits, items, order, lists.drafts)
             if logit_rows == list(range(len(logit_rows))):
                 row_logits = logits[: len(logit_rows)]  # (logits may have padding rows after)
             else:
@@ -204,19 +216,35 @@ class ModelRunner:
             return DeferredStep(
                 lambda masks: self._sample(
                     plan, reqs, rows, row_logits, greedy, pool_rows, at, order, items,
-                    logits, input_lp_rows, masks,
+                    logits, input_lp_rows, masks, verified,
                 ),
                 lambda: self.sampler.begin_masks(
                     rows, row_logits.shape[-1], row_logits.device.type == "cuda"
                 ),
             )  # fmt: skip
         return self._sample(
-            plan, reqs, rows, row_logits, greedy, pool_rows, at, order, items, logits, input_lp_rows
+            plan, reqs, rows, row_logits, greedy, pool_rows, at, order, items, logits,
+            input_lp_rows, verified=verified,
+        )  # fmt: skip
+
+    def _verify(
+        self, logits: torch.Tensor, items: list[ScheduledReq], order: list[int], drafts
+    ) -> dict[int, list[int]]:
+        """The output tokens of the step's drafts (plan index -> tokens); each request's newest
+        one goes into token_buf, as a sampled token does."""
+        which = [items[i] for i, _ in drafts]
+        tokens = self.verifier.verify(
+            logits, [it.req for it in which], [it.draft for it in which], [r for _, r in drafts]
         )
+        pool_rows, last = packed_to_device(
+            [[it.req.pool_row for it in which], [t[-1] for t in tokens]], self.device
+        )
+        self.token_buf[pool_rows] = last
+        return {order[i]: t for (i, _), t in zip(drafts, tokens)}
 
     def _sample(
         self, plan, reqs, rows, row_logits, greedy, pool_rows, at, order, items, logits,
-        input_lp_rows, masks=None,
+        input_lp_rows, masks=None, verified=None,
     ) -> StepHandle:  # fmt: skip
         """Sample the step's tokens (queued on the device) and return its handle."""
         tokens = None
@@ -258,7 +286,7 @@ class ModelRunner:
                 self._input_logprobs(logits, items[i], entries, result)
             for j, why in failed.items():
                 extras.setdefault(j if at is None else at[j], ReqStepResult()).error = why
-            return StepResults(out, extras)
+            return StepResults(out, extras, verified)
 
         if tokens is None or input_lp_rows or failed or any(r.want_logprob for r in rows):
             return StepHandle.done(finish())
@@ -296,7 +324,7 @@ class ModelRunner:
     @staticmethod
     def _pending_input(it: ScheduledReq) -> bool:
         """Whether this item's last input token is still on the device only."""
-        return it.start + it.num_tokens > it.req.num_tokens
+        return it.start + it.num_tokens - len(it.draft) > it.req.num_tokens
 
     def _write_decode_slots(self, plan: StepPlan) -> None:
         """The device table's entries for the plan's decodes (the scheduler wrote the host's)."""
@@ -320,7 +348,8 @@ class ModelRunner:
         offset = 0
         for i, it in enumerate(items):
             req = it.req
-            start, end, prompt = it.start, it.start + it.num_tokens, req.input_ids
+            # (a draft's tokens come after the request's own)
+            start, end, prompt = it.start, it.start + it.num_tokens - len(it.draft), req.input_ids
             if start >= len(prompt):  # (slicing here, not all_ids: that copies the whole list)
                 input_ids.extend(req.output_ids[start - len(prompt) : end - len(prompt)])
             else:
@@ -328,6 +357,7 @@ class ModelRunner:
             if self._pending_input(it):  # the newest token is on the device: fixed up there
                 out.pending.append((len(input_ids), req.pool_row))
                 input_ids.append(0)
+            input_ids.extend(it.draft)
             positions.extend(range(it.start, it.start + it.num_tokens))
             token_rows += [req.pool_row] * it.num_tokens
             out.rows.append(req.pool_row)
@@ -347,7 +377,10 @@ class ModelRunner:
                     for pos, token_index in entries:
                         out.input_lp_rows[i].append((len(out.logits_rows), token_index))
                         out.logits_rows.append(offset + pos - it.start)
-            if it.samples:
+            if it.draft:  # verified: logits at every position (not sampled here)
+                out.drafts.append((i, len(out.logits_rows)))
+                out.logits_rows.extend(range(offset, offset + it.num_tokens))
+            elif it.samples:
                 out.which.append(i)
                 out.sample_rows.append(len(out.logits_rows))
                 out.logits_rows.append(offset + it.num_tokens - 1)

@@ -42,9 +42,16 @@ class OutputProcessor:
     request at once."""
 
     def __init__(
-        self, cache, scheduler, *, enable_jump_forward: bool, abort: Callable[[str], None]
+        self,
+        cache,
+        scheduler,
+        *,
+        enable_jump_forward: bool,
+        abort: Callable[[str], None],
+        speculative=None,
     ) -> None:
         self.cache = cache
+        self.speculative = speculative  # counts verified drafts (runtime/speculative/worker.py)
         self.scheduler = scheduler
         self.enable_jump_forward = enable_jump_forward
         self._abort = abort  # asks the core to abort a request (a sink that failed)
@@ -103,6 +110,7 @@ class OutputProcessor:
                 apply(req, tokens[i], extras.get(i))
         else:
             self._apply_decodes(plan.decodes, tokens)
+        verified = results.verified
         for i, item in enumerate(plan.items, len(plan.decodes)):
             req = item.req
             if item.samples and req.num_discard:
@@ -110,7 +118,22 @@ class OutputProcessor:
                 continue
             if item.samples and req.num_pending:
                 req.num_pending -= 1
-            apply(req, tokens[i], extras.get(i) if extras else None)
+            if verified and i in verified:
+                self._apply_verified(req, len(item.draft), verified[i])
+            else:
+                apply(req, tokens[i], extras.get(i) if extras else None)
+
+    def _apply_verified(self, req: Req, num_drafted: int, tokens: list[int]) -> None:
+        """A verified draft's tokens (accepted draft tokens, then the target's own). The K/V of
+        the rejected draft positions is dropped first: the newest token's and the accepted
+        tokens' stay, and the last token, as after any step, has none yet."""
+        if req.status is ReqStatus.FINISHED:  # (aborted meanwhile: its memory is released)
+            return
+        accepted = len(tokens) - 1
+        self.cache.truncate(req, req.num_tokens + accepted)
+        taken = self.apply_tokens(req, tokens)
+        if self.speculative is not None:
+            self.speculative.record(req, num_drafted, taken, min(accepted, taken))
 
     def apply_tokens(self, req: Req, tokens: Sequence[int], extras: Sequence[Any] = ()) -> int:
         """Several tokens of one request at once (a verified draft), each taken as a step's

@@ -78,6 +78,16 @@ class Req:
     # that a stream's snapshot each step costs a copy of references, not a conversion of all
     result_logprobs: dict[str, list[Any]] = field(default_factory=dict, repr=False)
 
+    # speculative decoding: its n-gram index (runtime/speculative/ngram.py), and per request as
+    # SGLang counts them: verify steps, draft tokens proposed and accepted in them, the tokens
+    # they gave (accepted drafts and bonus tokens), and how many verifies accepted 0, 1, ...
+    draft_index: Any = field(default=None, repr=False)
+    spec_verify_ct: int = 0
+    spec_num_proposed_drafts: int = 0
+    spec_num_correct_drafts: int = 0
+    spec_verify_tokens: int = 0
+    spec_correct_drafts_histogram: list[int] = field(default_factory=list)
+
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -13,6 +13,7 @@ once admitted: one that could never fit alone is refused when it is submitted.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from radixlm.radix_cache.ordering import order_waiting
@@ -24,12 +25,22 @@ if TYPE_CHECKING:
 
 
 class ScheduledReq:
-    """One request's part of a step: positions `start .. start + num_tokens` are computed."""
+    """One request's part of a step: positions `start .. start + num_tokens` are computed. With a
+    `draft` (speculative decoding), the last len(draft) of them are its tokens, not yet the
+    request's: the step verifies them."""
 
-    __slots__ = ("req", "start", "num_tokens", "samples")
+    __slots__ = ("req", "start", "num_tokens", "samples", "draft")
 
-    def __init__(self, req: Req, start: int, num_tokens: int, samples: bool | None = None) -> None:
+    def __init__(
+        self,
+        req: Req,
+        start: int,
+        num_tokens: int,
+        samples: bool | None = None,
+        draft: tuple[int, ...] = (),
+    ) -> None:
         self.req = req
+        self.draft = draft
         self.start = start  # first position computed in this step
         self.num_tokens = num_tokens  # positions computed in this step
         # whether this step ends at the request's newest token, so its logits give the next one
@@ -78,8 +89,12 @@ class Scheduler:
         chunked_prefill_size: int,
         schedule_policy: str,
         max_admission_delay: int = 0,
+        drafter: Callable[[Req], list[int]] | None = None,
     ) -> None:
         self.cache = cache
+        # speculative decoding: a draft for a request about to decode its newest token ([] for
+        # none); such a request then computes [newest, *draft] as one item
+        self.drafter = drafter
         self.max_running = max_running_requests
         self.chunk_budget = chunked_prefill_size
         self.policy = schedule_policy
@@ -173,17 +188,28 @@ class Scheduler:
         if not decoding:
             return prefilling
         total = sum(counts)
+        drafts: list[tuple[int, ...]] = []
+        if self.drafter is not None:
+            drafts = _drafts(self.drafter, decoding, counts)
+            extra = sum(map(len, drafts))
+            if extra and self.cache.can_extend(total + extra):
+                total += extra
+                counts = [n + len(d) for n, d in zip(counts, drafts)]
+                plain = False
+            else:  # (memory is short: no drafts this step, rather than preempting for them)
+                drafts = []
         while decoding and not self.cache.can_extend(total):
             self._preempt(decoding.pop())  # the newest
             total -= counts.pop()
         if not plain:
             # those that compute several tokens (after jump-forward), or one whose input is on the
             # host only (a resumed request's last chunk left one token), go as items
-            for r, n in zip(decoding, counts):
+            for i, (r, n) in enumerate(zip(decoding, counts)):
                 if n > 1 or not r.token_in_buf:
                     start = r.kv_len
                     self.cache.extend(r, n)
-                    plan.items.append(ScheduledReq(r, start, n, True))
+                    draft = drafts[i] if drafts else ()
+                    plan.items.append(ScheduledReq(r, start, n, True, draft))
             decoding = [r for r, n in zip(decoding, counts) if n == 1 and r.token_in_buf]
         if decoding:
             plan.decodes = decoding
@@ -242,6 +268,16 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+
+def _drafts(
+    drafter: Callable[[Req], list[int]], decoding: list[Req], counts: list[int]
+) -> list[tuple[int, ...]]:
+    """The drafter's proposal for each request that computes just its newest token, which is
+    known on the host (no step in flight for it); () for the others."""
+    return [
+        tuple(drafter(r)) if n == 1 and not r.num_pending else () for r, n in zip(decoding, counts)
+    ]
 
 
 # Waiting for another request to compute a shared prefix pays only when the prefix is long.

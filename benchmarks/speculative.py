@@ -1,0 +1,81 @@
+"""Speculative decoding (NGRAM) against plain decoding, batch 1, in one run: extraction prompts
+whose answers copy from their input, greedy, each request alone. Prints tokens/s with speculation
+off and on, the mean accepted length (tokens per verify step: accepted draft tokens and the bonus
+token), the speed-up, and whether the outputs are token-for-token equal (they must be).
+
+    python -m benchmarks.speculative [--device cpu] [--new-tokens 64] [--num-draft-tokens 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import radixlm
+from benchmarks.common import commit, device_line
+
+_RECORDS = [
+    "Name: Alice Johnson\nEmail: alice.johnson@example.com\nPhone: 555-0142\nCity: Springfield\n"
+    "Order: #88213, two blue notebooks, shipped 2026-11-28",
+    "Invoice 4471 from Northwind Traders to Contoso Ltd, dated 2026-10-02: 12 units of part "
+    "XK-200 at 14.50 each, total 174.00, due within 30 days.",
+    "def parse_config(path):\n    with open(path) as f:\n        data = json.load(f)\n    "
+    "return Config(host=data['host'], port=int(data['port']), debug=data.get('debug', False))",
+    "Meeting notes, 2 December: Maria will send the draft budget by Friday; Tom books the room "
+    "for the review on the 9th; the launch moves to January 15.",
+]
+_ASKS = [
+    "Repeat this record exactly, line by line:",
+    "Copy the invoice text below word for word:",
+    "Rewrite this function exactly as it is:",
+    "Quote these notes verbatim:",
+]
+
+
+def prompts() -> list[str]:
+    return [
+        f"<|im_start|>user\n{ask}\n{record}<|im_end|>\n<|im_start|>assistant\n"
+        for ask, record in zip(_ASKS, _RECORDS)
+    ]
+
+
+def run(device: str, new_tokens: int, **spec) -> tuple[float, list[list[int]], list[float]]:
+    """(tokens/s over all prompts one at a time, each output, each accepted length)."""
+    params = {"max_new_tokens": new_tokens, "temperature": 0}
+    with radixlm.Engine(device=device, dtype="float32", **spec) as eng:
+        eng.generate(prompts()[0], {"max_new_tokens": 4, "temperature": 0})  # warm-up
+        outs, tokens, seconds = [], 0, 0.0
+        for prompt in prompts():
+            t = time.perf_counter()
+            out = eng.generate(prompt, params)
+            seconds += time.perf_counter() - t
+            tokens += len(out["output_ids"])
+            outs.append(out)
+    return (
+        tokens / seconds,
+        [o["output_ids"] for o in outs],
+        [o["meta_info"].get("spec_accept_length", 1.0) for o in outs],
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--num-draft-tokens", type=int, default=8)
+    args = ap.parse_args()
+    plain_rate, plain_ids, _ = run(args.device, args.new_tokens)
+    spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.num_draft_tokens}
+    spec_rate, spec_ids, accepted = run(args.device, args.new_tokens, **spec)
+    print(f"device: {device_line()}; commit {commit()}")
+    print(f"{len(plain_ids)} extraction prompts, batch 1, greedy, {args.new_tokens} new tokens")
+    print(f"plain:        {plain_rate:7.1f} tok/s")
+    print(
+        f"NGRAM (k={args.num_draft_tokens}): {spec_rate:7.1f} tok/s, mean accepted length "
+        f"{sum(accepted) / len(accepted):.2f} ({', '.join(f'{a:.2f}' for a in accepted)})"
+    )
+    print(f"speed-up: {spec_rate / plain_rate:.2f}x; outputs equal: {spec_ids == plain_ids}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Speculative decoding (NGRAM) on the real default model, on the CPU in float32: greedy outputs
+are token-for-token those of plain decoding (stops, stop strings, stop tokens, max_new_tokens
+reached inside a draft, EOS), under preemption in a small KV pool with the prefix cache on and
+off, beside requests that decode plainly (grammar, log-probabilities, penalties); the KV pool is
+whole again afterwards, and prompts that copy from their input accept more than one token per
+verify step."""
+
+from __future__ import annotations
+
+import pytest
+
+import radixlm
+
+
+def chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+_RECORD = "Name: Alice Johnson\nEmail: alice.johnson@example.com\nPhone: 555-0142"
+_CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+_NUMBERS = chat("Write the numbers 1, 2, 3, 1, 2, 3 three more times.")
+_OTHER_RECORD = "Name: Bob Stone\nEmail: bob.stone@mail.org\nCity: Springfield"
+_PARAGRAPH = (
+    "Each layer hid the one below it, and each made new things possible for people who never "
+    "saw the lower layers at all. "
+)
+# prompts whose outputs copy from their input: drafts are accepted there
+COPYING = [0, 1, 6]
+
+
+def workload(tokenizer) -> tuple[list[str], list[dict]]:
+    newline = tokenizer.encode("\n", add_special_tokens=False)[-1]
+    g = {"temperature": 0}
+    prompts = [
+        chat(f"Repeat this record exactly, line by line:\n{_RECORD}"),
+        _NUMBERS,
+        chat("Write the numbers 4, 5, 6, 4, 5, 6 three more times."),
+        chat("Say hi."),
+        "The capital of France is",
+        _CODE,
+        _PARAGRAPH * 3 + "In short, each layer hid",
+        chat(f"Copy this record:\n{_OTHER_RECORD}"),
+    ]
+    params = [
+        {**g, "max_new_tokens": 24},
+        {**g, "max_new_tokens": 30, "stop": ["3, 1, 2, 3, 1"]},  # a stop string inside a draft
+        {**g, "max_new_tokens": 9},  # the length limit cuts the drafts short
+        {**g, "max_new_tokens": 40},  # ends on EOS
+        {**g, "max_new_tokens": 12, "stop_token_ids": [tokenizer.eos_token_id]},
+        {**g, "max_new_tokens": 16, "stop_token_ids": [newline]},  # a stop token
+        {**g, "max_new_tokens": 20},
+        {**g, "max_new_tokens": 20, "stop": ["Stone\n"]},
+    ]
+    return prompts, params
+
+
+# requests that decode plainly in a speculative engine, in the same batch
+PLAIN_ONES = (
+    [_NUMBERS, chat("Pick a colour."), _CODE],
+    [
+        {"temperature": 0, "max_new_tokens": 10, "frequency_penalty": 0.5},
+        {"temperature": 0, "max_new_tokens": 10, "regex": "(red|green|blue)"},
+        {"temperature": 0, "max_new_tokens": 8, "min_new_tokens": 4},
+    ],
+)
+
+SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6}
+
+
+def results(outs) -> list[tuple]:
+    return [(o["output_ids"], o["meta_info"]["finish_reason"], o["text"]) for o in outs]
+
+
+def kv_whole(stats) -> bool:
+    return (
+        stats["kv_pool_free_tokens"] + stats["radix_cache_tokens"]
+        == stats["kv_pool_capacity_tokens"]
+    )
+
+
+def start(folder, **kw) -> radixlm.Engine:
+    return radixlm.Engine(folder, device="cpu", dtype="float32", **kw)
+
+
+@pytest.fixture(scope="module")
+def spec_engine(default_model_folder):
+    with start(default_model_folder, **SPEC) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def tokenizer(spec_engine):
+    return spec_engine.tokenizer
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(default_model_folder, tokenizer):
+    """The plain loop's outputs (the oracle), and those of the requests that decode plainly."""
+    prompts, params = workload(tokenizer)
+    with start(default_model_folder, disable_overlap_schedule=True) as eng:
+        outs = eng.generate(prompts + PLAIN_ONES[0], params + PLAIN_ONES[1])
+    return outs
+
+
+def test_greedy_speculation_gives_the_plain_tokens(spec_engine, plain_outputs, tokenizer):
+    prompts, params = workload(tokenizer)
+    outs = spec_engine.generate(prompts + PLAIN_ONES[0], params + PLAIN_ONES[1])
+    assert results(outs) == results(plain_outputs)
+    stats = spec_engine.get_stats()
+    assert kv_whole(stats), stats
+    assert stats["spec_verify_ct"] > 0 and stats["spec_num_correct_drafts"] > 0
+    for i in COPYING:
+        meta = outs[i]["meta_info"]
+        assert meta["spec_verify_ct"] > 0
+        assert meta["spec_accept_length"] > 1.0, (i, meta)
+        assert sum(meta["spec_correct_drafts_histogram"]) == meta["spec_verify_ct"]
+    # the requests that sample on the host's say never verify a draft
+    for o in outs[len(prompts) :]:
+        assert "spec_verify_ct" not in o["meta_info"]
+    # the stop string and the length limit did cut verified drafts short
+    assert outs[1]["meta_info"]["finish_reason"]["type"] == "stop"
+    assert len(outs[2]["output_ids"]) == 9
+
+
+@pytest.mark.parametrize("disable_radix_cache", [False, True])
+def test_speculation_under_preemption_gives_the_plain_tokens(
+    default_model_folder, tokenizer, plain_outputs, disable_radix_cache
+):
+    prompts, params = workload(tokenizer)
+    # every prompt is admitted at once into a pool with room for a few decode steps only
+    pool = sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts) + 4
+    with start(
+        default_model_folder, max_total_tokens=pool, max_running_requests=8,
+        disable_radix_cache=disable_radix_cache, **SPEC,
+    ) as eng:  # fmt: skip
+        outs = eng.generate(prompts, params)
+        stats = eng.get_stats()
+    assert stats["num_preemptions"] > 0, stats
+    assert stats["spec_verify_ct"] > 0
+    assert results(outs) == results(plain_outputs[: len(prompts)])
+    assert kv_whole(stats), stats
+
+
+def test_streaming_a_speculative_request_ends_with_its_full_result(spec_engine, plain_outputs):
+    prompt, params = _NUMBERS, {"temperature": 0, "max_new_tokens": 30, "stop": ["3, 1, 2, 3, 1"]}
+    chunks = list(spec_engine.generate(prompt, params, stream=True))
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert results(chunks[-1:]) == results(plain_outputs[1:2])
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_seeded_sampling_with_speculation_repeats(spec_engine):
+    params = {"temperature": 0.8, "max_new_tokens": 12, "seed": 11}
+    first = spec_engine.generate([_NUMBERS, _CODE], params)
+    again = spec_engine.generate([_CODE, _NUMBERS], params)
+    assert results(first) == results(again[::-1])
+    assert first[0]["meta_info"]["spec_verify_ct"] > 0

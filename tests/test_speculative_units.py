@@ -1,0 +1,171 @@
+"""Speculative decoding's parts without a model: the n-gram drafter against its scanning twin,
+greedy acceptance, rejection sampling against the target distribution, and the options."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radixlm import cli
+from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.speculative.ngram import NgramIndex, propose_by_scan
+from radixlm.runtime.speculative.verify import greedy_accept, rejection_sample
+
+# ---- the drafter ------------------------------------------------------------------------------
+
+
+def test_the_longest_window_wins_and_the_latest_occurrence_is_copied():
+    index = NgramIndex(1, 3)
+    #         0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 1, 2, 9, 7, 1, 2, 3, 4, 1, 2]
+    index.update(tokens)
+    # the ending (1, 2) occurs at 1 and 5; the window of 3 (4, 1, 2) never earlier: the latest
+    # occurrence of (1, 2) is at 5, followed by 3, 4, 1, 2, then (repeating) 3, 4
+    assert index.propose(4) == [3, 4, 1, 2]
+    assert index.propose(6) == [3, 4, 1, 2, 3, 4]
+    index.update(tokens + [9])  # (2, 9) occurs at 2: 7, 1, 2, 3
+    assert index.propose(4) == [7, 1, 2, 3]
+
+
+def test_no_match_no_draft_and_a_repeating_text_keeps_repeating():
+    index = NgramIndex(2, 4)
+    index.update([1, 2, 3, 4])
+    assert index.propose(5) == []
+    index.update([7, 8], [7, 8])  # prompt and output: the ending (7, 8) occurred at 0
+    assert index.propose(5) == [7, 8, 7, 8, 7]
+    assert index.propose(0) == []
+
+
+def test_the_index_grown_token_by_token_proposes_what_a_scan_does():
+    rng = random.Random(0)
+    for trial in range(30):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 6)
+        prompt = [rng.randint(0, 4) for _ in range(rng.randint(1, 40))]
+        output: list[int] = []
+        index = NgramIndex(lo, hi)
+        for _ in range(40):
+            index.update(prompt, output)
+            k = rng.randint(1, 8)
+            context = prompt + output
+            assert index.propose(k) == propose_by_scan(context, lo, hi, k), (trial, context)
+            output.extend(rng.randint(0, 4) for _ in range(rng.randint(1, 3)))
+
+
+def test_a_context_that_changed_behind_the_index_is_indexed_afresh():
+    index = NgramIndex(1, 2)
+    index.update([1, 2, 3, 1])
+    assert index.propose(2) == [2, 3]
+    index.update([4, 5, 4])  # shorter: rebuilt
+    assert index.propose(2) == [5, 4]
+    index.update([4, 6, 5])  # the last token indexed differs: rebuilt
+    assert index.propose(2) == []
+    index.update([4, 6, 5, 4])
+    assert index.propose(2) == [6, 5]
+
+
+# ---- verification -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "targets, draft, out",
+    [
+        ([4, 5, 6, 7], [4, 5, 6], [4, 5, 6, 7]),  # all accepted, then the bonus token
+        ([4, 9, 6, 7], [4, 5, 6], [4, 9]),  # the second differs: the target's own instead
+        ([8, 5, 6, 7], [4, 5, 6], [8]),  # nothing accepted: as a plain step
+        ([3], [], [3]),
+    ],
+)
+def test_greedy_accepts_the_prefix_that_equals_the_argmax(targets, draft, out):
+    assert greedy_accept(targets, draft) == out
+
+
+# a target of 5 tokens at 3 positions (row j: the distribution after draft token j)
+_TARGET = torch.tensor(
+    [
+        [0.10, 0.45, 0.25, 0.15, 0.05],
+        [0.30, 0.05, 0.40, 0.05, 0.20],
+        [0.20, 0.20, 0.20, 0.20, 0.20],
+    ]
+)
+
+
+def test_rejection_sampling_draws_each_token_from_the_target():
+    """Over many seeds, the first token is distributed as row 0, and the second, after the first
+    draft token was accepted (so it follows it), as row 1, whatever the draft proposes."""
+    draft = [2, 3]  # p(2) = 0.25 at row 0, p(3) = 0.05 at row 1: mostly rejected
+    trials = 6000
+    first = torch.zeros(5)
+    second = torch.zeros(5)
+    lengths = []
+    for seed in range(trials):
+        out = rejection_sample(_TARGET, draft, seed, step=7)
+        lengths.append(len(out))
+        assert 1 <= len(out) <= 3 and out[: len(out) - 1] == draft[: len(out) - 1]
+        first[out[0]] += 1
+        if out[0] == draft[0]:
+            second[out[1]] += 1
+    for counts, p in ((first, _TARGET[0]), (second, _TARGET[1])):
+        n = counts.sum()
+        chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+        assert chi2 < 18.5, (counts / n, p)  # chi-square, 4 degrees of freedom, p < 0.001
+        assert float((counts / n - p).abs().sum()) / 2 < 0.03
+    # the acceptance rate of the first draft token is p(2) = 0.25
+    assert abs(sum(n > 1 for n in lengths) / trials - 0.25) < 0.03
+
+
+def test_a_seeded_rejection_sample_repeats_and_a_certain_draft_is_always_accepted():
+    assert rejection_sample(_TARGET, [1, 0], 42, 0) == rejection_sample(_TARGET, [1, 0], 42, 0)
+    certain = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    for seed in range(50):
+        assert rejection_sample(certain, [1, 2], seed, 3) == [1, 2, 0]
+        assert rejection_sample(certain, [0, 2], seed, 3) == [1]  # p(0) = 0: never accepted
+
+
+# ---- options ----------------------------------------------------------------------------------
+
+
+def test_ngram_takes_sglangs_defaults_and_any_case():
+    config = EngineConfig(speculative_algorithm="ngram")
+    assert config.speculative_algorithm == "NGRAM"
+    assert config.speculative_num_draft_tokens == 12
+    assert config.speculative_ngram_min_match_window_size == 1
+    assert config.speculative_ngram_max_match_window_size == 12
+    assert EngineConfig().speculative_algorithm is None
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        ({"speculative_algorithm": "EAGLE3"}, "not available yet"),
+        ({"speculative_algorithm": "MEDUSA"}, "not available yet"),
+        ({"speculative_algorithm": "LOOKAHEAD"}, "unknown"),
+        ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, "at least 2"),
+        ({"speculative_num_draft_tokens": 4}, "needs speculative_algorithm"),
+        (
+            {
+                "speculative_algorithm": "NGRAM",
+                "speculative_ngram_min_match_window_size": 5,
+                "speculative_ngram_max_match_window_size": 3,
+            },
+            "1 <= min <= max",
+        ),  # fmt: skip
+    ],
+)
+def test_bad_speculative_options_are_refused_saying_what_to_change(kw, says):
+    with pytest.raises(ValueError, match=says):
+        EngineConfig(**kw)
+
+
+def test_the_cli_takes_the_speculative_options():
+    p = cli._build_parser()
+    args = p.parse_args(
+        ["serve", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6",
+         "--speculative-ngram-max-match-window-size", "4"]
+    )  # fmt: skip
+    config = EngineConfig(**cli._engine_kwargs(args))
+    assert config.speculative_algorithm == "NGRAM"
+    assert config.speculative_num_draft_tokens == 6
+    assert config.speculative_ngram_max_match_window_size == 4
