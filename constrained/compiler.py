@@ -32,7 +32,7 @@ from radixlm.constrained.pattern import PatternError, translate_regex
 from radixlm.constrained.schema_rewrite import NumberLimits, bound_numbers
 from radixlm.constrained.vocab import TokenVocabulary
 
-KINDS = ("regex", "json_schema", "choice", "ebnf")
+KINDS = ("regex", "json_schema", "choice", "ebnf", "structural_tag")
 # "llguidance": llguidance's Earley parser (llguidance_backend.py), the default. "outlines": our
 # own compiler of every grammar into one regex and a byte DFA (built by outlines-core), with
 # token masks walked per state; recursion is unrolled to a fixed depth.
@@ -297,6 +297,11 @@ class GrammarCompiler:
                 raise self._too_slow(kind)
             if self.backend == "llguidance":
                 return self._llguidance().build(kind, spec, lenient)
+            if kind == "structural_tag":  # free text with tagged sections: no single regex
+                raise GrammarError(
+                    "structural_tag needs the llguidance grammar backend "
+                    "(grammar_backend='llguidance', the default)"
+                )
             regex, notes = self.to_regex(kind, spec, lenient)
             sentinel, parse_error = True, ""
             if kind == "regex":
@@ -407,7 +412,7 @@ def _what_to_simplify(kind: str, backend: str = "outlines") -> str:
 def _spec_key(kind: str, spec: Any) -> str:
     if kind not in KINDS:
         raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
-    if kind == "json_schema" and not isinstance(spec, str):
+    if kind in ("json_schema", "structural_tag") and not isinstance(spec, str):
         return json.dumps(spec, ensure_ascii=False)
     if kind == "choice":
         items = json.loads(spec) if isinstance(spec, str) else list(spec)

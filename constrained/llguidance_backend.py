@@ -151,6 +151,8 @@ class LLGuidanceBackend:
         if kind == "json_schema":
             schema, overlapping = self._prepared_schema(spec, lenient)
             text = self._schema_grammar(schema, lenient)
+        elif kind == "structural_tag":
+            text = self._structural_tag_grammar(spec, lenient)
         else:
             text = self._grammar_text(kind, spec)
         matcher = self._matcher(text)
@@ -170,6 +172,8 @@ class LLGuidanceBackend:
             # never in the engine's step (a long counted repetition takes seconds). A grammar
             # no token can start fails here too.
             matcher.compute_bitmask()
+        if matcher.is_error() and kind == "structural_tag":
+            self._refuse_structure(spec, lenient)  # (names the structure whose schema fails)
         if matcher.is_error():
             raise GrammarError(_refusal(kind, matcher.get_error(), spec, overlapping))
         notes = ()
@@ -195,6 +199,44 @@ class LLGuidanceBackend:
         return self._ll.LLMatcher.grammar_from_json_schema(
             text, defaults=self._json_options(lenient)
         )
+
+    def _structural_tag_grammar(self, spec: str, lenient: bool) -> str:
+        """Free text in which each trigger opens a section: the rest of its `begin`, JSON held to
+        its schema (prepared as a json_schema request's is), then its `end` (llguidance's
+        StructTag: a trigger is a lazy lexeme, so the text runs until the trigger appears)."""
+        from radixlm.runtime.sampling_params import structural_tag_parts
+
+        try:
+            structures, triggers = structural_tag_parts(spec)
+        except ValueError as e:
+            raise GrammarError(str(e)) from None
+        tags = []
+        for i, item in enumerate(structures):
+            try:
+                schema, _ = self._prepared_schema(json.dumps(item["schema"]), lenient)
+            except GrammarError as e:
+                raise GrammarError(f"structural_tag.structures[{i}].schema: {e}") from None
+            if isinstance(schema, bool):
+                schema = {} if schema else {"not": {}}
+            schema = {**schema, "x-guidance": self._json_options(lenient)}
+            trigger = next(t for t in triggers if item["begin"].startswith(t))
+            tags.append(
+                self._ll.StructTag(
+                    trigger=trigger, begin=item["begin"], grammar=schema, end=item["end"]
+                )
+            )
+        return self._ll.LLMatcher.grammar_from_lark(self._ll.StructTag.to_grammar(tags))
+
+    def _refuse_structure(self, spec: str, lenient: bool) -> None:
+        """A structural tag llguidance refused: the first structure whose schema it refuses as a
+        json_schema request, as that request's refusal, with where the structure sits."""
+        from radixlm.runtime.sampling_params import structural_tag_parts
+
+        for i, item in enumerate(structural_tag_parts(spec)[0]):
+            try:
+                self.build("json_schema", json.dumps(item["schema"]), lenient)
+            except GrammarError as e:
+                raise GrammarError(f"structural_tag.structures[{i}].schema: {e}") from None
 
     def _grammar_text(self, kind: str, spec: str) -> str:
         ll = self._ll.LLMatcher

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,10 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    # free text in which each trigger opens a section held to its JSON schema until its end tag:
+    # {"structures": [{"begin", "schema", "end"}], "triggers": [...]} (SGLang's and xgrammar's
+    # structural tag), as JSON text
+    structural_tag: str | None = None
     # JSON-schema keywords the mask cannot enforce are skipped instead of refused; the finished
     # output is then validated and the result reported in meta_info["grammar_validation"]
     json_schema_lenient: bool = False
@@ -72,6 +77,9 @@ class SamplingParams:
         schema = values.get("json_schema")
         if schema is not None and not isinstance(schema, str):
             values["json_schema"] = json_schema_text(schema)
+        tag = values.get("structural_tag")
+        if isinstance(tag, dict):
+            values["structural_tag"] = json.dumps(tag)
         sp = cls(**values)
         sp.validate()
         return sp
@@ -130,9 +138,14 @@ class SamplingParams:
             bad("stop_token_ids must be a list of non-negative integers")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias, bad)
-        constraints = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
+        constraints = [k for k in _CONSTRAINTS if getattr(self, k) is not None]
         if len(constraints) > 1:
-            bad(f"give at most one of regex, json_schema, ebnf (got {constraints})")
+            bad(f"give at most one of {', '.join(_CONSTRAINTS)} (got {constraints})")
+        if self.structural_tag is not None:
+            try:
+                structural_tag_parts(self.structural_tag)
+            except ValueError as e:
+                bad(str(e))
         if not isinstance(self.json_schema_lenient, bool):
             bad(f"json_schema_lenient must be true or false, got {self.json_schema_lenient!r}")
         if self.json_schema_lenient and self.json_schema is None:
@@ -176,7 +189,7 @@ class SamplingParams:
 
     @property
     def constraint(self) -> tuple[str, str] | None:
-        for kind in ("regex", "json_schema", "ebnf"):
+        for kind in _CONSTRAINTS:
             value = getattr(self, kind)
             if value is not None:
                 return kind, value
@@ -184,6 +197,39 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_CONSTRAINTS = ("regex", "json_schema", "ebnf", "structural_tag")
+
+
+def structural_tag_parts(text: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """(structures, triggers) of a structural tag given as JSON text; ValueError saying what to
+    fix. Each structure's `begin` must start with one of the triggers (which is what opens it)."""
+    try:
+        tag = json.loads(text) if isinstance(text, str) else None
+    except ValueError as e:
+        raise ValueError(f"structural_tag is not valid JSON: {e}") from None
+    if not isinstance(tag, dict):
+        raise ValueError("structural_tag must be a JSON object with 'structures' and 'triggers'")
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(triggers, list) or not triggers:
+        raise ValueError("structural_tag.triggers must be a non-empty list of strings")
+    if not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("structural_tag.triggers must be non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structural_tag.structures must be a non-empty list")
+    for i, item in enumerate(structures):
+        where = f"structural_tag.structures[{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} must be an object with begin, schema and end")
+        for key in ("begin", "end"):
+            if not isinstance(item.get(key), str):
+                raise ValueError(f"{where}.{key} must be a string")
+        if not isinstance(item.get("schema"), (dict, bool)):
+            raise ValueError(f"{where}.schema must be a JSON schema (an object)")
+        if not any(item["begin"].startswith(t) for t in triggers):
+            raise ValueError(f"{where}.begin {item['begin']!r} starts with none of the triggers")
+    return structures, triggers
 
 
 def _checked_logit_bias(value: Any, bad) -> dict[int, float] | None:

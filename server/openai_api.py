@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from radixlm.runtime.sampling_params import structural_tag_parts
 from radixlm.server.chat import render_chat_prompt
 from radixlm.server.errors import bad_request, internal_error, not_found
 from radixlm.server.generation import (
@@ -187,9 +188,23 @@ def _apply_response_format(params: dict[str, Any], fmt: ResponseFormat | None) -
                 "response_format",
             )
         schema = fmt.json_schema.schema
+    elif fmt.type == "structural_tag":
+        tag = json.dumps({"structures": fmt.structures, "triggers": fmt.triggers})
+        try:
+            structural_tag_parts(tag)
+        except ValueError as e:
+            raise bad_request(f"response_format: {e}", "response_format") from None
+        _set_constraint(params, "structural_tag", tag, "response_format")
+        return
     else:
         raise bad_request(
-            f"response_format.type={fmt.type!r}; use 'text', 'json_object' or 'json_schema'",
+            f"response_format.type={fmt.type!r}; use 'text', 'json_object', 'json_schema' or "
+            "'structural_tag'",
+            "response_format",
+        )
+    if fmt.structures is not None or fmt.triggers is not None:
+        raise bad_request(
+            "response_format.structures and .triggers come with type 'structural_tag'",
             "response_format",
         )
     _set_constraint(params, "json_schema", json.dumps(schema), "response_format")
@@ -197,7 +212,7 @@ def _apply_response_format(params: dict[str, Any], fmt: ResponseFormat | None) -
 
 def _constraints(params: dict[str, Any]) -> list[str]:
     """The output constraints `params` already carry (the engine takes at most one)."""
-    return [k for k in ("regex", "json_schema", "ebnf") if k in params]
+    return [k for k in ("regex", "json_schema", "ebnf", "structural_tag") if k in params]
 
 
 def _set_constraint(params: dict[str, Any], kind: str, value: str, param: str) -> None:

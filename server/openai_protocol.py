@@ -93,6 +93,9 @@ class JsonSchemaFormat(_Lenient):
 class ResponseFormat(_Strict):
     type: str
     json_schema: JsonSchemaFormat | None = None
+    # type "structural_tag" (SGLang's): sections opened by triggers, each held to its schema
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class _SamplingFields(_Strict):
