@@ -138,9 +138,9 @@ class SamplingParams:
             bad("stop_token_ids must be a list of non-negative integers")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias, bad)
-        constraints = [k for k in _CONSTRAINTS if getattr(self, k) is not None]
+        constraints = [k for k in CONSTRAINTS if getattr(self, k) is not None]
         if len(constraints) > 1:
-            bad(f"give at most one of {', '.join(_CONSTRAINTS)} (got {constraints})")
+            bad(f"give at most one of {', '.join(CONSTRAINTS)} (got {constraints})")
         if self.structural_tag is not None:
             try:
                 structural_tag_parts(self.structural_tag)
@@ -189,7 +189,7 @@ class SamplingParams:
 
     @property
     def constraint(self) -> tuple[str, str] | None:
-        for kind in _CONSTRAINTS:
+        for kind in CONSTRAINTS:
             value = getattr(self, kind)
             if value is not None:
                 return kind, value
@@ -199,7 +199,8 @@ class SamplingParams:
         return dataclasses.asdict(self)
 
 
-_CONSTRAINTS = ("regex", "json_schema", "ebnf", "structural_tag")
+# the output constraints, of which a request takes at most one
+CONSTRAINTS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 def structural_tag_parts(text: Any) -> tuple[list[dict[str, Any]], list[str]]:

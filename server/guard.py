@@ -32,6 +32,7 @@ Scope = dict[str, Any]
 # probes, /metrics for Prometheus (which scrapes without credentials by default).
 _PUBLIC_PATHS = {"/health", "/health_generate", "/metrics"}
 # routes not counted against the rate limit
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 _UNLIMITED_PATHS = {"/health", "/metrics"}
 # routes that operate the server rather than use it (--admin-api-key)
 ADMIN_PATHS = {"/flush_cache", "/start_profile", "/stop_profile", "/abort_request"}
@@ -96,6 +97,9 @@ class GuardMiddleware:
         path = scope.get("path", "")
         method = scope.get("method", "")
         endpoint = self._endpoint(path)
+        # a metrics label from a fixed set: any token the client sends is a method to uvicorn,
+        # and each new label value would be a new series kept forever
+        label_method = method if method in _METHODS else "other"
 
         async def send_logged(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -104,8 +108,8 @@ class GuardMiddleware:
             response.saw(message)
             await send(message)
 
-        metrics.http_requests.labels(endpoint=endpoint, method=method).inc()
-        active = metrics.http_active.labels(endpoint=endpoint, method=method)
+        metrics.http_requests.labels(endpoint=endpoint, method=label_method).inc()
+        active = metrics.http_active.labels(endpoint=endpoint, method=label_method)
         active.inc()
         access = _Access(None, None)
         body = b""
@@ -132,7 +136,7 @@ class GuardMiddleware:
             active.dec()
             code, reason = response.outcome()
             metrics.http_responses.labels(
-                endpoint=endpoint, status_code=str(code), method=method
+                endpoint=endpoint, status_code=str(code), method=label_method
             ).inc()
             latency = time.perf_counter() - started
             if path not in _UNLIMITED_PATHS:

@@ -315,6 +315,15 @@ _ENGINE_COUNTERS = {
         "engine_jump_forward_tokens_total",
         "Tokens a grammar forced by jump-forward instead of sampling them.",
     ),
+    "spec_verify_ct": ("engine_spec_verify_steps_total", "Speculative verify steps."),
+    "spec_num_proposed_drafts": (
+        "engine_spec_draft_tokens_total",
+        "Draft tokens proposed for verification.",
+    ),
+    "spec_num_correct_drafts": (
+        "engine_spec_accepted_draft_tokens_total",
+        "Draft tokens the target model accepted.",
+    ),
 }
 # stats shown as SGLang's metrics above, or counted by the server itself per request
 _SHOWN = {

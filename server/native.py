@@ -78,7 +78,7 @@ _GENERATE_KEYS = {
 }
 
 # Sampling keys of SGLang's server that this engine lacks, accepted while unset.
-_INERT_SAMPLING_KEYS = {"stop_regex", "custom_params", "structural_tag"}
+_INERT_SAMPLING_KEYS = {"stop_regex", "custom_params"}
 
 # SGLang's `dtype` constraint (older clients send it; newer ones turn it into `regex` themselves)
 _DTYPE_REGEX = {

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from radixlm.runtime.sampling_params import structural_tag_parts
+from radixlm.runtime.sampling_params import CONSTRAINTS, structural_tag_parts
 from radixlm.server.chat import render_chat_prompt
 from radixlm.server.errors import bad_request, internal_error, not_found
 from radixlm.server.generation import (
@@ -177,6 +177,11 @@ def _apply_response_format(params: dict[str, Any], fmt: ResponseFormat | None) -
             f"response_format.json_schema comes with type 'json_schema', not {fmt.type!r}",
             "response_format",
         )
+    if fmt is not None and fmt.type != "structural_tag" and (fmt.structures or fmt.triggers):
+        raise bad_request(
+            "response_format.structures and .triggers come with type 'structural_tag'",
+            "response_format",
+        )
     if fmt is None or fmt.type == "text":
         return
     if fmt.type == "json_object":
@@ -202,17 +207,12 @@ def _apply_response_format(params: dict[str, Any], fmt: ResponseFormat | None) -
             "'structural_tag'",
             "response_format",
         )
-    if fmt.structures is not None or fmt.triggers is not None:
-        raise bad_request(
-            "response_format.structures and .triggers come with type 'structural_tag'",
-            "response_format",
-        )
     _set_constraint(params, "json_schema", json.dumps(schema), "response_format")
 
 
 def _constraints(params: dict[str, Any]) -> list[str]:
     """The output constraints `params` already carry (the engine takes at most one)."""
-    return [k for k in ("regex", "json_schema", "ebnf", "structural_tag") if k in params]
+    return [k for k in CONSTRAINTS if k in params]
 
 
 def _set_constraint(params: dict[str, Any], kind: str, value: str, param: str) -> None:

@@ -42,10 +42,12 @@ class RecordingBackend(LocalEngineBackend):
         snapshots = await super().stream(input_ids, sampling_params, **options)
 
         async def recorded():
-            last = None
-            async for last in snapshots:
-                yield last
-            self.runs.append((dict(sampling_params), last["text"] if last else ""))
+            # recorded at the finished snapshot: a consumer may stop reading there, never
+            # reaching the end of the iteration
+            async for snapshot in snapshots:
+                if snapshot["meta_info"].get("finish_reason") is not None:
+                    self.runs.append((dict(sampling_params), snapshot["text"]))
+                yield snapshot
 
         return recorded()
 

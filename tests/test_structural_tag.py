@@ -177,9 +177,29 @@ def test_response_format_structural_tag_over_the_openai_api(client):
         ({"type": "structural_tag", "structures": TAG["structures"]}, "triggers"),
         ({"type": "structural_tag", "triggers": ["<f"]}, "structures"),
         ({"type": "json_object", "triggers": ["<f"]}, "come with type 'structural_tag'"),
+        ({"type": "text", "structures": TAG["structures"]}, "come with type 'structural_tag'"),
     ],
 )
 def test_a_bad_structural_tag_response_format_is_a_400(client, fmt, needle):
     body = {"messages": [{"role": "user", "content": "x"}], "response_format": fmt}
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_structural_tag_in_native_sampling_params(client):
+    """SGLang's /generate form: the tag as JSON text in sampling_params."""
+    body = {
+        "text": 'Weather in Paris: <function=get_weather>{"city":"Paris"}</function>\nWeather in Oslo:',
+        "sampling_params": {
+            "max_new_tokens": 30,
+            "temperature": 0,
+            "structural_tag": json.dumps(TAG),
+        },
+    }
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    text = r.json()["text"]
+    assert "<function=" in text and valid_sections(text), text
+    bad = {"text": "x", "sampling_params": {"structural_tag": "{}"}}
+    r = client.post("/generate", json=bad)
+    assert r.status_code == 400 and "structural_tag" in r.json()["error"]["message"], r.text
