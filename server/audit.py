@@ -5,7 +5,7 @@
      "endpoint": "/generate", "status": 200, "prompt_tokens": 7, "completion_tokens": 32,
      "cached_tokens": 0, "latency_s": 0.412, "finish_reasons": ["length"]}
 
-`key_id` names the API key a request was accepted with by a short hash of it (never the key;
+`key_id` names the API key a request was accepted with by a short slow hash of it (never the key;
 null without one); `role` is "user" or "admin" (the key that opened the route). Neither the
 prompt nor the output is written unless `log_requests` is set (`--log-requests`, SGLang's name):
 then `request` holds the request body as sent and `outputs` the generated texts. The file is
@@ -14,6 +14,7 @@ rotated by size (`max_bytes`, `backups` old files kept); `-` writes to standard 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -26,9 +27,18 @@ DEFAULT_MAX_BYTES = 100 * 2**20
 DEFAULT_BACKUPS = 5
 
 
+# A key's name is a slow hash of it (PBKDF2, fixed salt): stable across restarts, so lines of one
+# key can be found again, and costly to test guessed keys against (a plain SHA-256 prefix gave a
+# weak key away to a dictionary run over the log)
+_KEY_ID_SALT = b"radixlm audit key id"
+_KEY_ID_ROUNDS = 20_000  # (~10 ms, once per key: the result is cached)
+
+
+@functools.lru_cache(maxsize=64)  # (only the server's configured keys are named)
 def key_id(key: str) -> str:
     """A short, stable name for an API key that does not give the key away."""
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+    digest = hashlib.pbkdf2_hmac("sha256", key.encode(), _KEY_ID_SALT, _KEY_ID_ROUNDS)
+    return digest.hex()[:12]
 
 
 class AuditLog:
