@@ -61,9 +61,6 @@ from radixlm.server.state import RequestUsage, ServerState
 
 router = APIRouter()
 
-# keys accepted with any value and ignored: `log_metrics` (metrics are always kept),
-# `stream_options` (usage is in every meta_info)
-_IGNORED_REQUEST_KEYS = {"log_metrics", "stream_options", "background"}
 _GENERATE_KEYS = {
     "rid",  # the generations' ids (meta_info "id", what /abort_request takes), as SGLang's
     "request_timeout",  # seconds before the generations are aborted (the server's bounds it)
@@ -161,7 +158,7 @@ def parse_generate(state: ServerState, payload: Any) -> NativeRequest:
     if not isinstance(payload, dict):
         raise bad_request("the body of /generate must be a JSON object")
     for key, value in payload.items():
-        if key in _GENERATE_KEYS or key in _IGNORED_REQUEST_KEYS:
+        if key in _GENERATE_KEYS:
             continue
         # SGLang's other fields: ignored, or refused unless at their default; others unknown
         check_field(GENERATE_FIELDS, key, value, "/generate")
