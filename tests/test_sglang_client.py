@@ -258,7 +258,9 @@ def sglang_tests(base_url) -> dict[str, Any]:
         cwd=TEST_PROGRAMS.parent,
     )
     assert proc.returncode == 0, f"the SGLang test programs failed:\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout)
+    # the result is the runner's last line: SGLang's programs print to stdout too (its JSON
+    # decoding program prints the model's text when that text is not JSON)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_sglang_own_test_programs_run_against_our_server(sglang_tests):
