@@ -1419,27 +1419,7 @@ class _SchemaCompiler:
         With a required property: items before the last required one carry a trailing comma,
         items after it a leading one.
         """
-        sep = self._item_sep()
-        extra_tail = rt.star(rt.seq(sep, extra)) if extra is not None else ""
-        last_required = max((i for i, (_, req) in enumerate(items) if req), default=-1)
-        if last_required >= 0:
-            parts: list[rt.Regex] = []
-            for i, (kv, req) in enumerate(items):
-                if i < last_required:
-                    parts.append(rt.seq(kv, sep) if req else rt.opt(rt.seq(kv, sep)))
-                elif i == last_required:
-                    parts.append(kv)
-                else:
-                    parts.append(rt.opt(rt.seq(sep, kv)))
-            return rt.seq(*parts, extra_tail)
-
-        # No required property: choose the last item written; every earlier one is optional and
-        # followed by a comma. Written right to left, Y_i = KV_i | (KV_i ",")? Y_{i+1}, the text
-        # stays linear, and the automaton too (both readings of KV_i advance together).
-        y: rt.Regex = rt.seq(extra, extra_tail) if extra is not None else None
-        for kv, _ in reversed(items):
-            y = rt.alt([rt.seq(kv, extra_tail), rt.seq(rt.opt(rt.seq(kv, sep)), y)])
-        return y if nonempty else rt.alt([y, ""])
+        return rt.ordered_items(items, self._item_sep(), extra, nonempty)
 
     def _all_strings(self, f: Flat) -> bool:
         """Whether a flattened schema accepts every string (it says nothing about strings)."""

@@ -332,3 +332,32 @@ def string_not_in(excluded: Sequence[str]) -> Regex:
         return alt(branches)
 
     return seq(QUOTE, below(trie), QUOTE)
+
+
+def ordered_items(
+    items: list[tuple[Regex, bool]], sep: Regex, extra: Regex = None, nonempty: bool = False
+) -> Regex:
+    """Items in their order, `sep` between them, each (item, required) always or maybe there,
+    then any number of `extra` items (None: none); with `nonempty`, at least one item.
+
+    With a required item: items before the last required one carry a trailing separator, items
+    after it a leading one. With none required: the last item written is chosen, every earlier
+    one optional and followed by a separator; written right to left, Y_i = I_i | (I_i sep)? Y_i+1,
+    the text stays linear, and the automaton too (both readings of I_i advance together).
+    """
+    extra_tail = star(seq(sep, extra)) if extra is not None else ""
+    last_required = max((i for i, (_, req) in enumerate(items) if req), default=-1)
+    if last_required >= 0:
+        parts: list[Regex] = []
+        for i, (item, req) in enumerate(items):
+            if i < last_required:
+                parts.append(seq(item, sep) if req else opt(seq(item, sep)))
+            elif i == last_required:
+                parts.append(item)
+            else:
+                parts.append(opt(seq(sep, item)))
+        return seq(*parts, extra_tail)
+    y: Regex = seq(extra, extra_tail) if extra is not None else None
+    for item, _ in reversed(items):
+        y = alt([seq(item, extra_tail), seq(opt(seq(item, sep)), y)])
+    return y if nonempty else alt([y, ""])

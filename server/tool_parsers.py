@@ -733,23 +733,7 @@ def _kwargs_regex(parameters: str, whitespace: str) -> str:
     for name, sub in props.items():
         value = json_schema_to_regex({"allOf": [_rebase_refs(sub, root)], "$defs": defs}, options)
         items.append((rt.seq(rt.lit(name + "="), value), name in required))
-    sep = rt.lit(", ")
-    last_required = max((i for i, (_, req) in enumerate(items) if req), default=-1)
-    if last_required >= 0:
-        parts = []
-        for i, (kv, req) in enumerate(items):
-            if i < last_required:
-                parts.append(rt.seq(kv, sep) if req else rt.opt(rt.seq(kv, sep)))
-            elif i == last_required:
-                parts.append(kv)
-            else:
-                parts.append(rt.opt(rt.seq(sep, kv)))
-        return rt.seq(*parts)  # type: ignore[return-value]
-    # none required: the last one written is chosen; every earlier one is optional
-    y: Any = None
-    for kv, _ in reversed(items):
-        y = rt.alt([kv, rt.seq(rt.opt(rt.seq(kv, sep)), y)])
-    return rt.alt([y, ""]) if y is not None else ""
+    return rt.ordered_items(items, rt.lit(", "))
 
 
 # ---- the registry --------------------------------------------------------------------------
