@@ -15,7 +15,7 @@ _LAZY = {
     "Engine": "radixlm.runtime.engine",
     "EngineConfig": "radixlm.runtime.config",
     "EngineShutDown": "radixlm.errors",
-    "SamplingParams": "radixlm.runtime.sampling_params",
+    "SamplingParams": "radixlm.protocol.sampling_params",
 }
 # the program language (radixlm.lang, torch-free): `import radixlm as sgl` runs SGLang programs
 _LANG_NAMES = (
@@ -30,9 +30,9 @@ _LAZY.update(dict.fromkeys(_LANG_NAMES, "radixlm.lang"))
 
 if TYPE_CHECKING:
     from radixlm.errors import EngineShutDown
+    from radixlm.protocol.sampling_params import SamplingParams
     from radixlm.runtime.config import EngineConfig
     from radixlm.runtime.engine import Engine
-    from radixlm.runtime.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

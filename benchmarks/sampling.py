@@ -57,8 +57,8 @@ def main() -> None:
         raise SystemExit(
             "benchmarks/sampling.py times the CUDA sampling paths: no CUDA device here"
         )
+    from radixlm.protocol.sampling_params import SamplingParams
     from radixlm.runtime.sampler import SamplingRow
-    from radixlm.runtime.sampling_params import SamplingParams
 
     bw = copy_bandwidth()
     print(f"device: {device_line()}  commit: {commit()}  copy bandwidth: {bw / 1e12:.2f} TB/s")

@@ -204,7 +204,7 @@ class LLGuidanceBackend:
         """Free text in which each trigger opens a section: the rest of its `begin`, JSON held to
         its schema (prepared as a json_schema request's is), then its `end` (llguidance's
         StructTag: a trigger is a lazy lexeme, so the text runs until the trigger appears)."""
-        from radixlm.runtime.sampling_params import structural_tag_parts
+        from radixlm.protocol.sampling_params import structural_tag_parts
 
         try:
             structures, triggers = structural_tag_parts(spec)
@@ -230,7 +230,7 @@ class LLGuidanceBackend:
     def _refuse_structure(self, spec: str, lenient: bool) -> None:
         """A structural tag llguidance refused: the first structure whose schema it refuses as a
         json_schema request, as that request's refusal, with where the structure sits."""
-        from radixlm.runtime.sampling_params import structural_tag_parts
+        from radixlm.protocol.sampling_params import structural_tag_parts
 
         for i, item in enumerate(structural_tag_parts(spec)[0]):
             try:

@@ -14,7 +14,7 @@ from radixlm.lang.backend import Backend, BackendError, PromptContext, choice_to
 from radixlm.lang.chat_template import ChatTemplate, derive_chat_template, plain_template
 from radixlm.lang.choices import TokenLogprobs
 from radixlm.lang.ir import GenParams
-from radixlm.runtime.prompt_tokens import encode_prompt
+from radixlm.protocol.prompt_tokens import encode_prompt
 
 logger = logging.getLogger(__name__)
 

@@ -130,7 +130,7 @@ def normalize_json_schema(schema: Any) -> str | None:
             except json.JSONDecodeError as e:
                 raise ValueError(f"gen: json_schema is not valid JSON: {e}") from None
         return schema
-    from radixlm.runtime.sampling_params import json_schema_text  # (imports no torch)
+    from radixlm.protocol.sampling_params import json_schema_text  # (imports no torch)
 
     try:
         return json_schema_text(schema)

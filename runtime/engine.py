@@ -24,16 +24,16 @@ from typing import Any
 import torch
 
 from radixlm.errors import EngineShutDown
+from radixlm.protocol.histogram import Histogram
+from radixlm.protocol.prompt_tokens import encode_prompt
+from radixlm.protocol.sampling_params import SamplingParams
 from radixlm.runtime import startup
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.engine_core import EngineCore, free_memory, kv_pool_tokens
-from radixlm.runtime.histogram import Histogram
 from radixlm.runtime.memory_pool import KVPool
 from radixlm.runtime.model_config import ModelConfig, generation_eos_ids
-from radixlm.runtime.prompt_tokens import encode_prompt
 from radixlm.runtime.request import LogprobRequest, Req
-from radixlm.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.protocol.sampling_params import SamplingParams
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
-from radixlm.runtime.sampling_params import SamplingParams
 
 
 class ReqStatus(enum.Enum):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.protocol.sampling_params import SamplingParams
 from radixlm.runtime.tensors import int64_tensor, packed_to_device, to_device
 
 _MASK64 = (1 << 64) - 1

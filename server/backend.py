@@ -17,7 +17,7 @@ from pathlib import PurePath
 from typing import Any, Protocol
 
 from radixlm.errors import GrammarRefused
-from radixlm.runtime.prompt_tokens import encode_prompt
+from radixlm.protocol.prompt_tokens import encode_prompt
 from radixlm.server.errors import unavailable
 
 # How long /metrics and /server_info wait for the engine's stats: an engine stuck in a step (or a

@@ -25,7 +25,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from radixlm.runtime.histogram import Histogram as EngineHistogram
+from radixlm.protocol.histogram import Histogram as EngineHistogram
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "radixlm_"

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from radixlm.runtime.sampling_params import CONSTRAINTS, structural_tag_parts
+from radixlm.protocol.sampling_params import CONSTRAINTS, structural_tag_parts
 from radixlm.server.chat import render_chat_prompt
 from radixlm.server.errors import bad_request, internal_error, not_found
 from radixlm.server.generation import (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.protocol.sampling_params import SamplingParams
 
 # every filter alone and together; the first six are what the torch sampler's tests check
 SETTINGS = [

@@ -10,8 +10,8 @@ import time
 import pytest
 
 import radixlm
+from radixlm.protocol.sampling_params import SamplingParams
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
-from radixlm.runtime.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "My favourite food is", "Water boils at"]
 
@@ -374,7 +374,7 @@ class _BosTokenizer:
 
 
 def test_a_prompt_gets_the_bos_its_tokenizer_adds_once(tokenizer):
-    from radixlm.runtime.prompt_tokens import encode_prompt
+    from radixlm.protocol.prompt_tokens import encode_prompt
 
     bos = _BosTokenizer()
     assert encode_prompt(bos, "ab") == [1, ord("a"), ord("b")]

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 from radixlm.kernels import sampling  # noqa: E402
+from radixlm.protocol.sampling_params import SamplingParams  # noqa: E402
 from radixlm.runtime import sampler as sampler_module  # noqa: E402
 from radixlm.runtime.sampler import (  # noqa: E402
     Sampler,
@@ -23,7 +24,6 @@ from radixlm.runtime.sampler import (  # noqa: E402
     exponential_noise,
     row_seed,
 )
-from radixlm.runtime.sampling_params import SamplingParams  # noqa: E402
 from tests.sampling_cases import SETTINGS, params  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from radixlm.protocol.sampling_params import SamplingParams
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.output_processor import OutputProcessor
 from radixlm.runtime.request import Req, ReqStatus
-from radixlm.runtime.sampling_params import SamplingParams
 
 
 class _Scheduler:

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from radixlm.protocol.sampling_params import SamplingParams
 from radixlm.runtime.sampler import Sampler, SamplingRow, _filtered_probs, exponential_noise
-from radixlm.runtime.sampling_params import SamplingParams
 from tests.sampling_cases import SETTINGS, params
 
 

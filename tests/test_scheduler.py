@@ -6,11 +6,11 @@ import random
 
 import torch
 
+from radixlm.protocol.sampling_params import SamplingParams
 from radixlm.radix_cache.base import NoPrefixCache
 from radixlm.runtime.cache_manager import CacheManager
 from radixlm.runtime.memory_pool import ReqToTokenPool, SlotAllocator
 from radixlm.runtime.request import Req
-from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.scheduler import Scheduler
 
 

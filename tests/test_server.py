@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixlm.runtime.histogram import Histogram
+from radixlm.protocol.histogram import Histogram
 from radixlm.server import backend as backend_module
 from radixlm.server import native
 from radixlm.server.app import create_app

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.protocol.sampling_params import SamplingParams
 from radixlm.server.app import create_app
 from tests.live_server import serve_in_thread, wait_idle
 

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from radixlm.constrained import GrammarCompiler, GrammarError
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.protocol.sampling_params import SamplingParams
 
 WEATHER = {
     "type": "object",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -129,3 +130,37 @@ def test_dependencies_are_declared_exactly_as_imported():
         f"imported, not declared: {sorted(imported - OPTIONAL - declared)}; "
         f"declared, never imported: {sorted(declared - imported)}"
     )
+
+
+# the client side and the server reach the engine only through these (the engine process's
+# bridge, which starts the engine in its own process)
+ENGINE_BRIDGES = {"radixlm.server.engine_process"}
+
+
+def test_the_client_side_and_the_server_import_no_engine_module():
+    modules = package_modules()
+    crossing = [
+        f"{name} imports {target}"
+        for name, path in sorted(modules.items())
+        if name.startswith(("radixlm.lang", "radixlm.protocol", "radixlm.server"))
+        and name not in ENGINE_BRIDGES
+        for target in imports_of(name, path, modules)
+        if target.startswith("radixlm.runtime")
+    ]
+    assert crossing == []
+
+
+def test_programs_and_the_server_import_without_torch():
+    """`radixlm.lang`, the protocol layer and the server's modules load with no torch: a client
+    program or an HTTP front end never pays for the engine."""
+    server = [name for name in package_modules() if name.startswith("radixlm.server")]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {['radixlm', 'radixlm.lang', 'radixlm.protocol', *server]!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout

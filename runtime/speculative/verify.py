@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from radixlm.protocol.sampling_params import SamplingParams
 from radixlm.runtime.sampler import _filtered_probs, exponential_noise, row_seed
-from radixlm.runtime.sampling_params import SamplingParams
 
 _ACCEPT_STREAM = 0x5EC  # separates the acceptance uniforms from the sampling noise of a position
 
