@@ -333,3 +333,20 @@ def test_a_resumed_request_recomputes_its_lost_output_within_the_chunk_budget(ti
         assert eng.get_stats()["num_preemptions"] > 0
     assert got == want
     assert sizes and max(sizes) <= 8
+
+
+def test_a_shut_down_engine_lets_go_of_its_weights_and_kv_pool(tiny_model_folder):
+    """One process builds engine after engine (a notebook, a benchmark's ablations): shutdown
+    drops the weights, the KV pool and the model runner even while the caller still holds the
+    engine, so their memory goes back to the device for the next one."""
+    import gc
+    import weakref
+
+    eng = radixlm.Engine(tiny_model_folder, max_total_tokens=256)
+    eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+    held = [weakref.ref(eng.model), weakref.ref(eng._core.kv_pool), weakref.ref(eng._core.runner)]
+    eng.shutdown()
+    gc.collect()
+    assert [ref() for ref in held] == [None, None, None]
+    with pytest.raises(radixlm.EngineShutDown):
+        eng.get_stats()
