@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import os
@@ -287,6 +288,11 @@ class Engine:
         if not self._closed:
             self._closed = True
             self._core.shutdown()
+            if self._core.release_device_memory():
+                self.model = None
+                gc.collect()  # (the engine's objects refer to each other)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()  # back to the device, for the next engine
 
     def __enter__(self) -> Engine:
         return self

@@ -195,6 +195,17 @@ class EngineCore:
         self._inbox.put(("stop", None))
         self._thread.join(timeout=30)
 
+    def release_device_memory(self) -> bool:
+        """After `shutdown`: let go of the KV pool, the model runner (the weights, the CUDA
+        graphs and their memory) and the request rows, so that one process can build engine after
+        engine (a notebook, a benchmark's ablations) without running out of device memory.
+        False, holding on to them, when the core thread has not stopped."""
+        if self._thread.is_alive():
+            return False
+        self.kv_pool = self.runner = self.rows = self.cache = self.allocator = None
+        self.scheduler = self.output = self.speculative = None
+        return True
+
     def _stopped_because(self) -> str:
         if self.error is not None:
             return f"the engine stopped after an internal error ({self.error})"
