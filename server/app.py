@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlm import __version__
@@ -24,6 +25,7 @@ from radixlm.server.guard import GuardMiddleware
 from radixlm.server.inflight import InFlight
 from radixlm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixlm.server.metrics import Metrics
+from radixlm.server.openapi import add_bodies
 from radixlm.server.reasoning import reasoning_parser as get_reasoning_parser
 from radixlm.server.state import ServerLimits, ServerState
 from radixlm.server.tool_parsers import resolve_tool_call_parser
@@ -104,7 +106,7 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",
     )
     app.state.server = state
 
@@ -114,6 +116,14 @@ def create_app(
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
     app.include_router(tokenizer_api.router)
+
+    def openapi() -> dict[str, Any]:  # FastAPI's, with the bodies the routes read themselves
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            app.openapi_schema = add_bodies(document)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,0 +1,234 @@
+"""The server's OpenAPI document (`/openapi.json`).
+
+The routes read their bodies themselves (raw JSON decoded into the msgspec structs of
+server/openai_protocol.py, or checked by hand for the native routes), so FastAPI's own document
+would show none of them. This one is FastAPI's with each body added: the OpenAI routes' from the
+same structs that decode them (msgspec writes their JSON schemas; a struct that refuses unknown
+fields says so), the native /generate's from its keys, the engine's sampling parameters and
+SGLang's field table, and the small admin bodies as their routes check them. Every error has one
+documented shape (server/errors.py), under each operation's `default` response.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+
+from radixlm.protocol.sampling_params import SamplingParams
+from radixlm.server import openai_protocol as proto
+from radixlm.server.sglang_fields import GENERATE as GENERATE_FIELDS
+
+_REF = "#/components/schemas/{name}"
+
+# route path -> the struct its body decodes into
+_STRUCT_BODIES: dict[str, type] = {
+    "/v1/completions": proto.CompletionRequest,
+    "/v1/chat/completions": proto.ChatCompletionRequest,
+    "/v1/responses": proto.ResponsesRequest,
+    "/tokenize": proto.TokenizeRequest,
+    "/v1/tokenize": proto.TokenizeRequest,
+    "/detokenize": proto.DetokenizeRequest,
+    "/v1/detokenize": proto.DetokenizeRequest,
+}
+
+
+def _one_or_list(schema: dict[str, Any]) -> dict[str, Any]:
+    """A value given once for every prompt of a batch, or as a list of one per prompt."""
+    return {"anyOf": [schema, {"type": "array", "items": schema}]}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def native_sampling_params_schema() -> dict[str, Any]:
+    """/generate's `sampling_params`: the engine's parameters (protocol/sampling_params.py) and
+    the keys SGLang's client adds, which the route translates (server/native.py); null means
+    unset, as SGLang's client sends every unset parameter."""
+    (schema,), components = msgspec.json.schema_components([SamplingParams], ref_template=_REF)
+    params = components[schema["$ref"].rsplit("/", 1)[1]]
+    properties: dict[str, Any] = {}
+    for f in dataclasses.fields(SamplingParams):
+        prop = dict(params["properties"][f.name])
+        prop.pop("default", None)
+        properties[f.name] = _nullable(prop) if "anyOf" not in prop else prop
+    properties["stop"] = _nullable(
+        {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+    )
+    properties["json_schema"] = _nullable({"anyOf": [{"type": "string"}, {"type": "object"}]})
+    properties["structural_tag"] = _nullable({"anyOf": [{"type": "string"}, {"type": "object"}]})
+    properties.update(
+        no_stop_trim=_nullable({"type": "boolean"}),
+        dtype=_nullable({"type": "string", "enum": ["int", "float", "bool", "str"]}),
+        sampling_seed=_nullable({"type": "integer"}),
+        stop_regex={"description": "accepted only unset (null, empty)"},
+        custom_params={"description": "accepted only unset (null, empty)"},
+    )
+    return {
+        "title": "NativeSamplingParams",
+        "type": "object",
+        "properties": properties,
+        "additionalProperties": False,
+    }
+
+
+def generate_request_schema() -> dict[str, Any]:
+    """The body of the native /generate (SGLang's GenerateReqInput, as server/native.py reads
+    it): exactly one of `text` and `input_ids`, one prompt or a list of them."""
+    ids = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+    properties: dict[str, Any] = {
+        name: {"description": f"{rule.treatment}: {rule.why}"}
+        for name, rule in GENERATE_FIELDS.items()
+    }
+    properties.update(
+        text={
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+            ]
+        },
+        input_ids={"anyOf": [ids, {"type": "array", "items": ids, "minItems": 1}]},
+        sampling_params=_nullable(_one_or_list({"$ref": _REF.format(name="NativeSamplingParams")})),
+        stream=_nullable({"type": "boolean"}),
+        return_logprob=_nullable(_one_or_list(_nullable({"type": "boolean"}))),
+        logprob_start_len=_nullable(_one_or_list(_nullable({"type": "integer"}))),
+        top_logprobs_num=_nullable(_one_or_list(_nullable({"type": "integer"}))),
+        return_text_in_logprobs=_nullable({"type": "boolean"}),
+        rid=_nullable(
+            {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "items": {"type": "string", "minLength": 1}},
+                ]
+            }
+        ),
+        request_timeout=_nullable({"type": "number", "exclusiveMinimum": 0}),
+    )
+    return {
+        "title": "GenerateRequest",
+        "type": "object",
+        "properties": properties,
+        "additionalProperties": False,
+    }
+
+
+_ADMIN_BODIES: dict[str, dict[str, Any]] = {
+    "/abort_request": {
+        "title": "AbortRequest",
+        "type": "object",
+        "properties": {
+            "rid": {"type": "string", "minLength": 1},
+            "abort_all": {"type": "boolean"},
+        },
+        "additionalProperties": False,
+    },
+    "/start_profile": {
+        "title": "StartProfileRequest",
+        "type": "object",
+        "properties": {"output_dir": _nullable({"type": "string"})},
+        "additionalProperties": False,
+    },
+    "/concate_and_append_request": {
+        "title": "ConcateAndAppendRequest",
+        "type": "object",
+        "properties": {
+            "src_rids": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            "dst_rid": {"type": "string", "minLength": 1},
+        },
+        "required": ["src_rids", "dst_rid"],
+        "additionalProperties": False,
+    },
+}
+_OPTIONAL_BODIES = {"/start_profile"}  # an empty body is taken as {}
+
+ERROR_SCHEMA: dict[str, Any] = {
+    "title": "Error",
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": _nullable({"type": "string"}),
+                "code": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+            },
+            "required": ["message", "type", "param", "code"],
+        }
+    },
+    "required": ["error"],
+}
+
+
+def body_components() -> dict[str, dict[str, Any]]:
+    """Every schema the request bodies refer to, by name."""
+    structs = sorted(set(_STRUCT_BODIES.values()), key=lambda t: t.__name__)
+    _, components = msgspec.json.schema_components(structs, ref_template=_REF)
+    for name, schema in components.items():
+        struct = getattr(proto, name, None)
+        config = getattr(struct, "__struct_config__", None)
+        if config is not None and config.forbid_unknown_fields:
+            schema["additionalProperties"] = False
+    components["GenerateRequest"] = generate_request_schema()
+    components["NativeSamplingParams"] = native_sampling_params_schema()
+    for schema in _ADMIN_BODIES.values():
+        components[schema["title"]] = schema
+    components["Error"] = ERROR_SCHEMA
+    return components
+
+
+def _body_ref(path: str) -> str | None:
+    if path in _STRUCT_BODIES:
+        return _STRUCT_BODIES[path].__name__
+    if path == "/generate":
+        return "GenerateRequest"
+    if path in _ADMIN_BODIES:
+        return _ADMIN_BODIES[path]["title"]
+    return None
+
+
+# what a success is, where it is not a JSON document (FastAPI's default): media type -> schema
+_JSON_OR_EVENTS = {
+    "application/json": {"schema": {}},
+    "text/event-stream": {"schema": {"type": "string"}},  # with "stream": true
+}
+_SUCCESS_CONTENT: dict[str, dict[str, Any] | None] = {
+    "/health": None,  # a status, no body
+    "/health_generate": None,
+    "/flush_cache": {"text/plain": {"schema": {"type": "string"}}},
+    "/metrics": {"text/plain": {"schema": {"type": "string"}}},  # Prometheus' text format
+    "/generate": _JSON_OR_EVENTS,
+    "/v1/completions": _JSON_OR_EVENTS,
+    "/v1/chat/completions": _JSON_OR_EVENTS,
+    "/v1/responses": _JSON_OR_EVENTS,
+}
+
+
+def add_bodies(document: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI's document with the request bodies, what a success returns where it is not
+    JSON, and the error response added (in place)."""
+    document.setdefault("components", {}).setdefault("schemas", {}).update(body_components())
+    error = {
+        "description": "An error: what to fix, and the field it is about",
+        "content": {"application/json": {"schema": {"$ref": _REF.format(name="Error")}}},
+    }
+    for path, operations in document.get("paths", {}).items():
+        name = _body_ref(path)
+        for method, operation in operations.items():
+            responses = operation.setdefault("responses", {})
+            responses["default"] = error
+            if path in _SUCCESS_CONTENT and "200" in responses:
+                content = _SUCCESS_CONTENT[path]
+                if content is None:
+                    responses["200"].pop("content", None)
+                else:
+                    responses["200"]["content"] = content
+            if name is None or method not in ("post", "put", "patch"):
+                continue
+            operation["requestBody"] = {
+                "required": path not in _OPTIONAL_BODIES,
+                "content": {"application/json": {"schema": {"$ref": _REF.format(name=name)}}},
+            }
+    return document
