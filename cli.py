@@ -36,6 +36,14 @@ _ENGINE_HELP = {
     "max_admission_delay": "with many decodes running, steps a waiting prompt may wait so that "
     "prompts are admitted together (0: admit at once)",
     "schedule_policy": "the order of waiting requests: lpm (longest cached prefix first) or fcfs",
+    "enable_priority_scheduling": "admit waiting requests by their priority, most urgent first, "
+    "and let one preempt running requests it outranks by more than "
+    "--priority-scheduling-preemption-threshold (they resume later); without it a request's "
+    "priority is ignored",
+    "schedule_low_priority_values_first": "with --enable-priority-scheduling, a smaller priority "
+    "value is more urgent (default: a larger one)",
+    "priority_scheduling_preemption_threshold": "with --enable-priority-scheduling, how much more "
+    "urgent a request must be than a running one to preempt it",
     "disable_radix_cache": "do not reuse the KV of shared prefixes across requests",
     "attention_backend": "auto, torch (the plain reference) or triton",
     "random_seed": "the seed of the engine's own random choices (per-request seeds otherwise)",

@@ -199,6 +199,22 @@ class SamplingParams:
         return dataclasses.asdict(self)
 
 
+# a request's priority crosses between processes as a signed 64-bit integer
+PRIORITY_RANGE = (-(2**63), 2**63 - 1)
+
+
+def check_priority(value: Any) -> int | None:
+    """A request's `priority` (SGLang's: an integer, or None for none); ValueError otherwise."""
+    low, high = PRIORITY_RANGE
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high
+    ):
+        raise ValueError(
+            f"priority must be an integer in [-2**63, 2**63 - 1] (or null for none), got {value!r}"
+        )
+    return value
+
+
 # the output constraints, of which a request takes at most one
 CONSTRAINTS = ("regex", "json_schema", "ebnf", "structural_tag")
 

@@ -73,6 +73,13 @@ class EngineConfig:
     # instead of the cheaper decode graph); 0 admits them at once
     max_admission_delay: int = 16
     schedule_policy: str = "lpm"  # lpm: longest cached prefix first; fcfs: arrival order
+    # priority scheduling, with SGLang's names: waiting requests are admitted most urgent first
+    # (a larger `priority` unless low values go first; none: the least urgent), and one may
+    # preempt running requests less urgent by more than the threshold (runtime/scheduler.py).
+    # Off, a request's priority is accepted and ignored, as in SGLang
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
     disable_radix_cache: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
     # CUDA graphs replay decode steps of up to this many requests (default: max_running_requests,
@@ -154,6 +161,11 @@ class EngineConfig:
             bad("max_admission_delay must be at least 0")
         if self.schedule_policy not in ("lpm", "fcfs"):
             bad(f"schedule_policy={self.schedule_policy!r}; use 'lpm' or 'fcfs'")
+        if self.priority_scheduling_preemption_threshold < 0:
+            bad(
+                "priority_scheduling_preemption_threshold must be at least 0 (a request preempts "
+                "only those less urgent than itself by more than this)"
+            )
         if self.attention_backend not in ("auto", "torch", "triton"):
             bad(f"attention_backend={self.attention_backend!r}; use auto, torch or triton")
         if self.json_whitespace not in ("compact", "flexible"):

@@ -27,7 +27,7 @@ import torch
 from radixlm.errors import EngineShutDown
 from radixlm.protocol.histogram import Histogram
 from radixlm.protocol.prompt_tokens import encode_prompt
-from radixlm.protocol.sampling_params import SamplingParams
+from radixlm.protocol.sampling_params import SamplingParams, check_priority
 from radixlm.runtime import startup
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
@@ -155,6 +155,7 @@ class Engine:
         logprob_start_len: int | list[int] | None = None,
         top_logprobs_num: int | list[int] | None = None,
         stream: bool = False,
+        priority: int | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict back) or a list (a list back, n outputs per prompt).
 
@@ -164,10 +165,15 @@ class Engine:
         ValueError (GrammarError) raised here.
 
         With stream=True (one prompt, n=1), returns an iterator of snapshots whose `text` and
-        `output_ids` are cumulative; the last one carries the finish reason."""
+        `output_ids` are cumulative; the last one carries the finish reason.
+
+        `priority` (SGLang's): with `enable_priority_scheduling`, more urgent requests are
+        admitted first and may preempt less urgent ones (runtime/scheduler.py); without it the
+        value is ignored."""
         reqs, single = self._make_requests(
-            prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num
-        )
+            prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+            priority,
+        )  # fmt: skip
         if stream:
             self._check_streamable(reqs)
             return self._stream_sync(reqs[0])
@@ -190,12 +196,14 @@ class Engine:
         logprob_start_len: int | list[int] | None = None,
         top_logprobs_num: int | list[int] | None = None,
         stream: bool = False,
+        priority: int | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """Like `generate`, from a coroutine; with stream=True it returns an async iterator."""
         # tokenizing and compiling a grammar can take a while: keep them off the event loop
         reqs, single = await asyncio.to_thread(
             self._make_requests,
             prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+            priority,
         )  # fmt: skip
         loop = asyncio.get_running_loop()
         if stream:
@@ -314,9 +322,11 @@ class Engine:
         return_logprob,
         logprob_start_len,
         top_logprobs_num,
+        priority=None,
     ):
         if self._closed:
             raise EngineShutDown("the engine is shut down")
+        check_priority(priority)
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt (text) and input_ids")
         single = isinstance(prompt, str) or (
@@ -347,6 +357,7 @@ class Engine:
             for k in range(params.n):
                 req = self._new_req(ids, params, base_seed + k, logprob)
                 req.grammar_future = grammar
+                req.priority = priority
                 reqs.append(req)
         return reqs, single
 

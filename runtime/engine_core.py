@@ -105,6 +105,9 @@ class EngineCore:
             chunked_prefill_size=config.chunked_prefill_size,
             max_admission_delay=config.max_admission_delay,
             schedule_policy=config.schedule_policy,
+            enable_priority_scheduling=config.enable_priority_scheduling,
+            schedule_low_priority_values_first=config.schedule_low_priority_values_first,
+            priority_scheduling_preemption_threshold=config.priority_scheduling_preemption_threshold,
             drafter=self.speculative.propose if self.speculative is not None else None,
         )
         graphs = prefill_graphs = None
@@ -414,6 +417,7 @@ class EngineCore:
             "graph_steps": self.runner.num_graph_steps,
             "prefill_graph_steps": self.runner.num_prefill_graph_steps,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_priority_preemptions": self.scheduler.num_priority_preemptions,
             "jump_forward_tokens": self.output.num_jump_forward_tokens,
             "overlapped_steps": self.num_overlapped_steps,
             **{f"host_seconds_{k}": v for k, v in self.host_seconds.items()},

@@ -39,6 +39,8 @@ class Req:
     # in its grammar queue until it is done, then admits it or fails it alone
     grammar_future: Any = None
     grammar_validation: dict[str, Any] | None = None  # lenient JSON schema: the output's check
+    # SGLang's request priority (read only with priority scheduling; runtime/scheduler.py)
+    priority: int | None = None
 
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING

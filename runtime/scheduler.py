@@ -8,10 +8,20 @@ finishes would make nearly every step an eager one. When KV memory runs short, c
 evicted first, then the newest running requests are preempted: their computed tokens go to the prefix cache and they wait
 to resume (recomputing what was evicted meanwhile). A request is never failed for lack of memory
 once admitted: one that could never fit alone is refused when it is submitted.
+
+With priority scheduling (SGLang's `enable_priority_scheduling`), each request's `priority` ranks
+it: a larger value is more urgent (a smaller one with `schedule_low_priority_values_first`), and a
+request without one is the least urgent of all. Waiting requests are admitted most urgent first
+(the schedule policy orders those of equal priority); one that finds no seat or no memory
+preempts running requests less urgent than itself by more than
+`priority_scheduling_preemption_threshold`, the least urgent (newest among equals) first, and only
+when that makes room for it. Memory-short preemption takes the least urgent too. A preempted
+request resumes as any preempted request does; it is never failed.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -90,8 +100,15 @@ class Scheduler:
         schedule_policy: str,
         max_admission_delay: int = 0,
         drafter: Callable[[Req], list[int]] | None = None,
+        enable_priority_scheduling: bool = False,
+        schedule_low_priority_values_first: bool = False,
+        priority_scheduling_preemption_threshold: int = 10,
     ) -> None:
         self.cache = cache
+        self.priority_scheduling = enable_priority_scheduling
+        # +1: a larger priority value is more urgent (SGLang's default); -1: a smaller one
+        self.priority_sign = -1 if schedule_low_priority_values_first else 1
+        self.preemption_threshold = priority_scheduling_preemption_threshold
         # speculative decoding: a draft for a request about to decode its newest token ([] for
         # none); such a request then computes [newest, *draft] as one item
         self.drafter = drafter
@@ -101,6 +118,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # of those, preempted for a more urgent request
         self.max_admission_delay = max_admission_delay
         self._deferred = 0  # steps admission has been put off
 
@@ -125,6 +143,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plan the next step; reserves the KV slots it needs. Empty when there is nothing to run."""
         plan = StepPlan()
+        made_room = self.priority_scheduling and bool(self.waiting) and self._make_room()
         prefilling = self._schedule_decodes(plan)
         budget = self.chunk_budget
         # prompts already partly computed continue first
@@ -136,12 +155,12 @@ class Scheduler:
                 break
             plan.items.append(item)
             budget -= item.num_tokens
-        if budget > 0 and self.waiting and self._admission_due():
+        if budget > 0 and self.waiting and (made_room or self._admission_due()):
             plan.items.extend(self._admit_waiting(budget))
         if not plan and self.running and not any(r.num_pending for r in self.running):
             # nothing fits: free memory by preempting, then plan again (progress is guaranteed
             # because a lone request always fits; with tokens pending, applying them comes first)
-            self._preempt(self.running[-1])
+            self._preempt(self.running[self._victim(self.running)])
             return self.schedule()
         return plan
 
@@ -199,8 +218,11 @@ class Scheduler:
             else:  # (memory is short: no drafts this step, rather than preempting for them)
                 drafts = []
         while decoding and not self.cache.can_extend(total):
-            self._preempt(decoding.pop())  # the newest
-            total -= counts.pop()
+            i = self._victim(decoding)  # the least urgent, the newest among equals
+            self._preempt(decoding.pop(i))
+            total -= counts.pop(i)
+            if drafts:
+                drafts.pop(i)
         if not plain:
             # those that compute several tokens (after jump-forward), or one whose input is on the
             # host only (a resumed request's last chunk left one token), go as items
@@ -228,6 +250,8 @@ class Scheduler:
         ordered = order_waiting(
             list(self.waiting), lambda r: len(self.cache.match(r).slots), self.policy
         )
+        if self.priority_scheduling:  # most urgent first; the policy's order among equals
+            ordered.sort(key=lambda r: -self.urgency(r))
         fresh: list[list[int]] = []  # prompts admitted this step
         # keep one slot per running decode in reserve so admission does not force preemption
         # (requests admitted here are not decoding yet)
@@ -260,6 +284,70 @@ class Scheduler:
             admitted.append(ScheduledReq(req, start, n))
             budget -= n
         return admitted
+
+    # ---- priorities -----------------------------------------------------------------------
+
+    def urgency(self, req: Req) -> float:
+        """How urgent a request is, larger first: its priority (negated when low values go
+        first); without one, or without priority scheduling, the least urgent (-inf)."""
+        if not self.priority_scheduling or req.priority is None:
+            return -math.inf
+        return self.priority_sign * req.priority
+
+    def _outranks(self, req: Req, running: Req) -> bool:
+        """May `req` preempt `running`? Only when more urgent by more than the threshold."""
+        mine, theirs = self.urgency(req), self.urgency(running)
+        if mine == -math.inf:
+            return False
+        return theirs == -math.inf or mine - theirs > self.preemption_threshold
+
+    def _victim(self, reqs: list[Req]) -> int:
+        """The index of the request to preempt first: the least urgent, the newest (last) among
+        equals (without priority scheduling, simply the newest)."""
+        return min(range(len(reqs)), key=lambda i: (self.urgency(reqs[i]), -i))
+
+    def _make_room(self) -> bool:
+        """Preempt running requests for more urgent waiting ones that find no seat or no memory,
+        as admission will take them this step (most urgent first, within the step's prompt
+        budget). A request preempts only requests it outranks, and only when that makes room
+        for it; the first that cannot get room ends the pass (those after it outrank no more).
+        Whether anything was preempted."""
+        running = self.running
+        budget = self.chunk_budget - sum(
+            r.num_tokens - r.kv_len for r in running if not r.prefill_done
+        )
+        decoding = sum(1 for r in running if r.prefill_done)
+        seats = min(self.max_running - len(running), self.cache.rows.num_free)
+        # slots left once this step's decodes have theirs and one each is kept in reserve
+        free = self.cache.available_slots - 2 * decoding
+        # least urgent first, the newest among equals
+        candidates = sorted(
+            range(len(running)), key=lambda i: (self.urgency(running[i]), -i)
+        )  # fmt: skip
+        victims = [running[i] for i in candidates]
+        chosen: list[Req] = []
+        for req in sorted(self.waiting, key=lambda r: -self.urgency(r)):
+            if budget <= 0 or self.urgency(req) == -math.inf:
+                break
+            if req.num_pending:
+                continue  # (resumes once its pending token is known)
+            need = min(budget, req.num_tokens - len(self.cache.match(req).slots))
+            taken: list[Req] = []
+            while (seats < 1 or free < need) and victims and self._outranks(req, victims[0]):
+                victim = victims.pop(0)
+                taken.append(victim)
+                seats += 1
+                free += victim.kv_len - victim.locked_len + (2 if victim.prefill_done else 0)
+            if seats < 1 or free < need:
+                break
+            chosen.extend(taken)
+            seats -= 1
+            free -= need
+            budget -= need
+        for victim in chosen:
+            self._preempt(victim)
+            self.num_priority_preemptions += 1
+        return bool(chosen)
 
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)

@@ -72,6 +72,7 @@ class GenerationBackend(Protocol):
         return_logprob: bool = False,
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
+        priority: int | None = None,
     ) -> AsyncIterator[dict[str, Any]]: ...
 
     async def flush_cache(self) -> bool: ...
@@ -186,6 +187,7 @@ class LocalEngineBackend(TokenizerSide):
         return_logprob: bool = False,
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
+        priority: int | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         try:
             return await self._engine.async_generate(
@@ -195,6 +197,7 @@ class LocalEngineBackend(TokenizerSide):
                 logprob_start_len=logprob_start_len,
                 top_logprobs_num=top_logprobs_num,
                 stream=True,
+                priority=priority,
             )
         except ValueError as e:
             # (imported here: the grammar code brings torch, loaded already with the engine)

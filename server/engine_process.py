@@ -145,6 +145,7 @@ class EngineProcessBackend(TokenizerSide):
         return_logprob: bool = False,
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
+        priority: int | None = None,
     ) -> _RemoteStream:
         outbox = await self._channel()
         self._check_alive(EngineShutDown)  # as the in-process engine, once shut down
@@ -156,6 +157,7 @@ class EngineProcessBackend(TokenizerSide):
             bool(return_logprob),
             logprob_start_len,
             top_logprobs_num,
+            priority,
         )
         stream = _RemoteStream(self, rid)
         try:
@@ -510,6 +512,7 @@ class _EngineServer:
                 return_logprob=message.return_logprob,
                 logprob_start_len=message.logprob_start_len,
                 top_logprobs_num=message.top_logprobs_num,
+                priority=message.priority,
             )
         except EngineShutDown as e:
             self._send(Rejected(rid, UNAVAILABLE, str(e)))

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import Request
 
 from radixlm.errors import EngineShutDown, GrammarRefused
+from radixlm.protocol.sampling_params import check_priority
 from radixlm.server.errors import (
     APIError,
     ClientDisconnected,
@@ -41,6 +42,7 @@ class GenerationInput:
     return_logprob: bool = False
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
+    priority: int | None = None  # SGLang's (used with --enable-priority-scheduling)
 
 
 logger = logging.getLogger("radixlm.server")
@@ -119,6 +121,14 @@ def check_max_new_tokens(state: ServerState, value: Any, param: str) -> None:
     limit = state.limits.max_new_tokens
     if limit is not None and value > limit:
         raise bad_request(f"{param}={value} exceeds this server's limit of {limit}", param)
+
+
+def check_request_priority(value: Any) -> int | None:
+    """A request's `priority` (SGLang's: an integer, or null); a 400 saying what to send."""
+    try:
+        return check_priority(value)
+    except ValueError as e:
+        raise bad_request(str(e), "priority") from e
 
 
 def check_n(state: ServerState, n: Any, param: str = "n") -> int:
@@ -218,6 +228,7 @@ async def open_streams(
                 return_logprob=item.return_logprob,
                 logprob_start_len=item.logprob_start_len,
                 top_logprobs_num=item.top_logprobs_num,
+                priority=item.priority,
             )
         except GrammarRefused as e:
             if not isolate_refusals:

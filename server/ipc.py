@@ -34,6 +34,7 @@ class Generate(msgspec.Struct, tag=True, array_like=True):
     return_logprob: bool = False
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
+    priority: int | None = None
 
 
 class Start(msgspec.Struct, tag=True, array_like=True):

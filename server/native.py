@@ -42,6 +42,7 @@ from radixlm.server.generation import (
     check_max_new_tokens,
     check_n,
     check_prompt,
+    check_request_priority,
     check_text_fits,
     collect,
     fan_out,
@@ -64,6 +65,7 @@ router = APIRouter()
 _GENERATE_KEYS = {
     "rid",  # the generations' ids (meta_info "id", what /abort_request takes), as SGLang's
     "request_timeout",  # seconds before the generations are aborted (the server's bounds it)
+    "priority",  # SGLang's: with --enable-priority-scheduling, admission order and preemption
     "text",
     "input_ids",
     "sampling_params",
@@ -169,6 +171,7 @@ def parse_generate(state: ServerState, payload: Any) -> NativeRequest:
     lps = _per_prompt(payload.get("return_logprob"), count, "return_logprob", bool)
     starts = _per_prompt(payload.get("logprob_start_len"), count, "logprob_start_len", int)
     tops = _per_prompt(payload.get("top_logprobs_num"), count, "top_logprobs_num", int)
+    priority = check_request_priority(payload.get("priority"))
     stream = payload.get("stream", False)
     text_in_lp = payload.get("return_text_in_logprobs", False)
     for name, flag in (("stream", stream), ("return_text_in_logprobs", text_in_lp)):
@@ -188,6 +191,7 @@ def parse_generate(state: ServerState, payload: Any) -> NativeRequest:
             return_logprob=bool(lps[i]),
             logprob_start_len=starts[i],
             top_logprobs_num=tops[i],
+            priority=priority,
         )
         for copy in fan_out(item, sampling.n):
             items.append(copy)

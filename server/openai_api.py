@@ -25,6 +25,7 @@ from radixlm.server.generation import (
     check_max_new_tokens,
     check_n,
     check_prompt,
+    check_request_priority,
     check_text_fits,
     collect,
     fan_out,
@@ -386,6 +387,7 @@ async def completions(request: Request) -> Response:
             return_logprob=want_lp,
             logprob_start_len=0 if (want_lp and req.echo) else None,
             top_logprobs_num=req.logprobs or 0,
+            priority=check_request_priority(req.priority),
         )
         items.extend(fan_out(item, n))
     usage_log = getattr(request.state, "usage", None)
@@ -582,6 +584,7 @@ async def prepare_chat(
         params=params,
         return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0,
+        priority=check_request_priority(req.priority),
     )
     return item, _ChatOutput(plan, parser, reasoning), stream_calls
 

@@ -149,7 +149,9 @@ class _SamplingFields(_Strict):
     mm_processor_kwargs: Any = None
     extra_key: Any = None
     cache_salt: Any = None
-    priority: Any = None
+    # SGLang's: with --enable-priority-scheduling, more urgent requests are admitted first and
+    # may preempt less urgent ones; without it, accepted and ignored
+    priority: int | None = None
     custom_labels: Any = None
     # radixlm: seconds before the generation is aborted (the server's --request-timeout bounds it)
     request_timeout: float | None = None

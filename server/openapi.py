@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from radixlm.protocol.sampling_params import SamplingParams
+from radixlm.protocol.sampling_params import PRIORITY_RANGE, SamplingParams
 from radixlm.server import openai_protocol as proto
 from radixlm.server.sglang_fields import GENERATE as GENERATE_FIELDS
 
@@ -105,6 +105,9 @@ def generate_request_schema() -> dict[str, Any]:
             }
         ),
         request_timeout=_nullable({"type": "number", "exclusiveMinimum": 0}),
+        priority=_nullable(
+            {"type": "integer", "minimum": PRIORITY_RANGE[0], "maximum": PRIORITY_RANGE[1]}
+        ),
     )
     return {
         "title": "GenerateRequest",

@@ -78,7 +78,9 @@ _COMMON: dict[str, FieldRule] = {
     "mm_processor_kwargs": _ignored(_MM_KNOB),
     "extra_key": _default_only(_CACHE_NS),
     "cache_salt": _default_only(_CACHE_NS),
-    "priority": _ignored("requests are scheduled by prefix and arrival, not priority"),
+    "priority": _honoured(
+        "with --enable-priority-scheduling: admission order and preemption (ignored without it)"
+    ),
     "custom_labels": _ignored("metric labels"),
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from radixlm.protocol.sampling_params import SamplingParams
@@ -82,3 +83,133 @@ def test_under_light_load_a_request_is_admitted_at_once():
     sched.add(late)
     plan = sched.schedule()
     assert late in [it.req for it in plan]
+
+
+# ---- priorities (SGLang's enable_priority_scheduling) ---------------------------------------
+
+
+def priority_scheduler(max_running: int, slots: int = 100_000, **options) -> Scheduler:
+    rows = ReqToTokenPool(max_running + 1, 1024, torch.device("cpu"))
+    cache = CacheManager(SlotAllocator(slots), rows, NoPrefixCache())
+    return Scheduler(
+        cache, max_running_requests=max_running, chunked_prefill_size=4096,
+        schedule_policy="fcfs", max_admission_delay=0, **options,
+    )  # fmt: skip
+
+
+def prioritized(rid: str, priority: int | None, prompt_len: int = 8, max_new: int = 20) -> Req:
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    req = Req(rid, list(range(1, prompt_len + 1)), params, 0, None)
+    req.priority = priority
+    return req
+
+
+def step(sched: Scheduler) -> list[Req]:
+    """Plan one step and apply it as the engine would (a token for each request that samples;
+    a request at its length finishes); the requests the step computed."""
+    plan = sched.schedule()
+    for item in plan:
+        if item.samples:
+            item.req.output_ids.append(7)
+            if len(item.req.output_ids) >= item.req.params.max_new_tokens:
+                sched.remove(item.req)
+    return [item.req for item in plan]
+
+
+@pytest.mark.parametrize(
+    "options, order",
+    [
+        ({}, "abcd"),  # no priority scheduling: the priorities are ignored (arrival order)
+        ({"enable_priority_scheduling": True}, "bcad"),  # larger values first
+        (
+            {"enable_priority_scheduling": True, "schedule_low_priority_values_first": True},
+            "acbd",
+        ),
+    ],
+)
+def test_waiting_requests_are_admitted_most_urgent_first(options, order):
+    # one seat: each is admitted when the one before it finishes. "d" has no priority: the
+    # least urgent of all, whichever way the values go
+    sched = priority_scheduler(max_running=1, **options)
+    for rid, priority in (("a", 1), ("b", 50), ("c", 30), ("d", None)):
+        sched.add(prioritized(rid, priority))
+    admitted: list[str] = []
+    while sched.has_work():
+        for req in step(sched):
+            if req.rid not in admitted:
+                admitted.append(req.rid)
+    assert "".join(admitted) == order
+    assert sched.num_preemptions == 0
+
+
+@pytest.mark.parametrize("low_first", [False, True])
+def test_a_much_more_urgent_request_preempts_the_least_urgent_newest_running_one(low_first):
+    sign = -1 if low_first else 1
+    sched = priority_scheduler(
+        max_running=2, enable_priority_scheduling=True, schedule_low_priority_values_first=low_first
+    )
+    old, new = prioritized("old", 0), prioritized("new", 0)
+    sched.add(old)
+    sched.add(new)
+    step(sched)
+    step(sched)
+    assert sched.running == [old, new]
+    # more urgent, but within the threshold (10): waits for a seat
+    close = prioritized("close", sign * 10)
+    sched.add(close)
+    step(sched)
+    assert close in sched.waiting and sched.num_priority_preemptions == 0
+    # past the threshold: the newest of the equally urgent running requests makes way at once
+    urgent = prioritized("urgent", sign * 11)
+    sched.add(urgent)
+    computed = step(sched)
+    assert urgent in computed and urgent in sched.running
+    assert new in sched.waiting and new.num_preemptions == 1
+    assert old in sched.running
+    assert sched.num_priority_preemptions == 1
+    # the preempted request waits behind the more urgent ones, then resumes and completes
+    while sched.has_work():
+        step(sched)
+    for req in (old, new, close, urgent):
+        assert len(req.output_ids) == req.params.max_new_tokens
+
+
+def test_without_priority_scheduling_nothing_is_preempted_for_a_priority():
+    sched = priority_scheduler(max_running=1)
+    low = prioritized("low", 0)
+    sched.add(low)
+    step(sched)
+    sched.add(prioritized("high", 1000))
+    step(sched)
+    assert sched.running == [low] and sched.num_preemptions == 0
+
+
+def test_preemption_for_memory_takes_only_what_the_urgent_request_needs():
+    # seats enough, KV memory short: three low-priority requests of 100 tokens hold 300 slots
+    sched = priority_scheduler(max_running=8, slots=420, enable_priority_scheduling=True)
+    lows = [prioritized(f"low{i}", i, prompt_len=100, max_new=60) for i in range(3)]
+    for r in lows:
+        sched.add(r)
+    step(sched)
+    assert set(sched.running) == set(lows)
+    urgent = prioritized("urgent", 100, prompt_len=150, max_new=5)
+    sched.add(urgent)
+    computed = step(sched)
+    assert urgent in computed
+    # one victim freed enough: the least urgent (priority 0) went, the others kept running
+    assert [r.rid for r in sched.waiting] == ["low0"]
+    assert sched.num_priority_preemptions == 1
+    while sched.has_work():
+        step(sched)
+    assert all(len(r.output_ids) == r.params.max_new_tokens for r in [*lows, urgent])
+
+
+def test_a_request_that_preemption_cannot_make_room_for_preempts_nothing():
+    # the running request is not outranked enough (threshold 10): no room can be made
+    sched = priority_scheduler(max_running=1, enable_priority_scheduling=True)
+    running = prioritized("running", 5)
+    sched.add(running)
+    step(sched)
+    sched.add(prioritized("urgent", 15))
+    step(sched)
+    assert sched.running == [running] and sched.num_preemptions == 0

@@ -71,7 +71,7 @@ def test_open_streams_closes_what_it_opened_whatever_refuses_a_later_one():
 
         state = SimpleNamespace(backend=SimpleNamespace(stream=stream))
         items = [SimpleNamespace(input_ids=[1], params={}, return_logprob=False,
-                                 logprob_start_len=None, top_logprobs_num=0)] * 2  # fmt: skip
+                                 logprob_start_len=None, top_logprobs_num=0, priority=None)] * 2  # fmt: skip
         with pytest.raises(APIError):
             await open_streams(state, items)
         return opened

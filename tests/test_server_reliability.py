@@ -446,3 +446,39 @@ def test_two_apps_in_one_process_keep_their_own_counts():
     assert sample(fb, "sglang:num_requests_total") == 0
     assert sample(fb, "sglang:http_responses_total", endpoint="other", status_code="404") == 1
     assert sample(fa, "sglang:http_responses_total", endpoint="other") == 0
+
+
+# ---- priorities ------------------------------------------------------------------------------
+
+
+class PriorityRecorder(ScriptedBackend):
+    """Records the priority each generation reaches the engine with."""
+
+    def __init__(self) -> None:
+        super().__init__("hi")
+        self.priorities: list = []
+
+    async def stream(self, input_ids, sampling_params, **options):
+        self.priorities.append(options.get("priority"))
+        return await super().stream(input_ids, sampling_params)
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/generate", {"text": "Hello", "sampling_params": {"n": 2}}),
+        ("/v1/completions", {"prompt": ["a", "b"]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
+    ],
+)
+def test_a_request_priority_reaches_the_engine_and_a_bad_one_is_a_400(path, body):
+    backend = PriorityRecorder()
+    with TestClient(create_app(backend)) as c:
+        assert c.post(path, json={**body, "priority": 7}).status_code == 200
+        assert backend.priorities and set(backend.priorities) == {7}
+        assert c.post(path, json={**body, "priority": None}).status_code == 200
+        assert backend.priorities[-1] is None
+        for bad in ("high", 1.5, True):
+            r = c.post(path, json={**body, "priority": bad})
+            assert r.status_code == 400, (bad, r.text)
+            assert "priority" in r.json()["error"]["message"]
