@@ -77,7 +77,20 @@ _ENGINE_HELP = {
     "(default: 1)",
     "speculative_ngram_max_match_window_size": "NGRAM: the longest ending of the context matched, "
     "tried first (default: 12)",
+    "tp_size": "tensor parallelism: the model split over this many processes, one a GPU (gloo "
+    "on the CPU), rank 0 scheduling every step",
+    "nnodes": "machines the tensor-parallel ranks span (tp_size / nnodes ranks on each)",
+    "node_rank": "this machine's index among nnodes; a node other than 0 runs its ranks only "
+    "(no HTTP server) until node 0's engine stops",
+    "dist_init_addr": "host:port where node 0 (rank 0) meets the other ranks (default: a free "
+    "loopback port; needed with nnodes > 1)",
+    "dist_timeout": "seconds a tensor-parallel collective, or a rank's start, may take before "
+    "the engine stops with an error",
 }
+
+
+# SGLang's other spellings of an engine option
+_ENGINE_ALIASES = {"tp_size": ("--tp", "--tensor-parallel-size")}
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -85,19 +98,19 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("engine options")
     for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *_ENGINE_ALIASES.get(f.name, ())]
         help = _ENGINE_HELP.get(f.name, f"EngineConfig.{f.name}")
         if f.default not in (None, dataclasses.MISSING, False) and "default" not in help:
             help += f" (default: {f.default})"
         kind = _field_kind(f)
         if kind is bool and f.default is True:  # on by default: --no-... turns it off
             group.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help
+                *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help
             )
         elif kind is bool:
-            group.add_argument(flag, dest=f.name, action="store_true", default=None, help=help)
+            group.add_argument(*flags, dest=f.name, action="store_true", default=None, help=help)
         else:
-            group.add_argument(flag, dest=f.name, type=kind, default=None, help=help)
+            group.add_argument(*flags, dest=f.name, type=kind, default=None, help=help)
 
 
 def _field_kind(f: dataclasses.Field) -> type:
@@ -145,14 +158,6 @@ def _port(text: str) -> int:
     return port
 
 
-def _tensor_parallel_size(text: str) -> int:
-    if text.strip() != "1":
-        raise argparse.ArgumentTypeError(
-            "tensor parallelism is not supported: radixlm runs on one device"
-        )
-    return 1
-
-
 def _tool_call_parsers() -> tuple[str, ...]:
     from radixlm.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -168,16 +173,6 @@ def _reasoning_parsers() -> tuple[str, ...]:
 def _add_sglang_options(parser: argparse.ArgumentParser) -> None:
     """SGLang's launch flags that radixlm takes with one meaning only, or refuses saying why."""
     group = parser.add_argument_group("SGLang compatibility")
-    group.add_argument(
-        "--tensor-parallel-size",
-        "--tp-size",
-        "--tp",
-        dest="tensor_parallel_size",
-        type=_tensor_parallel_size,
-        default=None,
-        metavar="1",
-        help="only 1: radixlm runs on one device",
-    )
     group.add_argument(
         "--trust-remote-code",
         action="store_true",
@@ -374,6 +369,8 @@ def _check_address(host: str, port: int) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if (args.node_rank or 0) > 0:  # another node's ranks: no server of its own
+        return _serve_node(args)
     _check_address(args.host, args.port)  # before the model loads: a busy port fails at once
     import logging
 
@@ -435,6 +432,20 @@ def _serve(args: argparse.Namespace) -> int:
         # after the app's, does nothing.
         engine.shutdown()
     return 0
+
+
+def _serve_node(args: argparse.Namespace) -> int:
+    """Node `--node-rank` (> 0) of a tensor-parallel group: its ranks, until rank 0 stops."""
+    from radixlm.runtime.config import EngineConfig
+    from radixlm.runtime.tp_worker import run_node
+
+    config = EngineConfig.from_kwargs(**_engine_kwargs(args))
+    print(
+        f"radixlm serve: node {config.node_rank} of {config.nnodes}: running its tensor-parallel "
+        f"ranks for node 0 at {config.dist_init_addr}",
+        file=sys.stderr,
+    )
+    return run_node(config)
 
 
 class _EngineStartFailed(Exception):

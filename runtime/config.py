@@ -119,6 +119,15 @@ class EngineConfig:
     # names SGLang used before its n-gram trie took max_trie_depth)
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
+    # tensor parallelism, with SGLang's names: the model split over tp_size processes (one a
+    # GPU), this one rank 0 (runtime/tp_worker.py); over nnodes machines, each but the first
+    # started with its node_rank and the first's dist_init_addr (host:port; default: a free
+    # loopback port), every collective bounded by dist_timeout seconds
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -185,6 +194,23 @@ class EngineConfig:
         if self.context_length is not None and self.context_length < 2:
             bad("context_length must be at least 2")
         self._check_speculative(bad)
+        self._check_parallel(bad)
+
+    def _check_parallel(self, bad) -> None:
+        if self.tp_size < 1:
+            bad(f"tp_size={self.tp_size}; it must be at least 1")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            bad(f"nnodes={self.nnodes} must be at least 1 and divide tp_size={self.tp_size}")
+        if not 0 <= self.node_rank < self.nnodes:
+            bad(f"node_rank={self.node_rank}; it must lie in [0, nnodes={self.nnodes})")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            bad("nnodes > 1 needs dist_init_addr: host:port of node 0, where rank 0 listens")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                bad(f"dist_init_addr={self.dist_init_addr!r}; give host:port, e.g. 127.0.0.1:5000")
+        if self.dist_timeout <= 0:
+            bad("dist_timeout must be positive (seconds)")
 
     def _check_speculative(self, bad) -> None:
         algorithm = self.speculative_algorithm

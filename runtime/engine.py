@@ -63,7 +63,6 @@ class Engine:
         self.config = config = EngineConfig.from_kwargs(model_path, **kwargs)
         t0 = time.perf_counter()
         from radixlm.runtime import model_loader
-        from radixlm.runtime.models.llama import LlamaForCausalLM
 
         self.device = torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -103,35 +102,55 @@ class Engine:
             if config.chunked_prefill_size == -1:  # no chunking: a whole prompt in one step
                 chunk = self.context_len
             self.config = config = dataclasses.replace(config, chunked_prefill_size=chunk)
-        startup.say(f"building the model on {self.device} ({dtype_name})")
-        with torch.device("meta"):  # (sampled: the ids the tokenizer has; past them, padding)
-            model = LlamaForCausalLM(
-                mc, self.context_len + 1, sampled_vocab=self._tokenizer_vocab_end(mc.vocab_size)
-            )
-        _check_weights_fit(model, self.dtype, self.device)
-        model = model.to(self.dtype).to_empty(device=self.device)
-        if dummy:
-            model.tie_weights_if_needed()
-            model_loader.init_dummy_weights(model, config.random_seed)
-        else:
-            weights = model_loader.iter_safetensors(folder)
-            total = model_loader.count_safetensors(folder)
-            model.load_weights(startup.progress(weights, total, "loading weights", "tensors"))
-        model.rope.build_tables(self.device)
-        model.eval()
-        self.model = model
+        # (sampled: the ids the tokenizer has; past them, padding)
+        sampled_vocab = self._tokenizer_vocab_end(mc.vocab_size)
+        # tensor parallelism: this process is rank 0, whose engine core decides every step
+        self._tp = tp = partition = None
+        local = mc  # the model as this rank holds it (its own heads)
+        if config.tp_size > 1:
+            from radixlm.runtime.tp_worker import TensorParallelGroup
 
-        num_slots = kv_pool_tokens(config, mc, self.dtype, self.device, self.context_len)
-        kv_pool = KVPool(
-            num_slots + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
-        )
+            self._tp = tp = TensorParallelGroup(config, self.device)
+            partition = tp.partition(mc)
+            local = partition.local_config(mc)
+            tp.start(
+                {
+                    "config": dataclasses.asdict(config), "folder": str(folder),
+                    "dtype": dtype_name, "context_len": self.context_len,
+                    "sampled_vocab": sampled_vocab, "device": str(self.device),
+                    "threads": torch.get_num_threads(),  # (on the CPU: as many as rank 0's)
+                }
+            )  # fmt: skip
+        try:
+            startup.say(f"building the model on {self.device} ({dtype_name})")
+            self.model = model = build_model(
+                config, folder, mc, self.dtype, self.device, self.context_len, sampled_vocab,
+                partition, None if tp is None else tp.comm,
+            )  # fmt: skip
+            num_slots = rank_kv_tokens(config, local, self.dtype, self.device, self.context_len)
+            if tp is not None:
+                num_slots = tp.agree_kv_slots(num_slots)
+            kv_pool = build_kv_pool(config, local, num_slots, self.dtype, self.device)
+        except BaseException:
+            if tp is not None:
+                tp.shutdown()
+            raise
         self.eos_token_ids = (
             frozenset(mc.eos_token_ids)
             | frozenset(generation_eos_ids(folder))
             | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         )
         startup.say(f"starting the engine core (KV pool: {num_slots} tokens)")
-        self._core = EngineCore(config, mc, model, kv_pool, self.context_len, self.device)
+        try:
+            self._core = EngineCore(
+                config, local, model, kv_pool, self.context_len, self.device, tp
+            )
+        except BaseException:
+            if tp is not None:
+                tp.shutdown()
+            raise
+        if tp is not None:  # a rank lost from here on stops the engine
+            tp.watch(self._core.fail)
         self._grammar_compiler = None  # built on the first constrained request
         self._grammar_lock = threading.Lock()
         self._grammar_times = Histogram(GRAMMAR_COMPILE_BUCKETS)
@@ -296,6 +315,8 @@ class Engine:
         if not self._closed:
             self._closed = True
             self._core.shutdown()
+            if self._tp is not None:
+                self._tp.shutdown()
             if self._core.release_device_memory():
                 self.model = None
                 gc.collect()  # (the engine's objects refer to each other)
@@ -561,6 +582,63 @@ class _NewestOnLoop:
             await self._ready.wait()
         item, self._item = self._item, None
         return item
+
+
+def build_model(
+    config: EngineConfig,
+    folder,
+    mc: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    context_len: int,
+    sampled_vocab: int,
+    tp=None,
+    comm=None,
+):
+    """The model on `device`, its weights loaded (random ones for load_format dummy: under
+    tensor parallelism each rank draws its part on its own, which makes no whole model of any
+    seed; right for speed, not for outputs). `tp` and `comm`: this rank's part of the model and
+    its group's collectives (runtime/parallel.py); None: the whole model."""
+    from radixlm.runtime import model_loader
+    from radixlm.runtime.models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(mc, context_len + 1, sampled_vocab, tp, comm)
+    _check_weights_fit(model, dtype, device)
+    model = model.to(dtype).to_empty(device=device)
+    if config.load_format == "dummy":
+        model.tie_weights_if_needed()
+        model_loader.init_dummy_weights(model, config.random_seed)
+    else:
+        weights = model_loader.iter_safetensors(folder)
+        total = model_loader.count_safetensors(folder)
+        model.load_weights(startup.progress(weights, total, "loading weights", "tensors"))
+    model.rope.build_tables(device)
+    return model.eval()
+
+
+def rank_kv_tokens(
+    config: EngineConfig,
+    local: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    context_len: int,
+) -> int:
+    """The KV pool's slots this rank has room for (`local`: the heads it holds). The ranks of a
+    CPU group share one host's memory: each takes its share of the fraction."""
+    if config.tp_size > 1 and device.type == "cpu" and config.max_total_tokens is None:
+        share = (config.mem_fraction_static or 0.25) / (config.tp_size // config.nnodes)
+        config = dataclasses.replace(config, mem_fraction_static=share)
+    return kv_pool_tokens(config, local, dtype, device, context_len)
+
+
+def build_kv_pool(
+    config: EngineConfig, local: ModelConfig, num_slots: int, dtype: torch.dtype, device
+) -> KVPool:
+    """The KV pool of `num_slots` slots (and the padding slot) for the heads `local` holds."""
+    return KVPool(
+        num_slots + 1, local.num_layers, local.num_kv_heads, local.head_dim, dtype, device,
+    )  # fmt: skip
 
 
 def _check_weights_fit(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:

@@ -23,6 +23,7 @@ from radixlm.radix_cache.base import NoPrefixCache
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.cache_manager import CacheManager
 from radixlm.runtime.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
+from radixlm.runtime.parallel import RankFailure
 from radixlm.runtime.model_runner import DeferredStep, ModelRunner
 from radixlm.runtime.output_processor import OutputProcessor, Sink
 from radixlm.runtime.request import Req
@@ -71,15 +72,42 @@ def tune_batch1_matmuls(model) -> None:
         )
 
 
+def capture_graphs(config, model, backend, rows: ReqToTokenPool, token_buf: torch.Tensor):
+    """The batch-1 matmul choices, then the decode and prompt-step CUDA graphs. (Every rank of a
+    tensor-parallel group captures the same graphs in the same order: their warm-up runs and
+    captures hold the group's collectives.)"""
+    from radixlm.runtime.cuda_graph import DecodeGraphs, PrefillGraphs
+
+    if os.environ.get("RADIXLM_DISABLE_GEMV") != "1":
+        tune_batch1_matmuls(model)
+    max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 256)
+    graphs = DecodeGraphs(
+        model, backend, rows.table, token_buf, max_bs, padding_row=rows.padding_row
+    )
+    prefill_graphs = None
+    # (a step holds at most a prompt chunk and a token of every running request)
+    most = config.chunked_prefill_size + config.max_running_requests
+    if config.cuda_graph_max_prefill_tokens:
+        prefill_graphs = PrefillGraphs(
+            model, backend, rows.table, token_buf,
+            min(config.cuda_graph_max_prefill_tokens, most), config.max_running_requests,
+            padding_row=rows.padding_row,
+        )  # fmt: skip
+    return graphs, prefill_graphs
+
+
 class EngineCore:
     def __init__(
-        self, config, model_config, model, kv_pool: KVPool, context_len: int, device
+        self, config, model_config, model, kv_pool: KVPool, context_len: int, device, tp=None
     ) -> None:
+        """`model_config` is this rank's (its own heads); `tp`, under tensor parallelism, is rank
+        0's runtime.tp_worker.TensorParallelGroup, whose other ranks run each step's plan too."""
         self.config = config
         self.context_len = context_len
         self.kv_pool = kv_pool
         self.device = device
-        self.rows = ReqToTokenPool(config.max_running_requests + 1, context_len + 1, device)
+        table = ReqToTokenPool if tp is None else tp.request_table  # (tp: writes go to them too)
+        self.rows = table(config.max_running_requests + 1, context_len + 1, device)
         backend = create_backend(
             config.attention_backend, kv_pool, self.rows.table, device,
             num_q_heads=model_config.num_heads,
@@ -114,10 +142,12 @@ class EngineCore:
         token_buf = torch.zeros(self.rows.max_requests, dtype=torch.int64, device=device)
         if use_cuda_graphs(config, device, backend):
             with on_device(device):  # tuning and capture follow the thread's current device
-                graphs, prefill_graphs = self._capture_graphs(config, model, backend, token_buf)
+                graphs, prefill_graphs = capture_graphs(
+                    config, model, backend, self.rows, token_buf
+                )
         self.runner = ModelRunner(
             model, backend, self.rows.table, device, graphs, token_buf, prefill_graphs,
-            verifier=self.speculative,
+            verifier=self.speculative, mirror=None if tp is None else tp.mirror(self.rows),
         )  # fmt: skip
         # (a draft is made from the newest tokens on the host: speculation runs in lockstep)
         self.overlap = not config.disable_overlap_schedule and self.speculative is None
@@ -142,27 +172,6 @@ class EngineCore:
         self._gate = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="radixlm-core", daemon=True)
         self._thread.start()
-
-    def _capture_graphs(self, config, model, backend, token_buf):
-        """The batch-1 matmul choices, then the decode and prompt-step CUDA graphs."""
-        from radixlm.runtime.cuda_graph import DecodeGraphs, PrefillGraphs
-
-        if os.environ.get("RADIXLM_DISABLE_GEMV") != "1":
-            tune_batch1_matmuls(model)
-        max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 256)
-        graphs = DecodeGraphs(
-            model, backend, self.rows.table, token_buf, max_bs, padding_row=self.rows.padding_row
-        )
-        prefill_graphs = None
-        # (a step holds at most a prompt chunk and a token of every running request)
-        most = config.chunked_prefill_size + config.max_running_requests
-        if config.cuda_graph_max_prefill_tokens:
-            prefill_graphs = PrefillGraphs(
-                model, backend, self.rows.table, token_buf,
-                min(config.cuda_graph_max_prefill_tokens, most), config.max_running_requests,
-                padding_row=self.rows.padding_row,
-            )  # fmt: skip
-        return graphs, prefill_graphs
 
     @property
     def alive(self) -> bool:
@@ -192,6 +201,11 @@ class EngineCore:
         if not ok:
             raise value
         return value
+
+    def fail(self, error: Exception) -> None:
+        """Stop the engine on `error`, from any thread (a tensor-parallel rank lost while the
+        core waits for work): every request fails with it, as on an internal error."""
+        self._inbox.put(("fatal", error))
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -282,6 +296,8 @@ class EngineCore:
                     greedy_only=not self.output.num_not_greedy,
                     defer_sampling=inflight is not None and self.output.num_sampled_on_host > 0,
                 )
+            except RankFailure:  # (the group cannot run another step: the engine stops)
+                raise
             except Exception as e:  # a failed step fails its requests, never the engine
                 self.output.fail_step(plan, e)
                 continue
@@ -309,6 +325,8 @@ class EngineCore:
                 t2 = time.perf_counter()
                 try:
                     handle = handle.sample()
+                except RankFailure:
+                    raise
                 except Exception as e:
                     self.output.fail_step(plan, e)
                     continue
@@ -328,6 +346,8 @@ class EngineCore:
         t0 = time.perf_counter()
         try:
             results = handle.results()
+        except RankFailure:
+            raise
         except Exception as e:
             self.output.fail_step(plan, e)
             return
@@ -354,6 +374,8 @@ class EngineCore:
                 if req is not None:
                     req.finish({"type": "abort", "message": "aborted by the client"})
                     self.output.finish(req)
+            elif kind == "fatal":
+                raise payload
             elif kind == "call":
                 fn, done = payload
                 try:

@@ -5,6 +5,11 @@ tokens) and returns a `StepHandle` whose `results()` waits for it. Each sampled
 token is also left on the device in `token_buf[request row]`, so the next step can be launched
 before this one's tokens reach the host: a request whose newest token is still pending
 (`req.num_pending`) reads it from there.
+
+Under tensor parallelism rank 0's runner has a `mirror` (runtime/tp_worker.py StepMirror): it
+sends each step's device work, as the host lists this runner builds it from, to the other ranks'
+runners before running it (`graph_step`, `eager_step`), and each token written into `token_buf`
+outside a graph after it (`tokens`); they run the same methods of their own runner on them.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ class StepResults:
 
 
 @dataclass(slots=True)
-class _StepLists:
+class StepLists:
     """The index lists of an eager step, host side: one entry per token, per request (item), per
     logits row."""
 
@@ -127,6 +132,7 @@ class ModelRunner:
         token_buf: torch.Tensor | None = None,
         prefill_graphs=None,
         verifier=None,
+        mirror=None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -137,6 +143,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # speculative decoding (runtime/speculative/worker.py): verifies the steps' drafts
         self.verifier = verifier
+        # tensor parallelism: the other ranks' runners, sent each step's work (or None)
+        self.mirror = mirror
         # the newest sampled token of each request row, on the device
         self.token_buf = (
             token_buf
@@ -173,6 +181,8 @@ class ModelRunner:
         verified = None  # plan index -> the output tokens of a verified draft
         if self._graphable(plan):  # decodes only: one logits row each, in plan order
             reqs = plan.decodes
+            if self.mirror is not None:
+                self.mirror.graph_step(plan.rows, plan.seq_lens, plan.slots)
             row_logits, greedy = self.graphs.run(plan.rows, plan.seq_lens, plan.slots)
             self.num_graph_steps += 1
             pool_rows = self.graphs.rows_on_device(len(reqs))
@@ -185,19 +195,16 @@ class ModelRunner:
             items = [plan_items[i] for i in order]
             lists = self._step_lists(items)
             which, logit_rows, input_lp_rows = lists.which, lists.sample_rows, lists.input_lp_rows
-            if (
+            use_graph = (
                 self.prefill_graphs is not None
                 and not input_lp_rows
                 and not lists.drafts
                 and self.prefill_graphs.can_run(len(lists.input_ids), len(items))
-            ):
-                logits = self.prefill_graphs.run(
-                    lists.input_ids, lists.positions, lists.token_rows, lists.pending,
-                    lists.rows, lists.prefix_lens, lists.extend_lens, lists.logits_rows,
-                )  # fmt: skip
-                self.num_prefill_graph_steps += 1
-            else:
-                logits = self.model(self._to_batch(lists), self.backend)  # (L, V)
+            )
+            if self.mirror is not None:
+                self.mirror.eager_step(plan if plan.decodes else None, lists, use_graph)
+            logits = self.forward_lists(lists, use_graph)  # (L, V)
+            self.num_prefill_graph_steps += use_graph
             if lists.drafts:
                 verified = self._verify(logits, items, order, lists.drafts)
             if logit_rows == list(range(len(logit_rows))):
@@ -239,7 +246,7 @@ class ModelRunner:
         pool_rows, last = packed_to_device(
             [[it.req.pool_row for it in which], [t[-1] for t in tokens]], self.device
         )
-        self.token_buf[pool_rows] = last
+        self.set_tokens(pool_rows, last)
         return {order[i]: t for (i, _), t in zip(drafts, tokens)}
 
     def _sample(
@@ -262,7 +269,7 @@ class ModelRunner:
             if tokens is not greedy:
                 if pool_rows is None:
                     pool_rows = to_device(int64_tensor([r.pool_row for r in reqs]), self.device)
-                self.token_buf[pool_rows] = tokens
+                self.set_tokens(pool_rows, tokens)
 
         def finish(host: torch.Tensor | None = None) -> StepResults:
             out: list[int | None]
@@ -328,10 +335,30 @@ class ModelRunner:
 
     def _write_decode_slots(self, plan: StepPlan) -> None:
         """The device table's entries for the plan's decodes (the scheduler wrote the host's)."""
-        rows, positions, slots = packed_to_device(
-            [plan.rows, [n - 1 for n in plan.seq_lens], plan.slots.tolist()], self.device
+        self.write_decode_slots(plan.rows, plan.seq_lens, plan.slots.tolist())
+
+    def write_decode_slots(self, rows: list[int], seq_lens: list[int], slots: list[int]) -> None:
+        """req_to_token[rows[i], seq_lens[i] - 1] = slots[i] on the device."""
+        rows_t, positions, slots_t = packed_to_device(
+            [rows, [n - 1 for n in seq_lens], slots], self.device
         )
-        self.req_to_token[rows, positions] = slots.to(self.req_to_token.dtype)
+        self.req_to_token[rows_t, positions] = slots_t.to(self.req_to_token.dtype)
+
+    def forward_lists(self, lists: StepLists, use_graph: bool) -> torch.Tensor:
+        """The logits (L, V) of an eager step given as its host lists, from a prompt-step CUDA
+        graph (`use_graph`) or the model run eagerly."""
+        if use_graph:
+            return self.prefill_graphs.run(
+                lists.input_ids, lists.positions, lists.token_rows, lists.pending,
+                lists.rows, lists.prefix_lens, lists.extend_lens, lists.logits_rows,
+            )  # fmt: skip
+        return self.model(self._to_batch(lists), self.backend)
+
+    def set_tokens(self, pool_rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """token_buf[pool_rows] = tokens (a step's sampled or verified tokens, on the device)."""
+        self.token_buf[pool_rows] = tokens
+        if self.mirror is not None:
+            self.mirror.tokens(pool_rows, tokens)
 
     def _graphable(self, plan: StepPlan) -> bool:
         """A step of single-token decodes only, small enough for a captured graph. (Their input
@@ -341,9 +368,9 @@ class ModelRunner:
 
     # ---- batch ----------------------------------------------------------------------------
 
-    def _step_lists(self, items: list[ScheduledReq]) -> _StepLists:
+    def _step_lists(self, items: list[ScheduledReq]) -> StepLists:
         """The index lists of an eager step (multi-token items first), before the device."""
-        out = _StepLists()
+        out = StepLists()
         input_ids, positions, token_rows = out.input_ids, out.positions, out.token_rows
         offset = 0
         for i, it in enumerate(items):
@@ -387,7 +414,7 @@ class ModelRunner:
             offset += it.num_tokens
         return out
 
-    def _to_batch(self, lists: _StepLists) -> ForwardBatch:
+    def _to_batch(self, lists: StepLists) -> ForwardBatch:
         """An eager step's ForwardBatch: its lists on the device, in one copy."""
         input_ids, positions, token_rows = lists.input_ids, lists.positions, lists.token_rows
         logits_rows = lists.logits_rows

@@ -146,10 +146,30 @@ def test_python_dash_m_radixlm_is_the_command(tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["--tp", "--tp-size", "--tensor-parallel-size"])
-def test_tensor_parallelism_takes_one_device_only(capsys, flag):
-    assert parse_serve(flag, "1").tensor_parallel_size == 1
-    message = "tensor parallelism is not supported: radixlm runs on one device"
-    assert message in refusal(capsys, flag, "2")
+def test_tensor_parallel_size_takes_sglang_spellings(flag):
+    from radixlm.runtime.config import EngineConfig
+
+    kwargs = cli._engine_kwargs(parse_serve(flag, "2"))
+    assert kwargs["tp_size"] == 2
+    assert EngineConfig.from_kwargs(None, **kwargs).tp_size == 2
+
+
+def test_multi_node_options_are_checked():
+    from radixlm.runtime.config import EngineConfig
+
+    def config(*argv):
+        return EngineConfig.from_kwargs(None, **cli._engine_kwargs(parse_serve(*argv)))
+
+    two = ("--tp-size", "2", "--nnodes", "2")
+    assert config(*two, "--node-rank", "1", "--dist-init-addr", "127.0.0.1:5000").node_rank == 1
+    with pytest.raises(ValueError, match="nnodes > 1 needs dist_init_addr"):
+        config(*two)
+    with pytest.raises(ValueError, match="node_rank=2"):
+        config(*two, "--node-rank", "2", "--dist-init-addr", "127.0.0.1:5000")
+    with pytest.raises(ValueError, match="nnodes=3 must be at least 1 and divide tp_size=2"):
+        config("--tp-size", "2", "--nnodes", "3", "--dist-init-addr", "127.0.0.1:5000")
+    with pytest.raises(ValueError, match="give host:port"):
+        config("--tp-size", "2", "--dist-init-addr", "localhost")
 
 
 def test_sglang_dtype_names_mean_float16_and_float32():

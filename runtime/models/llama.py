@@ -2,6 +2,10 @@
 
 Differences between the members are flags of `ModelConfig`: Qwen2 has q/k/v biases, Qwen3 has an
 RMSNorm on q and k per head. q/k/v and gate/up projections are fused into one matmul each at load.
+
+Under tensor parallelism each rank builds this model over its `Partition` (runtime/parallel.py): its
+heads, its slice of the MLP and of the vocabulary; the row-parallel projections' `reduce` and the LM
+head's `gather` are the only places the ranks meet. With one rank they do nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +19,15 @@ from torch import nn
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.layers import PlainMatmuls, RMSNorm, RopeInputs, RotaryEmbedding
 from radixlm.runtime.model_config import ModelConfig
+from radixlm.runtime.parallel import (
+    ColumnParallelLinear,
+    Comm,
+    ParallelLMHead,
+    Partition,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    shard_for,
+)
 
 
 class FusableMatmul(NamedTuple):
@@ -29,20 +42,20 @@ class FusableMatmul(NamedTuple):
 class Attention(nn.Module):
     matmul = PlainMatmuls()  # replaced by a runtime.matmul_dispatch.LinearDispatch on CUDA
 
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: Partition, comm: Comm) -> None:
         super().__init__()
         self.layer_id = layer_id
+        # (this rank's heads)
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            tp.num_heads,
+            tp.num_kv_heads,
             cfg.head_dim,
         )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        q, kv = tp.q_part(cfg), tp.kv_part(cfg)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], cfg.attention_bias)
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size, comm)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -72,32 +85,33 @@ class Attention(nn.Module):
             # q and k heads rotate together: one rope for both
             q, k = RotaryEmbedding.apply(rope, qk).split([self.num_heads, self.num_kv_heads], dim=1)
             o = backend.forward(q, k, v, self.layer_id, batch, self.scale)  # (T, Hq, D)
-        return self.matmul(o.reshape(-1, self.q_size), self.o_proj)
+        return self.o_proj.reduce(self.matmul(o.reshape(-1, self.q_size), self.o_proj))
 
 
 class MLP(nn.Module):
     matmul = PlainMatmuls()
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: Partition, comm: Comm) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        part = tp.intermediate_part(cfg)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [part, part], bias=False)
+        self.down_proj = RowParallelLinear(part, cfg.hidden_size, comm)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up (T, 2 intermediate) is gate_up_proj's output, which the layer computes with its
         norm."""
-        return self.matmul.silu_linear(gate_up, self.down_proj)
+        return self.down_proj.reduce(self.matmul.silu_linear(gate_up, self.down_proj))
 
 
 class DecoderLayer(nn.Module):
     matmul = PlainMatmuls()
 
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: Partition, comm: Comm) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id)
+        self.self_attn = Attention(cfg, layer_id, tp, comm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp, comm)
 
     def forward(self, rope, x, residual, batch, backend):
         # each norm runs with the matmul after it: one kernel where the dispatch fuses them
@@ -127,16 +141,25 @@ class LlamaForCausalLM(nn.Module):
     matmul = PlainMatmuls()
 
     def __init__(
-        self, cfg: ModelConfig, max_positions: int, sampled_vocab: int | None = None
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        sampled_vocab: int | None = None,
+        tp: Partition | None = None,
+        comm: Comm | None = None,
     ) -> None:
+        """`tp` and `comm`: this rank's part of the model and its group's collectives (default:
+        the whole model, on one device)."""
         super().__init__()
         self.cfg = cfg
+        tp = Partition.whole(cfg) if tp is None else tp
+        comm = Comm() if comm is None else comm
         # one rope table, looked up once a step for all layers (kept out of the state dict)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(tp.vocab_part(), cfg.hidden_size, comm)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, comm) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, tp.vocab_part(), cfg.vocab_size, comm)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # logit columns from `sampled_vocab` on are ids no token has (a checkpoint's vocabulary
@@ -155,6 +178,7 @@ class LlamaForCausalLM(nn.Module):
         logits, _ = self.matmul.norm_linear(
             x, residual, self.norm, self.lm_head, rows=batch.logits_indices, float32=True
         )
+        logits = self.lm_head.gather(logits)
         if self.sampled_vocab < logits.shape[-1]:
             logits[:, self.sampled_vocab :] = float("-inf")
         return logits
@@ -200,15 +224,17 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
-            target, offset_rows = name, None
-            for part, (fused, index) in self._STACKED.items():
+            target, offset_rows, index = name, None, None
+            for part, (fused, i) in self._STACKED.items():
                 if f".{part}." in name:
-                    target = name.replace(part, fused)
-                    offset_rows = self._fused_rows(fused, index, name)
+                    target, index = name.replace(part, fused), i
+                    offset_rows = self._fused_rows(target, index)
                     break
             param = params.get(target)
             if param is None:
                 raise ValueError(f"unexpected weight {hf_name!r} for a {self.cfg.model_type} model")
+            # (this rank's part of it: all of it on one device)
+            tensor = shard_for(self.get_submodule(target.rpartition(".")[0]), tensor, index)
             with torch.no_grad():
                 if offset_rows is None:
                     _check_shape(hf_name, param.shape, tensor.shape)
@@ -225,15 +251,9 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
             )
 
-    def _fused_rows(self, fused: str, index: int, name: str) -> tuple[int, int]:
-        cfg = self.cfg
-        if fused == "qkv_proj":
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            sizes = [q, kv, kv]
-        else:
-            sizes = [cfg.intermediate_size] * 2
-        start = sum(sizes[:index])
-        return start, start + sizes[index]
+    def _fused_rows(self, param_name: str, index: int) -> tuple[int, int]:
+        """The rows of part `index` (q, k, v; gate, up) in a fused parameter, on this rank."""
+        return self.get_submodule(param_name.rpartition(".")[0]).part_rows(index)
 
     def _expected_loads(self) -> dict[str, str]:
         """Each load the checkpoint must give (parameter:rows, as `load_weights` marks them) ->
@@ -246,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
             fused = [(p, f, i) for p, (f, i) in self._STACKED.items() if f".{f}." in name]
             if fused:
                 for part, fused_name, index in fused:
-                    rows = self._fused_rows(fused_name, index, name)
+                    rows = self._fused_rows(name, index)
                     out[f"{name}:{rows}"] = hf.replace(fused_name, part)
             else:
                 out[f"{name}:None"] = hf
