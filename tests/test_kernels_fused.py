@@ -87,6 +87,10 @@ def test_dependent_launches_only_on_hopper_and_later_unless_switched_off(monkeyp
         assert fused.pdl_launch(x.cuda()) == hopper
         on = {"PDL": True, "launch_pdl": True}
         assert fused.pdl_options(x.cuda()) == (on if hopper else {"PDL": False})
+        big = torch.zeros(fused.pdl_max_tokens() + 1, 4, device="cuda")
+        assert not fused.pdl_launch(big)  # a large step: PDL costs there
+        monkeypatch.setenv("RADIXLM_PDL_MAX_TOKENS", str(big.shape[0]))
+        assert fused.pdl_launch(big) == hopper
         monkeypatch.setenv("RADIXLM_DISABLE_PDL", "1")
         assert not fused.pdl_launch(x.cuda())
 
