@@ -482,3 +482,59 @@ def test_a_request_priority_reaches_the_engine_and_a_bad_one_is_a_400(path, body
             r = c.post(path, json={**body, "priority": bad})
             assert r.status_code == 400, (bad, r.text)
             assert "priority" in r.json()["error"]["message"]
+
+
+# ---- a disconnect storm ----------------------------------------------------------------------
+
+
+def test_a_disconnect_storm_frees_every_kv_slot_and_leaves_the_others_outputs_alone(tiny_engine):
+    """40 streaming clients vanish at random points (some before their first event) while two
+    greedy requests run: their generations are aborted (not run to their length), the two give
+    what they give in a quiet run, and once the storm has passed every KV slot is free
+    (benchmarks/overload.py runs the full-size storm)."""
+    import random
+
+    from tests.live_server import serve_in_thread, wait_idle
+
+    greedy = {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0.0}
+    vanishing = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0.0}
+    controls = [{"text": "Once upon a time", "sampling_params": greedy},
+                {"text": "The capital of France is", "sampling_params": greedy}]  # fmt: skip
+    rng = random.Random(5)
+    cuts = [rng.randint(0, 8) for _ in range(40)]
+
+    async def control_outputs(url: str) -> list[list[int]]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            replies = await asyncio.gather(*(c.post(url + "/generate", json=b) for b in controls))
+        assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+        return [r.json()["output_ids"] for r in replies]
+
+    async def vanish(url: str, k: int, events: int) -> None:
+        body = {"text": f"Story number {k}:", "sampling_params": vanishing, "stream": True}
+        async with (
+            httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as c,
+            c.stream("POST", url + "/generate", json=body) as r,
+        ):
+            assert r.status_code == 200
+            read = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    read += 1
+                    if read >= events:
+                        break  # leaving the block drops the connection mid-stream
+
+    async def storm(url: str) -> list[list[int]]:
+        storm = [asyncio.ensure_future(vanish(url, k, n)) for k, n in enumerate(cuts)]
+        outputs = await control_outputs(url)
+        await asyncio.gather(*storm)
+        return outputs
+
+    with serve_in_thread(tiny_engine) as url:
+        quiet = run(control_outputs(url))
+        before = tiny_engine.get_stats()["generated_tokens"]
+        loud = run(storm(url))
+        stats = wait_idle(tiny_engine.get_stats, timeout=30)
+    assert loud == quiet
+    # run to their length, the vanished generations alone would have made 16,000 tokens
+    assert stats["generated_tokens"] - before < 40 * 30
+    assert stats["kv_pool_free_tokens"] == stats["kv_pool_capacity_tokens"], stats
