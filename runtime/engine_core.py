@@ -23,9 +23,9 @@ from radixlm.radix_cache.base import NoPrefixCache
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.cache_manager import CacheManager
 from radixlm.runtime.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
-from radixlm.runtime.parallel import RankFailure
 from radixlm.runtime.model_runner import DeferredStep, ModelRunner
 from radixlm.runtime.output_processor import OutputProcessor, Sink
+from radixlm.runtime.parallel import RankFailure
 from radixlm.runtime.request import Req
 from radixlm.runtime.scheduler import Scheduler
 
