@@ -46,6 +46,8 @@ _ENGINE_HELP = {
     "urgent a request must be than a running one to preempt it",
     "disable_radix_cache": "do not reuse the KV of shared prefixes across requests",
     "attention_backend": "auto, torch (the plain reference) or triton",
+    "kv_cache_dtype": "what the KV pool stores: auto (the model's dtype) or fp8_e4m3 (float8 with "
+    "per-layer scales: twice the tokens in the same memory)",
     "random_seed": "the seed of the engine's own random choices (per-request seeds otherwise)",
     "cache_dir": "where converted models are kept (default: $RADIXLM_CACHE or ~/.cache/radixlm)",
     "load_format": "auto (the checkpoint's weights) or dummy (random weights of the config's shape, "

@@ -11,7 +11,7 @@ stays the CPU path and the oracle.
   layout), cos/sin looked up from the (max_positions, head_dim / 2) float32 tables.
 - `rope_store_kv_(q, k, v, positions, cos, sin, k_pool, v_pool, loc)`: rotate q in place and
   write the rotated k and v into the KV pool at slots `loc`, in place of `rope_` and the two
-  `index_copy_` of the store.
+  `index_copy_` of the store (a float8 pool: quantized with its scales, `kv_store_value`).
 - `silu_and_mul(gate_up)`: silu(gate) * up over the two halves of the last dimension.
 
 The rounding recipes are small @triton.jit helpers (`add_rounded`, `norm_then_weight`,
@@ -112,6 +112,36 @@ def silu_mul_rounded(gate, up):
 
 
 @triton.jit
+def fp8_e4m3_round(x):
+    """float32 x rounded to the nearest float8_e4m3fn value (ties to even, saturated at +-448),
+    still float32: the cast to float8 after it is then exact. Done on the bits rather than left
+    to the cast because Triton's CPU interpreter rounds float8 casts wrongly (a carry out of the
+    mantissa is dropped: 7.95 becomes 4)."""
+    a = tl.minimum(tl.abs(x), 448.0)
+    # below float8's smallest normal (2^-6) its step is a fixed 2^-9: offset by 2^-6, the value
+    # rounds at that step as a normal one of exponent -6 does
+    small = a < 0.015625
+    b = tl.where(small, a + 0.015625, a)
+    bits = b.to(tl.int32, bitcast=True)
+    # keep 3 of float32's 23 mantissa bits, to nearest even (a carry moves into the exponent)
+    bits = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20
+    r = bits.to(tl.float32, bitcast=True)
+    r = tl.where(small, r - 0.015625, r)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def kv_store_value(x, inv_scale, ty: tl.constexpr):
+    """x as a KV pool of element type `ty` stores it: a float8 pool x * inv_scale (1 / the
+    layer's scale), rounded as `fp8_e4m3_round`; any other pool x cast (kernels/attention_ref.py
+    `quantize_kv` is the twin)."""
+    if ty == tl.float8e4nv:
+        return fp8_e4m3_round(x.to(tl.float32) * inv_scale).to(ty)
+    else:
+        return x.to(ty)
+
+
+@triton.jit
 def _rotate_half_split(base, c, s, mask, HALF: tl.constexpr):
     """The heads at `base` (half-split layout) rotated by cos c and sin s: the two halves, each
     rounded to the heads' dtype."""
@@ -203,7 +233,7 @@ def rope_(
 def _rope_store_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_pool_ptr, v_pool_ptr, loc_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ks, stride_kph, stride_vs, stride_vph, n_q_heads, n_kv_heads,
+    stride_ks, stride_kph, stride_vs, stride_vph, n_q_heads, n_kv_heads, k_inv_scale, v_inv_scale,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -226,14 +256,15 @@ def _rope_store_kv_kernel(
     mask = (heads < n_kv_heads) & (dims < HALF)
     base = k_ptr + t * stride_kt + heads * stride_kh + dims
     out1, out2 = _rotate_half_split(base, c, s, mask, HALF)
-    pool_ty = k_pool_ptr.dtype.element_ty
+    pool_ty: tl.constexpr = k_pool_ptr.dtype.element_ty
     out = k_pool_ptr + slot * stride_ks + heads * stride_kph + dims
-    tl.store(out, out1.to(pool_ty), mask=mask)
-    tl.store(out + HALF, out2.to(pool_ty), mask=mask)
+    tl.store(out, kv_store_value(out1, k_inv_scale, pool_ty), mask=mask)
+    tl.store(out + HALF, kv_store_value(out2, k_inv_scale, pool_ty), mask=mask)
+    v_ty: tl.constexpr = v_pool_ptr.dtype.element_ty
     for half in tl.static_range(2):  # v in two halves: BLOCK_D covers half a head
         val = tl.load(v_ptr + t * stride_vt + heads * stride_vh + half * HALF + dims, mask=mask)
         out = v_pool_ptr + slot * stride_vs + heads * stride_vph + half * HALF + dims
-        tl.store(out, val.to(v_pool_ptr.dtype.element_ty), mask=mask)
+        tl.store(out, kv_store_value(val, v_inv_scale, v_ty), mask=mask)
 
 
 def rope_store_kv_(
@@ -246,10 +277,12 @@ def rope_store_kv_(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     loc: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotate q (T, Hq, D) in place and write rotated k and v (T, Hkv, D) into the pools
     (S, Hkv, D) at slots `loc` (T,); k itself is left as it was. Unit stride in D everywhere.
-    Returns q."""
+    Float8 pools store k / k_scale and v / v_scale. Returns q."""
     tokens, q_heads, dim = q.shape
     kv_heads = k.shape[1]
     if tokens:
@@ -258,7 +291,7 @@ def rope_store_kv_(
             q, k, v, positions, cos, sin, k_pool, v_pool, loc,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-            q_heads, kv_heads,
+            q_heads, kv_heads, 1.0 / k_scale, 1.0 / v_scale,
             HALF=half, BLOCK_HQ=triton.next_power_of_2(q_heads),
             BLOCK_HKV=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(half),
             num_warps=4, **pdl_options(q),

@@ -17,8 +17,11 @@ queries are packed request after request, and the new tokens' K/V are already in
   instead be listed (`extend_blocks`), one program each.
 - `store_kv`: plain `index_copy_` (see its docstring for why).
 
-Pools may be fp32, fp16 or bf16; accumulation is fp32. Head dims that are not a power of two are
-padded to the next one inside the kernels and masked.
+Pools may be fp32, fp16 or bf16, or float8_e4m3fn read through per-layer scales (`k_scale`,
+`v_scale`; see the reference's docstring): a float8 tile is widened to q's dtype in registers as it
+is loaded, k_scale is folded into the softmax scale and v_scale into the output, so a step reads half
+the bytes of a 16-bit pool and does no extra pass. Accumulation is fp32. Head dims that are not a
+power of two are padded to the next one inside the kernels and masked.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.kernels.fused import pdl_options, pdl_start
+from radixlm.kernels.attention_ref import is_quantized, quantize_kv
+from radixlm.kernels.fused import kv_store_value, pdl_options, pdl_start
 
 _LOG2E = 1.4426950408889634  # the kernels use exp2, so the softmax scale is folded with log2(e)
 
@@ -93,17 +97,29 @@ def alloc_decode_scratch(
 
 
 def store_kv(
-    k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write new keys/values (T, Hkv, D) into the pool at slots `loc` (T,).
+    """Write new keys/values (T, Hkv, D) into the pool at slots `loc` (T,) (a float8 pool: k /
+    k_scale and v / v_scale, quantized as `attention_ref.quantize_kv`).
 
     Plain `index_copy_` rather than a kernel: it is one launch per pool, reads nothing on the host
     (graph-capturable), works on strided per-layer views, and a Triton version could only match it;
     the place where a kernel would pay off is fusing the store into the rope/qkv epilogue.
     """
     idx = loc if loc.dtype == torch.int64 else loc.long()
-    k_pool.index_copy_(0, idx, k.to(k_pool.dtype))
-    v_pool.index_copy_(0, idx, v.to(v_pool.dtype))
+    for pool, x, scale in ((k_pool, k, k_scale), (v_pool, v, v_scale)):
+        if is_quantized(pool):  # (as bytes: index_copy_ has no float8 kernel)
+            pool.view(torch.uint8).index_copy_(
+                0, idx, quantize_kv(x, scale, pool.dtype).view(torch.uint8)
+            )
+        else:
+            pool.index_copy_(0, idx, x.to(pool.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +142,10 @@ def _decode_partial_kernel(
     Cos,  # (positions, HEAD_DIM // 2)
     Sin,
     Loc,
-    qk_scale,  # sm_scale * log2(e)
+    qk_scale,  # sm_scale * log2(e) * k_scale
+    v_scale,
+    k_inv_scale,  # with ROPE, into a float8 pool: 1 / k_scale and 1 / v_scale
+    v_inv_scale,
     num_kv_splits,
     stride_knb,
     stride_knh,
@@ -209,13 +228,19 @@ def _decode_partial_kernel(
             k_rot = tl.where(
                 first, kf.to(tl.float32) * c - kp * sn, kf.to(tl.float32) * c + kp * sn
             ).to(kf.dtype)
-            k_ty = K.dtype.element_ty
+            k_ty: tl.constexpr = K.dtype.element_ty
             tl.store(
-                K + slot * stride_ks + kv_head * stride_kh + offs_d, k_rot.to(k_ty), mask=d_mask
+                K + slot * stride_ks + kv_head * stride_kh + offs_d,
+                kv_store_value(k_rot, k_inv_scale, k_ty),
+                mask=d_mask,
             )
             vn = tl.load(Vnew + batch * stride_vnb + kv_head * stride_vnh + offs_d, mask=d_mask)
-            v_ty = V.dtype.element_ty
-            tl.store(V + slot * stride_vs + kv_head * stride_vh + offs_d, vn.to(v_ty), mask=d_mask)
+            v_ty: tl.constexpr = V.dtype.element_ty
+            tl.store(
+                V + slot * stride_vs + kv_head * stride_vh + offs_d,
+                kv_store_value(vn, v_inv_scale, v_ty),
+                mask=d_mask,
+            )
         tl.debug_barrier()
     if UPCAST_DOT:
         q = q.to(tl.float32)
@@ -250,7 +275,7 @@ def _decode_partial_kernel(
 
     # an empty split (short sequence, or seq_len 0 for a padded graph slot) leaves l_i == 0
     has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None] * v_scale  # (v_scale 1.0: exact)
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), -float("inf"))
     tl.store(
         PartialOut
@@ -346,6 +371,8 @@ def decode_attention(
     scratch: DecodeScratch | None = None,
     rope: DecodeRope | None = None,
     config: TileConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # (B, Hq, D)
     """One new token per request attends to its whole sequence in the pool (flash-decoding).
 
@@ -353,7 +380,8 @@ def decode_attention(
     `num_kv_splits` then defaults to the scratch's. A request with seq_len 0 (a padded graph slot)
     gets a zero output. With `rope` (DecodeRope) q comes unrotated (and is left so) and the new
     token's K/V are not in the pool yet: the kernel rotates and stores them first (a request with
-    seq_len 0 stores nothing).
+    seq_len 0 stores nothing). Float8 pools are read (and, with `rope`, written) through the
+    layer's `k_scale` and `v_scale`.
     """
     _check_pools(q, k_pool, v_pool)
     batch, num_q_heads, head_dim = q.shape
@@ -415,7 +443,10 @@ def decode_attention(
         cos,
         sin,
         loc,
-        sm_scale * _LOG2E,
+        sm_scale * _LOG2E * k_scale,
+        v_scale,
+        1.0 / k_scale,
+        1.0 / v_scale,
         num_kv_splits,
         k_new.stride(0),
         k_new.stride(1),
@@ -483,7 +514,8 @@ def _extend_kernel(
     ExtendLens,  # (B,)
     ExtendStarts,  # (B,) row of each request's first query in Q
     Blocks,  # (2, NB) with BLOCK_MAP: each program's request and first new token
-    qk_scale,  # sm_scale * log2(e)
+    qk_scale,  # sm_scale * log2(e) * k_scale
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -599,7 +631,7 @@ def _extend_kernel(
         )
 
     # every valid row saw at least the key at its own position, so l_i > 0 there
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     tl.store(
         Out + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
         out,
@@ -679,6 +711,8 @@ def extend_attention(
     blocks: torch.Tensor | None = None,
     tokens_per_block: int | None = None,
     config: TileConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # (T, Hq, D)
     """New tokens of a ragged batch attend to their request's prefix and, causally, to each other.
 
@@ -691,7 +725,8 @@ def extend_attention(
     each, for the request in row 0 (-1: none) from its new token in row 1, `tokens_per_block` new
     tokens. The grid is then NB whatever the batch, so a CUDA graph of a fixed NB serves any batch
     whose tiles fit (query rows of no tile are left as they are in `out`). `tokens_per_block`, the
-    tile length the list was made with, is checked against the kernel's.
+    tile length the list was made with, is checked against the kernel's. Float8 pools are read
+    through the layer's `k_scale` and `v_scale`.
     """
     _check_pools(q, k_pool, v_pool)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -739,7 +774,8 @@ def extend_attention(
         extend_lens,
         extend_starts,
         extend_lens if blocks is None else blocks,
-        sm_scale * _LOG2E,
+        sm_scale * _LOG2E * k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         k_pool.stride(0),

@@ -2,7 +2,8 @@
 
 A backend stores the step's new K/V into the pool and attends over each request's slots. The torch
 backend is the CPU path and the oracle; the Triton backend (kernels/triton_attention.py) is the GPU
-path and must give the same results.
+path and must give the same results. Both read a float8 pool (`kv_cache_dtype="fp8_e4m3"`) through
+the pool's per-layer `k_scale` / `v_scale`, and quantize what they store with them.
 """
 
 from __future__ import annotations
@@ -42,18 +43,19 @@ class TorchAttentionBackend:
         sm_scale: float,
     ) -> torch.Tensor:  # (T, Hq, D)
         k_pool, v_pool = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
-        ref.store_kv_ref(k_pool, v_pool, batch.out_cache_loc, k, v)
+        scales = self.kv_pool.k_scale[layer_id], self.kv_pool.v_scale[layer_id]
+        ref.store_kv_ref(k_pool, v_pool, batch.out_cache_loc, k, v, *scales)
         out = torch.empty_like(q)
         start = 0
         for i in range(batch.num_multi):  # prefill chunks, one request at a time
             p, e = batch.prefix_lens_cpu[i], batch.extend_lens_cpu[i]
-            self._extend_one(q, out, start, i, p, e, k_pool, v_pool, batch, sm_scale)
+            self._extend_one(q, out, start, i, p, e, k_pool, v_pool, batch, sm_scale, scales)
             start += e
         if batch.num_multi < batch.batch_size:  # decodes, batched in pieces
-            self._decode(q[start:], out[start:], k_pool, v_pool, batch, sm_scale)
+            self._decode(q[start:], out[start:], k_pool, v_pool, batch, sm_scale, scales)
         return out
 
-    def _extend_one(self, q, out, start, i, p, e, k_pool, v_pool, batch, sm_scale) -> None:
+    def _extend_one(self, q, out, start, i, p, e, k_pool, v_pool, batch, sm_scale, scales) -> None:
         row_bytes = (p + e) * q.shape[1] * q.element_size()  # one query's scores over all heads
         block = max(16, _CPU_PIECE_BYTES // max(row_bytes, 1))
         rows = batch.req_pool_indices[i : i + 1]
@@ -62,7 +64,7 @@ class TorchAttentionBackend:
             # queries j..j+n of the new tokens see the prefix and the new tokens up to themselves
             out[start + j : start + j + n] = ref.extend_attention_ref(
                 q[start + j : start + j + n], k_pool, v_pool, self.req_to_token, rows,
-                torch.tensor([p + j]), torch.tensor([n]), sm_scale,
+                torch.tensor([p + j]), torch.tensor([n]), sm_scale, *scales,
             )  # fmt: skip
 
     def _single_request_keys(self, batch: ForwardBatch, i: int, length: int):
@@ -81,16 +83,16 @@ class TorchAttentionBackend:
             )
         return self._keys
 
-    def _decode(self, q, out, k_pool, v_pool, batch, sm_scale) -> None:
+    def _decode(self, q, out, k_pool, v_pool, batch, sm_scale, scales) -> None:
         m = batch.num_multi
         seq_lens = batch.seq_lens[m:]
         max_len = max(batch.prefix_lens_cpu[m:]) + 1
-        per_req = max_len * k_pool.shape[1] * k_pool.shape[2] * k_pool.element_size()
+        per_req = max_len * k_pool.shape[1] * k_pool.shape[2] * q.element_size()  # (as read)
         piece = max(1, _CPU_PIECE_BYTES // per_req)
         if q.shape[0] == 1:  # nothing to mask: torch's fused CPU kernel, several times faster
             keys = self._single_request_keys(batch, m, max_len)
-            k = k_pool[keys].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
-            v = v_pool[keys].transpose(0, 1).unsqueeze(0)
+            k = ref.gather_kv(k_pool, keys, scales[0], q.dtype).transpose(0, 1).unsqueeze(0)
+            v = ref.gather_kv(v_pool, keys, scales[1], q.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(2), k, v, scale=sm_scale, enable_gqa=True
             )
@@ -100,7 +102,7 @@ class TorchAttentionBackend:
             sl = slice(j, j + piece)
             out[sl] = ref.decode_attention_ref(
                 q[sl], k_pool, v_pool, self.req_to_token,
-                batch.req_pool_indices[m:][sl], seq_lens[sl], sm_scale,
+                batch.req_pool_indices[m:][sl], seq_lens[sl], sm_scale, *scales,
             )  # fmt: skip
 
 
@@ -141,8 +143,8 @@ class TritonAttentionBackend:
     def extend_tokens_per_block(self) -> int:
         """New tokens per extend tile: what ForwardBatch.extend_blocks counts in."""
         k = self.kv_pool.k[0]
-        return self.ta.extend_tokens_per_block(
-            self.num_q_heads, k.shape[1], k.shape[2], k.dtype, k.device
+        return self.ta.extend_tokens_per_block(  # (the tiles follow q's dtype, not the pool's)
+            self.num_q_heads, k.shape[1], k.shape[2], self.kv_pool.compute_dtype, k.device
         )
 
     def _decode_scratch(self, batch_size: int):
@@ -165,27 +167,29 @@ class TritonAttentionBackend:
         q is rotated in place and k rotated into the pool."""
         ta = self.ta
         k_pool, v_pool = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
+        ks, vs = self.kv_pool.k_scale[layer_id], self.kv_pool.v_scale[layer_id]
         if batch.is_decode:  # rope and the K/V store inside the decode kernel, when fused
             fused = None
             if rope is not None:
                 fused = ta.DecodeRope(k, v, rope.positions, rope.cos, rope.sin, batch.out_cache_loc)
             else:
-                ta.store_kv(k_pool, v_pool, batch.out_cache_loc, k, v)
+                ta.store_kv(k_pool, v_pool, batch.out_cache_loc, k, v, ks, vs)
             return ta.decode_attention(
                 q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.seq_lens, sm_scale,
-                scratch=self._decode_scratch(batch.batch_size), rope=fused,
+                scratch=self._decode_scratch(batch.batch_size), rope=fused, k_scale=ks, v_scale=vs,
             )  # fmt: skip
         if rope is not None:
             self.fused.rope_store_kv_(
-                q, k, v, rope.positions, rope.cos, rope.sin, k_pool, v_pool, batch.out_cache_loc
-            )
+                q, k, v, rope.positions, rope.cos, rope.sin, k_pool, v_pool, batch.out_cache_loc,
+                ks, vs,
+            )  # fmt: skip
         else:
-            ta.store_kv(k_pool, v_pool, batch.out_cache_loc, k, v)
+            ta.store_kv(k_pool, v_pool, batch.out_cache_loc, k, v, ks, vs)
         if batch.extend_blocks is not None:  # a graph's step: tiles listed, padding rows zero
             return ta.extend_attention(
                 q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.prefix_lens,
                 batch.extend_lens, sm_scale, blocks=batch.extend_blocks, out=torch.zeros_like(q),
-                tokens_per_block=self.extend_tokens_per_block(),
+                tokens_per_block=self.extend_tokens_per_block(), k_scale=ks, v_scale=vs,
             )  # fmt: skip
         # one launch for the whole ragged batch; single-token requests are extends of length 1
         out = torch.empty_like(q)
@@ -196,6 +200,7 @@ class TritonAttentionBackend:
         return ta.extend_attention(
             q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.prefix_lens,
             batch.extend_lens, sm_scale, max_extend_len=max(batch.extend_lens_cpu), out=out,
+            k_scale=ks, v_scale=vs,
         )  # fmt: skip
 
     def _extend_flash(self, q, k_pool, v_pool, batch: ForwardBatch, sm_scale: float, out):
@@ -248,7 +253,8 @@ class TritonAttentionBackend:
 def flash_varlen(pool: torch.Tensor):
     """flash-attn's `flash_attn_varlen_func` for a KV pool (slots, heads, head_dim) when flash-attn
     is installed (2.1 or later: a causal mask with fewer queries than keys aligned to the last key)
-    and runs there (fp16 or bf16, an Ampere or newer GPU, head dim up to 256), else None."""
+    and runs there (fp16 or bf16, an Ampere or newer GPU, head dim up to 256), else None (a float8
+    pool among them: its prompt chunks take the Triton extend kernel, which reads float8)."""
     if (
         os.environ.get("RADIXLM_DISABLE_FLASH_ATTN") == "1"
         or not pool.is_cuda
@@ -281,6 +287,16 @@ def create_backend(
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 "the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)"
+            )
+        if (
+            kv_pool.quantized
+            and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) < (8, 9)
+        ):
+            raise ValueError(
+                f"kv_cache_dtype={kv_pool.kv_cache_dtype} needs a GPU of compute capability 8.9 "
+                "or later (Ada, Hopper) for the Triton kernels' float8 loads; use "
+                "kv_cache_dtype=auto, or attention_backend=torch"
             )
         return TritonAttentionBackend(kv_pool, req_to_token, num_q_heads)
     raise ValueError(f"attention backend {name!r} is not available; use auto, torch or triton")

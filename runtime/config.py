@@ -41,6 +41,10 @@ _SPECULATIVE_LATER = ("EAGLE", "EAGLE3", "MEDUSA", "STANDALONE", "NEXTN")
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as SGLang reads them
 
+# KV cache dtypes (runtime/memory_pool.py KV_CACHE_DTYPES), and SGLang's others not offered yet
+_KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+_KV_CACHE_LATER = ("fp8_e5m2", "fp4_e2m1", "bf16", "bfloat16")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -81,6 +85,9 @@ class EngineConfig:
     schedule_low_priority_values_first: bool = False
     priority_scheduling_preemption_threshold: int = 10
     disable_radix_cache: bool = False
+    # what the KV pool stores, with SGLang's names: auto (the model's dtype) or fp8_e4m3 (float8
+    # with per-layer scales, 1.0 unless the checkpoint gives them: twice the tokens in the memory)
+    kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton
     # CUDA graphs replay decode steps of up to this many requests (default: max_running_requests,
     # at most 256); larger decode batches run as other steps. GPU with Triton attention only.
@@ -174,6 +181,12 @@ class EngineConfig:
             bad(
                 "priority_scheduling_preemption_threshold must be at least 0 (a request preempts "
                 "only those less urgent than itself by more than this)"
+            )
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            later = " is not available yet" if self.kv_cache_dtype in _KV_CACHE_LATER else ""
+            bad(
+                f"kv_cache_dtype={self.kv_cache_dtype!r}{later}; use one of "
+                f"{', '.join(_KV_CACHE_DTYPES)}"
             )
         if self.attention_backend not in ("auto", "torch", "triton"):
             bad(f"attention_backend={self.attention_backend!r}; use auto, torch or triton")

@@ -140,7 +140,7 @@ class Engine:
             | frozenset(generation_eos_ids(folder))
             | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         )
-        startup.say(f"starting the engine core (KV pool: {num_slots} tokens)")
+        startup.say(f"starting the engine core (KV pool: {num_slots} tokens, {_kv_name(kv_pool)})")
         try:
             self._core = EngineCore(
                 config, local, model, kv_pool, self.context_len, self.device, tp
@@ -160,7 +160,7 @@ class Engine:
         self._closed = False
         startup.say(
             f"engine ready in {time.perf_counter() - t0:.1f}s: {folder.name} on {self.device} "
-            f"({dtype_name}), KV pool {num_slots} tokens"
+            f"({dtype_name}), KV pool {num_slots} tokens ({_kv_name(kv_pool)})"
         )
 
     # ---- the API --------------------------------------------------------------------------
@@ -584,6 +584,13 @@ class _NewestOnLoop:
         return item
 
 
+def _kv_name(kv_pool: KVPool) -> str:
+    """How the start-up lines name the pool's storage: "fp8_e4m3 KV", "bfloat16 KV"."""
+    if kv_pool.quantized:
+        return f"{kv_pool.kv_cache_dtype} KV"
+    return f"{str(kv_pool.dtype).removeprefix('torch.')} KV"
+
+
 def build_model(
     config: EngineConfig,
     folder,
@@ -638,6 +645,7 @@ def build_kv_pool(
     """The KV pool of `num_slots` slots (and the padding slot) for the heads `local` holds."""
     return KVPool(
         num_slots + 1, local.num_layers, local.num_kv_heads, local.head_dim, dtype, device,
+        kv_cache_dtype=config.kv_cache_dtype,
     )  # fmt: skip
 
 

@@ -22,7 +22,12 @@ from radixlm.errors import EngineShutDown
 from radixlm.radix_cache.base import NoPrefixCache
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.cache_manager import CacheManager
-from radixlm.runtime.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
+from radixlm.runtime.memory_pool import (
+    KVPool,
+    ReqToTokenPool,
+    SlotAllocator,
+    kv_cache_storage_dtype,
+)
 from radixlm.runtime.model_runner import DeferredStep, ModelRunner
 from radixlm.runtime.output_processor import OutputProcessor, Sink
 from radixlm.runtime.parallel import RankFailure
@@ -450,10 +455,12 @@ class EngineCore:
 def kv_pool_tokens(
     config, model_config, dtype: torch.dtype, device: torch.device, context_len: int
 ) -> int:
-    """Size the KV pool from free memory (or take `max_total_tokens`)."""
+    """Size the KV pool from free memory (or take `max_total_tokens`), for a model computing in
+    `dtype` and a pool storing what `config.kv_cache_dtype` says."""
     per_token = KVPool.bytes_per_slot(
-        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype
-    )
+        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+        kv_cache_storage_dtype(config.kv_cache_dtype, dtype),
+    )  # fmt: skip
     free = free_memory(device)
     if config.max_total_tokens is not None:
         if config.max_total_tokens * per_token > free:

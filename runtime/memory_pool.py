@@ -3,6 +3,11 @@
 Three owners of three things: `KVPool` holds the K/V tensors (one flat buffer sliced per layer),
 `SlotAllocator` hands out free slot indices, `ReqToTokenPool` maps each running request's positions
 to slots. Policy (what to evict, whom to preempt) lives in `cache_manager.py`.
+
+The pool holds K/V in the model's dtype (`kv_cache_dtype="auto"`) or as float8_e4m3fn with a scale
+per layer for K and for V (`"fp8_e4m3"`, SGLang's name and scheme): half the bytes a token, so twice
+the tokens in the same memory. How values are quantized and read back is `kernels/attention_ref.py`'s
+(`quantize_kv`, `dequantize_kv`); every attention backend reads the pool through it or its twin.
 """
 
 from __future__ import annotations
@@ -13,9 +18,30 @@ from radixlm.runtime.tensors import int64_tensor, to_device
 
 _MAX_PENDING_PIECES = 256  # freed pieces kept apart before they are joined
 
+# kv_cache_dtype -> what the pool stores (None: the model's dtype)
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
+
+def kv_cache_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The element type of a KV pool for `kv_cache_dtype` in a model computing in `dtype`."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use one of "
+            f"{', '.join(KV_CACHE_DTYPES)}"
+        )
+    return KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+
 
 class KVPool:
-    """K and V for every layer, addressed per token slot: k[layer] is (num_slots, num_kv_heads, head_dim)."""
+    """K and V for every layer, addressed per token slot: k[layer] is (num_slots, num_kv_heads, head_dim).
+
+    `dtype` is what the pool stores; `compute_dtype` is the model's, what K/V are written in and
+    read back as. A float8 pool reads layer l's keys as their stored value times `k_scale[l]` and
+    its values times `v_scale[l]` (1.0 unless given: SGLang's per-tensor scales, which a
+    checkpoint may carry)."""
 
     def __init__(
         self,
@@ -25,11 +51,19 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_cache_dtype: str = "auto",
+        k_scale: list[float] | None = None,
+        v_scale: list[float] | None = None,
     ) -> None:
         self.num_slots = num_slots
+        self.compute_dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.dtype = kv_cache_storage_dtype(kv_cache_dtype, dtype)
+        self.k_scale = _layer_scales("k_scale", k_scale, num_layers)
+        self.v_scale = _layer_scales("v_scale", v_scale, num_layers)
         # one buffer so a single allocation holds it all; (2, layers, slots, kv_heads, head_dim)
         self._buffer = torch.empty(
-            (2, num_layers, num_slots, num_kv_heads, head_dim), dtype=dtype, device=device
+            (2, num_layers, num_slots, num_kv_heads, head_dim), dtype=self.dtype, device=device
         )
         # slot 0 is padding that masked-out reads point at: it must hold finite values, since a
         # NaN times a zero attention weight is still NaN
@@ -37,11 +71,31 @@ class KVPool:
         self.k = list(self._buffer[0].unbind(0))
         self.v = list(self._buffer[1].unbind(0))
 
+    @property
+    def quantized(self) -> bool:
+        return self.dtype != self.compute_dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self._buffer.nbytes
+
     @staticmethod
     def bytes_per_slot(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
+        """Bytes a token's K and V take over all layers in a pool storing `dtype`."""
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def _layer_scales(name: str, scales: list[float] | None, num_layers: int) -> list[float]:
+    if scales is None:
+        return [1.0] * num_layers
+    scales = [float(s) for s in scales]
+    if len(scales) != num_layers:
+        raise ValueError(f"{name} has {len(scales)} values for {num_layers} layers")
+    if not all(s > 0 and s != float("inf") for s in scales):
+        raise ValueError(f"{name} values must be positive and finite, got {scales}")
+    return scales
 
 
 class SlotAllocator:

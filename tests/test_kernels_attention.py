@@ -411,6 +411,201 @@ def test_store_kv_matches_reference(pool_dtype: torch.dtype) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# float8 pools (kv_cache_dtype="fp8_e4m3"): the kernels against the reference reading the same
+# float8 pools through the same scales. Scales far from 1 so that a scale dropped or applied
+# twice anywhere shows.
+
+K_SCALE, V_SCALE = 0.04, 0.5
+FP8 = torch.float8_e4m3fn
+
+
+def to_fp8(b: Batch, k_scale: float = K_SCALE, v_scale: float = V_SCALE) -> Batch:
+    """b with its pools quantized (the values stored are pool / scale) into float8 pools that are
+    again strided views of one (slots, 2 * Hkv, D) tensor; NaN poison stays NaN."""
+    from radixlm.kernels.attention_ref import quantize_kv
+
+    kv = torch.cat([quantize_kv(b.k_pool, k_scale, FP8), quantize_kv(b.v_pool, v_scale, FP8)], 1)
+    heads = b.k_pool.shape[1]
+    b.k_pool, b.v_pool = kv[:, :heads], kv[:, heads:]
+    return b
+
+
+def expected_fp8_extend(b: Batch) -> torch.Tensor:
+    return extend_attention_ref(
+        b.q.float(), b.k_pool, b.v_pool, b.req_to_token, b.req_pool_indices, b.prefix_lens,
+        b.extend_lens, b.sm_scale, K_SCALE, V_SCALE,
+    )  # fmt: skip
+
+
+def expected_fp8_decode(b: Batch) -> torch.Tensor:
+    return decode_attention_ref(
+        b.q.float(), b.k_pool, b.v_pool, b.req_to_token, b.req_pool_indices, b.seq_lens,
+        b.sm_scale, K_SCALE, V_SCALE,
+    )  # fmt: skip
+
+
+def test_fp8_reference_reads_the_pool_times_its_scales() -> None:
+    """The oracle itself: attention over a float8 pool is attention over its float8 values times
+    the scales (and the pool stores x / scale, rounded: within float8's half step of x)."""
+    b = Batch([7, 0, 20], [3, 9, 1], 2, 3, 64, torch.float32, seed=20)
+    k32, v32 = b.k_pool.clone(), b.v_pool.clone()
+    to_fp8(b)
+    valid = ~k32.isnan()
+    # float8 e4m3 keeps 3 mantissa bits: relative error at most 1/16 above its subnormals
+    err = (b.k_pool.float() * K_SCALE - k32)[valid].abs()
+    assert (err <= k32[valid].abs() / 16 + 2**-10 * K_SCALE).all()
+    plain = extend_attention_ref(
+        b.q, b.k_pool.float() * K_SCALE, b.v_pool.float() * V_SCALE, b.req_to_token,
+        b.req_pool_indices, b.prefix_lens, b.extend_lens, b.sm_scale,
+    )  # fmt: skip
+    torch.testing.assert_close(expected_fp8_extend(b), plain, atol=1e-5, rtol=1e-5)
+    # and it stays close to the unquantized attention
+    unquantized = extend_attention_ref(
+        b.q, k32, v32, b.req_to_token, b.req_pool_indices, b.prefix_lens, b.extend_lens,
+        b.sm_scale,
+    )  # fmt: skip
+    torch.testing.assert_close(plain, unquantized, atol=0.1, rtol=0.1)
+
+
+@pytest.mark.parametrize(
+    "prefix_lens,new_lens,num_kv_heads,group,head_dim,q_dtype",
+    [
+        ([0, 5, 17], [7, 1, 3], 2, 4, 64, torch.float32),
+        ([30, 0, 3], [2, 33, 9], 1, 8, 128, torch.float32),
+        ([9, 20], [6, 11], 2, 2, 80, torch.float32),  # a head dim that is not a power of two
+        ([12, 0, 25], [5, 17, 2], 2, 4, 64, torch.bfloat16),
+    ],
+)
+def test_fp8_extend_matches_reference(
+    prefix_lens, new_lens, num_kv_heads, group, head_dim, q_dtype
+) -> None:
+    b = to_fp8(
+        Batch(
+            prefix_lens, new_lens, num_kv_heads, group, head_dim, q_dtype, seed=21, share_prefix=4
+        )
+    )
+    out = run_extend(b, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert out.dtype == q_dtype
+    assert_close(out, expected_fp8_extend(b), q_dtype)
+
+
+def test_fp8_extend_over_a_block_map_matches_reference() -> None:
+    """The prompt-step CUDA graph's grid (tiles listed) over float8 pools."""
+    b = to_fp8(Batch([3, 11, 0], [9, 4, 1], 2, 2, 64, torch.float32, seed=22))
+    tpb = ta.extend_tokens_per_block(b.q.shape[1], 2, 64, torch.float32, DEVICE)
+    reqs, starts = ta.extend_blocks([9, 4, 1], tpb)
+    blocks = torch.tensor([reqs + [-1] * 3, starts + [0] * 3], device=DEVICE)
+    out = run_extend(b, blocks=blocks, out=torch.zeros_like(b.q), k_scale=K_SCALE, v_scale=V_SCALE)
+    assert_close(out, expected_fp8_extend(b), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "seq_lens,num_kv_heads,group,head_dim,splits,q_dtype",
+    [
+        ([9, 1, 40], 2, 4, 64, 4, torch.float32),
+        ([33, 2, 17, 5], 1, 8, 128, 1, torch.float32),  # one split: straight into the output
+        ([3, 26], 2, 2, 96, 3, torch.float32),
+        ([8, 1, 44], 2, 4, 128, 4, torch.bfloat16),
+    ],
+)
+def test_fp8_decode_matches_reference(
+    seq_lens, num_kv_heads, group, head_dim, splits, q_dtype
+) -> None:
+    prefix_lens = [s - 1 for s in seq_lens]
+    b = to_fp8(
+        Batch(prefix_lens, [1] * len(seq_lens), num_kv_heads, group, head_dim, q_dtype, seed=23)
+    )
+    out = run_decode(b, num_kv_splits=splits, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert out.dtype == q_dtype
+    assert_close(out, expected_fp8_decode(b), q_dtype)
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal as numbers (a float8 -0 and +0 are one value)."""
+    return torch.equal(a.float(), b.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_stores_round_as_the_reference(dtype: torch.dtype) -> None:
+    """store_kv, rope_store_kv_ and the decode kernel's own store quantize K and V exactly as
+    store_kv_ref does (to nearest even, saturated): values spanning float8's subnormals, its
+    normal range, the rounding carries at each power of two and the saturation at 448."""
+    from radixlm.kernels.fused import rope_store_kv_
+
+    gen = torch.Generator().manual_seed(24)
+    n, heads, dim = 12, 2, 64
+    magnitudes = torch.tensor([1e-4, 3e-3, 0.02, 0.3, 1.0, 7.9, 60.0, 600.0])
+    k = torch.randn(n, heads, dim, generator=gen) * magnitudes[torch.arange(n * heads) % 8].view(
+        n, heads, 1
+    )
+    k[0, 0, :4] = torch.tensor([7.97, -15.9, 447.0, -1000.0])  # carries and saturation
+    k, v = (k * K_SCALE).to(dtype).to(DEVICE), (k.flip(0) * V_SCALE).to(dtype).to(DEVICE)
+    loc = (torch.randperm(30, generator=gen)[:n] + 1).to(DEVICE)
+
+    def pools():
+        return torch.zeros(31, heads, dim, dtype=FP8, device=DEVICE), torch.zeros(
+            31, heads, dim, dtype=FP8, device=DEVICE
+        )
+
+    want_k, want_v = pools()
+    store_kv_ref(want_k, want_v, loc, k, v, K_SCALE, V_SCALE)
+    assert want_k.float().abs().max() == 448.0  # (saturated, not NaN)
+
+    got_k, got_v = pools()
+    ta.store_kv(got_k, got_v, loc.int(), k, v, K_SCALE, V_SCALE)
+    assert _same_values(got_k, want_k) and _same_values(got_v, want_v)
+
+    # rope_store_kv_ at position 0 (cos 1, sin 0) stores k unrotated
+    cos, sin = torch.ones(4, dim // 2, device=DEVICE), torch.zeros(4, dim // 2, device=DEVICE)
+    q = torch.zeros(n, heads, dim, dtype=dtype, device=DEVICE)
+    got_k, got_v = pools()
+    positions = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+    rope_store_kv_(q, k, v, positions, cos, sin, got_k, got_v, loc, K_SCALE, V_SCALE)
+    assert _same_values(got_k, want_k) and _same_values(got_v, want_v)
+
+    # the decode kernel's store (DecodeRope): one request per new token, each on its own row
+    got_k, got_v = pools()
+    req_to_token = loc.view(n, 1).int()
+    seq_lens = torch.ones(n, dtype=torch.int64, device=DEVICE)
+    ta.decode_attention(
+        torch.zeros(n, heads, dim, dtype=dtype, device=DEVICE), got_k, got_v, req_to_token,
+        torch.arange(n, device=DEVICE), seq_lens, dim**-0.5, num_kv_splits=1,
+        rope=ta.DecodeRope(k, v, positions, cos, sin, loc), k_scale=K_SCALE, v_scale=V_SCALE,
+    )  # fmt: skip
+    assert _same_values(got_k, want_k) and _same_values(got_v, want_v)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_fp8_decode_with_rope_equals_rope_store_then_decode(splits: int) -> None:
+    """DecodeRope into a float8 pool: the kernel's own store and read equal rope_store_kv_
+    (quantizing) then the plain decode kernel."""
+    from radixlm.kernels.fused import rope_store_kv_
+
+    b = to_fp8(Batch([6, 0, 13], [1, 1, 1], 2, 3, 64, torch.float32, seed=25))
+    gen = torch.Generator().manual_seed(26)
+    rows = b.req_pool_indices
+    loc = b.req_to_token[rows, b.seq_lens - 1].long()
+    k_new = torch.randn(3, 2, 64, generator=gen).to(DEVICE)
+    v_new = torch.randn(3, 2, 64, generator=gen).to(DEVICE)
+    angles = torch.arange(64)[:, None] * torch.rand(32, generator=gen)[None, :]
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    positions = (b.seq_lens - 1).contiguous()
+    scales = {"k_scale": K_SCALE, "v_scale": V_SCALE}
+
+    ref_k, ref_v, q_ref = b.k_pool.clone(), b.v_pool.clone(), b.q.clone()
+    rope_store_kv_(q_ref, k_new, v_new, positions, cos, sin, ref_k, ref_v, loc, **scales)
+    want = decode_attention_ref(
+        q_ref, ref_k, ref_v, b.req_to_token, rows, b.seq_lens, b.sm_scale, K_SCALE, V_SCALE
+    )
+    got = ta.decode_attention(
+        b.q, b.k_pool, b.v_pool, b.req_to_token, rows, b.seq_lens, b.sm_scale,
+        num_kv_splits=splits, rope=ta.DecodeRope(k_new, v_new, positions, cos, sin, loc), **scales,
+    )  # fmt: skip
+    assert_close(got, want, torch.float32)
+    assert _same_values(b.k_pool[loc], ref_k[loc]) and _same_values(b.v_pool[loc], ref_v[loc])
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: real sizes, bf16, CUDA graphs
 
 
