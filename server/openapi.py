@@ -192,21 +192,131 @@ def _body_ref(path: str) -> str | None:
     return None
 
 
-# what a success is, where it is not a JSON document (FastAPI's default): media type -> schema
-_JSON_OR_EVENTS = {
-    "application/json": {"schema": {}},
-    "text/event-stream": {"schema": {"type": "string"}},  # with "stream": true
+# What a success returns: the JSON bodies the clients read (each field they rely on required;
+# more may come), and the media type where it is not JSON.
+_INT = {"type": "integer"}
+_USAGE = {
+    "type": "object",
+    "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT},
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
 }
+_FINISH_REASON = _nullable({"type": "string"})
+_GENERATE_OUTPUT = {
+    "type": "object",
+    "properties": {
+        "text": {"type": "string"},
+        "output_ids": {"type": "array", "items": _INT},
+        "meta_info": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "string"},
+                "prompt_tokens": _INT,
+                "completion_tokens": _INT,
+                "cached_tokens": _INT,
+                # {"type": "stop" | "length" | "abort", ...}
+                "finish_reason": _nullable({"type": "object"}),
+            },
+            "required": ["id", "prompt_tokens", "completion_tokens", "finish_reason"],
+        },
+    },
+    "required": ["text", "output_ids", "meta_info"],
+}
+
+
+def _choices(item: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"index": _INT, "finish_reason": _FINISH_REASON, **item},
+            "required": ["index", "finish_reason", *item],
+        },
+    }
+
+
+def _completion_object(kind: str, item: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": kind},
+            "created": _INT,
+            "model": {"type": "string"},
+            "choices": _choices(item),
+            "usage": _USAGE,
+        },
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+    }
+
+
+def _json_or_events(schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "application/json": {"schema": schema},
+        "text/event-stream": {"schema": {"type": "string"}},  # with "stream": true
+    }
+
+
+def _json(properties: dict[str, Any]) -> dict[str, Any]:
+    schema = {"type": "object", "properties": properties, "required": list(properties)}
+    return {"application/json": {"schema": schema}}
+
+
+_MODEL_CARD = {
+    "type": "object",
+    "properties": {"id": {"type": "string"}, "object": {"const": "model"}},
+    "required": ["id", "object"],
+}
+_IDS = {"type": "array", "items": _INT}
 _SUCCESS_CONTENT: dict[str, dict[str, Any] | None] = {
     "/health": None,  # a status, no body
     "/health_generate": None,
     "/flush_cache": {"text/plain": {"schema": {"type": "string"}}},
     "/metrics": {"text/plain": {"schema": {"type": "string"}}},  # Prometheus' text format
-    "/generate": _JSON_OR_EVENTS,
-    "/v1/completions": _JSON_OR_EVENTS,
-    "/v1/chat/completions": _JSON_OR_EVENTS,
-    "/v1/responses": _JSON_OR_EVENTS,
+    "/generate": _json_or_events(
+        {"anyOf": [_GENERATE_OUTPUT, {"type": "array", "items": _GENERATE_OUTPUT}]}
+    ),
+    "/v1/completions": _json_or_events(
+        _completion_object("text_completion", {"text": {"type": "string"}})
+    ),
+    "/v1/chat/completions": _json_or_events(
+        _completion_object(
+            "chat.completion",
+            {"message": {"type": "object", "properties": {"role": {"const": "assistant"}}}},
+        )
+    ),
+    "/v1/responses": _json_or_events({"type": "object"}),
+    "/tokenize": _json(
+        {
+            "tokens": {"anyOf": [_IDS, {"type": "array", "items": _IDS}]},
+            "count": {"anyOf": [_INT, {"type": "array", "items": _INT}]},
+            "max_model_len": _INT,
+        }
+    ),
+    "/detokenize": _json(
+        {"text": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}}
+    ),
+    "/abort_request": _json({"success": {"const": True}, "aborted": _INT}),
+    "/concate_and_append_request": _json(
+        {
+            "success": {"const": True},
+            "src_rids": {"type": "array", "items": {"type": "string"}},
+            "dst_rid": {"type": "string"},
+        }
+    ),
+    "/v1/models": _json(
+        {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL_CARD}}
+    ),
+    "/v1/models/{model_id}": {"application/json": {"schema": _MODEL_CARD}},
+    "/model_info": _json(
+        {"model_path": {"type": "string"}, "context_length": _INT, "vocab_size": _INT}
+    ),
 }
+for _alias, _path in (
+    ("/v1/tokenize", "/tokenize"),
+    ("/v1/detokenize", "/detokenize"),
+    ("/get_model_info", "/model_info"),
+):
+    _SUCCESS_CONTENT[_alias] = _SUCCESS_CONTENT[_path]
 
 
 def add_bodies(document: dict[str, Any]) -> dict[str, Any]:
