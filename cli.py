@@ -71,10 +71,12 @@ _ENGINE_HELP = {
     "json_fraction_digits": "digits after the point of a JSON number whose schema sets no "
     "multipleOf, written without exponent (-1: no limit)",
     "speculative_algorithm": "speculative decoding: NGRAM (drafts from earlier occurrences of "
-    "the context's own ending, verified in one forward); EAGLE, EAGLE3, MEDUSA and STANDALONE are "
-    "not available yet (default: off)",
+    "the context's own ending) or MEDUSA (heads over the model's last hidden state), verified in "
+    "one forward; EAGLE, EAGLE3 and STANDALONE are not available yet (default: off)",
     "speculative_num_draft_tokens": "positions one verify step computes: the newest token and up "
-    "to this many - 1 draft tokens (default: 12 with NGRAM)",
+    "to this many - 1 draft tokens (default: 12 with NGRAM; with MEDUSA one more than its heads)",
+    "speculative_draft_model_path": "MEDUSA: the heads' folder, as `radixlm train-draft` writes "
+    "it (default: the heads shipped for the embedded default model)",
     "speculative_ngram_min_match_window_size": "NGRAM: the shortest ending of the context matched "
     "(default: 1)",
     "speculative_ngram_max_match_window_size": "NGRAM: the longest ending of the context matched, "
@@ -336,7 +338,62 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_engine_options(gen)
     _add_sglang_options(gen)
     gen.set_defaults(run=_generate)
+    _add_train_draft(commands)
     return parser
+
+
+def _add_train_draft(commands) -> None:
+    train = commands.add_parser(
+        "train-draft",
+        help="train speculative draft heads (MEDUSA) on the model's own outputs",
+        description="Make draft heads for a model: generate data with the engine (the model's "
+        "greedy answers to built-in or random-token prompts, under its chat template), capture "
+        "the final hidden states, train the heads through the frozen LM head, and write the "
+        "folder --speculative-draft-model-path takes. Resumable (--resume), reproducible from "
+        "--seed.",
+        formatter_class=_HelpFormatter,
+    )
+    from radixlm.runtime.speculative.train_options import TrainDraftOptions
+
+    d = TrainDraftOptions(output="")
+    add = train.add_argument
+    add("--output", required=True, help="the head folder to write (data and checkpoint too)")
+    add("--algorithm", default=d.algorithm, help="the draft kind: MEDUSA")
+    add("--num-heads", type=int, default=d.num_heads, help="heads: tokens a chain drafts")
+    add("--num-layers", type=int, default=d.num_layers, help="residual blocks per head")
+    add("--num-prompts", type=int, default=d.num_prompts, help="conversations generated")
+    add(
+        "--random-prompt-fraction", type=float, default=d.random_prompt_fraction,
+        help="the share of prompts made of random tokens (the rest: built-in instructions)",
+    )  # fmt: skip
+    add("--max-new-tokens", type=int, default=d.max_new_tokens, help="each answer's length")
+    add(
+        "--held-out-fraction", type=float, default=d.held_out_fraction,
+        help="conversations kept out of training for the held-out accuracy",
+    )  # fmt: skip
+    add("--epochs", type=float, default=d.epochs, help="passes over the training positions")
+    add("--steps", type=int, default=None, help="optimizer steps (default: from --epochs)")
+    add("--batch-size", type=int, default=d.batch_size, help="positions a step")
+    add("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    add("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    add("--head-decay", type=float, default=d.head_decay, help="head i's loss weight: this**i")
+    add("--seed", type=int, default=d.seed, help="seeds the prompts, the order and the init")
+    add("--resume", action="store_true", help="continue from the checkpoint in --output")
+    add("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
+    add("--log-every", type=int, default=d.log_every, help="steps between log entries")
+    _add_engine_options(train)
+    train.set_defaults(run=_train_draft)
+
+
+def _train_draft(args: argparse.Namespace) -> int:
+    from radixlm.runtime.speculative.train_options import TrainDraftOptions
+    from radixlm.runtime.speculative.training import train_draft
+
+    names = [f.name for f in dataclasses.fields(TrainDraftOptions)]
+    opts = TrainDraftOptions(**{name: getattr(args, name) for name in names})
+    opts.check()  # (before the model loads)
+    train_draft(opts, _engine_kwargs(args), say=lambda text: print(text, file=sys.stderr))
+    return 0
 
 
 def _check_address(host: str, port: int) -> None:

@@ -37,7 +37,8 @@ def _is_kind(value: Any, kind: str) -> bool:
 
 
 # SGLang's speculative algorithms that radixlm does not have yet
-_SPECULATIVE_LATER = ("EAGLE", "EAGLE3", "MEDUSA", "STANDALONE", "NEXTN")
+_SPECULATIVE_LATER = ("EAGLE", "EAGLE3", "STANDALONE", "NEXTN")
+_SPECULATIVE = ("NGRAM", "MEDUSA")
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as SGLang reads them
 
@@ -115,13 +116,17 @@ class EngineConfig:
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
     # auto: the checkpoint's weights; dummy: random weights of the config's shape (benchmarks)
     load_format: str = "auto"
-    # speculative decoding, with SGLang's option names: None (off) or NGRAM (drafts from earlier
-    # occurrences of the context's own ending, runtime/speculative/); EAGLE, EAGLE3, MEDUSA and
+    # speculative decoding, with SGLang's option names: None (off), NGRAM (drafts from earlier
+    # occurrences of the context's own ending, runtime/speculative/) or MEDUSA (heads over the
+    # model's last hidden state, runtime/speculative/medusa.py); EAGLE, EAGLE3 and
     # STANDALONE are SGLang's names for algorithms not available here yet
     speculative_algorithm: str | None = None
     # positions a verify step computes: the newest token and up to this many - 1 draft tokens
-    # (default: 12 with NGRAM, as in SGLang)
+    # (default: 12 with NGRAM, as in SGLang; with MEDUSA one more than its heads)
     speculative_num_draft_tokens: int | None = None
+    # MEDUSA: the folder of the heads (`radixlm train-draft` writes one); default: the heads that
+    # ship for the embedded default model
+    speculative_draft_model_path: str | None = None
     # NGRAM: the context's last n tokens are matched, n from the max down to the min window (the
     # names SGLang used before its n-gram trie took max_trie_depth)
     speculative_ngram_min_match_window_size: int = 1
@@ -232,18 +237,25 @@ class EngineConfig:
             if algorithm in _SPECULATIVE_LATER:
                 bad(
                     f"speculative_algorithm={self.speculative_algorithm!r} is not available yet; "
-                    "use NGRAM (or leave it unset)"
+                    "use NGRAM or MEDUSA (or leave it unset)"
                 )
-            if algorithm != "NGRAM":
+            if algorithm not in _SPECULATIVE:
                 bad(
                     f"speculative_algorithm={self.speculative_algorithm!r} is unknown; use NGRAM "
-                    "(or leave it unset)"
+                    "or MEDUSA (or leave it unset)"
                 )
             object.__setattr__(self, "speculative_algorithm", algorithm)
-            if self.speculative_num_draft_tokens is None:
+            if self.speculative_num_draft_tokens is None and algorithm == "NGRAM":
                 object.__setattr__(self, "speculative_num_draft_tokens", 12)
+            if self.speculative_draft_model_path is not None and algorithm == "NGRAM":
+                bad(
+                    "speculative_draft_model_path is for MEDUSA's heads; NGRAM drafts from the "
+                    "context itself and takes none"
+                )
         elif self.speculative_num_draft_tokens is not None:
-            bad("speculative_num_draft_tokens needs speculative_algorithm (NGRAM)")
+            bad("speculative_num_draft_tokens needs speculative_algorithm (NGRAM or MEDUSA)")
+        elif self.speculative_draft_model_path is not None:
+            bad("speculative_draft_model_path needs speculative_algorithm=MEDUSA")
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             bad(
                 f"speculative_num_draft_tokens={self.speculative_num_draft_tokens}; it counts the "

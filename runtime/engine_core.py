@@ -131,7 +131,7 @@ class EngineCore:
         if config.speculative_algorithm is not None:
             from radixlm.runtime.speculative.worker import SpeculativeWorker
 
-            self.speculative = SpeculativeWorker(config)
+            self.speculative = SpeculativeWorker(config, model)
         self.scheduler = Scheduler(
             self.cache,
             max_running_requests=config.max_running_requests,

@@ -36,6 +36,11 @@ class ForwardBatch:
     # host lists above describe the graph's capture, not this batch; padding rows then belong to no
     # tile and attention leaves them zero
     extend_blocks: torch.Tensor | None = None
+    # rows of the final hidden states (the last norm's output, what the LM head reads) that the
+    # model keeps in `hidden_states` (len(hidden_indices), hidden), for a speculative drafter
+    # (runtime/speculative/medusa.py); None: none are kept
+    hidden_indices: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

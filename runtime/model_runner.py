@@ -76,6 +76,10 @@ class StepLists:
     )  # item -> [(logits row, token index)]
     # items verifying a draft: (item, its first logits row), each with a row per position
     drafts: list[tuple[int, int]] = field(default_factory=list)
+    # a speculative drafter reads the final hidden states at the logits rows (MEDUSA): kept
+    # here by the forward, (L, H)
+    keep_hidden: bool = False
+    hidden: torch.Tensor | None = None
 
 
 class StepHandle:
@@ -194,19 +198,24 @@ class ModelRunner:
             order = sorted(range(len(plan_items)), key=lambda i: plan_items[i].num_tokens == 1)
             items = [plan_items[i] for i in order]
             lists = self._step_lists(items)
+            lists.keep_hidden = self._keeps_hidden(items)
             which, logit_rows, input_lp_rows = lists.which, lists.sample_rows, lists.input_lp_rows
             use_graph = (
                 self.prefill_graphs is not None
                 and not input_lp_rows
                 and not lists.drafts
+                and not lists.keep_hidden
                 and self.prefill_graphs.can_run(len(lists.input_ids), len(items))
             )
             if self.mirror is not None:
                 self.mirror.eager_step(plan if plan.decodes else None, lists, use_graph)
             logits = self.forward_lists(lists, use_graph)  # (L, V)
             self.num_prefill_graph_steps += use_graph
+            if lists.hidden is not None and which:  # the drafter follows the sampled tokens
+                hidden = lists.hidden[to_device(int64_tensor(logit_rows), logits.device)]
+                self.verifier.draft_from_hidden(hidden, [items[i].req for i in which])
             if lists.drafts:
-                verified = self._verify(logits, items, order, lists.drafts)
+                verified = self._verify(logits, items, order, lists.drafts, lists.hidden)
             if logit_rows == list(range(len(logit_rows))):
                 row_logits = logits[: len(logit_rows)]  # (logits may have padding rows after)
             else:
@@ -235,14 +244,15 @@ class ModelRunner:
         )  # fmt: skip
 
     def _verify(
-        self, logits: torch.Tensor, items: list[ScheduledReq], order: list[int], drafts
+        self, logits: torch.Tensor, items: list[ScheduledReq], order: list[int], drafts, hidden
     ) -> dict[int, list[int]]:
         """The output tokens of the step's drafts (plan index -> tokens); each request's newest
         one goes into token_buf, as a sampled token does."""
         which = [items[i] for i, _ in drafts]
         tokens = self.verifier.verify(
-            logits, [it.req for it in which], [it.draft for it in which], [r for _, r in drafts]
-        )
+            logits, [it.req for it in which], [it.draft for it in which], [r for _, r in drafts],
+            hidden,
+        )  # fmt: skip
         pool_rows, last = packed_to_device(
             [[it.req.pool_row for it in which], [t[-1] for t in tokens]], self.device
         )
@@ -352,7 +362,10 @@ class ModelRunner:
                 lists.input_ids, lists.positions, lists.token_rows, lists.pending,
                 lists.rows, lists.prefix_lens, lists.extend_lens, lists.logits_rows,
             )  # fmt: skip
-        return self.model(self._to_batch(lists), self.backend)
+        batch = self._to_batch(lists)
+        logits = self.model(batch, self.backend)
+        lists.hidden = batch.hidden_states
+        return logits
 
     def set_tokens(self, pool_rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """token_buf[pool_rows] = tokens (a step's sampled or verified tokens, on the device)."""
@@ -364,7 +377,17 @@ class ModelRunner:
         """A step of single-token decodes only, small enough for a captured graph. (Their input
         is each request's newest token, which was sampled into token_buf: the graph reads it
         there, whether or not it has reached the host.)"""
-        return self.graphs is not None and not plan.items and self.graphs.can_run(len(plan))
+        return (
+            self.graphs is not None
+            and not plan.items
+            and self.graphs.can_run(len(plan))
+            and not self._keeps_hidden(plan.decodes)
+        )
+
+    def _keeps_hidden(self, reqs) -> bool:
+        """Whether a step of these requests keeps its final hidden states for the drafter (then
+        it runs eagerly: the captured graphs return logits only)."""
+        return self.verifier is not None and self.verifier.wants_hidden(reqs)
 
     # ---- batch ----------------------------------------------------------------------------
 
@@ -453,6 +476,7 @@ class ModelRunner:
             extend_lens=extend_t,
             seq_lens=prefix_t + extend_t,
             logits_indices=logits_t,
+            hidden_indices=logits_t if lists.keep_hidden else None,
             extend_lens_cpu=lists.extend_lens,
             prefix_lens_cpu=lists.prefix_lens,
             num_multi=lists.num_multi,

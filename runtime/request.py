@@ -80,7 +80,8 @@ class Req:
     # that a stream's snapshot each step costs a copy of references, not a conversion of all
     result_logprobs: dict[str, list[Any]] = field(default_factory=dict, repr=False)
 
-    # speculative decoding: its n-gram index (runtime/speculative/ngram.py), and per request as
+    # speculative decoding: its drafter's state (NGRAM: the n-gram index, ngram.py; MEDUSA: the
+    # next chain and the context length it follows, worker.py), and per request as
     # SGLang counts them: verify steps, draft tokens proposed and accepted in them, the tokens
     # they gave (accepted drafts and bonus tokens), and how many verifies accepted 0, 1, ...
     draft_index: Any = field(default=None, repr=False)

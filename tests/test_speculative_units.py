@@ -140,7 +140,7 @@ def test_ngram_takes_sglangs_defaults_and_any_case():
     "kw, says",
     [
         ({"speculative_algorithm": "EAGLE3"}, "not available yet"),
-        ({"speculative_algorithm": "MEDUSA"}, "not available yet"),
+        ({"speculative_algorithm": "STANDALONE"}, "not available yet"),
         ({"speculative_algorithm": "LOOKAHEAD"}, "unknown"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, "at least 2"),
         ({"speculative_num_draft_tokens": 4}, "needs speculative_algorithm"),

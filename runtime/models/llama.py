@@ -175,6 +175,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual, batch, backend)
+        if batch.hidden_indices is not None:  # for a speculative drafter
+            batch.hidden_states = self.final_hidden(x, residual, batch.hidden_indices)
         logits, _ = self.matmul.norm_linear(
             x, residual, self.norm, self.lm_head, rows=batch.logits_indices, float32=True
         )
@@ -182,6 +184,14 @@ class LlamaForCausalLM(nn.Module):
         if self.sampled_vocab < logits.shape[-1]:
             logits[:, self.sampled_vocab :] = float("-inf")
         return logits
+
+    def final_hidden(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """The last norm's output at `rows` (what the LM head reads): (len(rows), hidden)."""
+        if residual is None:
+            return self.norm(x[rows])
+        return self.norm(x[rows], residual[rows])[0]
 
     def linears(self) -> list[nn.Linear]:
         return [m for m in self.modules() if isinstance(m, nn.Linear)]

@@ -7,6 +7,13 @@ backends computes it, with logits kept at all k + 1 positions. The positions of 
 tokens lose their KV slots as soon as the step is applied (`CacheManager.truncate`), before the
 accepted tokens are taken, so they never reach the prefix cache.
 
+Drafters: NGRAM copies what followed the latest earlier occurrence of the context's ending
+(ngram.py); MEDUSA runs its heads (medusa.py) over the final hidden state of the position that
+gave the request's newest token. The model runner hands that state over after each forward
+(`wants_hidden`, `draft_from_hidden`, and `verify` for the accepted position of a draft), and the
+chain waits in `req.draft_index` with the context length it follows, so a context that changed
+since (jump-forward, a rewritten output) is not drafted for from a stale state.
+
 Requests with a grammar, log-probabilities, penalties, a logit bias or min_new_tokens decode
 plainly for now (their sampling needs the host's state at each position); a request whose draft
 finds no earlier occurrence of its ending decodes plainly that step.
@@ -46,11 +53,26 @@ def speculates(req: Req) -> bool:
 
 
 class SpeculativeWorker:
-    def __init__(self, config) -> None:
-        self.algorithm = config.speculative_algorithm  # "NGRAM" (the only one so far)
+    def __init__(self, config, model=None) -> None:
+        """`model`: the target (MEDUSA's heads read its LM head and are checked against it)."""
+        self.algorithm = config.speculative_algorithm  # NGRAM or MEDUSA
         self.num_draft_tokens = config.speculative_num_draft_tokens
         self.min_window = config.speculative_ngram_min_match_window_size
         self.max_window = config.speculative_ngram_max_match_window_size
+        self.medusa = None
+        if self.algorithm == "MEDUSA":
+            from radixlm.runtime.speculative.medusa import MedusaDrafter
+
+            self.medusa = MedusaDrafter.load(config.speculative_draft_model_path, model)
+            most = self.medusa.num_heads + 1
+            if self.num_draft_tokens is None:  # every head drafts
+                self.num_draft_tokens = most
+            elif self.num_draft_tokens > most:
+                raise ValueError(
+                    f"speculative_num_draft_tokens={self.num_draft_tokens}: the Medusa heads "
+                    f"draft {most - 1} tokens, so a verify step computes at most {most} "
+                    f"positions; use at most {most} (or leave it unset)"
+                )
         self.totals = SpecTotals()
 
     # ---- drafting (the scheduler asks) -------------------------------------------------------
@@ -61,19 +83,56 @@ class SpeculativeWorker:
         room = min(self.num_draft_tokens - 1, req.max_output_len - len(req.output_ids) - 1)
         if room <= 0 or not speculates(req):
             return []
+        if self.medusa is not None:  # the chain the heads made for this context, if still its
+            made = req.draft_index
+            if made is None or made[0] != len(req.input_ids) + len(req.output_ids):
+                return []
+            return list(made[1][:room])
         index = req.draft_index
         if index is None:
             index = req.draft_index = NgramIndex(self.min_window, self.max_window)
         index.update(req.input_ids, req.output_ids)
         return index.propose(room)
 
+    # ---- hidden states (the model runner asks, for MEDUSA) ------------------------------------
+
+    def wants_hidden(self, reqs) -> bool:
+        """Whether a step of these requests (Req or ScheduledReq) must keep the final hidden
+        states at its logits rows: a drafter reads them, and one of them is drafted for."""
+        if self.medusa is None:
+            return False
+        return any(speculates(getattr(r, "req", r)) for r in reqs)
+
+    def draft_from_hidden(self, hidden: torch.Tensor, reqs: list[Req]) -> None:
+        """Draft for each request from its row of `hidden` (N, H): the state its step samples
+        its next token from, so the chain follows that token."""
+        self._draft(hidden, reqs, [1] * len(reqs))
+
+    def _draft(self, hidden: torch.Tensor, reqs: list[Req], taken: list[int]) -> None:
+        keep = [i for i, r in enumerate(reqs) if speculates(r)]
+        if not keep or self.medusa is None:
+            return
+        if len(keep) < len(reqs):
+            hidden = hidden[torch.tensor(keep, device=hidden.device)]
+        chains = self.medusa.draft(hidden, self.num_draft_tokens - 1)
+        for i, chain in zip(keep, chains):
+            req = reqs[i]
+            req.draft_index = (len(req.input_ids) + len(req.output_ids) + taken[i], chain)
+
     # ---- verification (the model runner asks) --------------------------------------------------
 
     def verify(
-        self, logits: torch.Tensor, reqs: list[Req], drafts: list[tuple[int, ...]], rows: list[int]
+        self,
+        logits: torch.Tensor,
+        reqs: list[Req],
+        drafts: list[tuple[int, ...]],
+        rows: list[int],
+        hidden: torch.Tensor | None = None,
     ) -> list[list[int]]:
         """Each request's output tokens from its k + 1 logits rows starting at rows[i]: the
-        accepted draft tokens, then the target's own next token."""
+        accepted draft tokens, then the target's own next token. With `hidden` (the final
+        hidden states at the logits rows), MEDUSA drafts the next chain from the row of the last
+        accepted position, the one that gave the target's own token."""
         out: list[list[int] | None] = [None] * len(reqs)
         greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
         if greedy:
@@ -89,6 +148,10 @@ class SpeculativeWorker:
                 k = len(drafts[i])
                 probs = target_probs(logits[rows[i] : rows[i] + k + 1], req.params)
                 out[i] = rejection_sample(probs, drafts[i], req.seed, len(req.output_ids))
+        if hidden is not None and self.medusa is not None:
+            at = [rows[i] + len(t) - 1 for i, t in enumerate(out)]  # type: ignore[arg-type]
+            taken = [len(t) for t in out]  # type: ignore[arg-type]
+            self._draft(hidden[torch.tensor(at, device=hidden.device)], reqs, taken)
         return out  # type: ignore[return-value]
 
     def record(self, req: Req, num_drafted: int, tokens_taken: int, num_accepted: int) -> None:

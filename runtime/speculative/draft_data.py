@@ -1,0 +1,248 @@
+"""Training data for draft heads, made by the target model itself: prompts (a built-in varied set,
+or random tokens), the model's own greedy answers under its chat template (through `radixlm.Engine`),
+and the final hidden states along each answer (a teacher-forced forward of prompt + answer).
+
+Heads trained on the model's own outputs learn what it will say, not what some corpus says: the
+data is the distribution speculation is verified against (Medusa's self-distillation). The same
+seed gives the same prompts, hence (greedy) the same answers and states.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# instruction templates x subjects: the built-in prompts (a seeded sample of the combinations)
+_TEMPLATES = (
+    "Explain {s} to a curious ten-year-old.",
+    "Write a short story about {s}.",
+    "Give three interesting facts about {s}.",
+    "What are the pros and cons of {s}?",
+    "Write a haiku about {s}.",
+    "Describe {s} in one paragraph.",
+    "Write a Python function related to {s}, with a docstring.",
+    "List five questions people often ask about {s}, and answer them briefly.",
+    "Write a friendly email inviting a colleague to a talk about {s}.",
+    "Summarize the history of {s} in a few sentences.",
+    "Give step-by-step instructions for getting started with {s}.",
+    "Compare {s} with something similar and explain the differences.",
+    "Write a JSON object describing {s} with a name, a category and three tags.",
+    "What would a beginner get wrong about {s}?",
+    "Write a limerick about {s}.",
+    "Give a short definition of {s}, then an example.",
+    "Write a product description for a book about {s}.",
+    "Tell me a joke about {s}.",
+    "Write a dialogue between two friends discussing {s}.",
+    "What are the most important ideas behind {s}? Use a numbered list.",
+    "Write a tweet announcing a new course on {s}.",
+    "How has {s} changed over the last fifty years?",
+    "Write a short poem about {s} that rhymes.",
+    "Give me a study plan for learning about {s} in one week.",
+)
+_SUBJECTS = (
+    "photosynthesis",
+    "the moon",
+    "volcanoes",
+    "a lost cat",
+    "the ocean",
+    "black holes",
+    "coffee",
+    "chess",
+    "the internet",
+    "recycling",
+    "honeybees",
+    "the Roman Empire",
+    "rainbows",
+    "machine learning",
+    "bread baking",
+    "electric cars",
+    "the water cycle",
+    "friendship",
+    "a rainy day",
+    "dinosaurs",
+    "gardening",
+    "the human heart",
+    "jazz music",
+    "mountains",
+    "sorting algorithms",
+    "the French Revolution",
+    "solar panels",
+    "a robot who learns to paint",
+    "time management",
+    "penguins",
+    "prime numbers",
+    "the stock market",
+    "a small village",
+    "public libraries",
+    "climate change",
+    "the printing press",
+    "video games",
+    "sleep",
+    "the speed of light",
+    "a birthday party",
+    "bicycles",
+    "earthquakes",
+    "democracy",
+    "spiders",
+    "the violin",
+    "Antarctica",
+    "vaccines",
+    "a dragon",
+    "origami",
+    "the Olympics",
+    "linked lists",
+    "deserts",
+    "kindness",
+    "trains",
+    "the solar system",
+    "cheese",
+    "a haunted house",
+    "password security",
+    "rivers",
+    "space travel",
+    "owls",
+    "mathematics",
+    "the Great Wall of China",
+    "tea",
+    "a detective",
+    "autumn",
+    "HTTP",
+    "the brain",
+    "wind turbines",
+    "pizza",
+    "a long journey",
+    "SQL databases",
+    "elephants",
+    "snow",
+)
+
+
+def builtin_prompts(n: int, rng: random.Random) -> list[str]:
+    """`n` user messages, a seeded sample of the built-in templates and subjects (repeating only
+    when `n` exceeds their combinations)."""
+    combos = [t.format(s=s) for t in _TEMPLATES for s in _SUBJECTS]
+    out: list[str] = []
+    while len(out) < n:
+        rng.shuffle(combos)
+        out.extend(combos[: n - len(out)])
+    return out
+
+
+def random_prompts(n: int, rng: random.Random, tokenizer, length: tuple[int, int]) -> list[str]:
+    """`n` user messages of random tokens (text decoded from ids drawn uniformly from the
+    tokenizer's ordinary tokens): inputs the model never saw, answered in its own words."""
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(len(tokenizer)) if i not in special]
+    return [
+        tokenizer.decode([rng.choice(ids) for _ in range(rng.randint(*length))]) for _ in range(n)
+    ]
+
+
+@dataclass
+class Conversation:
+    """One training example: the prompt's ids (chat template applied) and the greedy answer's."""
+
+    prompt_ids: list[int]
+    answer_ids: list[int]
+
+
+def generate_answers(
+    engine, messages: Sequence[str], max_new_tokens: int, progress=None
+) -> list[Conversation]:
+    """The engine's greedy answers to `messages` (user messages, under its chat template), all
+    submitted at once (continuous batching), `progress(1)` called as each finishes."""
+    from radixlm.protocol.prompt_tokens import encode_prompt
+
+    prompts = [
+        encode_prompt(
+            engine.tokenizer, engine.apply_chat_template([{"role": "user", "content": m}])
+        )
+        for m in messages
+    ]
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0}
+
+    async def one(ids: list[int]) -> dict:
+        out = await engine.async_generate(input_ids=ids, sampling_params=params)
+        if progress is not None:
+            progress(1)
+        return out
+
+    async def run() -> list[dict]:
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    outs = asyncio.run(run())
+    return [Conversation(p, list(o["output_ids"])) for p, o in zip(prompts, outs)]
+
+
+def hidden_states(
+    model, model_config, conversations: Sequence[Conversation], device, max_tokens: int = 4096
+) -> list[torch.Tensor]:
+    """For each conversation, the final hidden states (float32, on the CPU) at the positions
+    that predict its answer tokens: from the prompt's last token to the answer's second-to-last,
+    (len(answer), H) (the row of position p is what the LM head turns into token p + 1). A
+    teacher-forced forward of prompt + answer, several conversations a step (up to
+    `max_tokens` tokens), through the torch attention backend over a KV pool of its own."""
+    from radixlm.runtime.attention import TorchAttentionBackend
+    from radixlm.runtime.forward_batch import ForwardBatch
+    from radixlm.runtime.memory_pool import KVPool
+
+    mc = model_config
+    dtype = model.lm_head.weight.dtype
+    longest = max(len(c.prompt_ids) + len(c.answer_ids) for c in conversations)
+    budget = max(max_tokens, longest)
+    pool = KVPool(budget + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
+    out: list[torch.Tensor] = []
+    group: list[Conversation] = []
+
+    def flush() -> None:
+        seqs = [c.prompt_ids + c.answer_ids[:-1] for c in group]
+        lens = [len(s) for s in seqs]
+        table = torch.zeros((len(seqs), max(lens)), dtype=torch.int32, device=device)
+        keep, start = [], 0
+        for i, (c, n) in enumerate(zip(group, lens)):
+            table[i, :n] = torch.arange(start + 1, start + n + 1, dtype=torch.int32)
+            keep.extend(range(start + len(c.prompt_ids) - 1, start + n))
+            start += n
+        total = start
+
+        def t(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        lens_t = t(lens)
+        batch = ForwardBatch(
+            input_ids=t([x for s in seqs for x in s]),
+            positions=t([p for n in lens for p in range(n)]),
+            out_cache_loc=torch.arange(1, total + 1, device=device),
+            req_pool_indices=torch.arange(len(seqs), device=device),
+            prefix_lens=torch.zeros_like(lens_t),
+            extend_lens=lens_t,
+            seq_lens=lens_t,
+            logits_indices=torch.cumsum(lens_t, 0) - 1,  # (one row each: logits are not used)
+            extend_lens_cpu=lens,
+            prefix_lens_cpu=[0] * len(seqs),
+            num_multi=len(seqs),
+            hidden_indices=t(keep),
+        )
+        model(batch, TorchAttentionBackend(pool, table))
+        hidden = batch.hidden_states.float().cpu()
+        at = 0
+        for c in group:
+            out.append(hidden[at : at + len(c.answer_ids)])
+            at += len(c.answer_ids)
+        group.clear()
+
+    used = 0
+    for c in conversations:
+        n = len(c.prompt_ids) + len(c.answer_ids) - 1
+        if group and used + n > budget:
+            flush()
+            used = 0
+        group.append(c)
+        used += n
+    if group:
+        flush()
+    return out

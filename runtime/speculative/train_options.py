@@ -1,0 +1,67 @@
+"""The options of `radixlm train-draft` (runtime/speculative/training.py), without torch: the
+CLI builds its parser from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# the options a data set depends on (a run with other values makes its own)
+DATA_KEYS = (
+    "seed",
+    "num_prompts",
+    "random_prompt_fraction",
+    "max_new_tokens",
+    "held_out_fraction",
+)
+# options a resumed run may change (they do not change what is computed)
+FREE_ON_RESUME = ("resume", "save_every", "log_every", "output")
+
+
+@dataclass(frozen=True)
+class TrainDraftOptions:
+    output: str
+    algorithm: str = "MEDUSA"
+    num_heads: int = 4
+    num_layers: int = 1  # residual blocks per head
+    num_prompts: int = 256
+    random_prompt_fraction: float = 0.0  # the share of prompts made of random tokens
+    max_new_tokens: int = 128  # each answer's length at most
+    held_out_fraction: float = 0.1  # conversations kept out of training, for evaluation
+    epochs: float = 2.0
+    steps: int | None = None  # optimizer steps (default: from epochs)
+    batch_size: int = 256  # answer positions a step
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    head_decay: float = 0.8  # head i's loss weight: head_decay ** i
+    seed: int = 0
+    resume: bool = False
+    save_every: int = 200
+    log_every: int = 10
+
+    def check(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(f"train-draft: {msg}")
+
+        if self.algorithm.upper() != "MEDUSA":
+            bad(f"--algorithm {self.algorithm}: only MEDUSA heads can be trained so far")
+        for name in ("num_heads", "num_layers", "num_prompts", "max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                bad(f"--{name.replace('_', '-')} must be at least 1")
+        if self.num_heads > 16:
+            bad("--num-heads is at most 16 (a chain rarely survives past a few heads)")
+        if not 0.0 <= self.random_prompt_fraction <= 1.0:
+            bad("--random-prompt-fraction must lie in [0, 1]")
+        if not 0.0 < self.held_out_fraction < 1.0:
+            bad("--held-out-fraction must lie in (0, 1)")
+        if self.steps is not None and self.steps < 1:
+            bad("--steps must be at least 1")
+        if self.epochs <= 0:
+            bad("--epochs must be positive")
+        if self.lr <= 0 or self.weight_decay < 0 or not 0 < self.head_decay <= 1:
+            bad("need --lr > 0, --weight-decay >= 0 and 0 < --head-decay <= 1")
+        if self.save_every < 1 or self.log_every < 1:
+            bad("--save-every and --log-every must be at least 1")
+
+    def data_settings(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in DATA_KEYS}
