@@ -703,3 +703,27 @@ def test_gpu_extend_replays_in_a_cuda_graph_with_a_length_hint() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, expected_extend(b), torch.bfloat16)
+
+
+requires_fp8 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a GPU with float8 (compute capability 8.9 or later)",
+)
+
+
+@gpu
+@requires_fp8
+def test_gpu_fp8_extend_and_decode_long_sequences() -> None:
+    """Float8 pools at real sizes, bf16 queries, against the float8 reference."""
+    b = to_fp8(
+        Batch([0, 3000, 517, 4095], [300, 1, 64, 17], 8, 4, 128, torch.bfloat16, seed=15,
+              share_prefix=400)
+    )  # fmt: skip
+    assert_close(run_extend(b, k_scale=K_SCALE, v_scale=V_SCALE), expected_fp8_extend(b),
+                 torch.bfloat16)  # fmt: skip
+    gen = torch.Generator().manual_seed(16)
+    prefix_lens = torch.randint(0, 6000, (24,), generator=gen).tolist() + [0, 8191]
+    b = to_fp8(Batch(prefix_lens, [1] * 26, 8, 4, 128, torch.bfloat16, seed=16))
+    for splits in (None, 8):
+        out = run_decode(b, num_kv_splits=splits, k_scale=K_SCALE, v_scale=V_SCALE)
+        assert_close(out, expected_fp8_decode(b), torch.bfloat16)

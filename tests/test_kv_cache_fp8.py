@@ -151,3 +151,21 @@ def test_fp8_kv_on_the_real_model_agrees_with_the_unquantized_kv(engine, default
     # greedy answers stay close: their first tokens agree
     greedy = [o["output_ids"] for o in outs]
     assert sum(a[:4] == b[:4] for a, b in zip(want_greedy, greedy)) >= 2, (want_greedy, greedy)
+
+
+def test_kv_cache_benchmark_runs_at_a_tiny_size(capsys):
+    """benchmarks/kv_cache_fp8.py end to end on the CPU at a tiny size: both pools sized and
+    allocated from the same free memory, both engines decoding over cached prompts."""
+    from benchmarks import kv_cache_fp8
+
+    result = kv_cache_fp8.main(
+        ["--shape", "tiny", "--batch", "2", "--context", "16", "--steps", "1", "--device", "cpu",
+         "--mem-fraction", "0.0005"]
+    )  # fmt: skip
+    auto, fp8 = result["capacity"]
+    # (the host's free memory moves between the two sizings a little)
+    assert abs(auto.pool_bytes - fp8.pool_bytes) <= 0.01 * auto.pool_bytes
+    assert result["capacity_ratio"] >= 1.9  # (float32 on the CPU: 4x)
+    assert all(d.tokens_per_second > 0 for d in result["decode"])
+    out = capsys.readouterr().out
+    assert "fp8 / float32" in out and "decode tokens/s" in out
