@@ -169,3 +169,22 @@ def test_kv_cache_benchmark_runs_at_a_tiny_size(capsys):
     assert all(d.tokens_per_second > 0 for d in result["decode"])
     out = capsys.readouterr().out
     assert "fp8 / float32" in out and "decode tokens/s" in out
+
+
+def test_fp8_kv_speculative_verify_gives_plain_decoding_tokens(tiny_model_folder):
+    """NGRAM speculation over an FP8 pool: the verify steps (drafts read back from the float8
+    pool as a prompt chunk) give the tokens of plain decoding over the same pool."""
+    prompts = [[300 + i % 7 for i in range(40)], [900 + i % 5 for i in range(33)] + [5, 6]]
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    outs, stats = {}, {}
+    for spec in (None, "NGRAM"):
+        with radixlm.Engine(
+            tiny_model_folder, kv_cache_dtype="fp8_e4m3", speculative_algorithm=spec,
+            chunked_prefill_size=16,
+        ) as eng:  # fmt: skip
+            outs[spec] = [
+                o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)
+            ]
+            stats[spec] = eng.get_stats()
+    assert stats["NGRAM"]["spec_verify_ct"] > 0, stats["NGRAM"]
+    assert outs["NGRAM"] == outs[None]
