@@ -3,7 +3,8 @@ prompts, same machine, one run.
 
     python -m benchmarks.offline_throughput [--model-path P] [--batch 64] [--new-tokens 64]
     python -m benchmarks.offline_throughput --shape smollm2-135m   # GPU: random weights, bf16
-        [--ablate pdl,prefill-graphs,cuda-graphs,overlap] [--prompt-lens 1000-2000 --output-lens 20-100]
+        [--ablate pdl,prefill-graphs,cuda-graphs,overlap [--rounds 2]]
+        [--prompt-lens 1000-2000 --output-lens 20-100]
 
 On the CPU, two workloads: batch 1 (decode speed: a short prompt, many new tokens) and a batch of prompts of
 mixed lengths generated all at once (transformers pads them to the longest; radixlm batches them
@@ -13,12 +14,15 @@ With --shape (a GPU and random weights of a real model's shape): 1,000 requests 
 100-400 tokens and 100-300 new tokens each, submitted at once, against transformers'
 continuous-batching `generate_batch` on the same prompts (a subset, --hf-requests, since it is much
 slower; its rate is output tokens per second of that subset). The rate is the median of
---repeats runs on one engine; --ablate runs it again with each named switch off, one at a time.
+--repeats runs on one engine. --ablate compares all switches on with each named one off, one at a
+time, instead: --rounds rounds of every configuration, interleaved (the first engine a process builds
+runs slowest, so a configuration measured only first or only later would carry that).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -95,6 +99,10 @@ def main() -> None:
         help=f"with --shape: switches to turn off one at a time, of {','.join(ABLATIONS)}",
     )
     ap.add_argument(
+        "--rounds", type=int, default=2,
+        help="with --ablate: rounds of all the configurations, interleaved, each a fresh engine",
+    )  # fmt: skip
+    ap.add_argument(
         "--prompt-lens", type=_span, default=(100, 400), help="with --shape: LO-HI prompt tokens"
     )
     ap.add_argument(
@@ -150,11 +158,10 @@ ABLATIONS = {
 }
 
 
-def ours_offline(args, folder, prompts, params, without: str = "") -> tuple[float, dict]:
-    """Median output tokens/s over --repeats runs of the whole workload on one engine, and the
-    engine's statistics; `without` names a switch of ABLATIONS to turn off."""
+def ours_offline(args, folder, prompts, params, without: str = "") -> tuple[list[float], dict]:
+    """Output tokens/s of --repeats runs of the whole workload on one engine, and the engine's
+    statistics; `without` names a switch of ABLATIONS to turn off."""
     import os
-    import statistics
 
     env, engine_args = ABLATIONS[without] if without else ({}, {})
     saved = {k: os.environ.get(k) for k in env}
@@ -185,7 +192,30 @@ def ours_offline(args, folder, prompts, params, without: str = "") -> tuple[floa
     label = f"without {without}" if without else "radixlm"
     runs = ", ".join(f"{r:.0f}" for r in rates)
     print(f"{label}: median {statistics.median(rates):.0f} output tok/s (runs: {runs})")
-    return statistics.median(rates), stats
+    return rates, stats
+
+
+def ablation(args, folder, prompts, params, switches: list[str]) -> None:
+    """Each switch off, one at a time, against all on: --rounds rounds of every configuration in
+    turn, each run on a fresh engine, so that an order effect (the first engine of a process runs
+    slowest) falls on every configuration alike; the medians are over all of a configuration's
+    runs, beside the spread of its per-engine medians."""
+    configs = ["", *switches]
+    rates: dict[str, list[float]] = {c: [] for c in configs}
+    per_engine: dict[str, list[float]] = {c: [] for c in configs}
+    for r in range(args.rounds):
+        order = configs if r % 2 == 0 else configs[::-1]  # (alternate who goes first)
+        for c in order:
+            runs = ours_offline(args, folder, prompts, params, c)[0]
+            rates[c] += runs
+            per_engine[c].append(statistics.median(runs))
+    base = statistics.median(rates[""])
+    print("\n| switched off | median out tok/s | per-engine medians | vs all on |")
+    print("|---|---|---|---|")
+    for c in configs:
+        median = statistics.median(rates[c])
+        engines = ", ".join(f"{m / 1000:.1f}k" for m in per_engine[c])
+        print(f"| {c or '(nothing)'} | {median:.0f} | {engines} | {median / base:.2f}x |")
 
 
 def gpu_workload(args) -> None:
@@ -200,15 +230,15 @@ def gpu_workload(args) -> None:
         f"{len(prompts)} requests, {lo}-{hi} in / {args.output_lens[0]}-{args.output_lens[1]} "
         f"out, {args.max_running} running, {sum(outs)} output tokens a run"
     )
-    ours, stats = ours_offline(args, folder, prompts, params)
-    print(f"  engine stats: {stats}")
     ablate = [a for a in args.ablate.split(",") if a]
+    unknown = set(ablate) - set(ABLATIONS)
+    if unknown:
+        raise SystemExit(f"--ablate: no switch {sorted(unknown)}; the switches: {list(ABLATIONS)}")
     if ablate:
-        print("\n| switched off | median out tok/s | vs all on |\n|---|---|---|")
-        rows = [(a, ours_offline(args, folder, prompts, params, a)[0]) for a in ablate]
-        print(f"| (nothing) | {ours:.0f} | 1.00x |")
-        for a, rate in rows:
-            print(f"| {a} | {rate:.0f} | {rate / ours:.2f}x |")
+        return ablation(args, folder, prompts, params, ablate)
+    rates, stats = ours_offline(args, folder, prompts, params)
+    ours = statistics.median(rates)
+    print(f"  engine stats: {stats}")
 
     if not args.hf_requests:
         return
