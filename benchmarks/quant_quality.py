@@ -217,15 +217,17 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if args.chunk < 1:
         ap.error("--chunk must be at least 1")
 
-    base = {"model_path": args.model_path, "device": args.device, "max_total_tokens": 4096}
+    from radixlm.runtime import model_loader
+    from radixlm.runtime.config import default_cache_dir
+
     print(f"# quant_quality: {device_line()}, commit {commit()}")
-    with radixlm.Engine(**base, max_running_requests=1) as probe:
-        tokenizer = probe.tokenizer
-        base["max_total_tokens"] = min(4096, probe.context_len)
+    folder = model_loader.resolve_model_folder(args.model_path, default_cache_dir())
+    tokenizer = model_loader.load_tokenizer(folder)
+    base = {"model_path": str(folder), "device": args.device, "max_total_tokens": 4096}
     texts = [tokenizer.encode(t) for t in varied_prompts()]
     if args.texts:
         texts = texts[: args.texts]
-    texts = [t[: base["max_total_tokens"] - 1] for t in texts]
+    texts = [t[:2048] for t in texts]  # (within the pool and any model's context)
     prompts = hundred_prompts()[: args.greedy_prompts]
     ref_logits, ref_outs, _ = measure(None, base, texts, args.chunk, prompts, None)
     rows = []

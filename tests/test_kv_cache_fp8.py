@@ -188,3 +188,18 @@ def test_fp8_kv_speculative_verify_gives_plain_decoding_tokens(tiny_model_folder
             stats[spec] = eng.get_stats()
     assert stats["NGRAM"]["spec_verify_ct"] > 0, stats["NGRAM"]
     assert outs["NGRAM"] == outs[None]
+
+
+def test_quant_quality_benchmark_runs_its_rows(tiny_model_folder, capsys):
+    """benchmarks/quant_quality.py on the tiny model (mechanics only: the figures are the real
+    model's): the FP8 KV row, texts scored in chunks over the pool."""
+    from benchmarks import quant_quality
+
+    rows = quant_quality.main(
+        ["--model-path", tiny_model_folder, "--device", "cpu", "--texts", "3", "--chunk", "4"]
+    )  # fmt: skip
+    assert [r.name for r in rows] == [s.name for s in quant_quality.SCHEMES.values()]
+    assert all(0.5 <= r.top1 <= 1.0 and 0.0 <= r.mean_kl < 1.0 for r in rows), rows
+    assert "FP8 KV cache" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        quant_quality.main(["--rows", "int3"])
