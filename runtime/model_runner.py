@@ -14,6 +14,7 @@ outside a graph after it (`tokens`); they run the same methods of their own runn
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -187,7 +188,8 @@ class ModelRunner:
             reqs = plan.decodes
             if self.mirror is not None:
                 self.mirror.graph_step(plan.rows, plan.seq_lens, plan.slots)
-            row_logits, greedy = self.graphs.run(plan.rows, plan.seq_lens, plan.slots)
+            with self._lockstep():
+                row_logits, greedy = self.graphs.run(plan.rows, plan.seq_lens, plan.slots)
             self.num_graph_steps += 1
             pool_rows = self.graphs.rows_on_device(len(reqs))
             at = None  # the sampled rows are the plan's, in order
@@ -209,7 +211,8 @@ class ModelRunner:
             )
             if self.mirror is not None:
                 self.mirror.eager_step(plan if plan.decodes else None, lists, use_graph)
-            logits = self.forward_lists(lists, use_graph)  # (L, V)
+            with self._lockstep():
+                logits = self.forward_lists(lists, use_graph)  # (L, V)
             self.num_prefill_graph_steps += use_graph
             if lists.hidden is not None and which:  # the drafter follows the sampled tokens
                 hidden = lists.hidden[to_device(int64_tensor(logit_rows), logits.device)]
@@ -366,6 +369,11 @@ class ModelRunner:
         logits = self.model(batch, self.backend)
         lists.hidden = batch.hidden_states
         return logits
+
+    def _lockstep(self) -> contextlib.AbstractContextManager:
+        """Around a step's device work once the other ranks were sent it: there an error leaves
+        the group out of step, which stops the engine (the mirror's RankFailure)."""
+        return contextlib.nullcontext() if self.mirror is None else self.mirror.lockstep()
 
     def set_tokens(self, pool_rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """token_buf[pool_rows] = tokens (a step's sampled or verified tokens, on the device)."""

@@ -177,6 +177,20 @@ class StepMirror:
             }
         )  # fmt: skip
 
+    @contextlib.contextmanager
+    def lockstep(self):
+        """Rank 0's part of a step the other ranks were sent: if it raises, they are left inside
+        its collectives and the next step's would meet theirs, so the engine must stop."""
+        try:
+            yield
+        except RankFailure:
+            raise
+        except Exception as e:
+            raise RankFailure(
+                f"rank 0 failed in a tensor-parallel step ({type(e).__name__}: {e}); the other "
+                "ranks cannot be brought back into step"
+            ) from e
+
     def tokens(self, pool_rows: torch.Tensor, tokens: torch.Tensor) -> None:
         n = int(pool_rows.shape[0])
         self.group.send({"t": n})

@@ -21,6 +21,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from radixlm.runtime.model_config import ModelConfig
 from radixlm.runtime.parallel import Partition
@@ -53,6 +54,17 @@ def test_partition_keeps_each_query_head_with_its_kv_head():
     assert [p.heads for p in parts] == [(0, 2), (2, 4), (4, 6), (6, 8)]
     with pytest.raises(ValueError, match="use a tp_size of at most 3"):
         Partition.of(_config(9, 3), 0, 4)
+
+
+def test_an_error_of_rank_0_inside_a_sent_step_stops_the_engine():
+    """The other ranks are inside that step's collectives: going on would pair the next step's
+    collectives with theirs, so the error becomes a RankFailure (which stops the engine)."""
+    from radixlm.runtime.parallel import RankFailure
+    from radixlm.runtime.tp_worker import StepMirror
+
+    mirror = StepMirror(group=None, rows=None)
+    with pytest.raises(RankFailure, match="cannot be brought back into step"), mirror.lockstep():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
 
 def _first_divergence(ref: list[int], got: list[int]) -> int | None:
@@ -288,3 +300,29 @@ def test_the_benchmark_runs_on_the_cpu_at_a_tiny_size(default_model_folder):
     assert "| 2 |" in done.stdout and "all-reduce time per batch-1 decode step at tp=2" in (
         done.stdout
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+def test_two_gpus_match_one(default_model_folder):
+    """NCCL, CUDA graphs (their collectives captured), Triton attention, the overlap schedule:
+    the real model in float32 at tp_size=2 against tp_size=1, greedy, in a batch with a grammar."""
+    import radixlm
+
+    prompts = ["The capital of France is", "Give a colour as JSON:", "1, 2, 3,"]
+    params = [
+        {"max_new_tokens": 32, "temperature": 0},
+        {"max_new_tokens": 24, "temperature": 0, "json_schema": '{"type": "object"}'},
+        {"max_new_tokens": 32, "temperature": 0.7, "seed": 3},
+    ]
+    common = {"dtype": "float32", "max_total_tokens": 8192, "cuda_graph_max_bs": 8}
+    with radixlm.Engine(default_model_folder, tp_size=2, **common) as eng:
+        got = eng.generate(prompts, params)
+        assert eng.get_stats()["graph_steps"] > 0
+    with radixlm.Engine(default_model_folder, **common) as ref_engine:
+        ref = ref_engine.generate(prompts, params)
+        for prompt, r, g in zip(prompts[:2], ref, got):
+            assert_same_greedy(ref_engine, prompt, r, g)
+    assert got[2]["output_ids"] == ref[2]["output_ids"]
