@@ -229,6 +229,11 @@ class EngineConfig:
                 bad(f"dist_init_addr={self.dist_init_addr!r}; give host:port, e.g. 127.0.0.1:5000")
         if self.dist_timeout <= 0:
             bad("dist_timeout must be positive (seconds)")
+        if self.tp_size > 1 and self.speculative_algorithm == "MEDUSA":
+            bad(
+                "speculative_algorithm MEDUSA is not available with tp_size > 1 yet (its heads "
+                "read the whole LM head, of which each rank holds a part); use NGRAM"
+            )
 
     def _check_speculative(self, bad) -> None:
         algorithm = self.speculative_algorithm

@@ -56,6 +56,13 @@ def test_partition_keeps_each_query_head_with_its_kv_head():
         Partition.of(_config(9, 3), 0, 4)
 
 
+def test_medusa_heads_are_refused_with_tensor_parallelism():
+    from radixlm.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="MEDUSA is not available with tp_size > 1 yet"):
+        EngineConfig(tp_size=2, speculative_algorithm="medusa")
+
+
 def test_an_error_of_rank_0_inside_a_sent_step_stops_the_engine():
     """The other ranks are inside that step's collectives: going on would pair the next step's
     collectives with theirs, so the error becomes a RankFailure (which stops the engine)."""
