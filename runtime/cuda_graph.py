@@ -235,7 +235,9 @@ class PrefillGraphs(_BucketGraphs):
     padding slot), attention output zero, in no logits row. A token whose input is still on the
     device only (sampled by the previous step, not yet applied) is read from `token_buf`.
 
-    Steps with prompt log-probabilities (logits rows beyond one per request) run eagerly.
+    A step may want more logits rows than it has requests (a speculative verify step, one per
+    position it checks; prompt log-probabilities, one per prompt token): a bucket holds as many
+    rows as request entries, min(T, max_reqs), and a step wanting more runs eagerly.
     """
 
     def __init__(
@@ -271,8 +273,13 @@ class PrefillGraphs(_BucketGraphs):
         tiles += tiles % 2
         return reqs, tiles, 4 * tokens + 4 * reqs + 2 * tiles
 
-    def can_run(self, num_tokens: int, num_reqs: int) -> bool:
-        return 0 < num_tokens <= self.max_tokens and num_reqs <= self.max_reqs
+    def can_run(self, num_tokens: int, num_reqs: int, num_logits: int = 1) -> bool:
+        """Whether a step of `num_tokens` tokens of `num_reqs` requests wanting `num_logits`
+        logits rows fits a bucket."""
+        if not 0 < num_tokens <= self.max_tokens or num_reqs > self.max_reqs:
+            return False
+        bucket = self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
+        return num_logits <= self._layout(bucket)[0]
 
     def run(
         self,
@@ -288,8 +295,8 @@ class PrefillGraphs(_BucketGraphs):
         """One step: token i is `input_ids[i]` (or, for each (i, row) of `pending`, the request
         row's entry of `token_buf`) at `positions[i]` of request row `token_rows[i]`; request j
         (row `rows[j]`) extends `prefix_lens[j]` cached tokens by `extend_lens[j]`. Returns the
-        float32 logits of the token rows `logits_rows` (at most one per request): a view of the
-        graph's output, to be read before the next call."""
+        float32 logits of the token rows `logits_rows` (at most the bucket's request entries, as
+        `can_run` checks): a view of the graph's output, to be read before the next call."""
         n, r = len(input_ids), len(rows)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
         reqs, tiles, size = self._layout(bucket)

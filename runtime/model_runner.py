@@ -204,10 +204,10 @@ class ModelRunner:
             which, logit_rows, input_lp_rows = lists.which, lists.sample_rows, lists.input_lp_rows
             use_graph = (
                 self.prefill_graphs is not None
-                and not input_lp_rows
-                and not lists.drafts
                 and not lists.keep_hidden
-                and self.prefill_graphs.can_run(len(lists.input_ids), len(items))
+                and self.prefill_graphs.can_run(
+                    len(lists.input_ids), len(items), len(lists.logits_rows)
+                )
             )
             if self.mirror is not None:
                 self.mirror.eager_step(plan if plan.decodes else None, lists, use_graph)

@@ -267,7 +267,8 @@ def test_prompt_steps_padded_for_prefill_graphs_match_eager(tiny_model_folder):
     """Prompt steps through PrefillGraphs (inputs padded to a bucket in one buffer, attention tiles
     listed, a newest token still on the device read from token_buf), run eagerly here and replayed
     on a GPU, give the ordinary path's tokens and log-probabilities: chunked prompts after cached
-    prefixes, mixed with decodes; a step wanting prompt log-probabilities stays eager."""
+    prefixes, mixed with decodes, and prompt log-probabilities (a logits row per prompt token:
+    replayed where the bucket holds that many rows, else eager)."""
     from radixlm.runtime.cuda_graph import PrefillGraphs, prefill_buckets
 
     assert prefill_buckets(100) == [16, 32, 48, 64, 96, 128]
@@ -297,13 +298,10 @@ def test_prompt_steps_padded_for_prefill_graphs_match_eager(tiny_model_folder):
             first = eng.generate(input_ids=prompts[0], sampling_params=params, return_logprob=True)
             rest = eng.generate(input_ids=prompts[1:], sampling_params=params, return_logprob=True)
             sampled = eng.generate(input_ids=prompts[1:3], sampling_params=sampled_params)
-            before = len(runs)
             with_input_lps = eng.generate(
                 input_ids=prompts[3], sampling_params=params, return_logprob=True,
                 logprob_start_len=0,
             )  # fmt: skip
-            # (its decodes may: here no decode graphs are captured, so they go as other steps)
-            assert all(n == 1 for n, _, _ in runs[before:]), "its prompt step replayed a graph"
             outs.append(([first, *rest], sampled, with_input_lps))
             stats = eng.get_stats()
     assert stats["prefill_graph_steps"] == len(runs) > 0
@@ -312,7 +310,53 @@ def test_prompt_steps_padded_for_prefill_graphs_match_eager(tiny_model_folder):
     (eager, eager_sampled, eager_lps), (graphed, graphed_sampled, graphed_lps) = outs
     assert [o["output_ids"] for o in eager_sampled] == [o["output_ids"] for o in graphed_sampled]
     assert eager_lps["output_ids"] == graphed_lps["output_ids"]
+    want, got = (o["meta_info"]["input_token_logprobs"] for o in (eager_lps, graphed_lps))
+    assert len(want) == len(got) == len(prompts[3])
+    assert [t for _, t, _ in want] == [t for _, t, _ in got]
+    assert all(a is b is None or abs(a - b) < 1e-4 for (a, _, _), (b, _, _) in zip(want, got))
     assert_same_outputs(eager, graphed)
+
+
+@pytest.mark.slow  # (the Triton interpreter on the CPU: tens of seconds)
+def test_speculative_verify_steps_through_prefill_graphs_match_eager(tiny_model_folder):
+    """A verify step (a request's newest token and its draft, a logits row for every position)
+    fits a prompt-step graph whose bucket holds that many rows: replayed (run eagerly here), it
+    gives the eager verify's tokens, greedy and seeded; a step wanting more rows than its bucket
+    holds runs eagerly."""
+    from radixlm.runtime.cuda_graph import PrefillGraphs
+
+    # prompts that repeat themselves, so that the n-gram drafter always has a draft to verify
+    prompts = [[300 + (j % (4 + i)) for j in range(20 + 5 * i)] for i in range(2)]
+    params = [
+        {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 6, "temperature": 0.9, "seed": 5, "ignore_eos": True},
+    ]
+    outs, runs, verifies = [], [], []
+    for graphs in (False, True):
+        with radixlm.Engine(
+            tiny_model_folder, **EAGER, attention_backend="triton",
+            speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
+        ) as eng:  # fmt: skip
+            runner = eng._core.runner
+            if graphs:
+                runner.prefill_graphs = PrefillGraphs(
+                    runner.model, runner.backend, runner.req_to_token, runner.token_buf,
+                    max_tokens=32, max_reqs=16, capture=CAPTURE,
+                    padding_row=eng._core.rows.padding_row,
+                )  # fmt: skip
+                run = runner.prefill_graphs.run
+
+                def noting(*a, run=run):
+                    runs.append((len(a[4]), len(a[7])))  # requests, logits rows
+                    return run(*a)
+
+                runner.prefill_graphs.run = noting
+            got = eng.generate(input_ids=prompts, sampling_params=params)
+            outs.append([o["output_ids"] for o in got])
+            verifies.append(eng.get_stats()["spec_verify_ct"])
+    assert verifies[0] == verifies[1] > 0
+    assert any(rows > reqs for reqs, rows in runs), "no verify step replayed a graph"
+    assert outs[0] == outs[1]
 
 
 @pytest.mark.slow  # (the Triton interpreter on the CPU: tens of seconds)
