@@ -108,20 +108,24 @@ class Engine:
         self._tp = tp = partition = None
         local = mc  # the model as this rank holds it (its own heads)
         if config.tp_size > 1:
-            from radixlm.runtime.tp_worker import TensorParallelGroup
+            from radixlm.runtime.parallel import Partition
+            from radixlm.runtime.tp_worker import TensorParallelGroup, rank_device
 
-            self._tp = tp = TensorParallelGroup(config, self.device)
-            partition = tp.partition(mc)
+            # (a split that cannot be made, or too few GPUs: refused before any process starts)
+            partition = Partition.of(mc, 0, config.tp_size)
             local = partition.local_config(mc)
-            tp.start(
-                {
-                    "config": dataclasses.asdict(config), "folder": str(folder),
-                    "dtype": dtype_name, "context_len": self.context_len,
-                    "sampled_vocab": sampled_vocab, "device": str(self.device),
-                    "threads": torch.get_num_threads(),  # (on the CPU: as many as rank 0's)
-                }
-            )  # fmt: skip
+            rank_device(str(self.device), config.tp_size // config.nnodes - 1)
+            self._tp = tp = TensorParallelGroup(config, self.device)
         try:
+            if tp is not None:
+                tp.start(
+                    {
+                        "config": dataclasses.asdict(config), "folder": str(folder),
+                        "dtype": dtype_name, "context_len": self.context_len,
+                        "sampled_vocab": sampled_vocab, "device": str(self.device),
+                        "threads": torch.get_num_threads(),  # (on the CPU: as many as rank 0's)
+                    }
+                )  # fmt: skip
             startup.say(f"building the model on {self.device} ({dtype_name})")
             self.model = model = build_model(
                 config, folder, mc, self.dtype, self.device, self.context_len, sampled_vocab,

@@ -223,9 +223,6 @@ class TensorParallelGroup:
         self.addr = f"{host}:{self.store.port}"
         self._listener = socket.create_server((host, 0))
 
-    def partition(self, model_config) -> Partition:
-        return Partition.of(model_config, 0, self.size)
-
     def start(self, spec: dict[str, Any]) -> None:
         """Publish `spec` (what build_rank_model needs) and start this node's other ranks."""
         spec = {**spec, "channel_port": self._listener.getsockname()[1]}
@@ -376,6 +373,7 @@ class TensorParallelGroup:
         for channel in self.channels.values():
             channel.close()
         self._listener.close()
+        self.comm.group = self.store = None  # (the process group, and the store's port)
 
 
 # ---- the other ranks ---------------------------------------------------------------------------

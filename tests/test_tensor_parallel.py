@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -333,3 +334,19 @@ def test_two_gpus_match_one(default_model_folder):
         for prompt, r, g in zip(prompts[:2], ref, got):
             assert_same_greedy(ref_engine, prompt, r, g)
     assert got[2]["output_ids"] == ref[2]["output_ids"]
+
+
+def test_a_rank_that_never_comes_fails_the_start_within_the_timeout(tiny_model_folder):
+    import radixlm
+    from tests.live_server import free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not connect within 3s"):
+        radixlm.Engine(
+            tiny_model_folder, tp_size=2, nnodes=2, dist_init_addr=addr, dist_timeout=3,
+            max_total_tokens=1024,
+        )  # fmt: skip
+    assert time.monotonic() - t0 < 60
+    with socket.create_server(("127.0.0.1", int(addr.rpartition(":")[2]))):
+        pass  # (the rendezvous port is free again: nothing left listening)
