@@ -14,6 +14,10 @@ decode speed at a large batch over long contexts (random weights of a real shape
    apart in length, are timed, so their difference is `--steps` decode steps of the whole batch
    (each reading every request's full context) and nothing else. With the KV bytes and weight
    bytes a step reads, the achieved bandwidth.
+3. **Kernel** (CUDA only): the Triton decode kernel alone over one layer of the shape at the same
+   batch and context, slots shuffled over the pool, model-dtype pool against float8 pool, for a
+   few key-tile lengths (`block_n`; the engine uses 32): where the step's time goes, and whether
+   float8 wants longer tiles.
 
 The table comes last, with the ratios fp8 / auto (targets on the H200, Llama-3.1-8B shape: capacity
 >= 1.9x, decode at batch 64 over 8k-token contexts >= 1.3x).
@@ -152,6 +156,53 @@ def decode(folder: Path, kv: str, args, device: torch.device) -> Decode:
     return Decode(kv, step, batch, kv_bytes, weight_bytes)
 
 
+def kernel_decode(folder: Path, args, dtype: torch.dtype) -> list[tuple[str, int, float, float]]:
+    """(pool, block_n, seconds, K/V bytes) of one layer's decode attention at --batch x --context."""
+    from triton.testing import do_bench
+
+    from radixlm.kernels import triton_attention as ta
+    from radixlm.kernels.attention_ref import quantize_kv
+    from radixlm.runtime.model_config import ModelConfig
+    from radixlm.runtime.model_loader import load_hf_config
+
+    mc = ModelConfig.from_hf(load_hf_config(folder))
+    batch, length, dev = args.batch, args.context, torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    slots = batch * length + 1
+    req_to_token = (torch.randperm(slots - 1, device=dev, generator=gen) + 1).int()
+    req_to_token = req_to_token.view(batch, length)
+    rows = torch.arange(batch, device=dev)
+    seq_lens = torch.full((batch,), length, device=dev)
+    q = torch.randn(batch, mc.num_heads, mc.head_dim, device=dev, dtype=dtype, generator=gen)
+    shape = (slots, mc.num_kv_heads, mc.head_dim)
+    out = []
+    for pool_name in (str(dtype).removeprefix("torch."), "fp8_e4m3"):
+        k = torch.randn(shape, device=dev, dtype=dtype, generator=gen)
+        v = torch.randn(shape, device=dev, dtype=dtype, generator=gen)
+        if pool_name == "fp8_e4m3":
+            k, v = (
+                quantize_kv(k, 1.0, torch.float8_e4m3fn),
+                quantize_kv(v, 1.0, torch.float8_e4m3fn),
+            )
+        splits = ta.default_num_kv_splits(batch, mc.num_kv_heads, dev)
+        scratch = ta.alloc_decode_scratch(batch, mc.num_heads, mc.head_dim, splits, dev)
+        result = torch.empty_like(q)
+        for block_n in (32, 64, 128):
+            cfg = ta.TileConfig(block_m=0, block_n=block_n, num_warps=4, num_stages=2)
+
+            def run(cfg=cfg, k=k, v=v, scratch=scratch, result=result):
+                ta.decode_attention(
+                    q, k, v, req_to_token, rows, seq_lens, mc.head_dim**-0.5, out=result,
+                    scratch=scratch, config=cfg,
+                )  # fmt: skip
+
+            seconds = do_bench(run, warmup=25, rep=200, return_mode="median") * 1e-3
+            out.append((pool_name, block_n, seconds, k.nbytes + v.nbytes))
+        del k, v
+        _release()
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama-3.1-8b", choices=[*SHAPES, "tiny"])
@@ -175,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     caps = capacity(folder, device, dtype, fraction)
     speeds = [decode(folder, kv, args, device) for kv in KV_DTYPES]
+    kernels = kernel_decode(folder, args, dtype) if device.type == "cuda" else []
 
     name = str(dtype).removeprefix("torch.")
     print(f"\n{args.shape}, {name} model, {device}")
@@ -194,6 +246,13 @@ def main(argv: list[str] | None = None) -> dict:
         )
     speed_ratio = speeds[1].tokens_per_second / speeds[0].tokens_per_second
     print(f"  fp8 / {name}: {speed_ratio:.2f}x decode tokens/s")
+    if kernels:
+        print(f"decode kernel alone, one layer, batch {args.batch} x {args.context} keys:")
+        for pool_name, block_n, seconds, nbytes in kernels:
+            print(
+                f"  {pool_name:>9} block_n {block_n:>3}: {seconds * 1e6:9.1f} us, "
+                f"{nbytes / seconds / 1e12:5.2f} TB/s of K/V"
+            )
     return {
         "capacity": caps,
         "decode": speeds,
