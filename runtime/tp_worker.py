@@ -458,11 +458,11 @@ class _Follower:
         from pathlib import Path
 
         from radixlm.runtime.attention import create_backend
-        from radixlm.runtime.engine import build_kv_pool, build_model, rank_kv_tokens
         from radixlm.runtime.engine_core import capture_graphs, on_device, use_cuda_graphs
         from radixlm.runtime.model_config import ModelConfig
         from radixlm.runtime.model_loader import load_hf_config
         from radixlm.runtime.model_runner import ModelRunner
+        from radixlm.runtime.model_setup import build_kv_pool, build_model, rank_kv_tokens
 
         mc = ModelConfig.from_hf(load_hf_config(Path(spec["folder"])))
         tp = Partition.of(mc, rank, config.tp_size)

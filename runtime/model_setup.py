@@ -1,0 +1,88 @@
+"""A rank's model and KV pool, built from an engine's config: the `Engine` (rank 0, or the only
+rank) and the other ranks of a tensor-parallel group (runtime/tp_worker.py) build theirs alike."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from radixlm.runtime import startup
+from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.engine_core import free_memory, kv_pool_tokens
+from radixlm.runtime.memory_pool import KVPool
+from radixlm.runtime.model_config import ModelConfig
+
+
+def build_model(
+    config: EngineConfig,
+    folder,
+    mc: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    context_len: int,
+    sampled_vocab: int,
+    tp=None,
+    comm=None,
+):
+    """The model on `device`, its weights loaded (random ones for load_format dummy: under
+    tensor parallelism each rank draws its part on its own, which makes no whole model of any
+    seed; right for speed, not for outputs). `tp` and `comm`: this rank's part of the model and
+    its group's collectives (runtime/parallel.py); None: the whole model."""
+    from radixlm.runtime import model_loader
+    from radixlm.runtime.models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(mc, context_len + 1, sampled_vocab, tp, comm)
+    check_weights_fit(model, dtype, device)
+    model = model.to(dtype).to_empty(device=device)
+    if config.load_format == "dummy":
+        model.tie_weights_if_needed()
+        model_loader.init_dummy_weights(model, config.random_seed)
+    else:
+        weights = model_loader.iter_safetensors(folder)
+        total = model_loader.count_safetensors(folder)
+        model.load_weights(startup.progress(weights, total, "loading weights", "tensors"))
+    model.rope.build_tables(device)
+    return model.eval()
+
+
+def rank_kv_tokens(
+    config: EngineConfig,
+    local: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    context_len: int,
+) -> int:
+    """The KV pool's slots this rank has room for (`local`: the heads it holds). The ranks of a
+    CPU group share one host's memory: each takes its share of the fraction."""
+    if config.tp_size > 1 and device.type == "cpu" and config.max_total_tokens is None:
+        share = (config.mem_fraction_static or 0.25) / (config.tp_size // config.nnodes)
+        config = dataclasses.replace(config, mem_fraction_static=share)
+    return kv_pool_tokens(config, local, dtype, device, context_len)
+
+
+def build_kv_pool(
+    config: EngineConfig, local: ModelConfig, num_slots: int, dtype: torch.dtype, device
+) -> KVPool:
+    """The KV pool of `num_slots` slots (and the padding slot) for the heads `local` holds."""
+    return KVPool(
+        num_slots + 1, local.num_layers, local.num_kv_heads, local.head_dim, dtype, device,
+        kv_cache_dtype=config.kv_cache_dtype,
+    )  # fmt: skip
+
+
+def check_weights_fit(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a model whose weights cannot fit in what `device` has free (it would be killed
+    for memory part-way through loading instead)."""
+    need = sum(t.numel() for t in itertools.chain(model.parameters(), model.buffers()))
+    need *= dtype.itemsize
+    free = free_memory(device)
+    if need > free:
+        half = " or a half dtype (dtype='bfloat16')" if dtype == torch.float32 else ""
+        raise ValueError(
+            f"the model's weights take {need / 2**30:.1f} GiB in {str(dtype).split('.')[-1]}, "
+            f"more than the {free / 2**30:.1f} GiB free on {device}: use a smaller model{half}, "
+            "or another device"
+        )
