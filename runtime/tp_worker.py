@@ -130,7 +130,10 @@ def _process_group(store, rank: int, size: int, device: torch.device, timeout: f
     delta = datetime.timedelta(seconds=timeout)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = delta
+        options._timeout = delta  # (as init_process_group sets it up)
+        options.is_high_priority_stream = False
+        options.global_ranks_in_group = list(range(size))
+        options.group_name = f"radixlm-tp-{store.port}"  # (one group per engine)
         return dist.ProcessGroupNCCL(prefixed, rank, size, options)
     return dist.ProcessGroupGloo(prefixed, rank, size, delta)
 
