@@ -107,7 +107,7 @@ class EngineBackend(Backend):
         return bool(self.engine.flush_cache())
 
     def get_server_info(self) -> dict[str, Any]:
-        return {"internal_states": [self.engine.get_stats()]}
+        return {"internal_states": [self.engine.get_stats().as_dict()]}
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -28,6 +28,7 @@ from radixlm.errors import EngineShutDown
 from radixlm.protocol.histogram import Histogram
 from radixlm.protocol.prompt_tokens import encode_prompt
 from radixlm.protocol.sampling_params import SamplingParams, check_priority
+from radixlm.protocol.stats import EngineStats
 from radixlm.runtime import startup
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
@@ -257,12 +258,12 @@ class Engine:
 
         return self._core.call(flush)
 
-    def get_stats(self) -> dict[str, Any]:
-        """The core's counters, and `grammar_compile_seconds` (bucket counts, sum, count) of the
-        time each constrained request waited for its grammar (a compile or a cache hit)."""
+    def get_stats(self) -> EngineStats:
+        """The core's levels and totals (a frozen record, also readable as a mapping), with
+        `grammar_compile_seconds` (bucket counts, sum, count) of the time each constrained
+        request waited for its grammar (a compile or a cache hit)."""
         stats = self._core.call(self._core.stats)
-        stats["grammar_compile_seconds"] = self._grammar_times.snapshot()
-        return stats
+        return dataclasses.replace(stats, grammar_compile_seconds=self._grammar_times.snapshot())
 
     def start_profile(self, output_dir: str) -> None:
         """Start torch.profiler on the engine core's thread (CPU, and CUDA when on a GPU); the

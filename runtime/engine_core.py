@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from radixlm.errors import EngineShutDown
+from radixlm.protocol.stats import EngineStats
 from radixlm.radix_cache.base import NoPrefixCache
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.cache_manager import CacheManager
@@ -425,31 +426,32 @@ class EngineCore:
 
     # ---- statistics -----------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
+        """The levels and totals (on the core thread, between two steps: see `call`)."""
         pc = self.cache.prefix_cache
-        return {
-            "num_running_reqs": len(self.scheduler.running),
-            "num_waiting_reqs": len(self.scheduler.waiting),
-            "num_grammar_queue_reqs": len(self.output.grammar_queue),
-            "kv_pool_capacity_tokens": self.allocator.capacity,
-            "kv_pool_free_tokens": self.allocator.num_free,
-            "radix_cache_tokens": pc.total_size,
-            "radix_cache_evictable_tokens": pc.evictable_size,
-            "radix_cache_protected_tokens": pc.protected_size,
-            "cache_hit_rate": self.cache.stats.hit_rate,
-            "prompt_tokens": self.cache.stats.prompt_tokens,
-            "cached_tokens": self.cache.stats.cached_tokens,
-            "generated_tokens": self.output.num_generated_tokens,
-            "num_steps": self.num_steps,
-            "graph_steps": self.runner.num_graph_steps,
-            "prefill_graph_steps": self.runner.num_prefill_graph_steps,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_priority_preemptions": self.scheduler.num_priority_preemptions,
-            "jump_forward_tokens": self.output.num_jump_forward_tokens,
-            "overlapped_steps": self.num_overlapped_steps,
+        return EngineStats(
+            num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=len(self.scheduler.waiting),
+            num_grammar_queue_reqs=len(self.output.grammar_queue),
+            kv_pool_capacity_tokens=self.allocator.capacity,
+            kv_pool_free_tokens=self.allocator.num_free,
+            radix_cache_tokens=pc.total_size,
+            radix_cache_evictable_tokens=pc.evictable_size,
+            radix_cache_protected_tokens=pc.protected_size,
+            cache_hit_rate=self.cache.stats.hit_rate,
+            prompt_tokens=self.cache.stats.prompt_tokens,
+            cached_tokens=self.cache.stats.cached_tokens,
+            generated_tokens=self.output.num_generated_tokens,
+            num_steps=self.num_steps,
+            graph_steps=self.runner.num_graph_steps,
+            prefill_graph_steps=self.runner.num_prefill_graph_steps,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_priority_preemptions=self.scheduler.num_priority_preemptions,
+            jump_forward_tokens=self.output.num_jump_forward_tokens,
+            overlapped_steps=self.num_overlapped_steps,
             **{f"host_seconds_{k}": v for k, v in self.host_seconds.items()},
             **(self.speculative.stats() if self.speculative is not None else {}),
-        }
+        )
 
 
 def kv_pool_tokens(

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any, Protocol
 
 from radixlm.errors import GrammarRefused
 from radixlm.protocol.prompt_tokens import encode_prompt
+from radixlm.protocol.stats import EngineStats
 from radixlm.server.errors import unavailable
 
 # How long /metrics and /server_info wait for the engine's stats: an engine stuck in a step (or a
@@ -77,7 +78,7 @@ class GenerationBackend(Protocol):
 
     async def flush_cache(self) -> bool: ...
 
-    async def stats(self) -> dict[str, Any]: ...
+    async def stats(self) -> EngineStats | Mapping[str, Any]: ...
 
     async def start_profile(self, output_dir: str) -> None: ...
 
@@ -90,11 +91,12 @@ class GenerationBackend(Protocol):
     def shutdown(self) -> None: ...
 
 
-async def engine_stats(backend: GenerationBackend) -> dict[str, Any]:
+async def engine_stats(backend: GenerationBackend) -> EngineStats:
     """The engine's stats, or a 503 if it does not answer within ENGINE_STATS_TIMEOUT_S."""
     timeout = ENGINE_STATS_TIMEOUT_S
     try:
-        return await asyncio.wait_for(backend.stats(), timeout)
+        stats = await asyncio.wait_for(backend.stats(), timeout)
+        return stats if isinstance(stats, EngineStats) else EngineStats.from_dict(stats)
     except (TimeoutError, asyncio.TimeoutError):
         raise unavailable(
             f"the engine did not answer within {timeout:g} s: it is stuck or very busy "
@@ -161,7 +163,7 @@ class LocalEngineBackend(TokenizerSide):
     def __init__(self, engine: Any) -> None:
         super().__init__(engine.tokenizer)
         self._engine = engine
-        self._stats_call: asyncio.Future[dict[str, Any]] | None = None
+        self._stats_call: asyncio.Future[EngineStats] | None = None
         template = getattr(engine.tokenizer, "chat_template", None) or ""
         config = engine.config
         self._info = ModelInfo(
@@ -211,14 +213,14 @@ class LocalEngineBackend(TokenizerSide):
         # the engine answers between two steps of its core thread: wait off the event loop
         return await asyncio.to_thread(self._engine.flush_cache)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> EngineStats:
         # concurrent callers share one call: a stuck core then holds one worker thread, not one
         # for each caller that gave up waiting
         call = self._stats_call
         if call is None or call.done() or call.get_loop() is not asyncio.get_running_loop():
             call = asyncio.ensure_future(asyncio.to_thread(self._engine.get_stats))
             self._stats_call = call
-        return dict(await asyncio.shield(call))
+        return await asyncio.shield(call)
 
     async def start_profile(self, output_dir: str) -> None:
         await asyncio.to_thread(self._engine.start_profile, output_dir)

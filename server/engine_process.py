@@ -34,6 +34,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from radixlm.errors import EngineShutDown
+from radixlm.protocol.stats import EngineStats
 from radixlm.server.backend import LocalEngineBackend, ModelInfo, TokenizerSide
 from radixlm.server.errors import APIError, internal_error, unavailable
 from radixlm.server.ipc import (
@@ -179,11 +180,11 @@ class EngineProcessBackend(TokenizerSide):
     async def flush_cache(self) -> bool:
         return bool(await self._call("flush_cache"))
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> EngineStats:
         # concurrent scrapes share one round trip (the engine answers between two steps)
         if self._stats_call is None or self._stats_call.done():
             self._stats_call = asyncio.ensure_future(self._call("stats"))
-        return dict(await asyncio.shield(self._stats_call))
+        return EngineStats.from_dict(await asyncio.shield(self._stats_call))
 
     async def start_profile(self, output_dir: str) -> None:
         await self._call("start_profile", output_dir)
@@ -559,7 +560,10 @@ class _EngineServer:
                 raise ValueError(f"unknown engine call {message.method!r}")
             method = getattr(self._backend, message.method)
             args = () if message.arg is None else (message.arg,)
-            self._send(CallResult(message.cid, await method(*args)))
+            value = await method(*args)
+            if isinstance(value, EngineStats):  # (across the boundary as its mapping form)
+                value = value.as_dict()
+            self._send(CallResult(message.cid, value))
         except Exception as e:
             kind, text = _failure(e)
             if not is_callers_fault(kind):

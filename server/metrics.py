@@ -26,6 +26,7 @@ from prometheus_client.core import (
 )
 
 from radixlm.protocol.histogram import Histogram as EngineHistogram
+from radixlm.protocol.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "radixlm_"
@@ -172,7 +173,7 @@ class Metrics:
         if reason == "abort":
             self.num_aborted.labels(**self.labels).inc()
 
-    def render(self, engine_stats: dict[str, Any] | None) -> bytes:
+    def render(self, engine_stats: EngineStats | None) -> bytes:
         """The metrics text; `engine_stats` None: the engine did not answer (its metrics left
         out, `radixlm_engine_responsive` 0)."""
         self.engine.stats = engine_stats
@@ -269,22 +270,19 @@ class GenerationTimer:
 
 
 # SGLang's scheduler gauges: its name -> (help, the value from our engine's stats)
-def _sglang_engine_gauges(stats: dict[str, Any]) -> dict[str, tuple[str, Any]]:
-    capacity = stats.get("kv_pool_capacity_tokens") or 0
-    free = stats.get("kv_pool_free_tokens") or 0
-    evictable = stats.get("radix_cache_evictable_tokens") or 0
+def _sglang_engine_gauges(stats: EngineStats) -> dict[str, tuple[str, Any]]:
+    capacity = stats.kv_pool_capacity_tokens
+    free = stats.kv_pool_free_tokens
+    evictable = stats.radix_cache_evictable_tokens
     used = max(0, capacity - free - evictable)  # as SGLang counts: cached, unlocked KV is free
     return {
-        "num_running_reqs": ("The number of running requests.", stats.get("num_running_reqs")),
-        "num_queue_reqs": (
-            "The number of requests in the waiting queue.",
-            stats.get("num_waiting_reqs"),
-        ),
+        "num_running_reqs": ("The number of running requests.", stats.num_running_reqs),
+        "num_queue_reqs": ("The number of requests in the waiting queue.", stats.num_waiting_reqs),
         "num_grammar_queue_reqs": (
             "The number of requests in the grammar waiting queue.",
-            stats.get("num_grammar_queue_reqs"),
+            stats.num_grammar_queue_reqs,
         ),
-        "cache_hit_rate": ("The prefix cache hit rate.", stats.get("cache_hit_rate")),
+        "cache_hit_rate": ("The prefix cache hit rate.", stats.cache_hit_rate),
         "token_usage": ("The token usage.", used / capacity if capacity else 0.0),
         "num_used_tokens": ("The number of used tokens.", used),
         "kv_available_tokens": ("Number of available KV tokens.", free),
@@ -350,7 +348,7 @@ class EngineCollector:
 
     def __init__(self, labels: dict[str, str]) -> None:
         self.labels = labels
-        self.stats: dict[str, Any] | None = None
+        self.stats: EngineStats | None = None
 
     def describe(self) -> list[Metric]:
         return []  # (the metrics depend on the stats: nothing to check at registration)
@@ -372,12 +370,11 @@ class EngineCollector:
                 gauge.add_metric(values, float(value))
                 yield gauge
         for key, (name, help) in _SGLANG_ENGINE_COUNTERS.items():
-            if _is_number(stats.get(key)):
+            if _is_number(value := getattr(stats, key)):
                 counter = CounterMetricFamily(name, help, labels=names)
-                counter.add_metric(values, float(stats[key]))
+                counter.add_metric(values, float(value))
                 yield counter
-        capacity = stats.get("kv_pool_capacity_tokens") or 0
-        free = stats.get("kv_pool_free_tokens") or 0
+        capacity, free = stats.kv_pool_capacity_tokens, stats.kv_pool_free_tokens
         yield from _gauge("kv_pool_capacity_tokens", "KV-pool slots in all.", capacity)
         yield from _gauge(
             "kv_cache_usage_ratio",
@@ -385,12 +382,12 @@ class EngineCollector:
             (capacity - free) / capacity if capacity else 0.0,
         )
         yield from _gauge(
-            "radix_cache_tokens", "Tokens held by the radix cache.", stats.get("radix_cache_tokens")
+            "radix_cache_tokens", "Tokens held by the radix cache.", stats.radix_cache_tokens
         )
         for key, (name, help) in _ENGINE_COUNTERS.items():
-            if _is_number(stats.get(key)):
-                yield CounterMetricFamily(PREFIX + name, help, value=float(stats[key]))
-        grammar = stats.get("grammar_compile_seconds")
+            if _is_number(value := getattr(stats, key)):  # (None: speculation is off)
+                yield CounterMetricFamily(PREFIX + name, help, value=float(value))
+        grammar = stats.grammar_compile_seconds
         if isinstance(grammar, dict):
             with contextlib.suppress(ValueError, TypeError, KeyError):  # malformed: left out
                 yield _histogram(
@@ -400,7 +397,7 @@ class EngineCollector:
                     EngineHistogram.from_snapshot(grammar),
                 )
         # any other number the engine reports, as a gauge (a running total belongs above)
-        for key, value in sorted(stats.items()):
+        for key, value in sorted(stats.as_dict().items()):
             if key not in _SHOWN and _is_number(value):
                 yield from _gauge("engine_" + _metric_name(key), f"Engine statistic {key}.", value)
 

@@ -449,7 +449,7 @@ async def server_info(request: Request) -> Response:
         "limits": asdict(state.limits),
         "api_key_required": state.api_key is not None,
         "model_info": _model_info(state),
-        "internal_states": [stats],
+        "internal_states": [stats.as_dict()],
     }
     return json_response(info)
 

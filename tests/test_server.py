@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixlm.protocol.histogram import Histogram
+from radixlm.protocol.stats import EngineStats
 from radixlm.server import backend as backend_module
 from radixlm.server import native
 from radixlm.server.app import create_app
@@ -679,12 +680,14 @@ def test_the_engines_histograms_render_from_their_snapshots():
         "sum": snapshot["sum"],
         "count": 3,
     }
-    s = parse_prometheus(Metrics("m").render({"grammar_compile_seconds": snapshot}).decode())
+    s = parse_prometheus(
+        Metrics("m").render(EngineStats(grammar_compile_seconds=snapshot)).decode()
+    )
     name = "radixlm_grammar_compile_seconds"
     assert [s[f'{name}_bucket{{le="{le}"}}'] for le in ("0.1", "1.0", "+Inf")] == [1, 2, 3]
     assert s[name + "_count"] == 3 and s[name + "_sum"] == pytest.approx(3.6)
     for malformed in ({"buckets": [1.0], "counts": [1]}, {"buckets": [1.0]}, {"counts": "x"}):
-        text = Metrics("m").render({"grammar_compile_seconds": malformed}).decode()
+        text = Metrics("m").render(EngineStats(grammar_compile_seconds=malformed)).decode()
         assert name not in text  # left out; the rest of the scrape still answers
         ttft = 'sglang:time_to_first_token_seconds_count{is_streaming="false"}'
         assert parse_prometheus(text)[ttft] == 0
