@@ -19,7 +19,7 @@ _LAZY = {
 }
 # the program language (radixlm.lang, torch-free): `import radixlm as sgl` runs SGLang programs
 _LANG_NAMES = (
-    "function", "gen", "gen_int", "gen_string", "select", "image", "video",
+    "function", "gen", "gen_int", "gen_string", "select", "separate_reasoning", "image", "video",
     "system", "user", "assistant", "system_begin", "system_end", "user_begin", "user_end",
     "assistant_begin", "assistant_end", "set_default_backend", "get_default_backend",
     "flush_cache", "get_server_info", "RuntimeEndpoint", "OpenAI", "EngineBackend",

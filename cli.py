@@ -169,7 +169,7 @@ def _tool_call_parsers() -> tuple[str, ...]:
 
 
 def _reasoning_parsers() -> tuple[str, ...]:
-    from radixlm.server.reasoning import REASONING_PARSERS
+    from radixlm.protocol.reasoning import REASONING_PARSERS
 
     return REASONING_PARSERS
 

@@ -14,6 +14,7 @@ from radixlm.lang.ir import (
     RoleBegin,
     RoleEnd,
     Select,
+    SeparateReasoning,
     as_expr,
     check_regex,
     normalize_dtype,
@@ -114,6 +115,22 @@ def select(
     if not callable(choices_method):
         raise TypeError(f"select: choices_method must be a choices method, got {choices_method!r}")
     return Select(name, list(choices), float(temperature), choices_method)
+
+
+def separate_reasoning(expr: Any = None, model_type: str | None = None) -> ExprList:
+    """`expr` (a named gen or select, or a list of them), then its thinking split from its
+    answer: the variable keeps the answer, `{name}_reasoning_content` the thinking.
+    `model_type` names the reasoning parser, as SGLang's `--reasoning-parser` does."""
+    from radixlm.protocol.reasoning import REASONING_PARSERS, reasoning_parser
+
+    if model_type is None:
+        raise ValueError(
+            f"separate_reasoning needs model_type, one of {', '.join(REASONING_PARSERS)}"
+        )
+    reasoning_parser(model_type)  # (an unknown name is a ValueError naming the known ones)
+    expr = None if expr is None else as_expr(expr)
+    split = SeparateReasoning(model_type, expr)
+    return ExprList([split] if expr is None else [expr, split])
 
 
 def _role(role: str, expr: Any = None) -> ExprList:

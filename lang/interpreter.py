@@ -37,6 +37,7 @@ from radixlm.lang.ir import (
     RoleBegin,
     RoleEnd,
     Select,
+    SeparateReasoning,
     VarScopeBegin,
     VarScopeEnd,
     as_expr,
@@ -226,14 +227,21 @@ class StreamExecutor:
         """Count the queued writers of each variable: reading one waits for the last of them
         (a name generated twice in a row was read as its first value)."""
         if isinstance(expr, (Gen, Select, VarScopeBegin)) and expr.name is not None:
-            with self._changed:
-                self._writers[expr.name] = self._writers.get(expr.name, 0) + 1
-                event = self.variable_event.get(expr.name)
-                if event is None or event.is_set():
-                    self.variable_event[expr.name] = threading.Event()
+            self._count_writer(expr.name)
+        elif isinstance(expr, SeparateReasoning):  # (it writes each name again)
+            for name in expr.names:
+                self._count_writer(name)
+                self._count_writer(expr.reasoning_name(name))
         elif isinstance(expr, ExprList):
             for e in expr.exprs:
                 self._init_var_events(e)
+
+    def _count_writer(self, name: str) -> None:
+        with self._changed:
+            self._writers[name] = self._writers.get(name, 0) + 1
+            event = self.variable_event.get(name)
+            if event is None or event.is_set():
+                self.variable_event[name] = threading.Event()
 
     def _execute(self, expr: Expr) -> None:
         if isinstance(expr, ConstantText):
@@ -257,8 +265,26 @@ class StreamExecutor:
             self.backend.commit_lazy_operations(self._prompt())
         elif isinstance(expr, ConcatenateAndAppend):
             self._concatenate_and_append(expr.states)
+        elif isinstance(expr, SeparateReasoning):
+            self._separate_reasoning(expr)
         else:
             raise TypeError(f"cannot execute {expr!r}")
+
+    def _separate_reasoning(self, expr: SeparateReasoning) -> None:
+        from radixlm.protocol.reasoning import reasoning_parser
+
+        parser = reasoning_parser(expr.model_type)
+        for name in expr.names:
+            output = self.variables.get(name)
+            outputs = output if isinstance(output, list) else [output]
+            splits = [parser.split(o) if isinstance(o, str) else (None, o) for o in outputs]
+            answers = [answer for _, answer in splits]
+            thinking = [reasoning or "" for reasoning, _ in splits]
+            if isinstance(output, str) and self.text_.endswith(output):
+                self.text_ = self.text_[: len(self.text_) - len(output)] + answers[0]
+            many = isinstance(output, list)
+            self._set(name, answers if many else answers[0], self.meta_info.get(name))
+            self._set(expr.reasoning_name(name), thinking if many else thinking[0])
 
     def _concatenate_and_append(self, states: list[ProgramState]) -> None:
         children = [state.stream_executor for state in states]

@@ -220,6 +220,32 @@ class Select(Expr):
         return f"Select({self.name!r}, choices={self.choices!r})"
 
 
+class SeparateReasoning(Expr):
+    """SGLang's `separate_reasoning`: after the named gen/select results in `expr` are made,
+    split each into its thinking and its answer with the `model_type` reasoning parser
+    (`deepseek-r1`, `qwen3`, ...): the variable keeps the answer, `{name}_reasoning_content`
+    gets the thinking ("" if there is none), and the state's text, where it ends with the
+    output, ends with the answer instead."""
+
+    def __init__(self, model_type: str, expr: Expr | None) -> None:
+        self.model_type = model_type
+        self.names: list[str] = []
+        for e in _items(expr) if expr is not None else []:
+            if isinstance(e, (Gen, Select)):
+                if e.name is None:
+                    raise ValueError(
+                        "separate_reasoning needs a named gen or select: its answer and its "
+                        "thinking are stored under the name"
+                    )
+                self.names.append(e.name)
+
+    def reasoning_name(self, name: str) -> str:
+        return f"{name}_reasoning_content"
+
+    def __repr__(self) -> str:
+        return f"SeparateReasoning({self.model_type!r}, {self.names!r})"
+
+
 class RoleBegin(Expr):
     def __init__(self, role: str) -> None:
         self.role = role

@@ -32,17 +32,6 @@ class ReasoningParser:
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
 
-    def grammar_prefix(self) -> str:
-        """The regex of the thinking an output may open with, for a grammar that constrains the
-        answer after it (a forced tool call): the model still thinks first."""
-        from radixlm.constrained import regex_text as rt
-        from radixlm.server.tools import _text_without
-
-        thinking = rt.seq(_text_without(self.end), rt.lit(self.end), "[ \\n]*")
-        if self.forced:
-            return rt.seq(rt.opt(rt.lit(self.start)), thinking)  # type: ignore[return-value]
-        return rt.opt(rt.seq(rt.lit(self.start), thinking))
-
 
 class ReasoningStream:
     """Splits an output into thinking and answer as it arrives: `feed` returns the new thinking;

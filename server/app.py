@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlm import __version__
 from radixlm.errors import EngineShutDown
+from radixlm.protocol.reasoning import reasoning_parser as get_reasoning_parser
 from radixlm.server.audit import AuditLog
 from radixlm.server.backend import GenerationBackend, LocalEngineBackend, engine_stats
 from radixlm.server.errors import APIError, ClientDisconnected, unavailable
@@ -26,7 +27,6 @@ from radixlm.server.inflight import InFlight
 from radixlm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixlm.server.metrics import Metrics
 from radixlm.server.openapi import add_bodies
-from radixlm.server.reasoning import reasoning_parser as get_reasoning_parser
 from radixlm.server.state import ServerLimits, ServerState
 from radixlm.server.tool_parsers import resolve_tool_call_parser
 

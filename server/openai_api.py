@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from radixlm.protocol.reasoning import ReasoningParser, ReasoningStream
 from radixlm.protocol.sampling_params import CONSTRAINTS, structural_tag_parts
 from radixlm.server.chat import render_chat_prompt
 from radixlm.server.errors import bad_request, internal_error, not_found
@@ -42,7 +43,6 @@ from radixlm.server.openai_protocol import (
     CompletionRequest,
     ResponseFormat,
 )
-from radixlm.server.reasoning import ReasoningParser, ReasoningStream
 from radixlm.server.sglang_fields import CHAT, COMPLETIONS, check_unsupported
 from radixlm.server.state import ServerState
 from radixlm.server.tool_parsers import HermesParser, ToolCallParser, ToolCallStream
@@ -54,6 +54,7 @@ from radixlm.server.tools import (
     openai_call,
     parse_output,
     plan_tools,
+    thinking_prefix,
 )
 
 router = APIRouter()
@@ -657,7 +658,7 @@ def _set_tool_grammar(
         except ValueError as e:
             raise bad_request(f"cannot enforce the tools' parameter schemas: {e}", "tools") from e
         if reasoning is not None:
-            regex = f"{reasoning.grammar_prefix()}(?:{regex})"
+            regex = f"{thinking_prefix(reasoning)}(?:{regex})"
         _set_constraint(params, "regex", regex, "tool_choice")
     elif isinstance(parser, HermesParser) and reasoning is None and not _constraints(params):
         try:

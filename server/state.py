@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.protocol.reasoning import ReasoningParser
 from radixlm.server.audit import AuditLog
 from radixlm.server.backend import GenerationBackend
 from radixlm.server.inflight import Generation, InFlight
 from radixlm.server.metrics import Metrics
-from radixlm.server.reasoning import ReasoningParser
 from radixlm.server.tool_parsers import ToolCallParser
 
 

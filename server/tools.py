@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.protocol.reasoning import ReasoningParser
 from radixlm.server.errors import bad_request
 
 CALL_OPEN = "<tool_call>"
@@ -260,6 +261,17 @@ def _auto_output_regex(tools: str, parallel: bool, whitespace: str) -> str:
 def _free_text() -> str:
     """Any text without a `<tool_call>` in it."""
     return _text_without(CALL_OPEN)
+
+
+def thinking_prefix(parser: ReasoningParser) -> str:
+    """The regex of the thinking an output may open with, for a grammar that constrains the
+    answer after it (a forced tool call): the model still thinks first."""
+    from radixlm.constrained import regex_text as rt
+
+    thinking = rt.seq(_text_without(parser.end), rt.lit(parser.end), "[ \\n]*")
+    if parser.forced:
+        return rt.seq(rt.opt(rt.lit(parser.start)), thinking)  # type: ignore[return-value]
+    return rt.opt(rt.seq(rt.lit(parser.start), thinking))
 
 
 def _text_without(marker: str) -> str:

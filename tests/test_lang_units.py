@@ -577,3 +577,36 @@ def test_forks_never_joined_end_with_their_program():
     while program_threads() > before and time.monotonic() < deadline:
         time.sleep(0.02)
     assert program_threads() <= before
+
+
+def test_separate_reasoning_splits_thinking_from_the_answer():
+    backend = ScriptedBackend(
+        {"": "<think>\nIt is 4.\n</think>\n\nFour.", "again: ": "Just this."}
+    )
+
+    @sgl.function
+    def prog(s):
+        s += sgl.user("What is 2 + 2?")
+        s += sgl.assistant(sgl.separate_reasoning(sgl.gen("answer"), model_type="qwen3"))
+        s += "again: " + sgl.separate_reasoning(sgl.gen("plain"), model_type="qwen3")
+
+    state = prog.run(backend=backend)
+    assert state["answer"] == "Four."
+    assert state["answer_reasoning_content"] == "It is 4."
+    assert "<think>" not in state.text() and "Four.<|im_end|>" in state.text()
+    assert state.messages()[-1] == {"role": "assistant", "content": "Four."}
+    # no thinking: the answer as it was, and empty thinking
+    assert state["plain"] == "Just this." and state["plain_reasoning_content"] == ""
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: sgl.separate_reasoning(sgl.gen("x")), "needs model_type, one of deepseek-r1"),
+        (lambda: sgl.separate_reasoning(sgl.gen("x"), model_type="o1"), "use one of"),
+        (lambda: sgl.separate_reasoning(sgl.gen(), model_type="qwen3"), "named gen or select"),
+    ],
+)
+def test_separate_reasoning_arguments_are_checked(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()

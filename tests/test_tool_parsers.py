@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 
-from radixlm.server.reasoning import REASONING_PARSERS, reasoning_parser
+from radixlm.protocol.reasoning import REASONING_PARSERS, reasoning_parser
 from radixlm.server.tool_parsers import (
     TOOL_CALL_PARSERS,
     detect_tool_call_parser,
     resolve_tool_call_parser,
     tool_call_parser,
 )
+from radixlm.server.tools import thinking_prefix
 
 TOOLS = {"get_weather", "get_time"}
 WEATHER = {
@@ -390,7 +391,7 @@ def test_reasoning_split_whole_and_streamed(name, text, thinking, answer):
 def test_the_reasoning_grammar_prefix_lets_thinking_come_before_a_forced_call(name):
     parser = reasoning_parser(name)
     call = tool_call_parser("hermes").forced_regex([TIME], one=True)
-    regex = re.compile(f"{parser.grammar_prefix()}(?:{call})", re.DOTALL)
+    regex = re.compile(f"{thinking_prefix(parser)}(?:{call})", re.DOTALL)
     forced = '<tool_call>\n{"name": "get_time", "arguments": {"timezone":"UTC"}}\n</tool_call>'
     assert regex.fullmatch(f"<think>\nWhich zone? UTC.\n</think>\n\n{forced}")
     assert not regex.fullmatch(f"<think>\nno end {forced}")
