@@ -95,9 +95,9 @@ def test_fp8_engine_on_triton_equals_fp8_engine_on_torch(tiny_model_folder):
     """The same float8 pool read by the Triton kernels (the interpreter here) and by the torch
     oracle: the same tokens, with chunked prompts, a cached shared prefix and decodes batched;
     and the pool really holds float8."""
-    shared = list(range(500, 540))
-    prompts = [shared + list(range(600 + 7 * i, 606 + 9 * i)) for i in range(4)]
-    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    shared = list(range(500, 524))
+    prompts = [shared + list(range(600 + 7 * i, 604 + 9 * i)) for i in range(3)]
+    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
     outs = {}
     for backend in ("torch", "triton"):
         with radixlm.Engine(
@@ -108,7 +108,7 @@ def test_fp8_engine_on_triton_equals_fp8_engine_on_torch(tiny_model_folder):
             first = eng.generate(input_ids=prompts[0], sampling_params=params)
             rest = eng.generate(input_ids=prompts[1:], sampling_params=params)
             outs[backend] = [o["output_ids"] for o in [first, *rest]]
-            assert all(o["meta_info"]["cached_tokens"] >= 32 for o in rest)
+            assert all(o["meta_info"]["cached_tokens"] >= 16 for o in rest)
     assert outs["torch"] == outs["triton"]
 
 
@@ -123,7 +123,7 @@ def _top1_per_position(engine, ids: list[int]) -> list[int]:
 def test_fp8_kv_on_the_real_model_agrees_with_the_unquantized_kv(engine, default_model_folder):
     """The real default model with an FP8 KV pool, the radix cache on and prompts chunked: greedy
     generation runs (cached prefixes reused), and its teacher-forced top-1 next tokens agree with
-    those of the unquantized pool (the shared default engine) on >= 96% of ~500 positions
+    those of the unquantized pool (the shared default engine) on >= 96% of ~420 positions
     (benchmarks/quant_quality.py measures 98.8% over its whole text set)."""
     from tests.prompts import varied_prompts
 
@@ -132,7 +132,7 @@ def test_fp8_kv_on_the_real_model_agrees_with_the_unquantized_kv(engine, default
     questions = ["Name three rivers.", "What is 12 times 12?", "Write a haiku about rain."]
     chats = [f"{shared}{q}<|im_end|>\n<|im_start|>assistant\n" for q in questions]
     params = {"max_new_tokens": 12, "temperature": 0}
-    ids = [engine.tokenizer.encode(t)[:260] for t in texts]
+    ids = [engine.tokenizer.encode(t)[:210] for t in texts]
     want = [_top1_per_position(engine, x) for x in ids]
     want_greedy = [o["output_ids"] for o in engine.generate(chats, params)]
     with radixlm.Engine(
@@ -146,7 +146,7 @@ def test_fp8_kv_on_the_real_model_agrees_with_the_unquantized_kv(engine, default
     assert all(o["meta_info"]["cached_tokens"] > 10 for o in outs)  # the radix cache
     same = sum(a == b for x, y in zip(want, got) for a, b in zip(x, y))
     total = sum(len(x) for x in want)
-    assert total > 450
+    assert total > 400
     assert same / total >= 0.96, f"top-1 agreement {same}/{total}"
     # greedy answers stay close: their first tokens agree
     greedy = [o["output_ids"] for o in outs]
