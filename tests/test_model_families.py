@@ -129,8 +129,8 @@ def test_eos_ids_of_the_generation_config_are_stop_tokens(tmp_path, tiny_model_f
 def test_weights_that_do_not_fit_in_free_memory_are_refused_before_loading(
     tiny_model_folder, monkeypatch
 ):
-    import radixlm.runtime.engine as engine_module
+    import radixlm.runtime.model_setup as model_setup
 
-    monkeypatch.setattr(engine_module, "free_memory", lambda device: 1 << 20)
+    monkeypatch.setattr(model_setup, "free_memory", lambda device: 1 << 20)
     with pytest.raises(ValueError, match="weights take .* GiB in float32.*half dtype"):
         radixlm.Engine(tiny_model_folder)
