@@ -558,7 +558,11 @@ async def prepare_chat(
     if max_tokens is None:
         max_tokens, max_param = req.max_tokens, "max_tokens"
     params = _sampling_params(state, req, max_tokens, max_param, len(ids))
-    _apply_response_format(params, req.response_format)
+    # A demanded call (tool_choice "required" or a named tool) is the whole output: the
+    # response_format, which shapes a text answer, has nothing to shape in this turn, and the
+    # tools' grammar applies. OpenAI takes the two together, as agent frameworks send them (an
+    # agent with an output type whose first turn must call a tool); the format is still checked.
+    _apply_response_format({} if plan.constrained else params, req.response_format)
     reasoning = state.reasoning_parser if req.separate_reasoning else None
     if reasoning is not None and (_constraints(params) or (plan.constrained and parser is None)):
         # a constraint that holds from the first token leaves no room for thinking: the output

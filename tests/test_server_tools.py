@@ -507,6 +507,79 @@ def test_named_tool_choice_constrains_and_returns_tool_calls():
     )
 
 
+REPORT_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "report",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"sunny": {"type": "boolean"}},
+            "required": ["sunny"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("parser", [None, "hermes"])
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_a_demanded_call_with_a_response_format_is_held_to_the_tools_grammar(parser, tool_choice):
+    # as the OpenAI Agents SDK sends an agent's first turn when it has an output type and must
+    # call a tool: OpenAI takes both, the call is the output, the format shapes a later answer
+    script = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    if parser == "hermes":
+        # (as the grammar writes it: the arguments' JSON compact)
+        script = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>'
+    choice: Any = tool_choice
+    if tool_choice == "named":
+        choice = {"type": "function", "function": {"name": "get_weather"}}
+        script = script if parser else script[1:-1]  # one call: an object, not a list
+    backend = ScriptedBackend(script)
+    body = {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [WEATHER, TIME],
+        "tool_choice": choice,
+        "response_format": REPORT_FORMAT,
+    }
+    with TestClient(create_app(backend, tool_call_parser=parser)) as c:
+        out = c.post("/v1/chat/completions", json=body)
+        assert out.status_code == 200, out.text
+        without = c.post("/v1/chat/completions", json={**body, "response_format": None})
+        assert without.status_code == 200, without.text
+        # a response_format that is wrong in itself is still refused
+        bad = c.post(
+            "/v1/chat/completions",
+            json={**body, "response_format": {"type": "json_schema", "json_schema": {}}},
+        )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+    # the grammar is the tools' alone, as without the format: the output is the call
+    with_format, without_format = backend.calls
+    assert with_format == without_format
+    grammar = with_format.get("regex") or with_format["json_schema"]
+    assert "sunny" not in grammar
+    if parser == "hermes":
+        assert re.fullmatch(with_format["regex"], script)
+    choice_out = out.json()["choices"][0]
+    assert choice_out["finish_reason"] == "tool_calls"
+    (call,) = choice_out["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_an_answer_with_tools_offered_follows_the_response_format():
+    backend = ScriptedBackend('{"sunny": true}')
+    body = {
+        "messages": [{"role": "user", "content": "Is it sunny?"}],
+        "tools": [WEATHER],
+        "response_format": REPORT_FORMAT,
+    }
+    with TestClient(create_app(backend)) as c:
+        out = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+    (params,) = backend.calls
+    assert json.loads(params["json_schema"]) == REPORT_FORMAT["json_schema"]["schema"]
+    assert out["message"]["content"] == '{"sunny": true}' and out["finish_reason"] == "stop"
+
+
 @pytest.mark.parametrize("tool_choice", ["required", "auto", "auto, a bare JSON call"])
 def test_a_call_cut_off_by_max_tokens_is_length_streamed_or_not(tool_choice):
     script = '[{"name": "get_weather", "arguments": {"city": "Par'
