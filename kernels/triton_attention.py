@@ -384,6 +384,7 @@ def decode_attention(
     layer's `k_scale` and `v_scale`.
     """
     _check_pools(q, k_pool, v_pool)
+    k_scale, v_scale = _scales(k_pool, k_scale, v_scale)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_q_heads // num_kv_heads
@@ -729,6 +730,7 @@ def extend_attention(
     through the layer's `k_scale` and `v_scale`.
     """
     _check_pools(q, k_pool, v_pool)
+    k_scale, v_scale = _scales(k_pool, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_q_heads // num_kv_heads
@@ -837,6 +839,12 @@ def _upcast_dot(q: torch.Tensor) -> bool:
 def _dot_precision(q: torch.Tensor) -> str:
     # fp32 is the exact path: no tf32 rounding inside tl.dot
     return "ieee" if q.dtype == torch.float32 or _upcast_dot(q) else "tf32"
+
+
+def _scales(pool: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The scales a pool is read through: a pool of the model's dtype has none (as the reference
+    reads it)."""
+    return (k_scale, v_scale) if is_quantized(pool) else (1.0, 1.0)
 
 
 def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:

@@ -59,6 +59,11 @@ class KVPool:
         self.compute_dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.dtype = kv_cache_storage_dtype(kv_cache_dtype, dtype)
+        if (k_scale is not None or v_scale is not None) and self.dtype == dtype:
+            raise ValueError(
+                "k_scale and v_scale are for a float8 pool (kv_cache_dtype=fp8_e4m3); a pool of "
+                "the model's dtype stores K and V as they are"
+            )
         self.k_scale = _layer_scales("k_scale", k_scale, num_layers)
         self.v_scale = _layer_scales("v_scale", v_scale, num_layers)
         # one buffer so a single allocation holds it all; (2, layers, slots, kv_heads, head_dim)

@@ -520,6 +520,14 @@ def test_fp8_decode_matches_reference(
     assert_close(out, expected_fp8_decode(b), q_dtype)
 
 
+def test_scales_do_not_apply_to_a_pool_of_the_models_dtype() -> None:
+    """As the reference reads such a pool: the scales are a float8 pool's."""
+    b = Batch([5, 0], [3, 4], 2, 2, 64, torch.float32, seed=27)
+    assert_close(run_extend(b, k_scale=K_SCALE, v_scale=V_SCALE), expected_extend(b), torch.float32)
+    d = Batch([9, 30], [1, 1], 2, 2, 64, torch.float32, seed=28)
+    assert_close(run_decode(d, k_scale=K_SCALE, v_scale=V_SCALE), expected_decode(d), torch.float32)
+
+
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal as numbers (a float8 -0 and +0 are one value)."""
     return torch.equal(a.float(), b.float())

@@ -89,6 +89,8 @@ def test_pool_scales_are_checked():
         KVPool(4, 2, 1, 8, torch.float32, cpu, "fp8_e4m3", k_scale=[1.0])
     with pytest.raises(ValueError, match="positive and finite"):
         KVPool(4, 2, 1, 8, torch.float32, cpu, "fp8_e4m3", v_scale=[1.0, 0.0])
+    with pytest.raises(ValueError, match="for a float8 pool"):
+        KVPool(4, 2, 1, 8, torch.float32, cpu, "auto", k_scale=[0.5, 2])
 
 
 def test_fp8_engine_on_triton_equals_fp8_engine_on_torch(tiny_model_folder):
