@@ -249,6 +249,22 @@ def _build_parser() -> argparse.ArgumentParser:
         "the HTTP work and the engine then share one GIL",
     )
     net.add_argument(
+        "--dp-size",
+        "--data-parallel-size",
+        dest="dp_size",
+        type=int,
+        default=1,
+        help="data parallelism: this many engine replicas (one a GPU, each its own process and "
+        "radix cache) behind the one server",
+    )
+    net.add_argument(
+        "--load-balance-method",
+        default="cache_aware",
+        choices=["cache_aware", "round_robin", "shortest_queue"],
+        help="with --dp-size: where a request goes. cache_aware: the replica holding the "
+        "longest prefix of its prompt, unless that one is far busier; else the least busy",
+    )
+    net.add_argument(
         "--graceful-timeout",
         type=float,
         default=30.0,
@@ -515,6 +531,8 @@ def _start_engine(args: argparse.Namespace) -> Any:
     """The engine `radixlm serve` runs: a `radixlm.Engine` in this process, or its process."""
     import radixlm
 
+    if args.dp_size != 1:
+        return _start_replicas(args)
     if args.engine_in_process:
         return radixlm.Engine(**_engine_kwargs(args))
     from radixlm.server.engine_process import EngineProcessBackend
@@ -523,6 +541,68 @@ def _start_engine(args: argparse.Namespace) -> Any:
         return EngineProcessBackend(_engine_kwargs(args), log_level=args.log_level)
     except RuntimeError as e:
         raise _EngineStartFailed(str(e)) from e
+
+
+def _start_replicas(args: argparse.Namespace) -> Any:
+    """--dp-size N: N engine processes, started side by side, GPU i for replica i (all on the
+    CPU where there is no GPU), behind one DataParallelBackend."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from radixlm.server.data_parallel import DataParallelBackend
+    from radixlm.server.engine_process import EngineProcessBackend
+
+    n = args.dp_size
+    kwargs = _engine_kwargs(args)
+    if n < 1:
+        raise ValueError(f"--dp-size {n}; it must be at least 1")
+    if args.engine_in_process:
+        raise ValueError(
+            "--dp-size runs each replica in a process of its own: drop --engine-in-process"
+        )
+    if kwargs.get("tp_size", 1) != 1:
+        raise ValueError("--dp-size with --tp-size above 1 is not supported yet: use one of them")
+    devices = _replica_devices(n, kwargs.get("device"))
+    # (each start loads a tokenizer in this process: resolve transformers' lazy names first, as
+    # two threads resolving one at once can fail)
+    from transformers import AutoTokenizer  # noqa: F401
+
+    with ThreadPoolExecutor(n) as pool:
+        starts = [
+            pool.submit(EngineProcessBackend, {**kwargs, "device": d}, log_level=args.log_level)
+            for d in devices
+        ]
+    replicas, failure = [], None
+    for start in starts:
+        try:
+            replicas.append(start.result())
+        except Exception as e:  # (the others are stopped: none is left running)
+            failure = failure or e
+    if failure is not None:
+        for replica in replicas:
+            replica.shutdown()
+        if isinstance(failure, RuntimeError):
+            raise _EngineStartFailed(str(failure)) from failure
+        raise failure
+    return DataParallelBackend(replicas, load_balance_method=args.load_balance_method)
+
+
+def _replica_devices(n: int, device: str | None) -> list[str]:
+    """A device for each of n replicas: cuda:0 .. cuda:n-1 on a machine with at least n GPUs,
+    the CPU for all where there is none or the CPU is asked for."""
+    if device == "cpu":
+        return ["cpu"] * n
+    import torch
+
+    count = torch.cuda.device_count()
+    if device not in (None, "cuda"):
+        raise ValueError(f"--dp-size {n} places replica i on GPU i: drop --device {device}")
+    if count == 0:
+        if device == "cuda":
+            raise ValueError("--device cuda: no CUDA device here")
+        return ["cpu"] * n
+    if count < n:
+        raise ValueError(f"--dp-size {n} needs {n} GPUs, one a replica; this machine has {count}")
+    return [f"cuda:{i}" for i in range(n)]
 
 
 def _generate(args: argparse.Namespace) -> int:
