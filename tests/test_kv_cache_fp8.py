@@ -6,6 +6,7 @@ The kernels themselves are compared with the float8 torch reference in test_kern
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -161,14 +162,16 @@ def test_kv_cache_benchmark_runs_at_a_tiny_size(capsys):
     from benchmarks import kv_cache_fp8
 
     result = kv_cache_fp8.main(
-        ["--shape", "tiny", "--batch", "2", "--context", "16", "--steps", "1", "--device", "cpu",
-         "--mem-fraction", "0.0005"]
+        ["--shape", "tiny", "--batch", "2", "--context", "16", "--steps", "2", "--repeats", "1",
+         "--device", "cpu", "--mem-fraction", "0.0005"]
     )  # fmt: skip
     auto, fp8 = result["capacity"]
     # (the host's free memory moves between the two sizings a little)
     assert abs(auto.pool_bytes - fp8.pool_bytes) <= 0.01 * auto.pool_bytes
     assert result["capacity_ratio"] >= 1.9  # (float32 on the CPU: 4x)
-    assert all(d.tokens_per_second > 0 for d in result["decode"])
+    # (a few steps of a tiny model on a shared CPU: timings are noise, only that they were taken)
+    assert [d.kv_cache_dtype for d in result["decode"]] == ["auto", "fp8_e4m3"]
+    assert all(math.isfinite(d.step_seconds) for d in result["decode"])
     out = capsys.readouterr().out
     assert "fp8 / float32" in out and "decode tokens/s" in out
 
