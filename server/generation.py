@@ -155,6 +155,28 @@ def arrival(request: Request) -> float:
     return time.perf_counter() if arrived is None else arrived
 
 
+def item_ids(value: Any, prompt_ns: list[int], count: int) -> list[str] | None:
+    """The ids of a request's `count` generations from its `rid`, as SGLang names them: one
+    `rid` for one generation, or `rid_0`, `rid_1`, ... for several; a list of them, one a prompt
+    (`rid_k` for its n samples, `prompt_ns` giving each prompt's n). None: no rid given."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value:
+        return [value] if count == 1 else [f"{value}_{i}" for i in range(count)]
+    if (
+        isinstance(value, list)
+        and all(isinstance(r, str) and r for r in value)
+        and len(value) == len(prompt_ns)
+    ):
+        if len(set(value)) != len(value):
+            raise bad_request("rid holds the same id twice; give each prompt its own", "rid")
+        return [r if n == 1 else f"{r}_{k}" for r, n in zip(value, prompt_ns) for k in range(n)]
+    raise bad_request(
+        f"rid must be a non-empty string or a list of {len(prompt_ns)} of them, one a prompt",
+        "rid",
+    )
+
+
 async def start(
     state: ServerState,
     items: list[GenerationInput],

@@ -47,6 +47,7 @@ from radixlm.server.generation import (
     collect,
     fan_out,
     finish_error,
+    item_ids,
     last,
     merge,
     open_streams,
@@ -199,7 +200,7 @@ def parse_generate(state: ServerState, payload: Any) -> NativeRequest:
         n_total += sampling.n
         prompt_ns.append(sampling.n)
     check_batch(state, n_total, "sampling_params.n")
-    rids = _rids(payload.get("rid"), prompt_ns, len(items))
+    rids = item_ids(payload.get("rid"), prompt_ns, len(items))
     return NativeRequest(
         items=items,
         samplings=samplings,
@@ -209,27 +210,6 @@ def parse_generate(state: ServerState, payload: Any) -> NativeRequest:
         return_text_in_logprobs=bool(text_in_lp),
         rids=rids,
         timeout=check_timeout(payload.get("request_timeout")),
-    )
-
-
-def _rids(value: Any, prompt_ns: list[int], count: int) -> list[str] | None:
-    """The ids of the items, as SGLang names them: one `rid` for one generation, or `rid_0`,
-    `rid_1`, ... for several; a list of them, one a prompt (`rid_k` for its n samples)."""
-    if value is None:
-        return None
-    if isinstance(value, str) and value:
-        return [value] if count == 1 else [f"{value}_{i}" for i in range(count)]
-    if (
-        isinstance(value, list)
-        and all(isinstance(r, str) and r for r in value)
-        and len(value) == len(prompt_ns)
-    ):
-        if len(set(value)) != len(value):
-            raise bad_request("rid holds the same id twice; give each prompt its own", "rid")
-        return [r if n == 1 else f"{r}_{k}" for r, n in zip(value, prompt_ns) for k in range(n)]
-    raise bad_request(
-        f"rid must be a non-empty string or a list of {len(prompt_ns)} of them, one a prompt",
-        "rid",
     )
 
 

@@ -31,6 +31,7 @@ from radixlm.server.generation import (
     collect,
     fan_out,
     finish_error,
+    item_ids,
     merge,
     start,
     stop_string_kept,
@@ -396,14 +397,16 @@ async def completions(request: Request) -> Response:
     # would abort every choice, so it stays the request's 400 (the native /generate batch, with a
     # grammar per prompt, aborts only the refused items)
     rid = f"cmpl-{uuid.uuid4().hex}"
+    ids = item_ids(req.rid, [n] * len(prompts), len(items))  # (SGLang's: for /abort_request)
     streams = await start(
         state,
         items,
         usage_log,
         arrival(request),
-        ids=[rid] * len(items),
+        ids=ids or [rid] * len(items),
         timeout=check_timeout(req.request_timeout),
         streaming=bool(req.stream),
+        unique_ids=ids is not None,
     )
     if req.no_stop_trim:
         streams = _keep_stop_strings(streams)
@@ -604,14 +607,16 @@ async def chat_completions(request: Request) -> Response:
     item, output, stream_calls = await prepare_chat(state, req)
     usage_log = getattr(request.state, "usage", None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
+    ids = item_ids(req.rid, [n], n)  # (SGLang's: for /abort_request)
     streams = await start(
         state,
         fan_out(item, n),
         usage_log,
         arrival(request),
-        ids=[rid] * n,
+        ids=ids or [rid] * n,
         timeout=check_timeout(req.request_timeout),
         streaming=bool(req.stream),
+        unique_ids=ids is not None,
     )
     if req.no_stop_trim:
         streams = _keep_stop_strings(streams)

@@ -123,9 +123,9 @@ class _SamplingFields(_Strict):
     no_stop_trim: bool | None = None
     regex: str | None = None
     ebnf: str | None = None
+    rid: Any = None  # SGLang's: the generations' ids, what /abort_request takes
     # SGLang's fields that this server does not act on, any value (server/sglang_fields.py:
     # ignored) or only at SGLang's default (default only: checked by the route)
-    rid: Any = None
     bootstrap_host: Any = None
     bootstrap_port: Any = None
     bootstrap_room: Any = None

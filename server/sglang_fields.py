@@ -59,7 +59,7 @@ _CACHE_NS = "prefix-cache namespaces: every request here shares one prefix cache
 
 # Fields of all three requests.
 _COMMON: dict[str, FieldRule] = {
-    "rid": _ignored("request ids are the server's own"),
+    "rid": _honoured("the generations' ids (what /abort_request takes; rid_0, rid_1, ... for n)"),
     "bootstrap_host": _default_only(_PD),
     "bootstrap_port": _default_only(_PD),
     "bootstrap_room": _default_only(_PD),

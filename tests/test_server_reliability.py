@@ -218,6 +218,19 @@ def test_abort_request_ends_a_request_by_the_id_its_client_sees(tiny_engine):
             assert out["id"] == rid and out["choices"][0]["finish_reason"] == "abort"
             await wait_kv_free(app)
 
+            # an OpenAI request with SGLang's rid: its n choices as rid_0, rid_1
+            body = {**chat, "ignore_eos": True, "rid": "turn-1", "n": 2}
+            pending = asyncio.ensure_future(c.post("/v1/chat/completions", json=body))
+            await wait_for(lambda: inflight.count == 2)
+            assert sorted(inflight._by_id) == ["turn-1_0", "turn-1_1"]
+            for rid in ("turn-1_0", "turn-1_1"):
+                assert (await c.post("/abort_request", json={"rid": rid})).status_code == 200
+            out = (await pending).json()
+            assert [c["finish_reason"] for c in out["choices"]] == ["abort", "abort"]
+            await wait_kv_free(app)
+            r = await c.post("/v1/completions", json={"prompt": "Hi", "rid": ["a", "a"]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
+
             r = await c.post("/abort_request", json={"rid": "no-such-request"})
             assert r.status_code == 404 and "no-such-request" in r.json()["error"]["message"]
             for bad in ({}, {"rid": 7}, {"rid": "x", "extra": 1}, {"abort_all": "yes"}):
