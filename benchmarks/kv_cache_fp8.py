@@ -140,6 +140,7 @@ def decode(folder: Path, kv: str, args, device: torch.device) -> Decode:
         per_token = pool.bytes_per_slot(
             len(pool.k), pool.k[0].shape[1], pool.k[0].shape[2], pool.dtype
         )
+        del pool
         eng.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1})
         times = {short: float("inf"), short + steps: float("inf")}
         for _ in range(args.repeats):  # (alternating; the fastest of each counts)
@@ -153,6 +154,7 @@ def decode(folder: Path, kv: str, args, device: torch.device) -> Decode:
                     raise RuntimeError("a request stopped early: the timing would be wrong")
                 if min(o["meta_info"]["cached_tokens"] for o in outs) < context - 1:
                     raise RuntimeError("prompts were computed again: the pool is too small")
+    del eng, outs  # (the engine's memory back to the device before the next one sizes its pool)
     _release()
     step = (times[short + steps] - times[short]) / steps
     # each step reads, per request, its whole context's K/V (about context + short + steps / 2)
