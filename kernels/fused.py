@@ -1,9 +1,9 @@
 """Fused Triton kernels for the small per-layer operations of a decoder.
 
 At small batches a decode step is launch-bound: each of these replaces several torch kernels
-(casts, a reduction, elementwise ops) with one, with the same rounding as the torch code in
-runtime/layers.py (compute in float32, round to the activation dtype where torch rounds), which
-stays the CPU path and the oracle.
+(casts, a reduction, elementwise ops) with one, with the same rounding as their plain-torch twins
+beside them in kernels/fused_ref.py (compute in float32, round to the activation dtype where torch
+rounds), which are the CPU path and the oracle.
 
 - `rms_norm(x, weight, eps, residual)`: optionally add the residual (rounded to x's dtype), then
   RMSNorm in float32, round, multiply by the weight. Returns (out, new residual).

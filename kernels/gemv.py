@@ -11,14 +11,14 @@ may run inside it, as the prologue of every K tile:
   every program first reduces the whole row for its 1/rms (x is small next to W and read from L2).
 - `gemv_silu_and_mul`: y = (silu(gate) * up) @ W.T over the two halves of gate_up.
 
-The prologues round as runtime/layers.py does: the sum to x's dtype, the norm in float32 rounded to
-x's dtype before the weight, the product rounded again. They call the rounding helpers of
+The prologues round as their plain-torch twins in kernels/fused_ref.py do: the sum to x's dtype,
+the norm in float32 rounded to x's dtype before the weight, the product rounded again. They call the rounding helpers of
 kernels/fused.py (their one-kernel twins), so the two round alike.
 
 Whether a kernel beats cuBLAS (and the separate norm / SiLU kernel before it) depends on the shape
 and the GPU, so `runtime.matmul_dispatch.LinearDispatch` times every candidate in CONFIGS /
 FUSED_CONFIGS once per weight shape at start-up and keeps the fastest; the plain torch path
-(`runtime.layers.PlainMatmuls`) stays the oracle and the default.
+(`runtime.layers.PlainMatmuls`: F.linear after those twins) stays the oracle and the default.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The building blocks of a Llama-family decoder, in plain torch.
 
 On CUDA, RMSNorm (with its residual add), the rotary embedding and SiLU-and-multiply each run as one
-fused Triton kernel (kernels/fused.py) with the same rounding; the torch code here is the CPU path
-and their oracle. `PlainMatmuls` is every matmul of a layer with the op before it (a norm, SiLU):
+fused Triton kernel (kernels/fused.py) with the same rounding; elsewhere their plain-torch twins in
+kernels/fused_ref.py, beside the kernels, which are also the kernels' oracle. `PlainMatmuls` is every matmul of a layer with the op before it (a norm, SiLU):
 on CUDA a tuned `runtime.matmul_dispatch.LinearDispatch` may run the two as one kernel.
 """
 
@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from radixlm.kernels.fused_ref import rms_norm_ref, rope_ref, silu_and_mul_ref
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +33,7 @@ class RMSNorm(nn.Module):
         if _fused(x) and x.dim() == 2 and x.stride(-1) == 1:
             out, residual = _fused_kernels().rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
-        if residual is not None:
-            x = x + residual
-            residual = x
-        # in float32, then back to x's dtype before the weight, as Hugging Face Llama does
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        out = self.weight * h
+        out, residual = rms_norm_ref(x, self.weight, self.eps, residual)
         return out if residual is None else (out, residual)
 
 
@@ -53,8 +50,7 @@ def _fused_kernels():
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if _fused(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
         return _fused_kernels().silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return silu_and_mul_ref(gate_up)
 
 
 class PlainMatmuls:
@@ -178,9 +174,7 @@ class RotaryEmbedding(nn.Module):
         computed as x * (cos, cos) + (x2, x1) * (-sin, sin); the fused kernel rotates x in place."""
         if rope.positions is not None:
             return _fused_kernels().rope_(x, rope.positions, rope.cos, rope.sin)
-        h = x.float()
-        out = h * rope.cos + torch.roll(h, x.shape[-1] // 2, dims=-1) * rope.sin
-        return out.to(x.dtype)
+        return rope_ref(x, rope.cos, rope.sin)
 
 
 class RopeInputs(NamedTuple):
