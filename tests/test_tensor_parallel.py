@@ -299,8 +299,8 @@ def test_the_benchmark_runs_on_the_cpu_at_a_tiny_size(default_model_folder):
     done = subprocess.run(
         [
             sys.executable, "-m", "benchmarks.tensor_parallel", "--device", "cpu", "--shape",
-            "tiny", "--requests", "3", "--new-tokens", "6", "--repeats", "1", "--prompt-lens",
-            "8-12", "--output-lens", "3-5", "--iters", "5", "--peak-mib", "1",
+            "tiny", "--tp", "2", "--requests", "3", "--new-tokens", "6", "--repeats", "1",
+            "--prompt-lens", "8-12", "--output-lens", "3-5", "--iters", "5", "--peak-mib", "1",
         ],
         cwd=root, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
