@@ -1,9 +1,13 @@
-"""Speculative decoding (NGRAM) against plain decoding, batch 1, in one run: extraction prompts
-whose answers copy from their input, greedy, each request alone. Prints tokens/s with speculation
-off and on, the mean accepted length (tokens per verify step: accepted draft tokens and the bonus
-token), the speed-up, and whether the outputs are token-for-token equal (they must be).
+"""Speculative decoding against plain decoding, batch 1, in one run, greedy, each request alone.
+NGRAM runs extraction prompts whose answers copy from their input; MEDUSA (the heads shipped for
+the default model, or --draft-model-path) runs chat prompts unlike any the heads trained on (the
+built-in set of `radixlm train-draft` is instruction templates over a list of subjects). Prints
+tokens/s with speculation off and on, the mean accepted length (tokens per verify step: accepted
+draft tokens and the bonus token), the speed-up, and whether the outputs are token-for-token equal
+(they must be).
 
-    python -m benchmarks.speculative [--device cpu] [--new-tokens 64] [--num-draft-tokens 8]
+    python -m benchmarks.speculative [--algorithm NGRAM|MEDUSA] [--device cpu] [--new-tokens 64]
+        [--num-draft-tokens 8] [--draft-model-path DIR] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -32,20 +36,38 @@ _ASKS = [
 ]
 
 
-def prompts() -> list[str]:
-    return [
-        f"<|im_start|>user\n{ask}\n{record}<|im_end|>\n<|im_start|>assistant\n"
-        for ask, record in zip(_ASKS, _RECORDS)
-    ]
+# chat prompts for MEDUSA: none of them an instance of train-draft's built-in templates
+_CHATS = [
+    "My sourdough starter smells like nail polish remover. Is it ruined, and what should I do?",
+    "Draft a polite message to my landlord asking when the broken heater will be repaired.",
+    "Why do cats knead blankets with their paws?",
+    "I have 40 minutes a day. Suggest a realistic plan to get better at drawing.",
+    "What is the difference between a virus and a bacterium?",
+    "Tell my daughter a bedtime tale, under 150 words, of a turtle who fears the dark.",
+    "How do I reverse a string in JavaScript? Show two ways.",
+    "Give me tips for staying focused when working from home.",
+]
 
 
-def run(device: str, new_tokens: int, **spec) -> tuple[float, list[list[int]], list[float]]:
+def chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def prompts(algorithm: str = "NGRAM") -> list[str]:
+    if algorithm == "MEDUSA":
+        return [chat(text) for text in _CHATS]
+    return [chat(f"{ask}\n{record}") for ask, record in zip(_ASKS, _RECORDS)]
+
+
+def run(
+    device: str, new_tokens: int, algorithm: str, dtype: str = "float32", **spec
+) -> tuple[float, list[list[int]], list[float]]:
     """(tokens/s over all prompts one at a time, each output, each accepted length)."""
     params = {"max_new_tokens": new_tokens, "temperature": 0}
-    with radixlm.Engine(device=device, dtype="float32", **spec) as eng:
-        eng.generate(prompts()[0], {"max_new_tokens": 4, "temperature": 0})  # warm-up
+    with radixlm.Engine(device=device, dtype=dtype, **spec) as eng:
+        eng.generate(prompts(algorithm)[0], {"max_new_tokens": 4, "temperature": 0})  # warm-up
         outs, tokens, seconds = [], 0, 0.0
-        for prompt in prompts():
+        for prompt in prompts(algorithm):
             t = time.perf_counter()
             out = eng.generate(prompt, params)
             seconds += time.perf_counter() - t
@@ -60,18 +82,33 @@ def run(device: str, new_tokens: int, **spec) -> tuple[float, list[list[int]], l
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--algorithm", default="NGRAM", choices=["NGRAM", "MEDUSA"])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", help="float32: exact; bfloat16 on a GPU")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--num-draft-tokens", type=int, default=8)
+    ap.add_argument(
+        "--num-draft-tokens", type=int, default=None, help="default: 8 (NGRAM), the heads + 1"
+    )
+    ap.add_argument("--draft-model-path", default=None, help="MEDUSA: the heads' folder")
     args = ap.parse_args()
-    plain_rate, plain_ids, _ = run(args.device, args.new_tokens)
-    spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.num_draft_tokens}
-    spec_rate, spec_ids, accepted = run(args.device, args.new_tokens, **spec)
+    algorithm = args.algorithm
+    plain_rate, plain_ids, _ = run(args.device, args.new_tokens, algorithm, args.dtype)
+    spec = {"speculative_algorithm": algorithm}
+    k = args.num_draft_tokens or (8 if algorithm == "NGRAM" else None)
+    if k is not None:
+        spec["speculative_num_draft_tokens"] = k
+    if args.draft_model_path:
+        spec["speculative_draft_model_path"] = args.draft_model_path
+    spec_rate, spec_ids, accepted = run(args.device, args.new_tokens, algorithm, args.dtype, **spec)
+    kind = "extraction" if algorithm == "NGRAM" else "chat"
     print(f"device: {device_line()}; commit {commit()}")
-    print(f"{len(plain_ids)} extraction prompts, batch 1, greedy, {args.new_tokens} new tokens")
+    print(
+        f"{len(plain_ids)} {kind} prompts, batch 1, greedy, {args.new_tokens} new tokens, "
+        f"{args.dtype}"
+    )
     print(f"plain:        {plain_rate:7.1f} tok/s")
     print(
-        f"NGRAM (k={args.num_draft_tokens}): {spec_rate:7.1f} tok/s, mean accepted length "
+        f"{algorithm} (k={k or 'heads + 1'}): {spec_rate:7.1f} tok/s, mean accepted length "
         f"{sum(accepted) / len(accepted):.2f} ({', '.join(f'{a:.2f}' for a in accepted)})"
     )
     print(f"speed-up: {spec_rate / plain_rate:.2f}x; outputs equal: {spec_ids == plain_ids}")

@@ -1,9 +1,9 @@
-"""Speculative decoding (NGRAM) on the real default model, on the CPU in float32: greedy outputs
-are token-for-token those of plain decoding (stops, stop strings, stop tokens, max_new_tokens
-reached inside a draft, EOS), under preemption in a small KV pool with the prefix cache on and
-off, beside requests that decode plainly (grammar, log-probabilities, penalties); the KV pool is
-whole again afterwards, and prompts that copy from their input accept more than one token per
-verify step."""
+"""Speculative decoding (NGRAM, and MEDUSA with the heads shipped for the model) on the real
+default model, on the CPU in float32: greedy outputs are token-for-token those of plain decoding
+(stops, stop strings, stop tokens, max_new_tokens reached inside a draft, EOS), under preemption
+in a small KV pool with the prefix cache on and off, beside requests that decode plainly
+(grammar, log-probabilities, penalties); the KV pool is whole again afterwards, and prompts that
+copy from their input accept more than one token per verify step."""
 
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ PLAIN_ONES = (
 )
 
 SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6}
+MEDUSA = {"speculative_algorithm": "MEDUSA"}  # the heads shipped for the default model
 
 
 def results(outs) -> list[tuple]:
@@ -122,16 +123,22 @@ def test_greedy_speculation_gives_the_plain_tokens(spec_engine, plain_outputs, t
     assert len(outs[2]["output_ids"]) == 9
 
 
-@pytest.mark.parametrize("disable_radix_cache", [False, True])
+@pytest.mark.parametrize(
+    "spec, disable_radix_cache, slack",
+    # (MEDUSA's rejected draft slots are freed at once and its drafts are dropped when memory is
+    # short, so it takes a smaller pool than NGRAM, which races ahead on copied text, to preempt)
+    [(SPEC, False, 4), (SPEC, True, 4), (MEDUSA, False, -8)],
+    ids=["ngram", "ngram-no-radix-cache", "medusa"],
+)
 def test_speculation_under_preemption_gives_the_plain_tokens(
-    default_model_folder, tokenizer, plain_outputs, disable_radix_cache
+    default_model_folder, tokenizer, plain_outputs, spec, disable_radix_cache, slack
 ):
     prompts, params = workload(tokenizer)
-    # every prompt is admitted at once into a pool with room for a few decode steps only
-    pool = sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts) + 4
+    # (about) every prompt is admitted at once into a pool with room for a few decode steps only
+    pool = sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts) + slack
     with start(
         default_model_folder, max_total_tokens=pool, max_running_requests=8,
-        disable_radix_cache=disable_radix_cache, **SPEC,
+        disable_radix_cache=disable_radix_cache, **spec,
     ) as eng:  # fmt: skip
         outs = eng.generate(prompts, params)
         stats = eng.get_stats()
@@ -139,6 +146,26 @@ def test_speculation_under_preemption_gives_the_plain_tokens(
     assert stats["spec_verify_ct"] > 0
     assert results(outs) == results(plain_outputs[: len(prompts)])
     assert kv_whole(stats), stats
+
+
+def test_medusa_gives_the_plain_tokens_and_seeded_samples_repeat(
+    default_model_folder, tokenizer, plain_outputs
+):
+    prompts, params = workload(tokenizer)
+    sampled = {"temperature": 0.8, "max_new_tokens": 12, "seed": 5}
+    with start(default_model_folder, **MEDUSA) as eng:
+        outs = eng.generate(prompts + PLAIN_ONES[0], params + PLAIN_ONES[1])
+        stats = eng.get_stats()
+        first = eng.generate([_NUMBERS, prompts[3]], sampled)
+        again = eng.generate([prompts[3], _NUMBERS], sampled)
+    assert results(outs) == results(plain_outputs)
+    assert kv_whole(stats), stats
+    # the heads' chains are verified, and some of their tokens accepted
+    assert stats["spec_verify_ct"] > 0 and stats["spec_num_correct_drafts"] > 0, stats
+    for o in outs[len(prompts) :]:
+        assert "spec_verify_ct" not in o["meta_info"]
+    assert results(first) == results(again[::-1])
+    assert first[0]["meta_info"]["spec_verify_ct"] > 0
 
 
 def test_streaming_a_speculative_request_ends_with_its_full_result(spec_engine, plain_outputs):

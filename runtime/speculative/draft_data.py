@@ -179,13 +179,19 @@ def generate_answers(
 
 
 def hidden_states(
-    model, model_config, conversations: Sequence[Conversation], device, max_tokens: int = 4096
+    model,
+    model_config,
+    conversations: Sequence[Conversation],
+    device,
+    max_tokens: int = 4096,
+    progress=None,
 ) -> list[torch.Tensor]:
     """For each conversation, the final hidden states (float32, on the CPU) at the positions
     that predict its answer tokens: from the prompt's last token to the answer's second-to-last,
     (len(answer), H) (the row of position p is what the LM head turns into token p + 1). A
     teacher-forced forward of prompt + answer, several conversations a step (up to
-    `max_tokens` tokens), through the torch attention backend over a KV pool of its own."""
+    `max_tokens` tokens), through the torch attention backend over a KV pool of its own;
+    `progress(n)` is called as each step's n conversations are done."""
     from radixlm.runtime.attention import TorchAttentionBackend
     from radixlm.runtime.forward_batch import ForwardBatch
     from radixlm.runtime.memory_pool import KVPool
@@ -233,6 +239,8 @@ def hidden_states(
         for c in group:
             out.append(hidden[at : at + len(c.answer_ids)])
             at += len(c.answer_ids)
+        if progress is not None:
+            progress(len(group))
         group.clear()
 
     used = 0

@@ -93,7 +93,10 @@ def make_data(engine, opts: TrainDraftOptions, say: Callable[[str], None]) -> Dr
         convs = draft_data.generate_answers(engine, messages, opts.max_new_tokens, bar.update)
     tokens = sum(len(c.answer_ids) for c in convs)
     say(f"capturing the final hidden states of {tokens} answer positions")
-    states = draft_data.hidden_states(engine.model, engine.model_config, convs, engine.device)
+    with tqdm(total=len(convs), desc="hidden states", unit="conversation") as bar:
+        states = draft_data.hidden_states(
+            engine.model, engine.model_config, convs, engine.device, progress=bar.update
+        )
     held = _held_out(len(convs), opts.held_out_fraction, opts.seed)
     prompts = [c.prompt_ids for c in convs]
     return DraftData(torch.cat(states), prompts, [c.answer_ids for c in convs], held)
@@ -218,6 +221,7 @@ def train_draft(
 ) -> dict[str, Any]:
     """Make or reuse the data, train (or resume), write the head folder; returns its summary."""
     import radixlm
+    from radixlm.runtime import model_loader
     from radixlm.runtime.speculative.medusa import lm_head_sample
 
     opts.check()
@@ -247,7 +251,8 @@ def train_draft(
         data_seconds = time.perf_counter() - started
         lm_weight = weight.detach()[: model.sampled_vocab].float()
         shape = engine.model_config.hidden_size, engine.model_config.vocab_size
-        model_name = Path(str(engine.model_folder)).name
+        # the model as the user named it (a GGUF file's converted folder is a cache entry)
+        model_name = Path(engine.config.model_path or model_loader.default_model_path()).name
     summary = _train(opts, folder, data, lm_weight, shape, model_name, say, sample)
     summary["data_seconds"] = round(data_seconds, 1)
     summary["total_seconds"] = round(time.perf_counter() - started, 1)
@@ -317,7 +322,10 @@ def _train(opts, folder, data, lm_weight, shape, model_name, say, sample) -> dic
         log.write(json.dumps({"step": total, "held_out": results}) + "\n")
     recipe = {
         "command": "radixlm train-draft",
-        "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "resume"},
+        # (not where it ran: the folder and resuming are the run's own)
+        "options": {
+            k: v for k, v in dataclasses.asdict(opts).items() if k not in ("resume", "output")
+        },
         "train_positions": n,
         "steps": total,
         "final_head_loss": losses,
