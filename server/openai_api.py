@@ -579,13 +579,9 @@ async def prepare_chat(
         if schema is not None:
             _set_constraint(params, "json_schema", json.dumps(schema), "tool_choice")
         stream_calls = plan.constrained
-    # with "auto", calls follow their schemas once opened (unless a response_format constrains
-    # the whole output already); streamed, calls then go out as deltas while generated
-    if parser is None and plan.mode == "auto" and not _constraints(params):
-        try:
-            params["regex"] = auto_output_regex(plan, state.json_whitespace)
-        except ValueError as e:
-            raise bad_request(f"cannot enforce the tools' parameter schemas: {e}", "tools") from e
+    # with "auto", calls follow their schemas once opened; streamed, calls then go out as deltas
+    # while generated
+    if parser is None and plan.mode == "auto" and _set_auto_tools_grammar(state, params, plan):
         stream_calls = True
     item = GenerationInput(
         input_ids=ids,
@@ -669,11 +665,30 @@ def _set_tool_grammar(
         if reasoning is not None:
             regex = f"{thinking_prefix(reasoning)}(?:{regex})"
         _set_constraint(params, "regex", regex, "tool_choice")
-    elif isinstance(parser, HermesParser) and reasoning is None and not _constraints(params):
-        try:
-            params["regex"] = auto_output_regex(plan, state.json_whitespace)
-        except ValueError as e:
-            raise bad_request(f"cannot enforce the tools' parameter schemas: {e}", "tools") from e
+    elif isinstance(parser, HermesParser) and reasoning is None:
+        _set_auto_tools_grammar(state, params, plan)
+
+
+def _set_auto_tools_grammar(state: ServerState, params: dict[str, Any], plan: ToolPlan) -> bool:
+    """tool_choice "auto" in the `<tool_call>` format: calls held to their schemas once opened,
+    in free text; with a response_format's JSON schema, the answer in that schema or calls alone
+    (OpenAI's model may call a tool or answer in the format, as an agent with an output type and
+    tools expects). Whether it applies: not where another constraint holds the whole output, nor
+    where the format cannot be written as the regex (the answer alone is then held to it, as the
+    format is without tools)."""
+    constraints = _constraints(params)
+    if constraints not in ([], ["json_schema"]):
+        return False
+    answer = params.get("json_schema")
+    try:
+        regex = auto_output_regex(plan, state.json_whitespace, answer)
+    except ValueError as e:
+        if answer is not None:
+            return False
+        raise bad_request(f"cannot enforce the tools' parameter schemas: {e}", "tools") from e
+    params.pop("json_schema", None)
+    params["regex"] = regex
+    return True
 
 
 def _chat_prompt_ids(

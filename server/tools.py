@@ -6,7 +6,8 @@ schemas (an array of calls when parallel calls are allowed). With "auto", the mo
 `<tool_call>...</tool_call>` blocks (the Hermes/Qwen convention), or as its whole answer; a regex
 (`auto_output_regex`) leaves the text free and constrains each call once the model opens a block;
 there, keywords the grammar cannot enforce (`uniqueItems`, `multipleOf`) are skipped, since the
-model need not call at all, while the constrained modes refuse a schema with them.
+model need not call at all, while the constrained modes refuse a schema with them. With a
+response_format too, the "auto" regex is the answer in the format or calls alone.
 Streamed, a call goes out as OpenAI's deltas while it is generated (`ToolCallStreamer`): a first one
 with its id and name, then pieces of its arguments.
 
@@ -228,24 +229,29 @@ def _rebase_refs(schema: Any, root: str) -> Any:
     return out
 
 
-def auto_output_regex(plan: ToolPlan, whitespace: str = "compact") -> str:
+def auto_output_regex(
+    plan: ToolPlan, whitespace: str = "compact", answer_schema: str | None = None
+) -> str:
     """For tool_choice "auto": any text, in which every `<tool_call>` block holds one call that
     follows its tool's schema (at most one block without parallel calls), less the keywords the
-    grammar cannot enforce. GrammarError (a ValueError) for a parameter schema that cannot be
-    compiled even so (a ref that does not resolve, say)."""
+    grammar cannot enforce. With `answer_schema` (a response_format's JSON schema, as text): the
+    answer in that schema, or calls alone, as OpenAI lets a model either call or answer in the
+    format. GrammarError (a ValueError) for a parameter schema that cannot be compiled even so (a
+    ref that does not resolve, say), or an answer schema the regex cannot enforce whole."""
     # not sort_keys: the grammar writes an object's properties in its schema's order
     tools = json.dumps(plan.offered, ensure_ascii=False)
-    return _auto_output_regex(tools, plan.parallel, whitespace)
+    return _auto_output_regex(tools, plan.parallel, whitespace, answer_schema)
 
 
 @functools.lru_cache(maxsize=64)
-def _auto_output_regex(tools: str, parallel: bool, whitespace: str) -> str:
+def _auto_output_regex(
+    tools: str, parallel: bool, whitespace: str, answer_schema: str | None = None
+) -> str:
     # keyed on the offered tools' JSON: clients send the same tools with every turn
     # (the grammar package loads torch: imported here, so the HTTP process starts without it)
     from radixlm.constrained import regex_text as rt
     from radixlm.constrained.json_schema import JsonSchemaOptions, json_schema_to_regex
 
-    free_text = _free_text()
     calls, defs = _call_schemas([t["function"] for t in json.loads(tools)])
     schema = _with_defs(calls[0] if len(calls) == 1 else {"anyOf": calls}, defs)
     # lenient: a keyword the grammar cannot enforce must not refuse a request that may call
@@ -253,7 +259,14 @@ def _auto_output_regex(tools: str, parallel: bool, whitespace: str) -> str:
     options = JsonSchemaOptions(whitespace=whitespace, lenient=True)
     call = json_schema_to_regex(schema, options)
     pad = r"[ \n]{0,2}"
-    block = f"{rt.lit(CALL_OPEN)}{pad}(?:{call}){pad}{rt.lit(CALL_CLOSE)}{free_text}"
+    block = f"{rt.lit(CALL_OPEN)}{pad}(?:{call}){pad}{rt.lit(CALL_CLOSE)}"
+    if answer_schema is not None:
+        # not lenient: the answer is held to the whole of its format, as without tools
+        answer = json_schema_to_regex(answer_schema, JsonSchemaOptions(whitespace=whitespace))
+        blocks = f"{block}(?:{pad}{block})*" if parallel else block
+        return f"(?:{answer})|(?:{pad}{blocks}{pad})"
+    free_text = _free_text()
+    block += free_text
     return f"{free_text}(?:{block}){'*' if parallel else '?'}"
 
 

@@ -566,18 +566,79 @@ def test_a_demanded_call_with_a_response_format_is_held_to_the_tools_grammar(par
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
 
 
-def test_an_answer_with_tools_offered_follows_the_response_format():
-    backend = ScriptedBackend('{"sunny": true}')
+ANSWER = '{"sunny":true}'  # (as the grammar writes it: compact)
+CALL_BLOCK = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("parser", [None, "hermes"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("script", [ANSWER, CALL_BLOCK], ids=["answer", "call"])
+def test_auto_with_a_response_format_answers_in_it_or_calls(parser, stream, script):
+    # an agent with tools and an output type: OpenAI's model either calls a tool or answers in
+    # the format; the grammar admits exactly those two
+    backend = ScriptedBackend(script)
     body = {
-        "messages": [{"role": "user", "content": "Is it sunny?"}],
-        "tools": [WEATHER],
+        "messages": [{"role": "user", "content": "Is it sunny in Paris?"}],
+        "tools": [WEATHER, TIME],
         "response_format": REPORT_FORMAT,
+        "stream": stream,
+    }
+    with TestClient(create_app(backend, tool_call_parser=parser)) as c:
+        if stream:
+            with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                chunks = [x for x in sse_payloads(r.iter_lines()) if x != "[DONE]"]
+            deltas = [ch["delta"] for x in chunks for ch in x["choices"]]
+            content = "".join(d.get("content") or "" for d in deltas)
+            pieces = [t for d in deltas for t in d.get("tool_calls") or []]
+            calls = [
+                (p["function"]["name"], "".join(q["function"]["arguments"] for q in pieces))
+                for p in pieces
+                if "id" in p
+            ]
+            reason = [ch["finish_reason"] for x in chunks for ch in x["choices"]][-1]
+        else:
+            out = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+            content, reason = out["message"]["content"] or "", out["finish_reason"]
+            calls = [
+                (t["function"]["name"], t["function"]["arguments"])
+                for t in out["message"].get("tool_calls") or []
+            ]
+    (params,) = backend.calls
+    assert "json_schema" not in params
+    grammar = re.compile(params["regex"], re.DOTALL)
+    assert grammar.fullmatch(ANSWER) and grammar.fullmatch(CALL_BLOCK)
+    assert grammar.fullmatch(f"{CALL_BLOCK}\n{CALL_BLOCK}")  # parallel calls
+    for refused in ["It is sunny.", '{"sunny":"yes"}', f"{CALL_BLOCK} It is sunny.", f"{ANSWER}{CALL_BLOCK}"]:  # fmt: skip
+        assert not grammar.fullmatch(refused), refused
+    if script == ANSWER:
+        assert (content, calls, reason) == (ANSWER, [], "stop")
+    else:
+        assert (content, reason) == ("", "tool_calls")
+        # (the default format keeps the arguments as generated, the Hermes parser re-writes them)
+        assert [(name, json.loads(arguments)) for name, arguments in calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+
+
+def test_auto_with_a_format_the_regex_cannot_write_holds_the_answer_to_it():
+    # uniqueItems, which no regex enforces: the answer alone is held to the format (by the
+    # engine's JSON schema grammar), as without tools
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+        "required": ["tags"],
+    }
+    backend = ScriptedBackend('{"tags": ["a"]}')
+    body = {
+        "messages": [{"role": "user", "content": "Tags?"}],
+        "tools": [WEATHER],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
     }
     with TestClient(create_app(backend)) as c:
         out = c.post("/v1/chat/completions", json=body).json()["choices"][0]
     (params,) = backend.calls
-    assert json.loads(params["json_schema"]) == REPORT_FORMAT["json_schema"]["schema"]
-    assert out["message"]["content"] == '{"sunny": true}' and out["finish_reason"] == "stop"
+    assert "regex" not in params and json.loads(params["json_schema"]) == schema
+    assert out["message"]["content"] == '{"tags": ["a"]}' and out["finish_reason"] == "stop"
 
 
 @pytest.mark.parametrize("tool_choice", ["required", "auto", "auto, a bare JSON call"])
