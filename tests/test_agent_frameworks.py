@@ -1,10 +1,11 @@
-"""Agent frameworks against our server, as their users run them: the OpenAI Agents SDK (its chat
-completions model) and LangChain's OpenAI chat model, each through its own OpenAI client pointed at
-the server. The tiny random model serves: a demanded call (tool_choice "required" or a named tool)
-and a response_format are grammars, so what it writes is well-formed whatever its weights, and what
-is checked is the protocol: calls the framework parses and runs, their results going back into the
-next prompt, a final output the framework validates, streamed and not. Each framework's tests skip
-where it is not installed (`pip install -e ".[dev]"` installs both)."""
+"""Agent frameworks against our server, as their users run them: the OpenAI Agents SDK (its models
+over chat completions and over the Responses API, its default) and LangChain's OpenAI chat model,
+each through its own OpenAI client pointed at the server. The tiny random model serves: a demanded
+call (tool_choice "required" or a named tool) and a response_format are grammars, so what it writes
+is well-formed whatever its weights, and what is checked is the protocol: calls the framework parses
+and runs, their results going back into the next prompt, a final output the framework validates,
+streamed and not. Each framework's tests skip where it is not installed (`pip install -e ".[dev]"`
+installs both)."""
 
 from __future__ import annotations
 
@@ -98,11 +99,18 @@ def _recording_client(url: str, sent: list[dict[str, Any]]) -> Any:
 # ---- the OpenAI Agents SDK -----------------------------------------------------------------
 
 
-def _agent(served: Served, sent: list[dict[str, Any]], tool_choice: str) -> tuple[Any, list]:
-    """An agent with two function tools and Report as its output type, on our server; the list
-    the tools append (tool name, arguments, result) to when they run."""
+def _agent(
+    served: Served, sent: list[dict[str, Any]], tool_choice: str, api: str
+) -> tuple[Any, list]:
+    """An agent with two function tools and Report as its output type, on our server through
+    `api` (the SDK's model over /v1/chat/completions or /v1/responses, its default); the list the
+    tools append (tool name, arguments, result) to when they run."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
+    models = {
+        "chat_completions": agents.OpenAIChatCompletionsModel,
+        "responses": agents.OpenAIResponsesModel,
+    }
     ran: list[tuple[str, dict[str, Any], str]] = []
 
     def get_weather(unit: Literal["celsius", "fahrenheit"]) -> str:
@@ -126,9 +134,7 @@ def _agent(served: Served, sent: list[dict[str, Any]], tool_choice: str) -> tupl
             for tool in (get_weather, get_time)
         ],
         output_type=Report,
-        model=agents.OpenAIChatCompletionsModel(
-            model=served.model, openai_client=_recording_client(served.url, sent)
-        ),
+        model=models[api](model=served.model, openai_client=_recording_client(served.url, sent)),
         model_settings=agents.ModelSettings(
             tool_choice=tool_choice, max_tokens=MAX_TOKENS, temperature=0
         ),
@@ -154,35 +160,42 @@ def _check_agent_run(served: Served, agent: Any, sent, ran, items, final, tool_c
     ]
     assert [outputs[call.call_id] for call in calls] == [result for *_, result in ran]
     assert len(sent) == 2, sent  # the turn that calls, then the one that answers
-    tool_messages = [m for m in sent[1]["messages"] if m["role"] == "tool"]
-    assert [(m["tool_call_id"], m["content"]) for m in tool_messages] == [
-        (call.call_id, outputs[call.call_id]) for call in calls
-    ]
+    if "messages" in sent[1]:  # chat completions
+        tool_messages = [m for m in sent[1]["messages"] if m["role"] == "tool"]
+        returned = [(m["tool_call_id"], m["content"]) for m in tool_messages]
+        answer_format = sent[1]["response_format"]["json_schema"]["schema"]
+    else:  # responses
+        outputs_sent = [i for i in sent[1]["input"] if i.get("type") == "function_call_output"]
+        returned = [(i["call_id"], i["output"]) for i in outputs_sent]
+        answer_format = sent[1]["text"]["format"]["schema"]
+    assert returned == [(call.call_id, outputs[call.call_id]) for call in calls]
     # ... and our server put them into the answering turn's prompt
     (call_prompt, _, _), (answer_prompt, params, answer) = served.backend.runs[-2:]
     for *_, result in ran:
         assert result not in call_prompt and result in answer_prompt
     # the answer is the output type's JSON (its response_format), which the SDK validated
-    assert json.loads(params["json_schema"]) == sent[1]["response_format"]["json_schema"]["schema"]
+    assert json.loads(params["json_schema"]) == answer_format
     assert isinstance(final, Report) and final == Report.model_validate_json(answer)
 
 
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
 @pytest.mark.parametrize("tool_choice", ["required", "get_time"])
-def test_openai_agents_sdk_runs_tools_and_gives_the_final_output(served, tool_choice):
+def test_openai_agents_sdk_runs_tools_and_gives_the_final_output(served, tool_choice, api):
     from agents import Runner
 
     sent: list[dict[str, Any]] = []
-    agent, ran = _agent(served, sent, tool_choice)
+    agent, ran = _agent(served, sent, tool_choice, api)
     result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
     assert not any(body.get("stream") for body in sent)
     _check_agent_run(served, agent, sent, ran, result.new_items, result.final_output, tool_choice)
 
 
-def test_openai_agents_sdk_streams_a_run(served):
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+def test_openai_agents_sdk_streams_a_run(served, api):
     from agents import Runner
 
     sent: list[dict[str, Any]] = []
-    agent, ran = _agent(served, sent, "required")
+    agent, ran = _agent(served, sent, "required", api)
 
     async def run() -> tuple[Any, list[str]]:
         streamed = Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=4)
@@ -252,7 +265,10 @@ def test_langchain_bind_tools_parses_calls_and_takes_their_results(served):
     ]
     # the loop: each call run, its result back as a ToolMessage, and the model answers (without
     # tools: offered them, a model may go on calling, as the tiny one may)
-    results = [ToolMessage(tools[c["name"]].invoke(c["args"]), tool_call_id=c["id"]) for c in reply.tool_calls]  # fmt: skip
+    results = [
+        ToolMessage(tools[call["name"]].invoke(call["args"]), tool_call_id=call["id"])
+        for call in reply.tool_calls
+    ]
     answer = llm.invoke([question, reply, *results])
     prompt, _, text = served.backend.runs[-1]
     for result in results:

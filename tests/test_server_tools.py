@@ -608,8 +608,9 @@ def test_auto_with_a_response_format_answers_in_it_or_calls(parser, stream, scri
     grammar = re.compile(params["regex"], re.DOTALL)
     assert grammar.fullmatch(ANSWER) and grammar.fullmatch(CALL_BLOCK)
     assert grammar.fullmatch(f"{CALL_BLOCK}\n{CALL_BLOCK}")  # parallel calls
-    for refused in ["It is sunny.", '{"sunny":"yes"}', f"{CALL_BLOCK} It is sunny.", f"{ANSWER}{CALL_BLOCK}"]:  # fmt: skip
-        assert not grammar.fullmatch(refused), refused
+    refused = ["It is sunny.", '{"sunny":"yes"}', f"{CALL_BLOCK} It is sunny.", ANSWER + CALL_BLOCK]
+    for text in refused:
+        assert not grammar.fullmatch(text), text
     if script == ANSWER:
         assert (content, calls, reason) == (ANSWER, [], "stop")
     else:
