@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -119,8 +120,10 @@ def create_app(
 
     def openapi() -> dict[str, Any]:  # FastAPI's, with the bodies the routes read themselves
         if app.openapi_schema is None:
-            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            app.openapi_schema = add_bodies(document)
+            with warnings.catch_warnings():  # (duplicate operation ids: add_bodies renames them)
+                warnings.simplefilter("ignore", UserWarning)
+                document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            app.openapi_schema = add_bodies(document, info.vocab_size)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -18,7 +18,10 @@ import msgspec
 
 from radixlm.protocol.sampling_params import PRIORITY_RANGE, SamplingParams
 from radixlm.server import openai_protocol as proto
+from radixlm.server.sglang_fields import CHAT as CHAT_FIELDS
+from radixlm.server.sglang_fields import COMPLETIONS as COMPLETION_FIELDS
 from radixlm.server.sglang_fields import GENERATE as GENERATE_FIELDS
+from radixlm.server.sglang_fields import FieldRule
 
 _REF = "#/components/schemas/{name}"
 
@@ -74,13 +77,37 @@ def native_sampling_params_schema() -> dict[str, Any]:
     }
 
 
-def generate_request_schema() -> dict[str, Any]:
+def _token_ids(vocab_size: int) -> dict[str, Any]:
+    """A non-empty list of token ids of the model's vocabulary."""
+    token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+    return {"type": "array", "items": token, "minItems": 1}
+
+
+def _sglang_field(rule: FieldRule) -> dict[str, Any]:
+    """One of SGLang's fields that this server does not act on: any value where it is ignored;
+    where only its default is taken, that default or an unset value (null, empty)."""
+    schema: dict[str, Any] = {"description": f"{rule.treatment}: {rule.why}"}
+    if rule.treatment == "default only":
+        values = [
+            None,
+            "",
+            *([rule.default] if rule.default is not None else []),
+            *rule.also_accepted,
+        ]
+        schema["anyOf"] = [
+            {"enum": values},
+            {"type": "array", "maxItems": 0},
+            {"type": "object", "maxProperties": 0},
+        ]
+    return schema
+
+
+def generate_request_schema(vocab_size: int) -> dict[str, Any]:
     """The body of the native /generate (SGLang's GenerateReqInput, as server/native.py reads
     it): exactly one of `text` and `input_ids`, one prompt or a list of them."""
-    ids = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+    ids = _token_ids(vocab_size)
     properties: dict[str, Any] = {
-        name: {"description": f"{rule.treatment}: {rule.why}"}
-        for name, rule in GENERATE_FIELDS.items()
+        name: _sglang_field(rule) for name, rule in GENERATE_FIELDS.items()
     }
     properties.update(
         text={
@@ -114,6 +141,7 @@ def generate_request_schema() -> dict[str, Any]:
         "type": "object",
         "properties": properties,
         "additionalProperties": False,
+        "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}],
     }
 
 
@@ -165,8 +193,47 @@ ERROR_SCHEMA: dict[str, Any] = {
 }
 
 
-def body_components() -> dict[str, dict[str, Any]]:
-    """Every schema the request bodies refer to, by name."""
+def _refine(components: dict[str, dict[str, Any]], vocab_size: int) -> None:
+    """What the OpenAI routes check by hand beyond their structs' types: the fields they
+    require, and the shapes of the fields typed `Any` (prompts, token lists, Responses input)."""
+    ids = _token_ids(vocab_size)
+    text = {"type": "string", "minLength": 1}
+    completion = components["CompletionRequest"]
+    completion["properties"]["prompt"] = {
+        "anyOf": [
+            text,
+            {"type": "array", "items": text, "minItems": 1},
+            ids,
+            {"type": "array", "items": ids, "minItems": 1},
+        ]
+    }
+    completion["required"] = ["prompt"]
+    chat = components["ChatCompletionRequest"]
+    chat["properties"]["messages"]["minItems"] = 1
+    chat["required"] = ["messages"]
+    roles = ["system", "developer", "user", "assistant", "tool"]
+    components["ChatMessage"]["properties"]["role"] = {"enum": roles}
+    for name, table in (
+        ("CompletionRequest", COMPLETION_FIELDS),
+        ("ChatCompletionRequest", CHAT_FIELDS),
+    ):
+        properties = components[name]["properties"]
+        for key, rule in table.items():
+            if rule.treatment != "honoured" and properties.get(key) in ({}, {"default": None}):
+                properties[key] = _sglang_field(rule)
+    detokenize = components["DetokenizeRequest"]
+    some_ids = {**ids, "minItems": 0}
+    detokenize["properties"]["tokens"] = {"anyOf": [some_ids, {"type": "array", "items": some_ids}]}
+    detokenize["required"] = ["tokens"]
+    responses = components["ResponsesRequest"]
+    responses["properties"]["input"] = {
+        "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}, "minItems": 1}]
+    }
+    responses["required"] = ["input"]
+
+
+def body_components(vocab_size: int) -> dict[str, dict[str, Any]]:
+    """Every schema the request bodies refer to, by name, for a model of `vocab_size` tokens."""
     structs = sorted(set(_STRUCT_BODIES.values()), key=lambda t: t.__name__)
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     for name, schema in components.items():
@@ -174,7 +241,8 @@ def body_components() -> dict[str, dict[str, Any]]:
         config = getattr(struct, "__struct_config__", None)
         if config is not None and config.forbid_unknown_fields:
             schema["additionalProperties"] = False
-    components["GenerateRequest"] = generate_request_schema()
+    _refine(components, vocab_size)
+    components["GenerateRequest"] = generate_request_schema(vocab_size)
     components["NativeSamplingParams"] = native_sampling_params_schema()
     for schema in _ADMIN_BODIES.values():
         components[schema["title"]] = schema
@@ -319,17 +387,23 @@ for _alias, _path in (
     _SUCCESS_CONTENT[_alias] = _SUCCESS_CONTENT[_path]
 
 
-def add_bodies(document: dict[str, Any]) -> dict[str, Any]:
+def add_bodies(document: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     """FastAPI's document with the request bodies, what a success returns where it is not
     JSON, and the error response added (in place)."""
-    document.setdefault("components", {}).setdefault("schemas", {}).update(body_components())
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(body_components(vocab_size))
     error = {
         "description": "An error: what to fix, and the field it is about",
         "content": {"application/json": {"schema": {"$ref": _REF.format(name="Error")}}},
     }
+    seen: set[str] = set()
     for path, operations in document.get("paths", {}).items():
         name = _body_ref(path)
         for method, operation in operations.items():
+            # (FastAPI names a route's operations for its first method: each must be unique)
+            if operation.get("operationId") in seen:
+                operation["operationId"] = f"{operation['operationId']}_{method}"
+            seen.add(operation.get("operationId", ""))
             responses = operation.setdefault("responses", {})
             responses["default"] = error
             if path in _SUCCESS_CONTENT and "200" in responses:
