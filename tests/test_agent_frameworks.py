@@ -73,6 +73,18 @@ class Served:
             self.model = json.load(r)["data"][0]["id"]  # the name the server answers to
 
 
+# (module-scoped, and named before `served` by the tests: a missing framework skips before the
+# engine starts)
+@pytest.fixture(scope="module")
+def agents_sdk() -> Any:
+    return pytest.importorskip("agents")
+
+
+@pytest.fixture(scope="module")
+def langchain_openai() -> Any:
+    return pytest.importorskip("langchain_openai")
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model_folder) -> Iterator[Served]:
     import radixlm
@@ -105,7 +117,8 @@ def _agent(
     """An agent with two function tools and Report as its output type, on our server through
     `api` (the SDK's model over /v1/chat/completions or /v1/responses, its default); the list the
     tools append (tool name, arguments, result) to when they run."""
-    agents = pytest.importorskip("agents")
+    import agents
+
     agents.set_tracing_disabled(True)
     models = {
         "chat_completions": agents.OpenAIChatCompletionsModel,
@@ -180,7 +193,9 @@ def _check_agent_run(served: Served, agent: Any, sent, ran, items, final, tool_c
 
 @pytest.mark.parametrize("api", ["chat_completions", "responses"])
 @pytest.mark.parametrize("tool_choice", ["required", "get_time"])
-def test_openai_agents_sdk_runs_tools_and_gives_the_final_output(served, tool_choice, api):
+def test_openai_agents_sdk_runs_tools_and_gives_the_final_output(
+    agents_sdk, served, tool_choice, api
+):
     from agents import Runner
 
     sent: list[dict[str, Any]] = []
@@ -191,7 +206,7 @@ def test_openai_agents_sdk_runs_tools_and_gives_the_final_output(served, tool_ch
 
 
 @pytest.mark.parametrize("api", ["chat_completions", "responses"])
-def test_openai_agents_sdk_streams_a_run(served, api):
+def test_openai_agents_sdk_streams_a_run(agents_sdk, served, api):
     from agents import Runner
 
     sent: list[dict[str, Any]] = []
@@ -221,7 +236,8 @@ def test_openai_agents_sdk_streams_a_run(served, api):
 
 
 def _chat_model(served: Served) -> Any:
-    langchain_openai = pytest.importorskip("langchain_openai")
+    import langchain_openai
+
     return langchain_openai.ChatOpenAI(
         model=served.model,
         base_url=served.url,
@@ -238,7 +254,7 @@ def _langchain_tools() -> list[Any]:
     return [tool(weather), tool(clock)]
 
 
-def test_langchain_bind_tools_parses_calls_and_takes_their_results(served):
+def test_langchain_bind_tools_parses_calls_and_takes_their_results(langchain_openai, served):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.utils.function_calling import convert_to_openai_tool
 
@@ -277,7 +293,7 @@ def test_langchain_bind_tools_parses_calls_and_takes_their_results(served):
 
 
 @pytest.mark.parametrize("method", [None, "function_calling"])
-def test_langchain_structured_output_is_a_validated_object(served, method):
+def test_langchain_structured_output_is_a_validated_object(langchain_openai, served, method):
     llm = _chat_model(served)
     options = {} if method is None else {"method": method}
     structured = llm.with_structured_output(Report, include_raw=True, **options)
@@ -299,7 +315,7 @@ def test_langchain_structured_output_is_a_validated_object(served, method):
     assert list(streamed)[-1] == report
 
 
-def test_langchain_streams_text(served):
+def test_langchain_streams_text(langchain_openai, served):
     llm = _chat_model(served)
     chunks = list(llm.stream("Say hello."))
     _, _, text = served.backend.runs[-1]
