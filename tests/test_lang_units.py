@@ -580,9 +580,7 @@ def test_forks_never_joined_end_with_their_program():
 
 
 def test_separate_reasoning_splits_thinking_from_the_answer():
-    backend = ScriptedBackend(
-        {"": "<think>\nIt is 4.\n</think>\n\nFour.", "again: ": "Just this."}
-    )
+    backend = ScriptedBackend({"": "<think>\nIt is 4.\n</think>\n\nFour.", "again: ": "Just this."})
 
     @sgl.function
     def prog(s):

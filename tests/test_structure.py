@@ -164,3 +164,13 @@ def test_programs_and_the_server_import_without_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_every_package_folder_is_installed():
+    """A non-editable install takes the packages pyproject.toml lists: a folder of the package
+    left out of that list would be missing from it."""
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    folders = {name for name, path in package_modules().items() if path.name == "__init__.py"}
+    assert folders == listed
