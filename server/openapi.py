@@ -317,10 +317,19 @@ def _completion_object(kind: str, item: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# one server-sent event (before OpenAPI 3.2, an event stream's `schema` describes each event):
+# its `data` is a chunk's JSON, or the closing "[DONE]"
+_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
+
+
 def _json_or_events(schema: dict[str, Any]) -> dict[str, Any]:
     return {
         "application/json": {"schema": schema},
-        "text/event-stream": {"schema": {"type": "string"}},  # with "stream": true
+        "text/event-stream": {"schema": _EVENT},  # with "stream": true
     }
 
 

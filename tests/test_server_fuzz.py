@@ -130,6 +130,7 @@ def _fuzz(operation: Any, mode: Any, url: str, trace_dir: str, cases: dict, fail
             raise
 
 
+@pytest.mark.slow  # (over 1,000 generated requests: minutes on two cores)
 def test_fuzzed_requests_to_every_route_get_no_5xx_and_the_server_still_generates(server):
     schema = schemathesis.openapi.from_dict(httpx.get(server.url + "/openapi.json").json())
     operations = [result.ok() for result in schema.get_all_operations()]
