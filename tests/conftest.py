@@ -20,7 +20,24 @@ torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // _WORKERS)))
 _REAL_MODEL_FIXTURES = {"engine", "hf_model", "tokenizer"}
 
 
+# The files that take longest (minutes on two cores), longest first: run first, so that under
+# pytest-xdist (each file on one worker) none of them starts last and leaves the other worker idle.
+_LONGEST_FIRST = (
+    "test_attention_backends.py",
+    "test_engine_reference.py",
+    "test_server_fuzz.py",
+    "test_overlap_schedule.py",
+    "test_tensor_parallel.py",
+    "test_sglang_client.py",
+    "test_server_process.py",
+    "test_speculative_engine.py",
+    "test_data_parallel.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: in-file order kept)
     real_model = pytest.mark.real_model
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
