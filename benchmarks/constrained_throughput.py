@@ -113,12 +113,17 @@ def run_distinct(
     max_new_tokens: int,
     backend: str,
     profile: int = 0,
+    stub_model: bool = False,
     **engine_args,
 ) -> None:
     import jsonschema
 
     schemas = distinct_schemas(folder, count)
+    if stub_model:
+        engine_args = {"load_format": "dummy", "device": "cpu", **engine_args}
     with radixlm.Engine(model_path, grammar_backend=backend, **engine_args) as eng:
+        if stub_model:
+            _stub(eng, count)
         prompts = [
             eng.apply_chat_template(
                 [{"role": "user", "content": f"Write one JSON example of {name[:-5]}, as JSON."}]
@@ -191,6 +196,34 @@ def run_distinct(
         print(profiled)
 
 
+def _stub(engine, rows: int, bank: int = 16) -> None:
+    """Replace the model by one that returns logits at once, so that the wall time is the host's
+    work alone (as on a GPU at this batch size, where the device waits for the host): the real
+    tokenizer and vocabulary, one of `bank` fixed random logits tensors each step, the decode
+    steps through the CUDA-graph code path run eagerly."""
+    import torch
+
+    from radixlm.runtime.cuda_graph import DecodeGraphs
+
+    runner = engine._core.runner
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.model_config.vocab_size
+    logits = [torch.randn(rows + 8, vocab, generator=gen) for _ in range(bank)]
+    step = [0]
+
+    def model(batch, backend):
+        step[0] += 1
+        n = batch.num_tokens if batch.logits_indices is None else len(batch.logits_indices)
+        if n > rows + 8:
+            return torch.randn(n, vocab, generator=gen)
+        return logits[step[0] % bank][:n]
+
+    runner.model = model
+    runner.graphs = DecodeGraphs(
+        model, runner.backend, runner.req_to_token, runner.token_buf, rows + 8, capture=False
+    )
+
+
 def _profile_core(engine):
     """A cProfile of the engine core's thread, started there between two steps."""
     import cProfile
@@ -245,6 +278,11 @@ def main() -> None:
         "engine core thread with the most own time (cProfile)",
     )  # fmt: skip
     ap.add_argument(
+        "--stub-model", action="store_true",
+        help="with --distinct: the model replaced by a stub that returns logits at once (the "
+        "real tokenizer), so that both sides measure the host's work alone, on any machine",
+    )  # fmt: skip
+    ap.add_argument(
         "--engine-arg", action="append", default=[], metavar="NAME=VALUE",
         help="an engine option for the --distinct run (VALUE read as JSON, else as text)",
     )  # fmt: skip
@@ -253,7 +291,7 @@ def main() -> None:
     if args.distinct:
         run_distinct(
             args.model_path, args.schemas_dir, args.distinct, args.max_new_tokens,
-            args.grammar_backend, args.profile, **dict(_engine_arg(a) for a in args.engine_arg),
+            args.grammar_backend, args.profile, args.stub_model, **dict(_engine_arg(a) for a in args.engine_arg),
         )  # fmt: skip
         return
 

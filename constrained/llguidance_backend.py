@@ -14,6 +14,7 @@ nouns that the DFA backend has too:
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -110,7 +111,6 @@ class LLGuidanceBackend:
         """The backend for a Hugging Face fast tokenizer (read by llguidance itself, so its own
         tokenization is the model's) or anything else `vocab()` can read into byte strings."""
         import llguidance
-        import llguidance.hf
 
         fast = not isinstance(tokenizer, TokenVocabulary) and hasattr(
             tokenizer, "backend_tokenizer"
@@ -126,11 +126,11 @@ class LLGuidanceBackend:
             size = int(vocab_size) if vocab_size is not None else len(tokenizer)
             try:
                 lltok = _unpanicked(
-                    lambda: llguidance.hf.from_tokenizer(
-                        tokenizer, n_vocab=size, eos_token=list(eos)
+                    lambda: llguidance.LLTokenizer(
+                        _tokenizer_json(tokenizer), n_vocab=size, eos_token=list(eos)
                     )
                 )
-            except ValueError:  # not one llguidance reads ("only fast tokenizers"): by its bytes
+            except ValueError:  # not one llguidance reads: by its bytes
                 pass
             else:
                 return cls(lltok, size, eos, **options)
@@ -702,6 +702,19 @@ def begin_fill(pairs: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor
         if not m._terminated:
             m._busy = future
     return PendingFill(future, pairs, versions, bitmask)
+
+
+def _tokenizer_json(tokenizer: Any) -> str:
+    """A fast tokenizer's Rust tokenizer as JSON (its added tokens included), as llguidance reads
+    it: without padding or truncation. (llguidance.hf copies the tokenizer every time to switch
+    those off, which costs more than the rest of its reading and holds the GIL; a copy is made
+    here only where one is set.)"""
+    backend = tokenizer.backend_tokenizer
+    if backend.padding is not None or backend.truncation is not None:
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+    return backend.to_str()
 
 
 def _unpanicked(read: Callable[[], Any]) -> Any:

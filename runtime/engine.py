@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -157,8 +158,12 @@ class Engine:
             raise
         if tp is not None:  # a rank lost from here on stops the engine
             tp.watch(self._core.fail)
-        self._grammar_compiler = None  # built on the first constrained request
-        self._grammar_lock = threading.Lock()
+        # the grammar compiler reads the tokenizer (about a second) in a thread of its own from
+        # now on, as the engine starts serving: the first constrained request finds it ready
+        self._grammar_setup: Future = Future()
+        threading.Thread(
+            target=self._build_grammar_compiler, name="radixlm-grammar-setup", daemon=True
+        ).start()
         self._grammar_times = Histogram(GRAMMAR_COMPILE_BUCKETS)
         self._profiler: Any = None
         self._rng = random.Random(config.random_seed)
@@ -389,15 +394,23 @@ class Engine:
         return reqs, single
 
     def grammar_compiler(self):
-        """The engine's GrammarCompiler (built on the first constrained request, once)."""
-        with self._grammar_lock:
-            return self._grammar_compiler or self._new_grammar_compiler()
+        """The engine's GrammarCompiler, once it has read the tokenizer (it starts with the
+        engine); GrammarError (a ValueError) if the grammar backend cannot read it."""
+        return self._grammar_setup.result()
+
+    def _build_grammar_compiler(self) -> None:
+        try:
+            compiler = self._new_grammar_compiler()
+        except BaseException as e:  # (a tokenizer the backend cannot read: each request is told)
+            self._grammar_setup.set_exception(e)
+        else:
+            self._grammar_setup.set_result(compiler)
 
     def _new_grammar_compiler(self):
         from radixlm.constrained import GrammarCompiler, NumberLimits
 
         config = self.config
-        self._grammar_compiler = GrammarCompiler(
+        return GrammarCompiler(
             self.tokenizer,
             vocab_size=self.model_config.vocab_size,
             whitespace=config.json_whitespace,
@@ -409,7 +422,6 @@ class Engine:
                 config.json_integer_bound, config.json_number_bound, config.json_fraction_digits
             ),
         )
-        return self._grammar_compiler
 
     def _grammar_future(self, params: SamplingParams):
         """Start compiling the request's regex / JSON schema / EBNF / choices in the compiler's
@@ -420,9 +432,23 @@ class Engine:
         constraint = params.constraint
         if constraint is None:
             return None
-        compiler = self.grammar_compiler()
         t0 = time.perf_counter()
-        future = compiler.compile_async(*constraint, lenient=params.json_schema_lenient)
+        lenient = params.json_schema_lenient
+        setup = self._grammar_setup
+        if setup.done() and setup.exception() is None:
+            future = setup.result().compile_async(*constraint, lenient=lenient)
+        else:  # the compile starts once the compiler is ready, in its thread, not this one
+            future = Future()
+
+            def start(setup: Future) -> None:
+                try:
+                    compiled = setup.result().compile_async(*constraint, lenient=lenient)
+                except BaseException as e:
+                    future.set_exception(e)
+                else:
+                    compiled.add_done_callback(lambda done: _relay(done, future))
+
+            setup.add_done_callback(start)
         future.add_done_callback(lambda _: self._grammar_times.observe(time.perf_counter() - t0))
         return future
 
@@ -690,6 +716,15 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -
             raise
         return False
     return True
+
+
+def _relay(done: Future, to: Future) -> None:
+    """`done`'s outcome, result or exception, to `to`."""
+    error = done.exception()
+    if error is not None:
+        to.set_exception(error)
+    else:
+        to.set_result(done.result())
 
 
 def _broadcast(value: Any, count: int, name: str) -> list[Any]:
