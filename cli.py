@@ -83,7 +83,10 @@ _ENGINE_HELP = {
     "tried first (default: 12)",
     "tp_size": "tensor parallelism: the model split over this many processes, one a GPU (gloo "
     "on the CPU), rank 0 scheduling every step",
-    "nnodes": "machines the tensor-parallel ranks span (tp_size / nnodes ranks on each)",
+    "pp_size": "pipeline parallelism: the model's layers split into this many stages, one "
+    "process (and GPU) each, the first scheduling every step; not with tp_size above 1 yet",
+    "nnodes": "machines the tensor-parallel ranks or pipeline stages span (tp_size / nnodes or "
+    "pp_size / nnodes on each)",
     "node_rank": "this machine's index among nnodes; a node other than 0 runs its ranks only "
     "(no HTTP server) until node 0's engine stops",
     "dist_init_addr": "host:port where node 0 (rank 0) meets the other ranks (default: a free "
@@ -94,7 +97,10 @@ _ENGINE_HELP = {
 
 
 # SGLang's other spellings of an engine option
-_ENGINE_ALIASES = {"tp_size": ("--tp", "--tensor-parallel-size")}
+_ENGINE_ALIASES = {
+    "tp_size": ("--tp", "--tensor-parallel-size"),
+    "pp_size": ("--pipeline-parallel-size",),
+}
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -512,12 +518,12 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_node(args: argparse.Namespace) -> int:
     """Node `--node-rank` (> 0) of a tensor-parallel group: its ranks, until rank 0 stops."""
     from radixlm.runtime.config import EngineConfig
-    from radixlm.runtime.tp_worker import run_node
+    from radixlm.runtime.tp_worker import rank_name, run_node
 
     config = EngineConfig.from_kwargs(**_engine_kwargs(args))
     print(
-        f"radixlm serve: node {config.node_rank} of {config.nnodes}: running its tensor-parallel "
-        f"ranks for node 0 at {config.dist_init_addr}",
+        f"radixlm serve: node {config.node_rank} of {config.nnodes}: running its "
+        f"{rank_name(config)}s for node 0 at {config.dist_init_addr}",
         file=sys.stderr,
     )
     return run_node(config)
@@ -561,6 +567,8 @@ def _start_replicas(args: argparse.Namespace) -> Any:
         )
     if kwargs.get("tp_size", 1) != 1:
         raise ValueError("--dp-size with --tp-size above 1 is not supported yet: use one of them")
+    if kwargs.get("pp_size", 1) != 1:
+        raise ValueError("--dp-size with --pp-size above 1 is not supported yet: use one of them")
     devices = _replica_devices(n, kwargs.get("device"))
     # (each start loads a tokenizer in this process: resolve transformers' lazy names first, as
     # two threads resolving one at once can fail)

@@ -136,6 +136,10 @@ class EngineConfig:
     # started with its node_rank and the first's dist_init_addr (host:port; default: a free
     # loopback port), every collective bounded by dist_timeout seconds
     tp_size: int = 1
+    # pipeline parallelism (SGLang's pp_size): the model's layers split into pp_size stages, one
+    # process each (one a GPU), this one the first stage, which schedules every step
+    # (runtime/pipeline.py); the switches above place the stages as they place the ranks
+    pp_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -214,11 +218,24 @@ class EngineConfig:
         self._check_speculative(bad)
         self._check_parallel(bad)
 
+    @property
+    def world_size(self) -> int:
+        """The processes the model is split over: tensor-parallel ranks or pipeline stages."""
+        return self.tp_size * self.pp_size
+
     def _check_parallel(self, bad) -> None:
         if self.tp_size < 1:
             bad(f"tp_size={self.tp_size}; it must be at least 1")
-        if self.nnodes < 1 or self.tp_size % self.nnodes:
-            bad(f"nnodes={self.nnodes} must be at least 1 and divide tp_size={self.tp_size}")
+        if self.pp_size < 1:
+            bad(f"pp_size={self.pp_size}; it must be at least 1")
+        if self.pp_size > 1 and self.tp_size > 1:
+            bad(
+                f"pp_size={self.pp_size} with tp_size={self.tp_size} is not supported yet: use "
+                "one of them (tp_size inside a node, or pp_size stages, one a GPU or node)"
+            )
+        if self.nnodes < 1 or self.world_size % self.nnodes:
+            size = f"tp_size={self.tp_size}" if self.pp_size == 1 else f"pp_size={self.pp_size}"
+            bad(f"nnodes={self.nnodes} must be at least 1 and divide {size}")
         if not 0 <= self.node_rank < self.nnodes:
             bad(f"node_rank={self.node_rank}; it must lie in [0, nnodes={self.nnodes})")
         if self.nnodes > 1 and self.dist_init_addr is None:
@@ -233,6 +250,11 @@ class EngineConfig:
             bad(
                 "speculative_algorithm MEDUSA is not available with tp_size > 1 yet (its heads "
                 "read the whole LM head, of which each rank holds a part); use NGRAM"
+            )
+        if self.pp_size > 1 and self.speculative_algorithm == "MEDUSA":
+            bad(
+                "speculative_algorithm MEDUSA is not available with pp_size > 1 yet (its heads "
+                "read the final hidden states, which only the last stage has); use NGRAM"
             )
 
     def _check_speculative(self, bad) -> None:

@@ -107,17 +107,33 @@ class Engine:
             self.config = config = dataclasses.replace(config, chunked_prefill_size=chunk)
         # (sampled: the ids the tokenizer has; past them, padding)
         sampled_vocab = self._tokenizer_vocab_end(mc.vocab_size)
-        # tensor parallelism: this process is rank 0, whose engine core decides every step
-        self._tp = tp = partition = None
-        local = mc  # the model as this rank holds it (its own heads)
-        if config.tp_size > 1:
+        # tensor or pipeline parallelism: this process is rank 0 (the first stage), whose engine
+        # core decides every step
+        self._tp = tp = partition = stage = None
+        local = mc  # the model as this rank holds it (its own heads, or its own layers)
+        if config.pp_size > 1:
+            from radixlm.runtime.pipeline import Stage
+
+            stage = Stage.of(mc, 0, config.pp_size)  # (more stages than layers: refused here)
+            local = stage.local_config(mc)
+            if self.device.type == "cuda" and not config.disable_cuda_graph:
+                startup.say("pipeline parallelism: CUDA graphs are off (not captured under pp)")
+                self.config = config = dataclasses.replace(config, disable_cuda_graph=True)
+            splits = [Stage.of(mc, r, config.pp_size) for r in range(config.pp_size)]
+            startup.say(
+                f"pipeline parallelism: {config.pp_size} stages of layers "
+                + ", ".join(f"[{s.start}, {s.end})" for s in splits)
+            )
+        elif config.tp_size > 1:
             from radixlm.runtime.parallel import Partition
+
+            partition = Partition.of(mc, 0, config.tp_size)
+            local = partition.local_config(mc)
+        if config.world_size > 1:
             from radixlm.runtime.tp_worker import TensorParallelGroup, rank_device
 
             # (a split that cannot be made, or too few GPUs: refused before any process starts)
-            partition = Partition.of(mc, 0, config.tp_size)
-            local = partition.local_config(mc)
-            rank_device(str(self.device), config.tp_size // config.nnodes - 1)
+            rank_device(str(self.device), config.world_size // config.nnodes - 1)
             self._tp = tp = TensorParallelGroup(config, self.device)
         try:
             if tp is not None:
@@ -132,8 +148,14 @@ class Engine:
             startup.say(f"building the model on {self.device} ({dtype_name})")
             self.model = model = build_model(
                 config, folder, mc, self.dtype, self.device, self.context_len, sampled_vocab,
-                partition, None if tp is None else tp.comm,
+                partition, None if tp is None or stage is not None else tp.comm, stage=stage,
             )  # fmt: skip
+            if stage is not None:
+                from radixlm.runtime.pipeline import PipelineStageModel
+
+                self.model = model = PipelineStageModel(
+                    model, stage, tp.comm, self.dtype, self.device
+                )
             num_slots = rank_kv_tokens(config, local, self.dtype, self.device, self.context_len)
             if tp is not None:
                 num_slots = tp.agree_kv_slots(num_slots)

@@ -25,16 +25,20 @@ def build_model(
     sampled_vocab: int,
     tp=None,
     comm=None,
+    stage=None,
 ):
     """The model on `device`, its weights loaded (random ones for load_format dummy: under
     tensor parallelism each rank draws its part on its own, which makes no whole model of any
     seed; right for speed, not for outputs). `tp` and `comm`: this rank's part of the model and
-    its group's collectives (runtime/parallel.py); None: the whole model."""
+    its group's collectives (runtime/parallel.py); None: the whole model. `stage`: a pipeline
+    stage's layers (runtime/pipeline.py), which are all it builds and loads."""
     from radixlm.runtime import model_loader
     from radixlm.runtime.models.llama import LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(mc, context_len + 1, sampled_vocab, tp, comm)
+        if stage is not None:  # a pipeline stage (runtime/pipeline.py): its own layers only
+            model = stage.trim(model)
     check_weights_fit(model, dtype, device)
     model = model.to(dtype).to_empty(device=device)
     if config.load_format == "dummy":
@@ -42,6 +46,8 @@ def build_model(
         model_loader.init_dummy_weights(model, config.random_seed)
     else:
         weights = model_loader.iter_safetensors(folder)
+        if stage is not None:
+            weights = stage.own_weights(weights, mc)
         total = model_loader.count_safetensors(folder)
         model.load_weights(startup.progress(weights, total, "loading weights", "tensors"))
     model.rope.build_tables(device)
@@ -57,8 +63,8 @@ def rank_kv_tokens(
 ) -> int:
     """The KV pool's slots this rank has room for (`local`: the heads it holds). The ranks of a
     CPU group share one host's memory: each takes its share of the fraction."""
-    if config.tp_size > 1 and device.type == "cpu" and config.max_total_tokens is None:
-        share = (config.mem_fraction_static or 0.25) / (config.tp_size // config.nnodes)
+    if config.world_size > 1 and device.type == "cpu" and config.max_total_tokens is None:
+        share = (config.mem_fraction_static or 0.25) / (config.world_size // config.nnodes)
         config = dataclasses.replace(config, mem_fraction_static=share)
     return kv_pool_tokens(config, local, dtype, device, context_len)
 

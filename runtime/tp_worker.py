@@ -99,13 +99,18 @@ class Channel:
         self.sock.close()
 
 
+def rank_name(config) -> str:
+    """What a process of the group is called in messages."""
+    return "pipeline stage" if config.pp_size > 1 else "tensor-parallel rank"
+
+
 def parse_addr(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     return host.strip("[]"), int(port)
 
 
 def ranks_of_node(config) -> range:
-    per_node = config.tp_size // config.nnodes
+    per_node = config.world_size // config.nnodes
     return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
 
 
@@ -118,7 +123,7 @@ def rank_device(rank0_device: str, local_rank: int) -> torch.device:
     if index >= torch.cuda.device_count():
         raise ValueError(
             f"tensor-parallel rank on GPU {index}, but torch sees {torch.cuda.device_count()} "
-            "GPU(s): lower tp_size (or use more nodes)"
+            "GPU(s): lower tp_size or pp_size (or use more nodes)"
         )
     return torch.device("cuda", index)
 
@@ -195,6 +200,8 @@ class StepMirror:
             ) from e
 
     def tokens(self, pool_rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        if self.group.config.pp_size > 1:  # (only the first stage reads tokens: it embeds them)
+            return
         n = int(pool_rows.shape[0])
         self.group.send({"t": n})
         self.group.comm.broadcast(torch.cat([pool_rows.to(torch.int64), tokens.to(torch.int64)]))
@@ -212,7 +219,8 @@ class TensorParallelGroup:
     def __init__(self, config, device: torch.device) -> None:
         import torch.distributed as dist
 
-        self.config, self.device, self.size = config, device, config.tp_size
+        self.config, self.device, self.size = config, device, config.world_size
+        self.what = rank_name(config)  # (what its error messages call a rank)
         self.comm = GroupComm(None, 0, self.size)
         self.processes: list[subprocess.Popen] = []
         self.channels: dict[int, Channel] = {}
@@ -243,7 +251,7 @@ class TensorParallelGroup:
             if left <= 0:
                 missing = sorted(set(range(1, self.size)) - set(self.channels))
                 raise RuntimeError(
-                    f"tensor-parallel rank(s) {missing} did not connect within "
+                    f"{self.what}(s) {missing} did not connect within "
                     f"{self.config.dist_timeout:.0f}s (dist_timeout): with nnodes > 1, start "
                     f"each node's `radixlm serve --node-rank N --dist-init-addr {self.addr}`"
                 )
@@ -265,7 +273,7 @@ class TensorParallelGroup:
         for proc in self.processes:
             if proc.poll() is not None:
                 raise RuntimeError(
-                    f"a tensor-parallel rank's process exited (code {proc.returncode}) before "
+                    f"a {self.what}'s process exited (code {proc.returncode}) before "
                     "the engine started; its log above says why"
                 )
 
@@ -276,7 +284,7 @@ class TensorParallelGroup:
         for rank, channel in self.channels.items():
             reply = self._recv_ready(rank, channel)
             if "error" in reply:
-                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {reply['error']}")
+                raise RuntimeError(f"{self.what} {rank} failed to start: {reply['error']}")
             counts.append(int(reply["kv_tokens"]))
         tokens = min(counts)
         self.send({"start": tokens})
@@ -295,10 +303,10 @@ class TensorParallelGroup:
             if readable:
                 reply = channel.recv()
                 if reply is None:
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited while loading")
+                    raise RuntimeError(f"{self.what} {rank} exited while loading")
                 return reply
         raise RuntimeError(
-            f"tensor-parallel rank {rank} did not load the model within "
+            f"{self.what} {rank} did not load the model within "
             f"{self.config.dist_timeout:.0f}s (dist_timeout) of rank 0"
         )
 
@@ -316,7 +324,7 @@ class TensorParallelGroup:
                 try:
                     channel.send_frame(frame)
                 except OSError as e:
-                    raise RankFailure(f"tensor-parallel rank {rank} is gone ({e})") from e
+                    raise RankFailure(f"{self.what} {rank} is gone ({e})") from e
 
     def watch(self, on_lost: Callable[[Exception], None]) -> None:
         """Call `on_lost(RankFailure)` (from a thread of its own) when any rank says it failed
@@ -338,9 +346,9 @@ class TensorParallelGroup:
                 if self._closing:
                     return
                 why = (
-                    f"tensor-parallel rank {rank} failed: {message['error']}"
+                    f"{self.what} {rank} failed: {message['error']}"
                     if isinstance(message, dict) and "error" in message
-                    else f"tensor-parallel rank {rank} is gone (its process exited)"
+                    else f"{self.what} {rank} is gone (its process exited)"
                 )
                 logger.error("%s; stopping the engine", why)
                 self._abort_collectives()
@@ -370,7 +378,7 @@ class TensorParallelGroup:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.warning("tensor-parallel rank process %d did not stop: killed", proc.pid)
+                logger.warning("%s process %d did not stop: killed", self.what, proc.pid)
                 proc.kill()
                 proc.wait()
         for channel in self.channels.values():
@@ -468,21 +476,32 @@ class _Follower:
         from radixlm.runtime.model_setup import build_kv_pool, build_model, rank_kv_tokens
 
         mc = ModelConfig.from_hf(load_hf_config(Path(spec["folder"])))
-        tp = Partition.of(mc, rank, config.tp_size)
-        local = tp.local_config(mc)
-        comm = GroupComm(None, rank, config.tp_size)
+        comm = GroupComm(None, rank, config.world_size)
         dtype = getattr(torch, spec["dtype"])
-        model = build_model(
-            config, Path(spec["folder"]), mc, dtype, device, spec["context_len"],
-            spec["sampled_vocab"], tp, comm,
-        )  # fmt: skip
+        if config.pp_size > 1:  # a pipeline stage: its layers whole (runtime/pipeline.py)
+            from radixlm.runtime.pipeline import PipelineStageModel, Stage
+
+            stage = Stage.of(mc, rank, config.pp_size)
+            local = stage.local_config(mc)
+            model = build_model(
+                config, Path(spec["folder"]), mc, dtype, device, spec["context_len"],
+                spec["sampled_vocab"], stage=stage,
+            )  # fmt: skip
+            model = PipelineStageModel(model, stage, comm, dtype, device)
+        else:
+            tp = Partition.of(mc, rank, config.tp_size)
+            local = tp.local_config(mc)
+            model = build_model(
+                config, Path(spec["folder"]), mc, dtype, device, spec["context_len"],
+                spec["sampled_vocab"], tp, comm,
+            )  # fmt: skip
         channel.send(
             {"kv_tokens": rank_kv_tokens(config, local, dtype, device, spec["context_len"])}
         )
         start = channel.recv()
         if start is None or "start" not in start:
             return None
-        comm.group = _process_group(store, rank, config.tp_size, device, config.dist_timeout)
+        comm.group = _process_group(store, rank, config.world_size, device, config.dist_timeout)
         context_len = spec["context_len"]
         kv_pool = build_kv_pool(config, local, start["start"], dtype, device)
         rows = ReqToTokenPool(config.max_running_requests + 1, context_len + 1, device)

@@ -177,6 +177,13 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(rope, x, residual, batch, backend)
         if batch.hidden_indices is not None:  # for a speculative drafter
             batch.hidden_states = self.final_hidden(x, residual, batch.hidden_indices)
+        return self.logits(x, residual, batch)
+
+    def logits(
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """The last layer's output -> logits (L, vocab) in float32 at `batch.logits_indices`
+        (the last pipeline stage calls this on its own: runtime/pipeline.py)."""
         logits, _ = self.matmul.norm_linear(
             x, residual, self.norm, self.lm_head, rows=batch.logits_indices, float32=True
         )

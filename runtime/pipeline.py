@@ -1,0 +1,177 @@
+"""Pipeline parallelism: the model's layers split into stages, one process each (SGLang's pp_size).
+
+- Stage `r` of `pp_size` holds a contiguous run of the decoder layers (split as evenly as they go,
+  `Stage.of`), their KV cache and nothing more: the first stage also holds the embedding, the last
+  the final norm and the LM head (with tied embeddings, the embedding as the head's weight).
+- The stages are the ranks of the group runtime/tp_worker.py builds, its processes, channels,
+  watcher and step loop unchanged: the first stage is the engine, whose scheduler decides each
+  step; the step's host lists go to every other stage down its channel, and each stage's model
+  runner builds the same batch from them. So no stage has a scheduler, cache or sampler to keep
+  in step, and every stage's request table and KV slots are the first stage's.
+- Activations go down the pipeline by point-to-point send/recv on the group (gloo on the CPU, NCCL
+  on GPUs): the hidden states and the residual, (2, T, hidden) in the model's dtype, from stage r
+  to r + 1. The last stage computes the logits rows (L, vocab) in float32 and sends them back to
+  the first, which samples as a single process does (grammar masks, penalties, log-probabilities
+  and draft verification unchanged). No shape is sent: every stage built the same batch.
+- A step runs through the stages in turn, one micro-batch (the whole step) in flight.
+- A send or recv that fails (its peer's process is gone) or outlasts dist_timeout is a
+  RankFailure, which stops the engine as a lost tensor-parallel rank does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from radixlm.runtime.model_config import ModelConfig
+from radixlm.runtime.parallel import GroupComm, RankFailure
+
+_LAYER_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+_ACTIVATIONS, _LOGITS = 1, 2  # message tags
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Stage `index` of `size`: the model's decoder layers [start, end) of `num_layers`."""
+
+    index: int
+    size: int
+    start: int
+    end: int
+    num_layers: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, index: int, size: int) -> Stage:
+        """Stage `index` of `size` over `cfg`'s layers; ValueError for more stages than layers."""
+        layers = cfg.num_layers
+        if size > layers:
+            raise ValueError(
+                f"pp_size={size} exceeds the model's {layers} layers: each pipeline stage needs "
+                f"at least one; use a pp_size of at most {layers}"
+            )
+        if not 0 <= index < size:
+            raise ValueError(f"stage {index} of a pipeline of {size}")
+        return cls(index, size, index * layers // size, (index + 1) * layers // size, layers)
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.size - 1
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """`cfg` as this stage's KV pool sees it: its own layers."""
+        return dataclasses.replace(cfg, num_layers=self.end - self.start)
+
+    def holds_embedding(self, cfg: ModelConfig) -> bool:
+        return self.first or (self.last and cfg.tie_word_embeddings)
+
+    def trim(self, model: nn.Module) -> nn.Module:
+        """`model` (a whole LlamaForCausalLM, on the meta device) cut down to this stage's
+        parts, its layers numbered from 0 (as the stage's KV pool numbers them)."""
+        cfg = model.cfg
+        model.layers = nn.ModuleList(list(model.layers)[self.start : self.end])
+        for i, layer in enumerate(model.layers):
+            layer.self_attn.layer_id = i
+        if not self.holds_embedding(cfg):
+            del model.embed_tokens
+        if not self.last:
+            del model.norm, model.lm_head
+        if cfg.tie_word_embeddings and not self.last:  # (no head here to tie)
+            model.cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+        return model
+
+    def own_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors this stage holds, its layers renamed to their local index."""
+        for name, tensor in weights:
+            match = _LAYER_NAME.match(name)
+            if match is not None:
+                i = int(match[1])
+                if self.start <= i < self.end:
+                    yield f"{name[: match.start(1)]}{i - self.start}{name[match.end(1) :]}", tensor
+                continue
+            bare = name.removeprefix("model.")
+            if bare.startswith("embed_tokens."):
+                if self.holds_embedding(cfg):
+                    yield name, tensor
+            elif bare.startswith(("norm.", "lm_head.")):
+                if self.last:
+                    yield name, tensor
+            else:
+                yield name, tensor
+
+
+class StageLink:
+    """Send/recv between the stages over the group's process group (no default group)."""
+
+    def __init__(self, comm: GroupComm) -> None:
+        self.comm = comm
+
+    def send(self, x: torch.Tensor, to: int, tag: int) -> None:
+        self._wait(self.comm.group.send([x], to, tag), "send to", to)
+
+    def recv(self, x: torch.Tensor, source: int, tag: int) -> torch.Tensor:
+        self._wait(self.comm.group.recv([x], source, tag), "receive from", source)
+        return x
+
+    @staticmethod
+    def _wait(work, what: str, peer: int) -> None:
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise RankFailure(
+                f"a pipeline {what} stage {peer} failed (the pipeline stage is gone?): {e}"
+            ) from e
+
+
+class PipelineStageModel(nn.Module):
+    """A stage's part of the model, run as the model runner runs a whole one: `forward(batch,
+    backend)` gives the step's logits on the first stage (and the last), None on the others."""
+
+    def __init__(
+        self, model: nn.Module, stage: Stage, comm: GroupComm, dtype: torch.dtype, device
+    ) -> None:
+        super().__init__()
+        self.model, self.stage, self.link = model, stage, StageLink(comm)
+        self.dtype, self.device = dtype, device
+        self.cfg, self.rope = model.cfg, model.rope
+        self.sampled_vocab = model.sampled_vocab
+        self.vocab_size = model.cfg.vocab_size
+
+    @torch.inference_mode()
+    def forward(self, batch, backend) -> torch.Tensor | None:
+        m, stage = self.model, self.stage
+        num_tokens = batch.input_ids.shape[0]
+        if stage.first:
+            x, residual = m.embed_tokens(batch.input_ids), None
+        else:
+            buf = torch.empty(
+                (2, num_tokens, self.cfg.hidden_size), dtype=self.dtype, device=self.device
+            )
+            x, residual = self.link.recv(buf, stage.index - 1, _ACTIVATIONS).unbind(0)
+        rope = m.rope.lookup(batch.positions)
+        for layer in m.layers:
+            x, residual = layer(rope, x, residual, batch, backend)
+        if not stage.last:
+            self.link.send(torch.stack((x, residual)), stage.index + 1, _ACTIVATIONS)
+            if not stage.first:
+                return None
+            rows = num_tokens if batch.logits_indices is None else batch.logits_indices.shape[0]
+            logits = torch.empty((rows, self.vocab_size), dtype=torch.float32, device=self.device)
+            return self.link.recv(logits, stage.size - 1, _LOGITS)  # (L, vocab)
+        logits = m.logits(x, residual, batch)
+        if not stage.first:
+            self.link.send(logits.contiguous(), 0, _LOGITS)
+        return logits
+
+    def linears(self) -> list[nn.Linear]:
+        return self.model.linears()

@@ -1,0 +1,230 @@
+"""Pipeline parallelism on the CPU: the stages as processes over gloo, against one process.
+
+A small random model of four layers (untied LM head, weights drawn wide enough that greedy
+decoding wanders over the vocabulary instead of repeating one token) split into 2 and 3 stages
+gives the single process's greedy tokens exactly: each layer runs the same float32 arithmetic on
+the same batch wherever it sits, so there is no near-tie to allow for. The batch mixes
+concurrent requests, prompts longer than the prefill chunk, and prefixes from the radix cache.
+A stage killed mid-run stops the engine with an error (requests failed, the server's 503 and
+unhealthy /health), never a hang; more stages than layers, or pp with tp, are refused.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from radixlm.runtime.model_config import ModelConfig
+from radixlm.runtime.pipeline import Stage
+
+COMMON = {"max_total_tokens": 4096, "chunked_prefill_size": 16, "dist_timeout": 30}
+GREEDY = {"max_new_tokens": 12, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def four_layer_folder(tmp_path_factory, tiny_model_folder) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from radixlm.runtime.model_loader import copy_tokenizer_files
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=2, bos_token_id=1, tie_word_embeddings=False, initializer_range=0.2,
+    )  # fmt: skip
+    out = tmp_path_factory.mktemp("four-layers")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    copy_tokenizer_files(tiny_model_folder, out)  # (the default model's tokenizer)
+    return str(out)
+
+
+def _config(layers: int) -> ModelConfig:
+    return ModelConfig(
+        model_type="llama", vocab_size=100, hidden_size=32, intermediate_size=64,
+        num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
+        rope_theta=1e4, rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=True,
+        attention_bias=False, qk_norm=False,
+    )  # fmt: skip
+
+
+def test_stages_split_the_layers_evenly():
+    cfg = _config(30)  # SmolLM2-135M's 30 layers
+    assert [(s.start, s.end) for s in (Stage.of(cfg, r, 4) for r in range(4))] == [
+        (0, 7), (7, 15), (15, 22), (22, 30),
+    ]  # fmt: skip
+    assert Stage.of(cfg, 1, 4).local_config(cfg).num_layers == 8
+    assert [(s.start, s.end) for s in (Stage.of(cfg, r, 30) for r in range(30))][-1] == (29, 30)
+    with pytest.raises(ValueError, match="pp_size=31 exceeds the model's 30 layers"):
+        Stage.of(cfg, 0, 31)
+
+
+def test_a_stage_reads_only_its_own_weights():
+    cfg = _config(4)
+    names = [
+        "model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
+        "model.layers.2.self_attn.q_proj.weight", "model.layers.3.input_layernorm.weight",
+        "model.norm.weight", "lm_head.weight",
+    ]  # fmt: skip
+    weights = [(n, None) for n in names]
+    first, last = Stage.of(cfg, 0, 2), Stage.of(cfg, 1, 2)
+    assert [n for n, _ in first.own_weights(weights, cfg)] == names[:2]
+    # the last stage renumbers its layers from 0, and keeps the embedding its tied head reads
+    assert [n for n, _ in last.own_weights(weights, cfg)] == [
+        "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.input_layernorm.weight", "model.norm.weight", "lm_head.weight",
+    ]  # fmt: skip
+
+
+def test_refusals_say_what_to_change(tiny_model_folder):
+    import radixlm
+    from radixlm.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="pp_size=2 with tp_size=2 is not supported yet"):
+        EngineConfig(pp_size=2, tp_size=2)
+    with pytest.raises(ValueError, match="pp_size=0; it must be at least 1"):
+        EngineConfig(pp_size=0)
+    with pytest.raises(ValueError, match="MEDUSA is not available with pp_size > 1 yet"):
+        EngineConfig(pp_size=2, speculative_algorithm="medusa")
+    with pytest.raises(ValueError, match="nnodes=2 must be at least 1 and divide pp_size=3"):
+        EngineConfig(pp_size=3, nnodes=2, dist_init_addr="127.0.0.1:5000")
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="pp_size=3 exceeds the model's 2 layers.*at most 2"):
+        radixlm.Engine(tiny_model_folder, pp_size=3, max_total_tokens=1024)
+    assert time.monotonic() - t0 < 30  # (refused before any stage's process starts)
+
+
+def _workload(eng) -> list[dict]:
+    """Concurrent requests (two threads, each a batch), prompts longer than the 16-token chunk,
+    and a shared prefix cached before they come."""
+    shared = "A careful librarian sorts the new books by their authors, then by year: "
+    eng.flush_cache()
+    eng.generate(shared + "first.", {"max_new_tokens": 1})
+    batches = [
+        [shared + "poetry.", "The sky is", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15"],
+        [shared + "maps and atlases.", "Hello", "Once upon a time in a land far away there was"],
+    ]
+    outs: list[list[dict]] = [[], []]
+
+    def run(i: int) -> None:
+        outs[i] = eng.generate(batches[i], GREEDY)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return outs[0] + outs[1]
+
+
+@pytest.fixture(scope="module")
+def reference(four_layer_folder) -> list[dict]:
+    import radixlm
+
+    with radixlm.Engine(four_layer_folder, **COMMON) as eng:
+        return _workload(eng)
+
+
+@pytest.mark.parametrize("pp_size", [2, 3])
+def test_greedy_outputs_equal_one_process_token_for_token(four_layer_folder, reference, pp_size):
+    import radixlm
+
+    with radixlm.Engine(four_layer_folder, pp_size=pp_size, **COMMON) as eng:
+        # each stage holds its own layers and their KV cache only
+        assert len(eng.model.model.layers) == Stage.of(eng.model_config, 0, pp_size).end
+        assert len(eng._core.kv_pool.k) == len(eng.model.model.layers)
+        got = _workload(eng)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in reference]
+    assert len({tuple(o["output_ids"]) for o in reference}) == len(reference)  # (not degenerate)
+    assert got[0]["meta_info"]["cached_tokens"] > 0 and got[3]["meta_info"]["cached_tokens"] > 0
+
+
+def test_the_real_model_on_two_stages(engine, default_model_folder):
+    import radixlm
+
+    prompts = [
+        engine.apply_chat_template([{"role": "user", "content": "Name three colours."}]),
+        "The capital of France is",
+    ]
+    params = {"max_new_tokens": 16, "temperature": 0}
+    with radixlm.Engine(default_model_folder, pp_size=2, dist_timeout=60) as eng:
+        got = eng.generate(prompts, params)
+    ref = engine.generate(prompts, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
+    assert got[0]["text"].strip()
+
+
+# ---- failures ----------------------------------------------------------------------------------
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.05)
+
+
+def test_a_killed_stage_stops_the_engine_and_the_server_answers_503(tiny_model_folder):
+    import httpx
+
+    import radixlm
+    from radixlm.errors import EngineShutDown
+    from tests.live_server import serve_in_thread
+
+    eng = radixlm.Engine(tiny_model_folder, pp_size=2, max_total_tokens=2048, dist_timeout=20)
+    try:
+        with serve_in_thread(eng) as url:
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+            result: dict = {}
+
+            def run() -> None:
+                params = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+                result["out"] = eng.generate("Count:", params)
+
+            thread = threading.Thread(target=run, daemon=True)
+            thread.start()
+            _wait_for(lambda: eng.get_stats()["generated_tokens"] > 5, 60, "decoding begins")
+            (last_stage,) = eng._tp.processes
+            t0 = time.monotonic()
+            os.kill(last_stage.pid, signal.SIGKILL)
+            thread.join(timeout=30)
+            assert not thread.is_alive(), "the request hung after its stage died"
+            assert time.monotonic() - t0 < 30
+            reason = result["out"]["meta_info"]["finish_reason"]
+            assert reason["type"] == "abort" and "pipeline stage" in reason["message"], reason
+            assert len(result["out"]["output_ids"]) < 400
+            assert not eng.is_alive()
+            with pytest.raises(EngineShutDown, match="pipeline stage"):
+                eng.generate("Hello", {"max_new_tokens": 2})
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+            body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+            assert httpx.post(f"{url}/generate", json=body, timeout=30).status_code == 503
+    finally:
+        t0 = time.monotonic()
+        eng.shutdown()
+        assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_on_the_cpu_at_a_tiny_size():
+    """benchmarks/tensor_parallel.py --pp-size (the GPU run's script) starts and reports."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "benchmarks.tensor_parallel", "--device", "cpu", "--shape",
+            "tiny", "--tp", "1", "--pp-size", "2", "--requests", "3", "--new-tokens", "6",
+            "--repeats", "1", "--prompt-lens", "8-12", "--output-lens", "3-5", "--iters", "5",
+            "--peak-mib", "1",
+        ],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| 2 |" in done.stdout and "pp" in done.stdout
