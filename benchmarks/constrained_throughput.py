@@ -114,6 +114,7 @@ def run_distinct(
     backend: str,
     profile: int = 0,
     stub_model: bool = False,
+    cold_runs: int = 1,
     **engine_args,
 ) -> None:
     import jsonschema
@@ -136,7 +137,10 @@ def run_distinct(
             for _, s in schemas
         ]
         rows, hosts = [], []
-        for label in ("cold (compiles)", "warm (cached)"):
+        labels = ["cold (compiles)"] * cold_runs + ["warm (cached)"]
+        for k, label in enumerate(labels):
+            if k and label.startswith("cold"):
+                eng.grammar_compiler().clear_cache()  # (cold again: every grammar compiles)
             before = eng.get_stats()
             outs, wall, ttft = asyncio.run(_stream_all(eng, prompts, cons))
             host = _host_per_step(before, eng.get_stats())
@@ -168,10 +172,13 @@ def run_distinct(
                 for i in range(count)
                 if i not in ok
             ]
-        if profile:  # once more, profiled (the timed runs are not)
+        profiled = ""
+        for label in ("cold", "warm") if profile else ():  # once more each, profiled
+            if label == "cold":
+                eng.grammar_compiler().clear_cache()
             prof = _profile_core(eng)
             asyncio.run(_stream_all(eng, prompts, cons))
-            profiled = _profile_report(eng, prof, profile)
+            profiled += f"{label}:\n" + _profile_report(eng, prof, profile)
     extra = "".join(f", {k}={v}" for k, v in engine_args.items())
     print(f"\n{count} requests, {count} distinct schemas, grammar_backend={backend}{extra}")
     print(f"refused (each failed alone): {len(refused)}")
@@ -192,7 +199,10 @@ def run_distinct(
     for label, host, f_host in hosts:
         print(f"  {label}: constrained {host}\n  {'':{len(label)}}  unconstrained {f_host}")
     if profile:
-        print("\nthe engine core thread in a third constrained run (cProfile, by own time):\n")
+        print(
+            "\nthe engine core thread in a cold and a warm run after the timed ones (cProfile, "
+            "by own time):\n"
+        )
         print(profiled)
 
 
@@ -274,8 +284,13 @@ def main() -> None:
     ap.add_argument("--grammar-backend", default="llguidance")
     ap.add_argument(
         "--profile", type=int, default=0, metavar="N",
-        help="with --distinct: then a third constrained run, profiled: the N functions of the "
-        "engine core thread with the most own time (cProfile)",
+        help="with --distinct: then a cold and a warm constrained run, profiled: the N "
+        "functions of the engine core thread with the most own time (cProfile)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--cold-runs", type=int, default=1,
+        help="with --distinct: run cold this many times (the compiled grammars forgotten before "
+        "each), each against its own unconstrained twin",
     )  # fmt: skip
     ap.add_argument(
         "--stub-model", action="store_true",
@@ -291,7 +306,7 @@ def main() -> None:
     if args.distinct:
         run_distinct(
             args.model_path, args.schemas_dir, args.distinct, args.max_new_tokens,
-            args.grammar_backend, args.profile, args.stub_model, **dict(_engine_arg(a) for a in args.engine_arg),
+            args.grammar_backend, args.profile, args.stub_model, args.cold_runs, **dict(_engine_arg(a) for a in args.engine_arg),
         )  # fmt: skip
         return
 

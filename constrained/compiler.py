@@ -221,6 +221,12 @@ class GrammarCompiler:
     def compile_choices(self, choices: Sequence[str]) -> CompiledGrammar:
         return self.compile("choice", list(choices))
 
+    def clear_cache(self) -> None:
+        """Forget every compiled grammar (the next request for each compiles it again); those in
+        use keep working."""
+        with self._lock:
+            self._cache.clear()
+
     def close(self) -> None:
         """Stop compiling: queued compiles are dropped and those waiting on a helper process fail
         with GrammarError. A later compile starts over."""
