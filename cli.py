@@ -85,6 +85,9 @@ _ENGINE_HELP = {
     "on the CPU), rank 0 scheduling every step",
     "pp_size": "pipeline parallelism: the model's layers split into this many stages, one "
     "process (and GPU) each, the first scheduling every step; not with tp_size above 1 yet",
+    "pp_micro_batch_min_tokens": "pipeline parallelism: a step of several requests and at "
+    "least twice this many tokens goes down the stages as micro-batches (up to pp_size, and no "
+    "more than its tokens / this), so that the stages overlap",
     "nnodes": "machines the tensor-parallel ranks or pipeline stages span (tp_size / nnodes or "
     "pp_size / nnodes on each)",
     "node_rank": "this machine's index among nnodes; a node other than 0 runs its ranks only "

@@ -1,7 +1,9 @@
-"""Tensor parallelism: TP=1 against TP=2 in one run, random weights of a real model's shape.
+"""Tensor parallelism: TP=1 against TP=2 in one run, random weights of a real model's shape;
+with --pp-size N, pipeline parallelism over N stages beside them.
 
     python -m benchmarks.tensor_parallel                  # two GPUs: Llama-3.1-8B shape, bf16
-        [--shape llama-3.1-8b] [--tp 1,2] [--new-tokens 128] [--requests 1000] [--repeats 2]
+        [--shape llama-3.1-8b] [--tp 1,2] [--pp-size 2] [--new-tokens 128] [--requests 1000]
+        [--repeats 2]
     python -m benchmarks.tensor_parallel --device cpu --shape tiny --requests 8 ...   # gloo
 
 Three measurements for each tp_size:
@@ -18,7 +20,13 @@ Three measurements for each tp_size:
   against the same collective's at --peak-mib (64 MiB), where it runs at its full bandwidth. Their sum is the
   all-reduce time per step, shown beside the measured step time.
 
-On the CPU it runs at a tiny size so that it is known to start (tests/test_tensor_parallel.py).
+With --pp-size, the same two measurements for the pipeline of that many stages, and the
+stage-to-stage messages of a batch-1 decode step timed alone the same way: the activations going
+down (hidden states and residual, 2 x hidden) and the logits row coming back (vocab float32),
+each a send and its recv (half a round trip).
+
+On the CPU it runs at a tiny size so that it is known to start (tests/test_tensor_parallel.py,
+tests/test_pipeline_parallel.py).
 """
 
 from __future__ import annotations
@@ -59,8 +67,8 @@ def model_folder(shape: str) -> Path:
     return out
 
 
-def engine_args(args, tp: int) -> dict:
-    out = {"load_format": "dummy", "tp_size": tp, "disable_radix_cache": True}
+def engine_args(args, tp: int, pp: int = 1) -> dict:
+    out = {"load_format": "dummy", "tp_size": tp, "pp_size": pp, "disable_radix_cache": True}
     if args.device == "cpu":
         out.update(device="cpu", max_total_tokens=args.cpu_kv_tokens)
     else:
@@ -68,7 +76,7 @@ def engine_args(args, tp: int) -> dict:
     return out
 
 
-def measure(args, folder: Path, tp: int) -> tuple[float, float, float]:
+def measure(args, folder: Path, tp: int, pp: int = 1) -> tuple[float, float, float]:
     """On one engine: batch-1 decode tokens/s (decode steps alone), the mean time of one such
     step, and the offline workload's output tokens/s (median of --repeats runs)."""
     import radixlm
@@ -76,7 +84,7 @@ def measure(args, folder: Path, tp: int) -> tuple[float, float, float]:
     prompt = list(range(1000, 1032))
     params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
     prompts, offline = offline_gpu_workload(args.requests, args.prompt_lens, args.output_lens)
-    with radixlm.Engine(str(folder), **engine_args(args, tp)) as eng:
+    with radixlm.Engine(str(folder), **engine_args(args, tp, pp)) as eng:
         eng.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 8})
         first = []
         for _ in range(3):
@@ -124,7 +132,9 @@ def _collectives_worker(rank: int, addr: str, device_kind: str, sizes: dict, ite
         x = torch.randn(numel, device=device).to(getattr(torch, dtype))
         if kind == "all_gather":
             x = x.view(1, -1)
-        op = comm.all_reduce if kind == "all_reduce" else comm.all_gather
+        op = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather}.get(kind)
+        if kind == "p2p":  # rank 0 sends, rank 1 sends it back: a round trip
+            op = _round_trip(comm, rank)
         for _ in range(5):
             op(x)
         samples = []
@@ -146,6 +156,18 @@ def _collectives_worker(rank: int, addr: str, device_kind: str, sizes: dict, ite
         times[name] = statistics.median(samples)
     if rank == 0:
         out.put(times)
+
+
+def _round_trip(comm, rank: int):
+    def op(x):
+        if rank == 0:
+            comm.group.send([x], 1, 0).wait()
+            comm.group.recv([x], 1, 0).wait()
+        else:
+            comm.group.recv([x], 0, 0).wait()
+            comm.group.send([x], 0, 0).wait()
+
+    return op
 
 
 def time_collectives(device_kind: str, sizes: dict, iters: int) -> dict[str, float]:
@@ -187,6 +209,9 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.1-8b", help=f"tiny or one of {', '.join(SHAPES)}")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tp", default="1,2", help="tp sizes to run (1 and 2)")
+    ap.add_argument(
+        "--pp-size", type=int, default=0, help="also run pipeline parallelism of this many stages"
+    )
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=2)
@@ -201,9 +226,10 @@ def main() -> None:
     args.prompt_lens = tuple(int(x) for x in args.prompt_lens.split("-"))
     args.output_lens = tuple(int(x) for x in args.output_lens.split("-"))
     tps = [int(t) for t in args.tp.split(",")]
-    if args.device == "cuda" and torch.cuda.device_count() < max(tps):
+    gpus = max(*tps, args.pp_size)
+    if args.device == "cuda" and torch.cuda.device_count() < gpus:
         raise SystemExit(
-            f"tensor_parallel needs {max(tps)} GPUs, this machine has "
+            f"tensor_parallel needs {gpus} GPUs, this machine has "
             f"{torch.cuda.device_count()}; --device cpu runs it on gloo"
         )
     shape = TINY if args.shape == "tiny" else SHAPES[args.shape]
@@ -225,7 +251,8 @@ def main() -> None:
         d = f"{decode / base[0]:.2f}x" if base else "-"
         o = f"{offline / base[2]:.2f}x" if base else "-"
         print(f"| {tp} | {decode:.1f} | {d} | {offline:.0f} | {o} |")
-
+    if args.pp_size > 1:
+        report_pipeline(args, folder, shape, base)
     if 2 not in tps:
         return
     # one decode step of batch 1 at tp=2: what its collectives move, timed alone
@@ -261,6 +288,38 @@ def main() -> None:
         f"\nall-reduce time per batch-1 decode step at tp=2: {2 * layers + 1} all-reduces + 1 "
         f"all-gather = {per_step * 1e6:.0f} us, of a measured {step * 1e3:.2f} ms step "
         f"({per_step / step:.0%})"
+    )
+
+
+def report_pipeline(args, folder: Path, shape: dict, base) -> None:
+    """The pipeline of --pp-size stages: its two measurements against tp=1, and the messages
+    between the stages of one batch-1 decode step, timed alone."""
+    pp = args.pp_size
+    decode, step, offline = measure(args, folder, 1, pp)
+    print(f"pp={pp}: batch-1 decode {decode:.1f} tok/s ({step * 1e3:.2f} ms a step), "
+          f"offline {offline:.0f} out tok/s", flush=True)  # fmt: skip
+    print(f"\n| pp | batch-1 decode tok/s | vs tp=1 | offline out tok/s ({args.requests} req) | "
+          "vs tp=1 |\n|---|---|---|---|---|")  # fmt: skip
+    d = f"{decode / base[0]:.2f}x" if base else "-"
+    o = f"{offline / base[2]:.2f}x" if base else "-"
+    print(f"| {pp} | {decode:.1f} | {d} | {offline:.0f} | {o} |")
+    half = "bfloat16" if args.device == "cuda" else "float32"
+    sizes = {
+        "activations (2 x hidden)": ("p2p", 2 * shape["hidden_size"], half),
+        "logits (1 x vocab float32)": ("p2p", shape["vocab_size"], "float32"),
+    }
+    times = time_collectives(args.device, sizes, args.iters)
+    print("\n| stage-to-stage message | bytes | median one-way time |\n|---|---|---|")
+    total = 0.0
+    for name, (_, numel, dtype) in sizes.items():
+        one_way = times[name] / 2
+        total += one_way * (pp - 1 if name.startswith("activations") else 1)
+        nbytes = numel * (4 if dtype == "float32" else 2)
+        print(f"| {name} | {nbytes} | {one_way * 1e6:.1f} us |")
+    print(
+        f"\npipeline messages per batch-1 decode step at pp={pp}: {pp - 1} activation sends + 1 "
+        f"logits send = {total * 1e6:.0f} us, of a measured {step * 1e3:.2f} ms step "
+        f"({total / step:.0%})"
     )
 
 

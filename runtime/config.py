@@ -140,6 +140,10 @@ class EngineConfig:
     # process each (one a GPU), this one the first stage, which schedules every step
     # (runtime/pipeline.py); the switches above place the stages as they place the ranks
     pp_size: int = 1
+    # a step of several requests and at least twice this many tokens goes down the pipeline as
+    # micro-batches (up to pp_size, no more than its tokens / this), so that the stages overlap;
+    # smaller steps run whole (a memory-bound decode would read each weight once per micro-batch)
+    pp_micro_batch_min_tokens: int = 256
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -228,6 +232,10 @@ class EngineConfig:
             bad(f"tp_size={self.tp_size}; it must be at least 1")
         if self.pp_size < 1:
             bad(f"pp_size={self.pp_size}; it must be at least 1")
+        if self.pp_micro_batch_min_tokens < 1:
+            bad(
+                f"pp_micro_batch_min_tokens={self.pp_micro_batch_min_tokens}; it must be at least 1"
+            )
         if self.pp_size > 1 and self.tp_size > 1:
             bad(
                 f"pp_size={self.pp_size} with tp_size={self.tp_size} is not supported yet: use "

@@ -154,8 +154,9 @@ class Engine:
                 from radixlm.runtime.pipeline import PipelineStageModel
 
                 self.model = model = PipelineStageModel(
-                    model, stage, tp.comm, self.dtype, self.device
-                )
+                    model, stage, tp.comm, self.dtype, self.device,
+                    config.pp_micro_batch_min_tokens,
+                )  # fmt: skip
             num_slots = rank_kv_tokens(config, local, self.dtype, self.device, self.context_len)
             if tp is not None:
                 num_slots = tp.agree_kv_slots(num_slots)

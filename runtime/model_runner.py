@@ -365,6 +365,8 @@ class ModelRunner:
                 lists.input_ids, lists.positions, lists.token_rows, lists.pending,
                 lists.rows, lists.prefix_lens, lists.extend_lens, lists.logits_rows,
             )  # fmt: skip
+        if getattr(self.model, "stage", None) is not None:  # a pipeline stage: micro-batches
+            return self.model.forward_lists(lists, self._to_batch, self.backend)
         batch = self._to_batch(lists)
         logits = self.model(batch, self.backend)
         lists.hidden = batch.hidden_states

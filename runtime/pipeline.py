@@ -13,7 +13,15 @@
   to r + 1. The last stage computes the logits rows (L, vocab) in float32 and sends them back to
   the first, which samples as a single process does (grammar masks, penalties, log-probabilities
   and draft verification unchanged). No shape is sent: every stage built the same batch.
-- A step runs through the stages in turn, one micro-batch (the whole step) in flight.
+- Micro-batches: a step of several requests and at least 2 x `pp_micro_batch_min_tokens` tokens
+  is split into up to pp_size micro-batches of whole requests (`split_step`; no more than its
+  tokens / pp_micro_batch_min_tokens), which go down the pipeline one after the other: while
+  stage r + 1 runs the first, stage r runs the second. Every stage splits the step alike (the
+  split is a function of the step's lists), and the first stage joins the micro-batches' logits
+  rows back in order. A small step runs whole: its time is that of reading the weights, which
+  each micro-batch would read again. Steps still run one
+  at a time (the scheduler's next step waits for this one's logits), so the pipeline drains
+  between steps: a stage idles while the micro-batches ahead of it fill the pipeline.
 - A send or recv that fails (its peer's process is gone) or outlasts dist_timeout is a
   RankFailure, which stops the engine as a lost tensor-parallel rank does.
 """
@@ -29,6 +37,7 @@ import torch
 from torch import nn
 
 from radixlm.runtime.model_config import ModelConfig
+from radixlm.runtime.model_runner import StepLists
 from radixlm.runtime.parallel import GroupComm, RankFailure
 
 _LAYER_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
@@ -117,14 +126,19 @@ class StageLink:
         self.comm = comm
 
     def send(self, x: torch.Tensor, to: int, tag: int) -> None:
-        self._wait(self.comm.group.send([x], to, tag), "send to", to)
+        self.start_send(x, to, tag)()
+
+    def start_send(self, x: torch.Tensor, to: int, tag: int):
+        """Start sending `x` (kept alive until then); the returned callable waits for it."""
+        work = self.comm.group.send([x], to, tag)
+        return lambda: self._wait(work, "send to", to, x)
 
     def recv(self, x: torch.Tensor, source: int, tag: int) -> torch.Tensor:
         self._wait(self.comm.group.recv([x], source, tag), "receive from", source)
         return x
 
     @staticmethod
-    def _wait(work, what: str, peer: int) -> None:
+    def _wait(work, what: str, peer: int, _keep: torch.Tensor | None = None) -> None:
         try:
             work.wait()
         except RuntimeError as e:
@@ -138,10 +152,18 @@ class PipelineStageModel(nn.Module):
     backend)` gives the step's logits on the first stage (and the last), None on the others."""
 
     def __init__(
-        self, model: nn.Module, stage: Stage, comm: GroupComm, dtype: torch.dtype, device
+        self,
+        model: nn.Module,
+        stage: Stage,
+        comm: GroupComm,
+        dtype: torch.dtype,
+        device,
+        micro_batch_min_tokens: int = 256,
     ) -> None:
         super().__init__()
         self.model, self.stage, self.link = model, stage, StageLink(comm)
+        self.micro_batch_min_tokens = micro_batch_min_tokens
+        self.num_micro_batched_steps = 0  # steps split into micro-batches (on this stage)
         self.dtype, self.device = dtype, device
         self.cfg, self.rope = model.cfg, model.rope
         self.sampled_vocab = model.sampled_vocab
@@ -149,29 +171,105 @@ class PipelineStageModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch, backend) -> torch.Tensor | None:
-        m, stage = self.model, self.stage
-        num_tokens = batch.input_ids.shape[0]
-        if stage.first:
-            x, residual = m.embed_tokens(batch.input_ids), None
-        else:
-            buf = torch.empty(
-                (2, num_tokens, self.cfg.hidden_size), dtype=self.dtype, device=self.device
-            )
-            x, residual = self.link.recv(buf, stage.index - 1, _ACTIVATIONS).unbind(0)
-        rope = m.rope.lookup(batch.positions)
-        for layer in m.layers:
-            x, residual = layer(rope, x, residual, batch, backend)
-        if not stage.last:
-            self.link.send(torch.stack((x, residual)), stage.index + 1, _ACTIVATIONS)
-            if not stage.first:
-                return None
-            rows = num_tokens if batch.logits_indices is None else batch.logits_indices.shape[0]
-            logits = torch.empty((rows, self.vocab_size), dtype=torch.float32, device=self.device)
-            return self.link.recv(logits, stage.size - 1, _LOGITS)  # (L, vocab)
-        logits = m.logits(x, residual, batch)
-        if not stage.first:
-            self.link.send(logits.contiguous(), 0, _LOGITS)
-        return logits
+        """One batch through this stage: the logits (L, vocab) on the first stage (and the
+        last), None on the others."""
+        return self._run([batch], backend)[0]
+
+    def forward_lists(self, lists: StepLists, to_batch, backend) -> torch.Tensor | None:
+        """A step given as its host lists (the model runner's `to_batch` makes a ForwardBatch of
+        each part): in micro-batches where it is large enough, their logits rows joined."""
+        parts = split_step(lists, self.stage.size, self.micro_batch_min_tokens)
+        if len(parts) == 1:
+            return self.forward(to_batch(lists), backend)
+        self.num_micro_batched_steps += 1
+        with torch.inference_mode():
+            logits = self._run([to_batch(p) for p in parts], backend)
+        if not self.stage.first:
+            return None
+        # (each part's own rows: a padded batch has copies of its row 0 after them)
+        return torch.cat([x[: len(p.logits_rows)] for x, p in zip(logits, parts)])
+
+    def _run(self, batches: list, backend) -> list[torch.Tensor | None]:
+        """The micro-batches in order through this stage's layers, each sent on as soon as it is
+        done (the sends finish while the next one computes)."""
+        m, stage, link = self.model, self.stage, self.link
+        sends, out = [], []
+        for batch in batches:
+            if stage.first:
+                x, residual = m.embed_tokens(batch.input_ids), None
+            else:
+                buf = torch.empty(
+                    (2, batch.num_tokens, self.cfg.hidden_size), dtype=self.dtype,
+                    device=self.device,
+                )  # fmt: skip
+                x, residual = link.recv(buf, stage.index - 1, _ACTIVATIONS).unbind(0)
+            rope = m.rope.lookup(batch.positions)
+            for layer in m.layers:
+                x, residual = layer(rope, x, residual, batch, backend)
+            if not stage.last:
+                sends.append(
+                    link.start_send(torch.stack((x, residual)), stage.index + 1, _ACTIVATIONS)
+                )
+                out.append(None)
+            else:
+                logits = m.logits(x, residual, batch)
+                if not stage.first:
+                    sends.append(link.start_send(logits.contiguous(), 0, _LOGITS))
+                out.append(logits)
+        if stage.first and not stage.last:  # the last stage's logits, micro-batch by micro-batch
+            out = [
+                link.recv(self._logits_buffer(batch), stage.size - 1, _LOGITS) for batch in batches
+            ]
+        for wait in sends:
+            wait()
+        return out
+
+    def _logits_buffer(self, batch) -> torch.Tensor:
+        rows = batch.num_tokens if batch.logits_indices is None else len(batch.logits_indices)
+        return torch.empty((rows, self.vocab_size), dtype=torch.float32, device=self.device)
 
     def linears(self) -> list[nn.Linear]:
         return self.model.linears()
+
+
+def split_step(lists: StepLists, parts: int, min_tokens: int) -> list[StepLists]:
+    """`lists` as up to `parts` micro-batches of whole requests in their order (multi-token
+    items stay first in each), balanced by tokens as whole requests allow, no more of them than
+    the step's tokens / `min_tokens`; `[lists]` when that is one, or the step has one request."""
+    items, tokens = len(lists.rows), len(lists.input_ids)
+    parts = min(parts, items, tokens // max(min_tokens, 1))
+    if parts < 2:
+        return [lists]
+    ends, done = [], 0  # the item each part ends before; the tokens since the last end
+    left_tokens, left_parts = tokens, parts
+    for i, n in enumerate(lists.extend_lens):
+        done += n
+        if done * left_parts >= left_tokens and items - (i + 1) >= left_parts - 1:
+            ends.append(i + 1)
+            left_tokens, left_parts, done = left_tokens - done, left_parts - 1, 0
+            if left_parts == 1:
+                break
+    ends.append(items)
+    out, first, start = [], 0, 0
+    for end in ends:
+        if end > first:
+            count = sum(lists.extend_lens[first:end])
+            out.append(_part(lists, first, end, start, start + count))
+            first, start = end, start + count
+    return out
+
+
+def _part(lists: StepLists, first: int, end: int, start: int, stop: int) -> StepLists:
+    """Items [first, end) of `lists`, whose tokens are [start, stop), as a step of their own."""
+    extend = lists.extend_lens[first:end]
+    return StepLists(
+        input_ids=lists.input_ids[start:stop],
+        positions=lists.positions[start:stop],
+        token_rows=lists.token_rows[start:stop],
+        pending=[(t - start, row) for t, row in lists.pending if start <= t < stop],
+        rows=lists.rows[first:end],
+        extend_lens=extend,
+        prefix_lens=lists.prefix_lens[first:end],
+        num_multi=sum(n > 1 for n in extend),
+        logits_rows=[r - start for r in lists.logits_rows if start <= r < stop],
+    )

@@ -19,6 +19,11 @@ on it while the engine is idle with no timeout to run out, and its closing says 
 gone. Collectives are on a torch.distributed process group (NCCL on GPUs, gloo on the CPU) made
 from a TCPStore at `dist_init_addr` (default: a free loopback port), each with `dist_timeout`.
 
+Pipeline stages (runtime/pipeline.py) are this group's ranks too, with pp_size in place of
+tp_size: the same processes, channel, step messages and failure handling; their model passes
+activations on by send/recv where a tensor-parallel one runs collectives, and no token broadcast
+is needed (only the first stage embeds tokens).
+
 Failure: a rank that raises tells rank 0 why and exits; a rank that dies closes its channel and
 connections. Rank 0's watcher thread sees either and stops the engine (every request failed with
 the reason, `is_alive()` false: the server's 503 and unhealthy /health); a step blocked in a
@@ -487,7 +492,9 @@ class _Follower:
                 config, Path(spec["folder"]), mc, dtype, device, spec["context_len"],
                 spec["sampled_vocab"], stage=stage,
             )  # fmt: skip
-            model = PipelineStageModel(model, stage, comm, dtype, device)
+            model = PipelineStageModel(
+                model, stage, comm, dtype, device, config.pp_micro_batch_min_tokens
+            )
         else:
             tp = Partition.of(mc, rank, config.tp_size)
             local = tp.local_config(mc)

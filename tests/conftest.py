@@ -28,6 +28,7 @@ _LONGEST_FIRST = (
     "test_server_fuzz.py",
     "test_overlap_schedule.py",
     "test_tensor_parallel.py",
+    "test_pipeline_parallel.py",
     "test_sglang_client.py",
     "test_server_process.py",
     "test_speculative_engine.py",

@@ -83,12 +83,49 @@ def test_a_stage_reads_only_its_own_weights():
     ]  # fmt: skip
 
 
+def _lists(extend_lens: list[int], logits_rows: list[int], pending=()):
+    from radixlm.runtime.model_runner import StepLists
+
+    tokens = sum(extend_lens)
+    return StepLists(
+        input_ids=list(range(100, 100 + tokens)), positions=list(range(tokens)),
+        token_rows=[i for i, n in enumerate(extend_lens) for _ in range(n)],
+        pending=list(pending), rows=list(range(len(extend_lens))), extend_lens=extend_lens,
+        prefix_lens=[0] * len(extend_lens), num_multi=sum(n > 1 for n in extend_lens),
+        logits_rows=logits_rows,
+    )  # fmt: skip
+
+
+def test_a_large_step_splits_into_micro_batches_of_whole_requests():
+    from radixlm.runtime.pipeline import split_step
+
+    # a prompt chunk of 6 (input log-probabilities at rows 1-5, its token at 5), then 4 decodes,
+    # the last one's input still on the device
+    lists = _lists([6, 1, 1, 1, 1], [1, 2, 3, 4, 5, 6, 7, 8, 9], pending=[(9, 4)])
+    parts = split_step(lists, 2, 1)
+    assert [p.extend_lens for p in parts] == [[6], [1, 1, 1, 1]]
+    assert [p.rows for p in parts] == [[0], [1, 2, 3, 4]]
+    assert [p.num_multi for p in parts] == [1, 0]
+    assert [p.logits_rows for p in parts] == [[1, 2, 3, 4, 5], [0, 1, 2, 3]]  # (their own rows)
+    assert parts[1].input_ids == [106, 107, 108, 109] and parts[1].pending == [(3, 4)]
+    assert parts[1].positions == [6, 7, 8, 9] and parts[1].token_rows == [1, 2, 3, 4]
+    # every token and logits row lands in exactly one part, in order
+    three = split_step(lists, 3, 1)
+    assert [p.extend_lens for p in three] == [[6], [1, 1], [1, 1]]
+    assert sum((p.input_ids for p in three), []) == lists.input_ids
+    # too small, or one request: whole
+    assert split_step(lists, 2, 6) == [lists] and split_step(_lists([9], [8]), 2, 1)[0].rows == [0]
+    assert len(split_step(lists, 2, 5)) == 2
+
+
 def test_refusals_say_what_to_change(tiny_model_folder):
     import radixlm
     from radixlm.runtime.config import EngineConfig
 
     with pytest.raises(ValueError, match="pp_size=2 with tp_size=2 is not supported yet"):
         EngineConfig(pp_size=2, tp_size=2)
+    with pytest.raises(ValueError, match="pp_micro_batch_min_tokens=0; it must be at least 1"):
+        EngineConfig(pp_micro_batch_min_tokens=0)
     with pytest.raises(ValueError, match="pp_size=0; it must be at least 1"):
         EngineConfig(pp_size=0)
     with pytest.raises(ValueError, match="MEDUSA is not available with pp_size > 1 yet"):
@@ -132,15 +169,27 @@ def reference(four_layer_folder) -> list[dict]:
         return _workload(eng)
 
 
-@pytest.mark.parametrize("pp_size", [2, 3])
-def test_greedy_outputs_equal_one_process_token_for_token(four_layer_folder, reference, pp_size):
+@pytest.mark.parametrize(
+    ("pp_size", "micro_batches"),
+    [(2, False), (2, True), (3, True)],
+    ids=["2", "2-micro", "3-micro"],
+)
+def test_greedy_outputs_equal_one_process_token_for_token(
+    four_layer_folder, reference, pp_size, micro_batches
+):
+    """Whole steps, and micro-batches (every step of several requests split: the threshold at
+    one token) through two stages and through three, the middle one passing them on."""
     import radixlm
 
-    with radixlm.Engine(four_layer_folder, pp_size=pp_size, **COMMON) as eng:
+    min_tokens = 1 if micro_batches else 256
+    with radixlm.Engine(
+        four_layer_folder, pp_size=pp_size, pp_micro_batch_min_tokens=min_tokens, **COMMON
+    ) as eng:
         # each stage holds its own layers and their KV cache only
         assert len(eng.model.model.layers) == Stage.of(eng.model_config, 0, pp_size).end
         assert len(eng._core.kv_pool.k) == len(eng.model.model.layers)
         got = _workload(eng)
+        assert (eng.model.num_micro_batched_steps > 0) == micro_batches
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in reference]
     assert len({tuple(o["output_ids"]) for o in reference}) == len(reference)  # (not degenerate)
     assert got[0]["meta_info"]["cached_tokens"] > 0 and got[3]["meta_info"]["cached_tokens"] > 0
@@ -227,4 +276,5 @@ def test_the_benchmark_runs_on_the_cpu_at_a_tiny_size():
         cwd=root, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "| 2 |" in done.stdout and "pp" in done.stdout
+    assert "| 2 |" in done.stdout
+    assert "pipeline messages per batch-1 decode step at pp=2" in done.stdout
