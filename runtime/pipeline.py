@@ -125,17 +125,20 @@ class StageLink:
     def __init__(self, comm: GroupComm) -> None:
         self.comm = comm
 
-    def send(self, x: torch.Tensor, to: int, tag: int) -> None:
-        self.start_send(x, to, tag)()
-
     def start_send(self, x: torch.Tensor, to: int, tag: int):
         """Start sending `x` (kept alive until then); the returned callable waits for it."""
         work = self.comm.group.send([x], to, tag)
         return lambda: self._wait(work, "send to", to, x)
 
     def recv(self, x: torch.Tensor, source: int, tag: int) -> torch.Tensor:
-        self._wait(self.comm.group.recv([x], source, tag), "receive from", source)
+        self.start_recv(x, source, tag)()
         return x
+
+    def start_recv(self, x: torch.Tensor, source: int, tag: int):
+        """Start receiving into `x`; the returned callable waits for it (on a GPU: makes the
+        current stream wait)."""
+        work = self.comm.group.recv([x], source, tag)
+        return lambda: self._wait(work, "receive from", source)
 
     @staticmethod
     def _wait(work, what: str, peer: int, _keep: torch.Tensor | None = None) -> None:
@@ -191,9 +194,15 @@ class PipelineStageModel(nn.Module):
 
     def _run(self, batches: list, backend) -> list[torch.Tensor | None]:
         """The micro-batches in order through this stage's layers, each sent on as soon as it is
-        done (the sends finish while the next one computes)."""
+        done (the sends finish while the next one computes).
+
+        Every operation is started in one order that all stages agree on, and none is waited for
+        before the next micro-batch's layers are queued, except the recv they read: NCCL runs a
+        pair of stages' sends and recvs in the order each started them, so the first stage of two
+        starts the recv of a micro-batch's logits right after its activations' send (had it
+        started the next send first, the two stages would each wait on the other's send)."""
         m, stage, link = self.model, self.stage, self.link
-        sends, out = [], []
+        pending, out = [], []  # (the waits of the sends and recvs started)
         for batch in batches:
             if stage.first:
                 x, residual = m.embed_tokens(batch.input_ids), None
@@ -207,20 +216,20 @@ class PipelineStageModel(nn.Module):
             for layer in m.layers:
                 x, residual = layer(rope, x, residual, batch, backend)
             if not stage.last:
-                sends.append(
-                    link.start_send(torch.stack((x, residual)), stage.index + 1, _ACTIVATIONS)
-                )
-                out.append(None)
+                activations = torch.stack((x, residual))
+                pending.append(link.start_send(activations, stage.index + 1, _ACTIVATIONS))
+                if stage.first:  # the last stage's logits of this micro-batch, when they come
+                    logits = self._logits_buffer(batch)
+                    pending.append(link.start_recv(logits, stage.size - 1, _LOGITS))
+                    out.append(logits)
+                else:
+                    out.append(None)
             else:
                 logits = m.logits(x, residual, batch)
                 if not stage.first:
-                    sends.append(link.start_send(logits.contiguous(), 0, _LOGITS))
+                    pending.append(link.start_send(logits.contiguous(), 0, _LOGITS))
                 out.append(logits)
-        if stage.first and not stage.last:  # the last stage's logits, micro-batch by micro-batch
-            out = [
-                link.recv(self._logits_buffer(batch), stage.size - 1, _LOGITS) for batch in batches
-            ]
-        for wait in sends:
+        for wait in pending:
             wait()
         return out
 
