@@ -238,6 +238,9 @@ class PrefillGraphs(_BucketGraphs):
     A step may want more logits rows than it has requests (a speculative verify step, one per
     position it checks; prompt log-probabilities, one per prompt token): a bucket holds as many
     rows as request entries, min(T, max_reqs), and a step wanting more runs eagerly.
+
+    With `keep_hidden` (a MEDUSA drafter reads them), every graph also keeps the final hidden
+    states at the logits rows: `run` leaves them in `hidden` for its caller.
     """
 
     def __init__(
@@ -250,17 +253,20 @@ class PrefillGraphs(_BucketGraphs):
         max_reqs: int,
         capture: bool = True,
         padding_row: int | None = None,
+        keep_hidden: bool = False,
     ) -> None:
         self._setup(
             model, backend, req_to_token, token_buf, padding_row, prefill_buckets(max_tokens)
         )
+        self.keeps_hidden = keep_hidden
+        self.hidden: torch.Tensor | None = None  # (logits rows, H) of the last run, if kept
         self.tokens_per_block = backend.extend_tokens_per_block()
         self.max_tokens = self.buckets[-1]
         self.max_reqs = max_reqs
         largest = max(self._layout(t)[-1] for t in self.buckets)
         self._inputs = torch.zeros(largest, dtype=torch.int64, device=self.device)
         self._init_staging(largest, pinned=capture)
-        if capture:  # (the outputs: logits)
+        if capture:  # (the outputs: logits, and the hidden states if kept)
             self._capture("prompt-step")
 
     def _layout(self, tokens: int) -> tuple[int, int, int]:
@@ -325,15 +331,16 @@ class PrefillGraphs(_BucketGraphs):
         self._copied()
         graph = self._graphs.get(bucket)
         if graph is None:  # not captured
-            logits = self._forward(bucket)
+            logits, hidden = self._forward(bucket)
         else:
             graph.replay()
-            logits = self._outputs[bucket]
+            logits, hidden = self._outputs[bucket]
+        self.hidden = None if hidden is None else hidden[: len(logits_rows)]
         return logits[: len(logits_rows)]
 
     # ---- capture --------------------------------------------------------------------------
 
-    def _forward(self, tokens: int) -> torch.Tensor:
+    def _forward(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         reqs, tiles, size = self._layout(tokens)
         flat = self._inputs[:size]
         ids, positions, token_rows, from_buf = flat[: 4 * tokens].view(4, tokens)
@@ -357,8 +364,10 @@ class PrefillGraphs(_BucketGraphs):
             prefix_lens_cpu=[0] * reqs,
             num_multi=reqs,
             extend_blocks=blocks,
+            hidden_indices=logits_rows if self.keeps_hidden else None,
         )
-        return self.model(batch, self.backend)
+        logits = self.model(batch, self.backend)
+        return logits, batch.hidden_states
 
     def _padding_inputs(self, tokens: int) -> None:
         """Every token padding (the padding row, not from token_buf), every tile empty."""

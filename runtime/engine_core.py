@@ -78,8 +78,11 @@ def tune_batch1_matmuls(model) -> None:
         )
 
 
-def capture_graphs(config, model, backend, rows: ReqToTokenPool, token_buf: torch.Tensor):
-    """The batch-1 matmul choices, then the decode and prompt-step CUDA graphs. (Every rank of a
+def capture_graphs(
+    config, model, backend, rows: ReqToTokenPool, token_buf: torch.Tensor, keep_hidden=False
+):
+    """The batch-1 matmul choices, then the decode and prompt-step CUDA graphs (the latter keeping
+    the final hidden states with `keep_hidden`, for a drafter that reads them). (Every rank of a
     tensor-parallel group captures the same graphs in the same order: their warm-up runs and
     captures hold the group's collectives.)"""
     from radixlm.runtime.cuda_graph import DecodeGraphs, PrefillGraphs
@@ -97,7 +100,7 @@ def capture_graphs(config, model, backend, rows: ReqToTokenPool, token_buf: torc
         prefill_graphs = PrefillGraphs(
             model, backend, rows.table, token_buf,
             min(config.cuda_graph_max_prefill_tokens, most), config.max_running_requests,
-            padding_row=rows.padding_row,
+            padding_row=rows.padding_row, keep_hidden=keep_hidden,
         )  # fmt: skip
     return graphs, prefill_graphs
 
@@ -149,8 +152,9 @@ class EngineCore:
         if use_cuda_graphs(config, device, backend):
             with on_device(device):  # tuning and capture follow the thread's current device
                 graphs, prefill_graphs = capture_graphs(
-                    config, model, backend, self.rows, token_buf
-                )
+                    config, model, backend, self.rows, token_buf,
+                    keep_hidden=self.speculative is not None and self.speculative.medusa is not None,
+                )  # fmt: skip
         self.runner = ModelRunner(
             model, backend, self.rows.table, device, graphs, token_buf, prefill_graphs,
             verifier=self.speculative, mirror=None if tp is None else tp.mirror(self.rows),

@@ -204,7 +204,7 @@ class ModelRunner:
             which, logit_rows, input_lp_rows = lists.which, lists.sample_rows, lists.input_lp_rows
             use_graph = (
                 self.prefill_graphs is not None
-                and not lists.keep_hidden
+                and (self.prefill_graphs.keeps_hidden or not lists.keep_hidden)
                 and self.prefill_graphs.can_run(
                     len(lists.input_ids), len(items), len(lists.logits_rows)
                 )
@@ -361,10 +361,12 @@ class ModelRunner:
         """The logits (L, V) of an eager step given as its host lists, from a prompt-step CUDA
         graph (`use_graph`) or the model run eagerly."""
         if use_graph:
-            return self.prefill_graphs.run(
+            logits = self.prefill_graphs.run(
                 lists.input_ids, lists.positions, lists.token_rows, lists.pending,
                 lists.rows, lists.prefix_lens, lists.extend_lens, lists.logits_rows,
             )  # fmt: skip
+            lists.hidden = self.prefill_graphs.hidden if lists.keep_hidden else None
+            return logits
         if getattr(self.model, "stage", None) is not None:  # a pipeline stage: micro-batches
             return self.model.forward_lists(lists, self._to_batch, self.backend)
         batch = self._to_batch(lists)
@@ -396,7 +398,8 @@ class ModelRunner:
 
     def _keeps_hidden(self, reqs) -> bool:
         """Whether a step of these requests keeps its final hidden states for the drafter (then
-        it runs eagerly: the captured graphs return logits only)."""
+        it runs eagerly or through prompt-step graphs that keep them: the decode graphs return
+        logits only)."""
         return self.verifier is not None and self.verifier.wants_hidden(reqs)
 
     # ---- batch ----------------------------------------------------------------------------

@@ -359,6 +359,53 @@ def test_speculative_verify_steps_through_prefill_graphs_match_eager(tiny_model_
     assert outs[0] == outs[1]
 
 
+def test_medusa_steps_through_prefill_graphs_keep_the_hidden_states(tiny_model_folder, tmp_path):
+    """MEDUSA drafts from the final hidden states of each step's logits rows: prompt-step graphs
+    built with keep_hidden give them (replayed on a GPU, run eagerly here), so its verify steps
+    need not run eagerly, and the tokens are those of the eager steps."""
+    from transformers import AutoModelForCausalLM
+
+    from radixlm.runtime.cuda_graph import PrefillGraphs
+    from radixlm.runtime.speculative import medusa
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
+    hidden, vocab = target.config.hidden_size, target.config.vocab_size
+    torch.manual_seed(3)
+    heads = medusa.MedusaHeads(hidden, 3)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    config = medusa.MedusaConfig(3, 1, hidden, vocab, "tiny")
+    medusa.save_heads(tmp_path, heads, config, medusa.lm_head_sample(target.lm_head.weight))
+    prompts = [[300 + (j % (4 + i)) for j in range(20 + 5 * i)] for i in range(2)]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    outs, kept = [], []
+    for graphs in (False, True):
+        with radixlm.Engine(
+            tiny_model_folder, **EAGER, attention_backend="triton",
+            speculative_algorithm="MEDUSA", speculative_draft_model_path=str(tmp_path),
+        ) as eng:  # fmt: skip
+            runner = eng._core.runner
+            if graphs:
+                runner.prefill_graphs = PrefillGraphs(
+                    runner.model, runner.backend, runner.req_to_token, runner.token_buf,
+                    max_tokens=32, max_reqs=16, capture=CAPTURE,
+                    padding_row=eng._core.rows.padding_row, keep_hidden=True,
+                )  # fmt: skip
+                run = runner.prefill_graphs.run
+
+                def noting(*a, run=run, graphs=runner.prefill_graphs):
+                    logits = run(*a)
+                    kept.append((len(a[7]), None if graphs.hidden is None else graphs.hidden.shape))
+                    return logits
+
+                runner.prefill_graphs.run = noting
+            got = eng.generate(input_ids=prompts, sampling_params=params)
+            outs.append([o["output_ids"] for o in got])
+    assert kept and all(shape == (rows, hidden) for rows, shape in kept), kept
+    assert any(rows > 2 for rows, _ in kept), "no verify step replayed a graph"
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.slow  # (the Triton interpreter on the CPU: tens of seconds)
 def test_prefill_graph_layout_under_load_matches_eager(tiny_model_folder):
     """Many requests with shared prefixes (radix hits), small chunks, a cap of 5 running (buckets
