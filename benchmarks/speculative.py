@@ -60,9 +60,10 @@ def prompts(algorithm: str = "NGRAM") -> list[str]:
 
 
 def run(
-    device: str, new_tokens: int, algorithm: str, dtype: str = "float32", **spec
+    device: str, new_tokens: int, algorithm: str, dtype: str = "float32", profile: int = 0, **spec
 ) -> tuple[float, list[list[int]], list[float]]:
-    """(tokens/s over all prompts one at a time, each output, each accepted length)."""
+    """(tokens/s over all prompts one at a time, each output, each accepted length); with
+    `profile`, then all the prompts again under cProfile, whose top functions it prints."""
     params = {"max_new_tokens": new_tokens, "temperature": 0}
     with radixlm.Engine(device=device, dtype=dtype, **spec) as eng:
         eng.generate(prompts(algorithm)[0], {"max_new_tokens": 4, "temperature": 0})  # warm-up
@@ -73,11 +74,35 @@ def run(
             seconds += time.perf_counter() - t
             tokens += len(out["output_ids"])
             outs.append(out)
+        if profile:
+            _profiled(eng, lambda: [eng.generate(p, params) for p in prompts(algorithm)], profile)
     return (
         tokens / seconds,
         [o["output_ids"] for o in outs],
         [o["meta_info"].get("spec_accept_length", 1.0) for o in outs],
     )
+
+
+def _profiled(engine, work, top: int) -> None:
+    """Run `work()` under cProfile (enabled on the engine core's thread, between two steps) and
+    print the `top` functions by own time, with the engine's host time per step by phase."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    before = engine.get_stats()
+    engine._core.call(prof.enable)
+    work()
+    engine._core.call(prof.disable)
+    after = engine.get_stats()
+    steps = max(1, after["num_steps"] - before["num_steps"])
+    phases = ", ".join(
+        f"{k.removeprefix('host_seconds_')} {(after[k] - before[k]) / steps * 1e3:.2f}"
+        for k in after
+        if k.startswith("host_seconds_")
+    )
+    print(f"\nprofiled: {steps} steps; host ms/step: {phases}")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
 def main() -> None:
@@ -90,6 +115,10 @@ def main() -> None:
         "--num-draft-tokens", type=int, default=None, help="default: 8 (NGRAM), the heads + 1"
     )
     ap.add_argument("--draft-model-path", default=None, help="MEDUSA: the heads' folder")
+    ap.add_argument(
+        "--profile", type=int, default=0, metavar="N",
+        help="then the speculative run once more under cProfile: its N costliest functions",
+    )  # fmt: skip
     args = ap.parse_args()
     algorithm = args.algorithm
     plain_rate, plain_ids, _ = run(args.device, args.new_tokens, algorithm, args.dtype)
@@ -99,7 +128,9 @@ def main() -> None:
         spec["speculative_num_draft_tokens"] = k
     if args.draft_model_path:
         spec["speculative_draft_model_path"] = args.draft_model_path
-    spec_rate, spec_ids, accepted = run(args.device, args.new_tokens, algorithm, args.dtype, **spec)
+    spec_rate, spec_ids, accepted = run(
+        args.device, args.new_tokens, algorithm, args.dtype, args.profile, **spec
+    )
     kind = "extraction" if algorithm == "NGRAM" else "chat"
     print(f"device: {device_line()}; commit {commit()}")
     print(
