@@ -520,6 +520,18 @@ def test_fp8_decode_matches_reference(
     assert_close(out, expected_fp8_decode(b), q_dtype)
 
 
+@pytest.mark.parametrize("bf16_dots", ["0", "1"])
+def test_fp8_decode_with_bf16_queries_in_fp16_dots_or_bf16_ones(bf16_dots, monkeypatch) -> None:
+    """bf16 queries over a float8 pool: the dots run in fp16 (float8 widens to fp16 cheaply, and
+    holds in it exactly), or in bf16 with RADIXLM_FP8_BF16_DOTS=1; both read the reference."""
+    monkeypatch.setenv("RADIXLM_FP8_BF16_DOTS", bf16_dots)
+    seq_lens = [70, 3, 129]
+    b = to_fp8(Batch([s - 1 for s in seq_lens], [1] * 3, 2, 4, 128, torch.bfloat16, seed=29))
+    assert ta._f16_dots(b.q, b.k_pool) is (bf16_dots == "0")
+    out = run_decode(b, num_kv_splits=2, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert_close(out, expected_fp8_decode(b), torch.bfloat16)
+
+
 def test_scales_do_not_apply_to_a_pool_of_the_models_dtype() -> None:
     """As the reference reads such a pool: the scales are a float8 pool's."""
     b = Batch([5, 0], [3, 4], 2, 2, 64, torch.float32, seed=27)
