@@ -11,6 +11,11 @@ may run inside it, as the prologue of every K tile:
   every program first reduces the whole row for its 1/rms (x is small next to W and read from L2).
 - `gemv_silu_and_mul`: y = (silu(gate) * up) @ W.T over the two halves of gate_up.
 
+A float8_e4m3fn weight (runtime/quantization/fp8.py) comes with a float32 scale per output row
+(`w_scale`): its tiles are read as stored, a quarter of a float32 weight's bytes, converted in
+registers (exactly, to float32 or to x's type for tl.dot) and each output multiplied by its row's
+scale; x is not rounded (the oracle: kernels/quant_ref.py `fp8_linear_ref(..., act_quant=False)`).
+
 The prologues round as their plain-torch twins in kernels/fused_ref.py do: the sum to x's dtype,
 the norm in float32 rounded to x's dtype before the weight, the product rounded again. They call the rounding helpers of
 kernels/fused.py (their one-kernel twins), so the two round alike.
@@ -110,10 +115,15 @@ def _tile_operand(
 
 
 @triton.jit
-def _accumulate(acc, a, w_tile, DOT: tl.constexpr, LATE_SUM: tl.constexpr):
+def _accumulate(
+    acc, a, w_tile, DOT: tl.constexpr, LATE_SUM: tl.constexpr, W_SCALED: tl.constexpr
+):  # fmt: skip
     """acc plus a tile's products: (BLOCK_M, BLOCK_N) float32 sums, or with LATE_SUM the
-    (BLOCK_M, BLOCK_N, BLOCK_K) products summed over K after the loop."""
-    if DOT:  # (BLOCK_M, BLOCK_K) @ (BLOCK_K, BLOCK_N), float32 sums
+    (BLOCK_M, BLOCK_N, BLOCK_K) products summed over K after the loop. With W_SCALED the weights
+    are float8 (their row scales applied after the loop): converted to x's type, exactly."""
+    if DOT and W_SCALED:  # (BLOCK_M, BLOCK_K) @ (BLOCK_K, BLOCK_N) in x's type, float32 sums
+        acc = tl.dot(a, tl.trans(w_tile.to(a.dtype)), acc, input_precision="ieee")
+    elif DOT:
         acc = tl.dot(a.to(w_tile.dtype), tl.trans(w_tile), acc, input_precision="ieee")
     else:  # (BLOCK_M, 1, BLOCK_K) * (1, BLOCK_N, BLOCK_K)
         prod = a.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :]
@@ -126,10 +136,11 @@ def _accumulate(acc, a, w_tile, DOT: tl.constexpr, LATE_SUM: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr,
+    x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
     M, N, K, k_per_split, eps,
     stride_xm, stride_rm, stride_wn, stride_ym,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    W_SCALED: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, LATE_SUM: tl.constexpr, PREFETCH: tl.constexpr,
     DOT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
@@ -138,7 +149,9 @@ def _gemv_kernel(
     are the same. With PDL (launched as a programmatic dependent launch, `fused.pdl_launch`) the
     program lets the next kernel launch at once and waits for the kernel before it to finish
     before it touches x; a prefetching tile's first weight load is issued before that wait
-    (weights do not change during a step)."""
+    (weights do not change during a step). With W_SCALED the weights are float8 with a float32
+    scale per row (ws_ptr), by which each output's sum (each split's partial sum) is multiplied:
+    the weights are read as stored and dequantized in registers."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -185,9 +198,11 @@ def _gemv_kernel(
             x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, k, k_end, M, K, stride_xm, stride_rm,
             PROLOGUE, HAS_RESIDUAL,
         )  # fmt: skip
-        acc = _accumulate(acc, a, w_tile, DOT, LATE_SUM)
+        acc = _accumulate(acc, a, w_tile, DOT, LATE_SUM, W_SCALED)
     if LATE_SUM:
         acc = tl.sum(acc, axis=2)
+    if W_SCALED:
+        acc *= tl.load(ws_ptr + rows_n, mask=rows_n < N, other=0.0)[None, :]
     out_mask = (rows_m[:, None] < M) & (rows_n[None, :] < N)
     if SPLIT:  # float32 partial sums (split, M, N); _sum_splits_kernel finishes
         out = y_ptr + pid_k * M * N + rows_m[:, None] * N + rows_n[None, :]
@@ -237,6 +252,7 @@ def _launch(
     eps: float = 0.0,
     res_out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     m = x.shape[0]
     n = weight.shape[0]
@@ -245,6 +261,7 @@ def _launch(
             f"gemv takes up to {MAX_ROWS} rows of x and a weight (N, {k}), unit stride along K; "
             f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
         )
+    _check_w_scale(weight, w_scale)
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
@@ -259,11 +276,12 @@ def _launch(
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else weight,
         res_out if res_out is not None else y,
-        weight, bias if bias is not None else weight, part,
-        m, n, k, k_per_split, eps,
+        weight, w_scale if w_scale is not None else weight, bias if bias is not None else weight,
+        part, m, n, k, k_per_split, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0),
         y.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        W_SCALED=w_scale is not None,
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NORM_BLOCK=_norm_block(k, rows, config), LATE_SUM=config.late_sum and not config.dot,
         PREFETCH=config.prefetch and not config.dot, DOT=config.dot, ROWS=rows,
@@ -278,16 +296,41 @@ def _launch(
     return y
 
 
+def _check_w_scale(weight: torch.Tensor, w_scale: torch.Tensor | None) -> None:
+    """A float8 weight comes with its float32 scale per row (N,); a weight of x's type with none."""
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 != (w_scale is not None):
+        raise ValueError(
+            "gemv takes a float8_e4m3fn weight with its scale per row (w_scale), and any other "
+            f"weight without one; got a {weight.dtype} weight and "
+            f"{'a' if w_scale is not None else 'no'} w_scale"
+        )
+    if w_scale is not None and (
+        w_scale.shape != (weight.shape[0],)
+        or w_scale.dtype != torch.float32
+        or w_scale.stride(0) != 1
+    ):
+        raise ValueError(
+            f"w_scale must be float32 of shape ({weight.shape[0]},), contiguous; got "
+            f"{w_scale.dtype} {tuple(w_scale.shape)}"
+        )
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig = GemvConfig(),
     out_dtype: torch.dtype | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x (M, K) with M <= MAX_ROWS, weight (N, K), unit stride along K -> x @ W.T + b (M, N), in
-    `out_dtype` (default x's; float32: the float32 sums unrounded)."""
-    return _launch(_NONE.value, x, x.shape[1], weight, bias, config, out_dtype=out_dtype)
+    `out_dtype` (default x's; float32: the float32 sums unrounded). A float8_e4m3fn weight comes
+    with `w_scale` (N,) float32: x @ (W * w_scale[:, None]).T, x unquantized (the oracle:
+    kernels/quant_ref.py `fp8_linear_ref(..., act_quant=False)`)."""
+    return _launch(
+        _NONE.value, x, x.shape[1], weight, bias, config, out_dtype=out_dtype, w_scale=w_scale
+    )
 
 
 def gemv_rms_norm(
@@ -299,10 +342,12 @@ def gemv_rms_norm(
     bias: torch.Tensor | None = None,
     config: GemvConfig = GemvConfig(),
     out_dtype: torch.dtype | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rmsnorm(x + residual) * norm_weight) @ W.T + b, and x + residual (None without a residual),
     as RMSNorm then a linear layer would give them. x and residual (M, K), norm_weight (K,) of x's
-    dtype. The product is in `out_dtype` (default x's; float32: the float32 sums unrounded)."""
+    dtype. The product is in `out_dtype` (default x's; float32: the float32 sums unrounded). A
+    float8 weight comes with `w_scale`, as in `gemv`."""
     if norm_weight.dtype != x.dtype or (residual is not None and residual.shape != x.shape):
         raise ValueError(
             "gemv_rms_norm takes a norm weight of x's dtype and a residual of its shape"
@@ -315,6 +360,7 @@ def gemv_rms_norm(
     y = _launch(
         _RMS_NORM.value, x, x.shape[1], weight, bias, config,
         residual=residual, norm_weight=norm_weight, eps=eps, res_out=res_out, out_dtype=out_dtype,
+        w_scale=w_scale,
     )  # fmt: skip
     return y, res_out
 
@@ -324,14 +370,18 @@ def gemv_silu_and_mul(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig = GemvConfig(),
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(silu(gate) * up) @ W.T + b for gate_up (M, 2K) = [gate | up], weight (N, K)."""
+    """(silu(gate) * up) @ W.T + b for gate_up (M, 2K) = [gate | up], weight (N, K); a float8
+    weight comes with `w_scale`, as in `gemv`."""
     if gate_up.shape[1] != 2 * weight.shape[1]:
         raise ValueError(
             f"gemv_silu_and_mul takes gate_up (M, 2K) for a weight (N, K); got "
             f"{tuple(gate_up.shape)} and {tuple(weight.shape)}"
         )
-    return _launch(_SILU_AND_MUL.value, gate_up, weight.shape[1], weight, bias, config)
+    return _launch(
+        _SILU_AND_MUL.value, gate_up, weight.shape[1], weight, bias, config, w_scale=w_scale
+    )
 
 
 # Candidate tiles (block_n, block_k, num_warps, num_stages, split_k[, late_sum, prefetch, dot]):

@@ -45,6 +45,8 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as SGLang reads them
 # KV cache dtypes (runtime/memory_pool.py KV_CACHE_DTYPES), and SGLang's others not offered yet
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _KV_CACHE_LATER = ("fp8_e5m2", "fp4_e2m1", "bf16", "bfloat16")
+_QUANTIZATION = ("fp8",)  # runtime/quantization/plan.py QUANTIZATION_METHODS
+_QUANTIZATION_LATER = ("awq", "gptq", "gguf", "w4a16", "awq_marlin", "gptq_marlin")
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,11 @@ class EngineConfig:
     # what the KV pool stores, with SGLang's names: auto (the model's dtype) or fp8_e4m3 (float8
     # with per-layer scales, 1.0 unless the checkpoint gives them: twice the tokens in the memory)
     kv_cache_dtype: str = "auto"
+    # weight quantization, with SGLang's names: fp8 quantizes a bf16/fp16/fp32 checkpoint's linear
+    # layers at load (float8 weights with a scale per output channel, activations scaled per token
+    # as they run: W8A8). A quantized checkpoint (compressed-tensors FP8) is detected from its
+    # config.json and run as stored, unset (runtime/quantization/)
+    quantization: str | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     # CUDA graphs replay decode steps of up to this many requests (default: max_running_requests,
     # at most 256); larger decode batches run as other steps. GPU with Triton attention only.
@@ -200,6 +207,13 @@ class EngineConfig:
             bad(
                 f"kv_cache_dtype={self.kv_cache_dtype!r}{later}; use one of "
                 f"{', '.join(_KV_CACHE_DTYPES)}"
+            )
+        if self.quantization is not None and self.quantization not in _QUANTIZATION:
+            later = " is not available yet" if self.quantization in _QUANTIZATION_LATER else ""
+            bad(
+                f"quantization={self.quantization!r}{later}; use one of {', '.join(_QUANTIZATION)}"
+                " (a compressed-tensors FP8 checkpoint is detected from its config.json: leave "
+                "quantization unset for it)"
             )
         if self.attention_backend not in ("auto", "torch", "triton"):
             bad(f"attention_backend={self.attention_backend!r}; use auto, torch or triton")

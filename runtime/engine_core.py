@@ -68,7 +68,7 @@ def tune_batch1_matmuls(model) -> None:
         if key not in seen:
             seen[key] = dispatch.tune(linear, rows=1, op=op, norm=norm, float32=linear is head)
     model.use_matmul(dispatch)
-    for (op, _, n, k, _), (base, best) in seen.items():
+    for (op, _, n, k, *_), (base, best) in seen.items():
         logger.info(
             "batch-1 %s matmul %s: plain %.1f us, chosen %.1f us",
             op,

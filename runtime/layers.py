@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.kernels.fused_ref import rms_norm_ref, rope_ref, silu_and_mul_ref
+from radixlm.runtime.quantization.base import scheme_of
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 class PlainMatmuls:
     """The matmuls of a decoder in plain torch, each with the op that feeds it; the CPU path and
-    the oracle of the kernels that fuse the op into the matmul (kernels/gemv.py)."""
+    the oracle of the kernels that fuse the op into the matmul (kernels/gemv.py). A linear layer
+    multiplies as its quantization scheme says (runtime/quantization/: unquantized, F.linear)."""
 
     def __call__(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-        return F.linear(x, linear.weight, linear.bias)
+        return scheme_of(linear).apply(linear, x)
 
     def norm_linear(
         self,
@@ -97,7 +99,10 @@ def float32_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     without rounding the result to their half type: the LM head's logits. (Rounded to bf16, logits
     of 16-32 move in steps of 0.125, and greedy decoding flips between near-tied tokens.) On CUDA
     one matmul with a float32 output (a torch without one rounds, with a warning at start);
-    elsewhere through float32 copies."""
+    elsewhere through float32 copies. (A quantized layer: its scheme's matmul, output float32.)"""
+    scheme = scheme_of(linear)
+    if scheme.quantized:
+        return scheme.apply(linear, x, out_dtype=torch.float32)
     w, b = linear.weight, linear.bias
     if x.dtype == torch.float32 and w.dtype == torch.float32:
         return F.linear(x, w, b)

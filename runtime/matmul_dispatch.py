@@ -5,6 +5,11 @@ the oracle and the default): per op (a plain linear, or one with the RMSNorm or 
 it as the kernel's prologue), rows of x and weight shape, the plain path or the GEMV tile that
 measured faster when `tune` timed them at start-up, replayed from CUDA graphs as a decode step runs
 them.
+
+A quantized layer (runtime/quantization/) runs its scheme's plain path (FP8: `torch._scaled_mm`)
+or the GEMV over its stored weights and their scales; tiles are checked against the scheme's
+`reference` (the GEMV's own numerics), so FP8 and unquantized layers of one shape have their own
+choices (the key holds the weight's dtype).
 """
 
 from __future__ import annotations
@@ -14,19 +19,20 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 from radixlm.kernels import gemv
 from radixlm.kernels.gemv import CONFIGS, FUSED_CONFIGS, MAX_ROWS, OPS, GemvConfig
 from radixlm.runtime.layers import PlainMatmuls, float32_linear
+from radixlm.runtime.quantization.base import scheme_of
 
-ChoiceKey = tuple[str, int, int, int, bool]  # (op, rows of x, N, K, whether the linear has a bias)
+# (op, rows of x, N, K, whether the linear has a bias, the weight's dtype)
+ChoiceKey = tuple[str, int, int, int, bool, str]
 
 
 def choice_key(op: str, rows: int, linear: torch.nn.Linear) -> ChoiceKey:
     """The key of `LinearDispatch.choice` and `.timings` for `op` at `rows` rows before `linear`."""
     n, k = linear.weight.shape
-    return (op, rows, n, k, linear.bias is not None)
+    return (op, rows, n, k, linear.bias is not None, str(linear.weight.dtype))
 
 
 class LinearDispatch(PlainMatmuls):
@@ -51,13 +57,15 @@ class LinearDispatch(PlainMatmuls):
     def __call__(self, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
         config = self._chosen("linear", x, linear)
         if config is not None:
-            return gemv.gemv(x, linear.weight, linear.bias, config)
-        return F.linear(x, linear.weight, linear.bias)
+            w, scale = scheme_of(linear).gemv_operands(linear)
+            return gemv.gemv(x, w, linear.bias, config, w_scale=scale)
+        return scheme_of(linear).apply(linear, x)
 
     def float32(self, x, linear):
         config = self._chosen("linear", x, linear)
         if config is not None:
-            return gemv.gemv(x, linear.weight, linear.bias, config, out_dtype=torch.float32)
+            w, scale = scheme_of(linear).gemv_operands(linear)
+            return gemv.gemv(x, w, linear.bias, config, out_dtype=torch.float32, w_scale=scale)
         return super().float32(x, linear)
 
     def norm_linear(self, x, residual, norm, linear, rows=None, float32=False):
@@ -74,9 +82,10 @@ class LinearDispatch(PlainMatmuls):
             x, residual = x[rows], None if residual is None else residual[rows]
         elif residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
+        w, scale = scheme_of(linear).gemv_operands(linear)
         y, summed = gemv.gemv_rms_norm(
-            x, residual, norm.weight, norm.eps, linear.weight, linear.bias, config,
-            out_dtype=torch.float32 if float32 else None,
+            x, residual, norm.weight, norm.eps, w, linear.bias, config,
+            out_dtype=torch.float32 if float32 else None, w_scale=scale,
         )  # fmt: skip
         if rows is not None:
             return y, None
@@ -86,7 +95,8 @@ class LinearDispatch(PlainMatmuls):
         config = self._chosen("silu_and_mul", gate_up, linear)
         if config is None:
             return super().silu_linear(gate_up, linear)
-        return gemv.gemv_silu_and_mul(gate_up, linear.weight, linear.bias, config)
+        w, scale = scheme_of(linear).gemv_operands(linear)
+        return gemv.gemv_silu_and_mul(gate_up, w, linear.bias, config, w_scale=scale)
 
     def tune(
         self,
@@ -102,8 +112,8 @@ class LinearDispatch(PlainMatmuls):
         this dispatch's linear, so tune "linear" for the shape first. `float32`: the layer's output
         is float32 (the LM head: `float32_linear`), on both paths. Returns (plain ms, chosen ms)."""
         key = choice_key(op, rows, linear)
-        plain, kernel = self._candidate_calls(op, linear, rows, norm, float32)
-        want = plain(linear).float()
+        plain, kernel, oracle = self._candidate_calls(op, linear, rows, norm, float32)
+        want = oracle(linear).float()
         base = graph_ms(plain, linear)
         candidates = CONFIGS
         if op != "linear":
@@ -131,23 +141,33 @@ class LinearDispatch(PlainMatmuls):
     def _candidate_calls(
         self, op: str, linear: torch.nn.Linear, rows: int, norm, float32: bool = False
     ):
-        """(the plain path, a kernel given its tile) of `op` on fixed random inputs, each a function
-        of the linear layer (or a copy of its weight: see `graph_ms`) returning y."""
+        """(the plain path, a kernel given its tile, the oracle the kernel must match) of `op` on
+        fixed random inputs, each a function of the linear layer (or a copy of its weight: see
+        `graph_ms`) returning y. The oracle is the plain path with the scheme's `reference`
+        matmul (for an unquantized layer, the plain path in float32)."""
         w = linear.weight
-        x = torch.randn(rows, w.shape[1], device=w.device, dtype=w.dtype)
+        dtype = norm.weight.dtype if norm is not None else _activation_dtype(linear)
+        x = torch.randn(rows, w.shape[1], device=w.device, dtype=dtype)
         out = torch.float32 if float32 else None
+        oracle = _ReferenceMatmuls()
         if op == "linear":
             return (
                 (lambda lin: float32_linear(x, lin))
                 if float32
-                else (lambda lin: F.linear(x, lin.weight, lin.bias)),
-                lambda c, lin: gemv.gemv(x, lin.weight, lin.bias, c, out_dtype=out),
+                else (lambda lin: scheme_of(lin).apply(lin, x)),
+                lambda c, lin: gemv.gemv(
+                    x, _weights(lin)[0], lin.bias, c, out_dtype=out, w_scale=_weights(lin)[1]
+                ),
+                lambda lin: oracle(x, lin),
             )
         if op == "silu_and_mul":
-            gate_up = torch.randn(rows, 2 * w.shape[1], device=w.device, dtype=w.dtype)
+            gate_up = torch.randn(rows, 2 * w.shape[1], device=w.device, dtype=dtype)
             return (
                 lambda lin: PlainMatmuls.silu_linear(self, gate_up, lin),
-                lambda c, lin: gemv.gemv_silu_and_mul(gate_up, lin.weight, lin.bias, c),
+                lambda c, lin: gemv.gemv_silu_and_mul(
+                    gate_up, _weights(lin)[0], lin.bias, c, w_scale=_weights(lin)[1]
+                ),
+                lambda lin: oracle.silu_linear(gate_up, lin),
             )
         if op not in OPS or norm is None:
             raise ValueError(f"unknown op {op!r} (one of {OPS}; the norm ops need the norm)")
@@ -155,9 +175,30 @@ class LinearDispatch(PlainMatmuls):
         return (
             lambda lin: PlainMatmuls.norm_linear(self, x, res, norm, lin, float32=float32)[0],
             lambda c, lin: gemv.gemv_rms_norm(
-                x, res, norm.weight, norm.eps, lin.weight, lin.bias, c, out_dtype=out
+                x, res, norm.weight, norm.eps, _weights(lin)[0], lin.bias, c, out_dtype=out,
+                w_scale=_weights(lin)[1],
             )[0],
-        )
+            lambda lin: oracle.norm_linear(x, res, norm, lin, float32=float32)[0],
+        )  # fmt: skip
+
+
+class _ReferenceMatmuls(PlainMatmuls):
+    """The plain path with each layer's `reference` matmul (float32 out): a GEMV tile's oracle."""
+
+    def __call__(self, x, linear):
+        return scheme_of(linear).reference(linear, x)
+
+    def float32(self, x, linear):
+        return scheme_of(linear).reference(linear, x)
+
+
+def _weights(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return scheme_of(linear).gemv_operands(linear)
+
+
+def _activation_dtype(linear: torch.nn.Linear) -> torch.dtype:
+    """The dtype the layer's input has: the model's (a quantized layer records it)."""
+    return getattr(linear, "compute_dtype", linear.weight.dtype)
 
 
 _L2_SPILL_BYTES = 256 << 20  # weight copies read per replay: beyond any GPU's L2
@@ -170,9 +211,11 @@ def graph_ms(call: Callable[[torch.nn.Linear], object], linear: torch.nn.Linear)
     w, b = linear.weight, linear.bias
     copies = max(1, min(512, _L2_SPILL_BYTES // (w.numel() * w.element_size())))
     linears = [linear]
+    # (a quantized layer's copy keeps its scheme and scales)
+    extra = {k: getattr(linear, k) for k in ("quant_scheme", "weight_scale") if hasattr(linear, k)}
     try:
         while len(linears) < copies:
-            linears.append(SimpleNamespace(weight=w.clone(), bias=b))
+            linears.append(SimpleNamespace(weight=w.clone(), bias=b, **extra))
     except torch.cuda.OutOfMemoryError:  # fewer copies: some reads may hit L2
         pass
     stream = torch.cuda.Stream()

@@ -1,7 +1,8 @@
 """The model's shape, read from a Hugging Face config, in the few fields the runtime needs.
 
 A config that asks for math the runtime does not do (another activation, biases where it has none,
-a rope scaling it lacks) is refused here, before any weight is read, rather than run wrongly.
+a rope scaling it lacks, a quantized format it does not read) is refused here, before any weight is
+read, rather than run wrongly.
 """
 
 from __future__ import annotations
@@ -12,6 +13,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from radixlm.runtime.quantization.checkpoint import (
+    StoredQuantization,
+    as_dict,
+    read_quantization_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,8 @@ class ModelConfig:
     # attention reaches only this many tokens back (Mistral v0.1, Qwen with use_sliding_window);
     # the runtime attends to everything, which is the same within the window: `context_limit`
     sliding_window: int | None = None
+    # what a quantized checkpoint stores (runtime/quantization/checkpoint.py); None: plain weights
+    quantization: StoredQuantization | None = None
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -54,16 +63,9 @@ class ModelConfig:
             )
         _check_math(hf, model_type)
         quantization = getattr(hf, "quantization_config", None)
-        if quantization:  # its weights are not plain tensors of the shapes we load
-            method = (
-                quantization.get("quant_method", "?")
-                if isinstance(quantization, dict)
-                else getattr(quantization, "quant_method", "?")
-            )
-            raise ValueError(
-                f"quantized checkpoints ({method}) are not supported yet; use the model's "
-                "bf16/fp16 checkpoint, or a GGUF file (dequantized on load)"
-            )
+        stored = None
+        if quantization:  # read as stored if supported, else refused saying what is
+            stored = read_quantization_config(as_dict(quantization), hf.num_hidden_layers)
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         rope_theta, rope_scaling = _rope_settings(hf)
@@ -87,6 +89,7 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(hf, model_type),
+            quantization=stored,
         )
 
     def context_limit(self, requested: int | None) -> int:

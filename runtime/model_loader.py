@@ -463,12 +463,15 @@ def iter_safetensors(folder: Path, device: str = "cpu"):
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights of the right shape (norm weights at one): speed depends on shape, not values."""
+    """Random weights of the right shape (norm weights and quantization scales at one): speed
+    depends on shape, not values."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "_scale")):
                 p.fill_(1.0)
+            elif p.element_size() == 1:  # float8 (a quantized checkpoint's): drawn in float32
+                p.copy_(torch.empty(p.shape, device=p.device).normal_(0.0, 0.02, generator=gen))
             else:
                 p.normal_(0.0, 0.02, generator=gen)
 

@@ -31,16 +31,23 @@ def build_model(
     tensor parallelism each rank draws its part on its own, which makes no whole model of any
     seed; right for speed, not for outputs). `tp` and `comm`: this rank's part of the model and
     its group's collectives (runtime/parallel.py); None: the whole model. `stage`: a pipeline
-    stage's layers (runtime/pipeline.py), which are all it builds and loads."""
+    stage's layers (runtime/pipeline.py), which are all it builds and loads. Its linear layers are
+    quantized as `config.quantization` and the checkpoint say (runtime/quantization/plan.py): a
+    scheme set before loading, the loaded weights turned into the scheme's after."""
     from radixlm.runtime import model_loader
     from radixlm.runtime.models.llama import LlamaForCausalLM
+    from radixlm.runtime.quantization import plan as quant
 
+    plan = quant.plan_for(config.quantization, mc.quantization)
     with torch.device("meta"):
         model = LlamaForCausalLM(mc, context_len + 1, sampled_vocab, tp, comm)
         if stage is not None:  # a pipeline stage (runtime/pipeline.py): its own layers only
             model = stage.trim(model)
     check_weights_fit(model, dtype, device)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if plan is not None:
+        quant.prepare(model, plan)
+    model = model.to_empty(device=device)
     if config.load_format == "dummy":
         model.tie_weights_if_needed()
         model_loader.init_dummy_weights(model, config.random_seed)
@@ -49,7 +56,11 @@ def build_model(
         if stage is not None:
             weights = stage.own_weights(weights, mc)
         total = model_loader.count_safetensors(folder)
+        if plan is not None:
+            weights = quant.readable(weights, plan)
         model.load_weights(startup.progress(weights, total, "loading weights", "tensors"))
+    if plan is not None:
+        quant.finish(model, plan)
     model.rope.build_tables(device)
     return model.eval()
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.model_config import ModelConfig
+from radixlm.runtime.quantization.base import scheme_of
 
 
 class RankFailure(RuntimeError):
@@ -213,6 +214,10 @@ class ColumnParallelLinear(nn.Linear):
         """This rank's rows of the checkpoint's tensor for part `index` (weight or bias)."""
         return shard_rows(tensor, self.parts[index])
 
+    def part_size(self, index: int = 0) -> int:
+        """The rows of part `index` in the checkpoint (on all ranks together)."""
+        return self.parts[index].size
+
 
 class RowParallelLinear(nn.Linear):
     """A linear layer whose input features are split across the ranks: each multiplies its slice,
@@ -224,6 +229,10 @@ class RowParallelLinear(nn.Linear):
 
     def shard(self, tensor: torch.Tensor, index: int = 0) -> torch.Tensor:
         return tensor[:, self.part.start : self.part.end]
+
+    def part_size(self, index: int = 0) -> int:
+        """The rows of its weight in the checkpoint (every rank holds them all)."""
+        return self.out_features
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(partial)
@@ -270,9 +279,14 @@ class ParallelLMHead(ColumnParallelLinear):
         )
 
 
-def shard_for(module: nn.Module, tensor: torch.Tensor, index: int | None) -> torch.Tensor:
-    """This rank's part of a checkpoint tensor of `module`'s (its part `index` of a fused
-    projection); the whole tensor for a module every rank holds whole (norms)."""
+def shard_for(
+    module: nn.Module, tensor: torch.Tensor, index: int | None, leaf: str = "weight"
+) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor for `module`'s parameter `leaf` (its part `index`
+    of a fused projection); the whole tensor for a module every rank holds whole (norms). A
+    quantized layer's scheme first puts the tensor in its parameter's unsharded shape (a scale
+    per row, whose rows shard as the weight's)."""
+    tensor = scheme_of(module).checkpoint_tensor(module, leaf, tensor, index)
     if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or (
         isinstance(module, RowParallelLinear) and tensor.dim() == 2
     ):

@@ -352,7 +352,7 @@ def test_lm_head_tuning_times_the_float32_output_on_both_paths(torch_path):
         linear.weight.copy_(w)
     dispatch = LinearDispatch()
     for op in ("linear", "rms_norm_residual"):
-        plain, kernel = dispatch._candidate_calls(op, linear, 1, norm, float32=True)
+        plain, kernel, _ = dispatch._candidate_calls(op, linear, 1, norm, float32=True)
         want, got = plain(linear), kernel(TILES[0], linear)
         assert want.dtype == got.dtype == torch.float32, op
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)

@@ -251,7 +251,8 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"unexpected weight {hf_name!r} for a {self.cfg.model_type} model")
             # (this rank's part of it: all of it on one device)
-            tensor = shard_for(self.get_submodule(target.rpartition(".")[0]), tensor, index)
+            module_name, _, leaf = target.rpartition(".")
+            tensor = shard_for(self.get_submodule(module_name), tensor, index, leaf)
             with torch.no_grad():
                 if offset_rows is None:
                     _check_shape(hf_name, param.shape, tensor.shape)

@@ -1,0 +1,131 @@
+"""Reading a checkpoint's `quantization_config` (config.json): what it stores, or why it is refused.
+
+Supported: compressed-tensors (what llmcompressor writes) FP8, stored compressed: one config group
+targeting every Linear, float8 e4m3 weights (symmetric, static, a scale per output channel or per
+tensor: llmcompressor's FP8_DYNAMIC and FP8 schemes), float8 input activations (dynamic per token or
+static per tensor: radixlm always scales them per token at run time, so a static `input_scale` is
+not read), and the LM head left out (`ignore`). Everything else is refused, naming what is
+supported.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_CHECKPOINTS = (
+    "compressed-tensors FP8 (float8_e4m3 weights with channel or tensor scales and float8 "
+    "activations, as llmcompressor's FP8_DYNAMIC and FP8 schemes write them)"
+)
+_FORMATS = ("float-quantized", "naive-quantized")
+# a Llama-family decoder layer's linear layers, as a Hugging Face checkpoint names them
+_DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class StoredQuantization:
+    """What a quantized checkpoint stores: its scheme (as `EngineConfig.quantization` names it)
+    and how (for the start-up line)."""
+
+    scheme: str
+    description: str
+    # checkpoint tensor names ending so are not read (a static input scale: see the module doc)
+    unread_suffixes: tuple[str, ...] = ()
+
+
+def as_dict(quantization_config: Any) -> dict[str, Any]:
+    """A config's quantization_config as a dict (transformers may hand an object)."""
+    if isinstance(quantization_config, dict):
+        return quantization_config
+    to_dict = getattr(quantization_config, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    return {"quant_method": getattr(quantization_config, "quant_method", "?")}
+
+
+def read_quantization_config(qc: dict[str, Any], num_layers: int) -> StoredQuantization:
+    """The stored scheme of a checkpoint's quantization_config; ValueError saying what is
+    supported for any other."""
+    method = qc.get("quant_method", "?")
+    if method != "compressed-tensors":
+        _refuse(f"quantized checkpoints of quant_method {method!r} are not supported yet")
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        _refuse(f"a compressed-tensors checkpoint with quantization_status {status!r}")
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if qc.get(key):
+            _refuse(
+                f"a compressed-tensors checkpoint with a {key} (for an FP8 KV cache use "
+                "kv_cache_dtype='fp8_e4m3')"
+            )
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        _refuse(f"a compressed-tensors checkpoint of {len(groups)} config groups (one is)")
+    group = next(iter(groups.values()))
+    if group.get("targets") != ["Linear"]:
+        _refuse(f"a config group targeting {group.get('targets')!r} (['Linear'] is)")
+    fmt = group.get("format") or qc.get("format")
+    if fmt not in _FORMATS:
+        _refuse(f"compressed-tensors format {fmt!r} (supported: {', '.join(_FORMATS)})")
+    weights = group.get("weights") or {}
+    strategy = weights.get("strategy")
+    if not (
+        weights.get("type") == "float"
+        and weights.get("num_bits") == 8
+        and weights.get("symmetric", True)
+        and not weights.get("dynamic", False)
+        and strategy in ("channel", "tensor")
+    ):
+        _refuse(f"compressed-tensors weights {_args(weights)}")
+    acts = group.get("input_activations")
+    if not acts or acts.get("type") != "float" or acts.get("num_bits") != 8:
+        _refuse(
+            f"compressed-tensors input activations {_args(acts or {})} (float8 weights with "
+            "unquantized activations among them)"
+        )
+    if group.get("output_activations"):
+        _refuse("compressed-tensors output activations")
+    _check_ignore(qc.get("ignore") or [], num_layers)
+    static = not acts.get("dynamic", False)
+    return StoredQuantization(
+        "fp8",
+        f"compressed-tensors FP8, {strategy} weight scales",
+        unread_suffixes=(".input_scale",) if static else (),
+    )
+
+
+def _check_ignore(ignore: list[str], num_layers: int) -> None:
+    """The LM head must be left out (it stays in the model's dtype) and no decoder linear layer."""
+
+    def matches(entry: str, name: str) -> bool:
+        if entry.startswith("re:"):
+            return re.match(entry[3:], name) is not None
+        return entry == name or name.endswith("." + entry)
+
+    decoder = [
+        f"model.layers.{i}.{'self_attn' if p in _DECODER_LINEARS[:4] else 'mlp'}.{p}"
+        for i in range(num_layers)
+        for p in _DECODER_LINEARS
+    ]
+    left_out = sorted({n for n in decoder for e in ignore if matches(e, n)})
+    if left_out:
+        _refuse(
+            f"a compressed-tensors checkpoint leaving decoder layers unquantized ({left_out[:3]}"
+            f"{' ...' if len(left_out) > 3 else ''}: every linear layer but the LM head quantized is)"
+        )
+    if not any(matches(e, "lm_head") for e in ignore):
+        _refuse("a compressed-tensors checkpoint with a quantized LM head (lm_head not in ignore)")
+
+
+def _args(args: dict[str, Any]) -> str:
+    keys = ("type", "num_bits", "strategy", "symmetric", "dynamic")
+    return "{" + ", ".join(f"{k}: {args.get(k)!r}" for k in keys if k in args) + "}"
+
+
+def _refuse(what: str) -> None:
+    raise ValueError(
+        f"{what}: not supported. Supported quantized checkpoints: {SUPPORTED_CHECKPOINTS}; or "
+        "quantization='fp8' on a bfloat16/float16/float32 checkpoint (quantized at load), or a "
+        "GGUF file (dequantized at load)"
+    )

@@ -1,0 +1,76 @@
+"""Which quantization scheme a model's linear layers get, and setting it on them around loading.
+
+Every linear layer of the decoder gets the scheme; the LM head (and the embedding) stays in the
+model's dtype, as in SGLang and vLLM: it is one layer, the most sensitive one, and its logits are
+computed in float32 (runtime/layers.py `float32_linear`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from radixlm.runtime.quantization.base import LinearScheme
+from radixlm.runtime.quantization.checkpoint import StoredQuantization
+from radixlm.runtime.quantization.fp8 import Fp8Linear
+
+QUANTIZATION_METHODS = ("fp8",)  # EngineConfig.quantization's values (None: none; config.py)
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    scheme: LinearScheme
+    description: str  # for the start-up line
+    unread_suffixes: tuple[str, ...] = ()  # checkpoint tensors not read (StoredQuantization)
+
+
+def plan_for(option: str | None, stored: StoredQuantization | None) -> QuantPlan | None:
+    """The plan for `quantization=option` over a checkpoint that stores `stored` (None: plain
+    weights); None: no quantization."""
+    if stored is not None:
+        if option is not None and option != stored.scheme:
+            raise ValueError(
+                f"quantization={option!r}, but the checkpoint is already quantized "
+                f"({stored.description}): leave quantization unset to run it as stored"
+            )
+        return QuantPlan(Fp8Linear(stored=True), stored.description, stored.unread_suffixes)
+    if option is None:
+        return None
+    if option == "fp8":
+        return QuantPlan(Fp8Linear(stored=False), "FP8 W8A8, quantized at load")
+    raise ValueError(f"quantization={option!r}; use one of {', '.join(QUANTIZATION_METHODS)}")
+
+
+def quantized_linears(model: nn.Module) -> list[nn.Linear]:
+    """The linear layers a scheme applies to: all but the LM head."""
+    return [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name.rpartition(".")[2] != "lm_head"
+    ]
+
+
+def prepare(model: nn.Module, plan: QuantPlan) -> None:
+    """Before loading (on the meta device): give each layer its scheme and what it loads."""
+    for layer in quantized_linears(model):
+        layer.quant_scheme = plan.scheme
+        plan.scheme.create_weights(layer)
+
+
+@torch.no_grad()
+def finish(model: nn.Module, plan: QuantPlan) -> None:
+    """After loading: each layer turns what it loaded into what it computes with."""
+    for layer in quantized_linears(model):
+        plan.scheme.process_after_loading(layer)
+
+
+def readable(
+    weights: Iterable[tuple[str, torch.Tensor]], plan: QuantPlan
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors less those the plan does not read."""
+    for name, tensor in weights:
+        if not name.endswith(plan.unread_suffixes):  # (none: an empty tuple)
+            yield name, tensor

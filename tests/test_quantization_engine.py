@@ -1,0 +1,111 @@
+"""`quantization="fp8"` end to end, and what is refused.
+
+- On a tiny random Llama, the engine's greedy tokens equal transformers' own model with each
+  decoder linear layer replaced by the FP8 W8A8 oracle (kernels/quant_ref.py) over the same float8
+  weights: loading, fusing q/k/v and gate/up, and the scheme's matmul change nothing else.
+- An unknown or not-yet-available scheme, and a checkpoint quantized in a format not read, are
+  refused naming what is supported.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import radixlm
+from radixlm.kernels.quant_ref import FP8_DTYPE, fp8_linear_ref, quantize_fp8_rows
+from radixlm.runtime.config import EngineConfig
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def sharp_tiny_folder(tmp_path_factory, tiny_model_folder) -> str:
+    """A tiny random Llama whose weights are large enough that its greedy tokens vary (at the
+    usual 0.02 every prompt repeats one token), with the default model's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from radixlm.runtime.model_loader import copy_tokenizer_files
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=2, bos_token_id=1, tie_word_embeddings=True, initializer_range=0.1,
+    )  # fmt: skip
+    out = tmp_path_factory.mktemp("sharp-tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    copy_tokenizer_files(tiny_model_folder, out)
+    return str(out)
+
+
+def hf_with_fp8_oracle(folder: str):
+    """transformers' model of `folder` (float32) whose decoder linear layers compute the W8A8
+    oracle over their weights rounded to float8 a scale per row; the LM head stays float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            values, scale = quantize_fp8_rows(module.weight.detach())
+
+            def forward(x, _v=values, _s=scale.reshape(-1), _b=module.bias):
+                return fp8_linear_ref(x, _v, _s, _b, act_quant=True)
+
+            module.forward = forward
+    return model
+
+
+def test_fp8_engine_computes_what_transformers_computes_with_fp8_linears(sharp_tiny_folder):
+    with radixlm.Engine(sharp_tiny_folder, dtype="float32", quantization="fp8") as engine:
+        model = engine.model
+        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        for layer in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            assert layer.weight.dtype == FP8_DTYPE
+        assert model.lm_head.weight.dtype == torch.float32  # the LM head is not quantized
+        outs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+        tokenizer = engine.tokenizer
+    hf = hf_with_fp8_oracle(sharp_tiny_folder)
+    want = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([tokenizer.encode(prompt)])
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                min_new_tokens=8, eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+            want.append(out[0, ids.shape[1] :].tolist())
+    assert outs == want
+    # and the quantization matters: the unquantized engine's tokens are not these
+    with radixlm.Engine(sharp_tiny_folder, dtype="float32") as engine:
+        plain = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+    assert plain != outs
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("awq", "quantization='awq' is not available yet; use one of fp8"),
+        ("int3", "quantization='int3'; use one of fp8"),
+    ],
+)
+def test_unsupported_quantization_option_is_refused(value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(quantization=value)
+
+
+def test_a_checkpoint_in_another_quantized_format_is_refused_naming_what_is_supported(
+    tiny_model_folder, tmp_path
+):
+    folder = tmp_path / "awq"
+    shutil.copytree(tiny_model_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quant_method 'awq' are not supported yet") as e:
+        radixlm.Engine(str(folder))
+    assert "compressed-tensors FP8" in str(e.value) and "quantization='fp8'" in str(e.value)

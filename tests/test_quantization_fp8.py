@@ -1,0 +1,223 @@
+"""FP8 weights (runtime/quantization/fp8.py): the rounding against e4m3's own grid, the batch-1 GEMV
+over float8 weights (kernels/gemv.py with `w_scale`, alone and with its norm / SiLU prologues)
+against its torch oracle (kernels/quant_ref.py), the dispatch that routes a quantized layer, and
+`quantization="fp8"` end to end: an engine's tokens against transformers' model with the same
+float8 numerics, and against the unquantized engine on the real default model.
+Kernels under TRITON_INTERPRET=1 on the CPU at small sizes; on a GPU at real sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from radixlm.kernels.gemv import GemvConfig, gemv, gemv_rms_norm, gemv_silu_and_mul  # noqa: E402
+from radixlm.kernels.quant_ref import (  # noqa: E402
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_fp8_rows,
+    fp8_linear_ref,
+    quantize_fp8_rows,
+)
+from radixlm.runtime.layers import PlainMatmuls, RMSNorm, silu_and_mul  # noqa: E402
+from radixlm.runtime.matmul_dispatch import LinearDispatch, choice_key  # noqa: E402
+from radixlm.runtime.quantization.fp8 import Fp8Linear  # noqa: E402
+from radixlm.runtime.quantization.plan import QuantPlan, finish, prepare  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = DEVICE.type == "cuda"
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+TOL = 2e-2 if ON_GPU else 1e-4  # the output rounded once to DTYPE; sums differ only in order
+SIZES = [(37, 100), (64, 96)] if not ON_GPU else [(6144, 4096), (4096, 14336), (960, 576)]
+TILES = (
+    [
+        GemvConfig(8, 64, 4, 1, 1),
+        GemvConfig(4, 64, 4, 1, 3),  # split-K: each split's partial sum scaled
+        GemvConfig(4, 32, 1, 1, 2, late_sum=True, prefetch=True),
+        GemvConfig(16, 32, 1, 2, 3, dot=True),  # float8 tiles converted to x's type for tl.dot
+    ]
+    if not ON_GPU
+    else [
+        GemvConfig(4, 2048, 4, 2, 1),
+        GemvConfig(8, 512, 4, 3, 4),
+        GemvConfig(16, 512, 8, 1, 1, late_sum=True, prefetch=True),
+        GemvConfig(32, 128, 4, 4, 1, dot=True),
+    ]
+)
+
+
+def fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the float weight, its float8 rows, their scales), rows of very different magnitudes."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) / k**0.5 * torch.logspace(-2, 1, n).reshape(-1, 1)
+    values, scale = quantize_fp8_rows(w)
+    return w.to(DEVICE), values.to(DEVICE), scale.reshape(-1).to(DEVICE)
+
+
+# ---- the rounding ---------------------------------------------------------------------------
+
+
+def test_rows_round_to_the_nearest_e4m3_value_at_amax_over_448():
+    w, values, scale = (t.cpu() for t in fp8_weight(64, 96, seed=1))
+    assert values.dtype == FP8_DTYPE and scale.shape == (64,)
+    torch.testing.assert_close(scale, w.abs().amax(1) / FP8_MAX)
+    # each row's largest magnitude lands on e4m3's largest value
+    assert torch.equal(values.float().abs().amax(1), torch.full((64,), FP8_MAX))
+    # every value is the nearest of e4m3's grid: the candidates either side are no closer
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    grid = grid[grid.isfinite()].unique()
+    scaled = w / scale.reshape(-1, 1)
+    nearest = grid[(scaled.reshape(-1, 1) - grid).abs().argmin(1)].reshape(scaled.shape)
+    assert torch.equal((values.float() - scaled).abs(), (nearest - scaled).abs())
+    back = dequantize_fp8_rows(values, scale)
+    rel = ((back - w).abs() / w.abs().amax(1, keepdim=True)).max()
+    assert rel <= 2**-4  # 3 mantissa bits: half a step of the top binade, relative to amax
+    zero, zero_scale = quantize_fp8_rows(torch.zeros(2, 8))
+    assert torch.equal(zero.float(), torch.zeros(2, 8)) and bool((zero_scale > 0).all())
+
+
+def test_w8a8_oracle_rounds_each_token_at_its_own_scale():
+    _, values, scale = (t.cpu() for t in fp8_weight(20, 32, seed=2))
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 32, generator=gen) * torch.tensor([[1e-3], [1.0], [1e3]])  # token scales
+    got = fp8_linear_ref(x, values, scale, act_quant=True)
+    for t in range(3):  # token by token: the same as a batch of one
+        alone = fp8_linear_ref(x[t : t + 1], values, scale, act_quant=True)
+        torch.testing.assert_close(got[t : t + 1], alone)
+    xq, x_scale = quantize_fp8_rows(x)
+    want = (xq.float() * x_scale) @ dequantize_fp8_rows(values, scale).t()
+    size = want.abs().amax(-1, keepdim=True)  # (sums that cancel: error relative to the row's)
+    torch.testing.assert_close(got / size, want / size, atol=1e-6, rtol=0)
+    weight_only = fp8_linear_ref(x, values, scale, act_quant=False)
+    torch.testing.assert_close(weight_only, x @ dequantize_fp8_rows(values, scale).t())
+
+
+# ---- the GEMV over float8 weights -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("size", SIZES)
+def test_gemv_reads_fp8_weights_as_the_oracle_does(size, rows):
+    n, k = size
+    _, values, scale = fp8_weight(n, k, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k + 3, generator=gen).to(DEVICE, DTYPE)[:, :k]  # strided rows
+    b = torch.randn(n, generator=gen).to(DEVICE, DTYPE)
+    want = fp8_linear_ref(x, values, scale, b, act_quant=False, out_dtype=torch.float32)
+    for tile in TILES:
+        got = gemv(x, values, b, tile, w_scale=scale)
+        assert got.dtype == DTYPE
+        torch.testing.assert_close(got.float(), want, atol=TOL, rtol=TOL)
+    got = gemv(x, values, None, TILES[0], out_dtype=torch.float32, w_scale=scale)
+    torch.testing.assert_close(got, want - b.float(), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_prologues_with_fp8_weights(rows, torch_path):
+    n, k = SIZES[0]
+    _, values, scale = fp8_weight(n, k, seed=10 + rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, DTYPE)
+    res = torch.randn(rows, k, generator=gen).to(DEVICE, DTYPE)
+    norm = RMSNorm(k, 1e-5).to(DEVICE, DTYPE)
+    gate_up = (torch.randn(rows, 2 * k, generator=gen) * 3).to(DEVICE, DTYPE)
+    normed, summed = norm(x, res)
+    want_norm = fp8_linear_ref(normed, values, scale, act_quant=False, out_dtype=torch.float32)
+    want_silu = fp8_linear_ref(
+        silu_and_mul(gate_up), values, scale, act_quant=False, out_dtype=torch.float32
+    )
+    for tile in TILES:
+        y, got_sum = gemv_rms_norm(x, res, norm.weight, norm.eps, values, None, tile, w_scale=scale)
+        assert torch.equal(got_sum, summed)
+        torch.testing.assert_close(y.float(), want_norm, atol=TOL, rtol=TOL)
+        y = gemv_silu_and_mul(gate_up, values, None, tile, w_scale=scale)
+        torch.testing.assert_close(y.float(), want_silu, atol=TOL, rtol=TOL)
+
+
+def test_gemv_refuses_fp8_weights_without_scales_and_scales_without_fp8():
+    _, values, scale = fp8_weight(8, 32, seed=3)
+    torch.manual_seed(0)
+    x = torch.randn(1, 32, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(ValueError, match="float8_e4m3fn weight with its scale per row"):
+        gemv(x, values, None, TILES[0])
+    with pytest.raises(ValueError, match="float8_e4m3fn weight with its scale per row"):
+        gemv(x, values.to(DTYPE), None, TILES[0], w_scale=scale)
+    with pytest.raises(ValueError, match=r"w_scale must be float32 of shape \(8,\)"):
+        gemv(x, values, None, TILES[0], w_scale=scale[:4])
+
+
+# ---- the scheme on a layer, and the dispatch ------------------------------------------------
+
+
+def fp8_layer(n: int, k: int, bias: bool, seed: int) -> tuple[torch.nn.Linear, torch.Tensor]:
+    """An nn.Linear quantized as `quantization="fp8"` does at load, and its float weight."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Linear(k, n, bias=bias).to(DEVICE, DTYPE)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=gen) / k**0.5)
+        if bias:
+            layer.bias.copy_(torch.randn(n, generator=gen))
+    w = layer.weight.detach().clone()
+    plan = QuantPlan(Fp8Linear(stored=False), "test")
+    model = torch.nn.ModuleDict({"proj": layer})
+    prepare(model, plan)
+    finish(model, plan)
+    return layer, w
+
+
+def test_quantizing_at_load_keeps_float8_rows_and_their_scales():
+    layer, w = fp8_layer(40, 96, bias=True, seed=4)
+    assert layer.weight.dtype == FP8_DTYPE and layer.weight_scale.shape == (40,)
+    assert not layer.weight.requires_grad
+    values, scale = quantize_fp8_rows(w)
+    assert torch.equal(layer.weight.view(torch.uint8), values.view(torch.uint8))
+    # the layer multiplies (W8A8) close to the float weight: float8's error, not more
+    torch.manual_seed(0)
+    x = torch.randn(5, 96, device=DEVICE, dtype=DTYPE)
+    got = PlainMatmuls()(x, layer)
+    want = F.linear(x.float(), w.float(), layer.bias.float())
+    assert got.dtype == DTYPE
+    assert (got.float() - want).abs().max() < 0.1 * want.abs().max()
+    # the plain torch path is the oracle's W8A8
+    if not ON_GPU:
+        torch.testing.assert_close(
+            got, fp8_linear_ref(x, layer.weight, layer.weight_scale, layer.bias)
+        )
+
+
+def test_dispatch_runs_the_gemv_over_fp8_weights_where_chosen(count_launches):
+    layer, _ = fp8_layer(40, 96, bias=True, seed=5)
+    plain = torch.nn.Linear(96, 40, bias=True).to(DEVICE, DTYPE)
+    dispatch = LinearDispatch()
+    assert choice_key("linear", 1, layer) != choice_key("linear", 1, plain)  # the dtype tells
+    dispatch.choice[choice_key("linear", 1, plain)] = TILES[0]
+    torch.manual_seed(0)
+    x = torch.randn(1, 96, device=DEVICE, dtype=DTYPE)
+    scheme = layer.quant_scheme
+    torch.testing.assert_close(dispatch(x, layer), scheme.apply(layer, x))
+    assert count_launches == []  # the unquantized layer's choice is not the fp8 layer's
+    dispatch.choice[choice_key("linear", 1, layer)] = TILES[0]
+    got = dispatch(x, layer)
+    assert count_launches == ["gemv"]
+    torch.testing.assert_close(got.float(), scheme.reference(layer, x), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.gpu
+def test_scaled_mm_path_matches_the_w8a8_oracle():
+    for rows in (5, 64, 300):
+        layer, _ = fp8_layer(4096, 4096, bias=False, seed=rows)
+        x = torch.randn(rows, 4096, device=DEVICE, dtype=torch.bfloat16)
+        got = layer.quant_scheme.apply(layer, x)
+        want = fp8_linear_ref(x, layer.weight, layer.weight_scale, out_dtype=torch.float32)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_tuning_an_fp8_layer_checks_each_tile_against_its_oracle():
+    layer, _ = fp8_layer(6144, 4096, bias=False, seed=6)
+    dispatch = LinearDispatch()
+    plain_ms, chosen_ms = dispatch.tune(layer, rows=1)
+    assert dispatch.timings[choice_key("linear", 1, layer)]  # tiles ran and matched the oracle
+    assert chosen_ms <= plain_ms
