@@ -1,0 +1,182 @@
+"""Quantized checkpoints read as stored (runtime/quantization/checkpoint.py), each format against its
+own writer's reference dequantization: compressed-tensors FP8 checkpoints written offline by
+compressed-tensors itself (tests/quant_checkpoints.py), with channel and tensor weight scales; and
+the quantization_configs that are refused, each naming what is supported."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
+
+import radixlm  # noqa: E402
+from radixlm.runtime.quantization.checkpoint import read_quantization_config  # noqa: E402
+from tests.quant_checkpoints import write_compressed_tensors_fp8  # noqa: E402
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+FUSED = {"qkv_proj": ("self_attn", ["q_proj", "k_proj", "v_proj"]),
+         "gate_up_proj": ("mlp", ["gate_proj", "up_proj"]),
+         "o_proj": ("self_attn", ["o_proj"]), "down_proj": ("mlp", ["down_proj"])}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["channel", "tensor"])
+def ct_checkpoint(request, tiny_model_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"ct-fp8-{request.param}")
+    return request.param, write_compressed_tensors_fp8(tiny_model_folder, out, request.param)
+
+
+def reference_weights(folder) -> dict[str, torch.Tensor]:
+    """Each quantized layer's weight as compressed-tensors dequantizes it (its own `dequantize`
+    with the checkpoint's scheme), by checkpoint name."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from safetensors.torch import load_file
+
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    args = QuantizationConfig.model_validate(qc).config_groups["group_0"].weights
+    tensors = load_file(str(folder / "model.safetensors"))
+    return {
+        name.removesuffix(".weight"): dequantize(t, tensors[name + "_scale"], args=args)
+        for name, t in tensors.items()
+        if name.endswith(".weight") and name + "_scale" in tensors
+    }
+
+
+def test_compressed_tensors_fp8_loads_as_stored(ct_checkpoint):
+    strategy, folder = ct_checkpoint
+    reference = reference_weights(folder)
+    assert len(reference) == 2 * 7  # 2 layers of 7 linears; the LM head left unquantized
+    with radixlm.Engine(str(folder), dtype="float32") as engine:
+        model = engine.model
+        for i, layer in enumerate(model.layers):
+            for ours, (block, parts) in FUSED.items():
+                linear = getattr(getattr(layer, block), ours)
+                assert linear.weight.dtype == torch.float8_e4m3fn
+                got = linear.quant_scheme.dequantized_weight(linear)
+                want = torch.cat([reference[f"model.layers.{i}.{block}.{p}"] for p in parts])
+                assert torch.equal(got, want), (strategy, i, ours)
+        assert engine.model.lm_head.weight.dtype == torch.float32
+        outs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+    assert all(len(o) == 8 for o in outs)
+
+
+def test_quantizing_at_load_stores_what_compressed_tensors_stores(ct_checkpoint, tiny_model_folder):
+    """quantization="fp8" on the float checkpoint rounds as compressed-tensors' channel scheme
+    did (the same bytes and scales), so the two engines give the same tokens."""
+    strategy, folder = ct_checkpoint
+    if strategy != "channel":
+        pytest.skip("quantization='fp8' keeps a scale per channel")
+    with radixlm.Engine(str(folder), dtype="float32") as stored:
+        stored_layers = [
+            (m.weight.clone(), m.weight_scale.clone())
+            for m in stored.model.modules()
+            if hasattr(m, "weight_scale")
+        ]
+        want = [o["output_ids"] for o in stored.generate(PROMPTS, GREEDY)]
+    with radixlm.Engine(tiny_model_folder, dtype="float32", quantization="fp8") as at_load:
+        layers = [(m.weight, m.weight_scale) for m in at_load.model.modules() if hasattr(m, "weight_scale")]  # fmt: skip
+        assert len(layers) == len(stored_layers) == 8
+        for (w, s), (w0, s0) in zip(layers, stored_layers):
+            assert torch.equal(w.view(torch.uint8), w0.view(torch.uint8))
+            torch.testing.assert_close(s, s0, atol=0, rtol=1e-6)
+        got = [o["output_ids"] for o in at_load.generate(PROMPTS, GREEDY)]
+    assert got == want
+
+
+def test_a_config_that_does_not_match_its_weights_is_refused(tiny_model_folder, tmp_path):
+    """config.json says FP8 and the weights are float32: an error, not float8-cast weights."""
+    src = tmp_path / "src"
+    write_compressed_tensors_fp8(tiny_model_folder, src, "channel")
+    folder = tmp_path / "mismatch"
+    shutil.copytree(tiny_model_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = json.loads((src / "config.json").read_text())[
+        "quantization_config"
+    ]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="a weight is float32: the checkpoint is not as its"):
+        radixlm.Engine(str(folder))
+
+
+def fp8_config(**changes) -> dict:
+    """compressed-tensors' quantization_config of an FP8_DYNAMIC checkpoint, with `changes`: a
+    dotted key into its config group ("weights.strategy"), or "top." and a key of the config."""
+    group = {
+        "format": "float-quantized",
+        "targets": ["Linear"],
+        "weights": {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True,
+                    "dynamic": False},
+        "input_activations": {"type": "float", "num_bits": 8, "strategy": "token",
+                              "symmetric": True, "dynamic": True},
+        "output_activations": None,
+    }  # fmt: skip
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+          "quantization_status": "compressed", "ignore": ["lm_head"], "kv_cache_scheme": None,
+          "config_groups": {"group_0": group}}  # fmt: skip
+    for key, value in changes.items():
+        if key.startswith("top."):  # a key of the config itself
+            qc[key.removeprefix("top.")] = value
+            continue
+        *path, leaf = key.split(".")
+        target = group
+        for part in path:
+            target = target[part]
+        target[leaf] = value
+    return qc
+
+
+def test_supported_configs_are_read():
+    assert read_quantization_config(fp8_config(), 2).scheme == "fp8"
+    tensor = fp8_config(**{"weights.strategy": "tensor", "input_activations.dynamic": False})
+    stored = read_quantization_config(tensor, 2)
+    assert stored.unread_suffixes == (".input_scale",)
+    regex_ignore = fp8_config(**{"top.ignore": ["re:.*lm_head"]})
+    assert read_quantization_config(regex_ignore, 2).scheme == "fp8"
+
+
+@pytest.mark.parametrize(
+    ("changes", "what"),
+    [
+        ({"top.quant_method": "gptq"}, "quant_method 'gptq'"),
+        ({"weights.strategy": "block"}, "strategy: 'block'"),
+        ({"weights.type": "int", "weights.num_bits": 4}, "type: 'int'"),
+        ({"input_activations": None}, "input activations {}"),
+        ({"top.kv_cache_scheme": {"num_bits": 8}}, "kv_cache_dtype='fp8_e4m3'"),
+        ({"top.ignore": []}, "quantized LM head"),
+        ({"top.ignore": ["lm_head", "re:.*down_proj"]}, "leaving decoder layers unquantized"),
+        ({"top.quantization_status": "frozen"}, "quantization_status 'frozen'"),
+        ({"format": "pack-quantized"}, "format 'pack-quantized'"),
+    ],
+)
+def test_unsupported_configs_are_refused_naming_what_is_supported(changes, what):
+    with pytest.raises(ValueError) as e:
+        read_quantization_config(fp8_config(**changes), 2)
+    assert what in str(e.value)
+    assert "Supported quantized checkpoints: compressed-tensors FP8" in str(e.value)
+
+
+def test_tensor_parallel_ranks_hold_their_rows_and_columns_with_their_scales(ct_checkpoint):
+    """Under tp_size=2, rank 0's column-parallel layers hold its rows of each part with their
+    scales (a tensor scale widened to its rows first), its row-parallel ones its columns with
+    every row's scale; and the engine generates."""
+    strategy, folder = ct_checkpoint
+    if strategy != "tensor":
+        pytest.skip("the tensor scales are the harder case; one tensor-parallel start suffices")
+    reference = reference_weights(folder)
+    with radixlm.Engine(str(folder), dtype="float32", tp_size=2) as engine:
+        attn = engine.model.layers[1].self_attn
+        q, k, v = (reference[f"model.layers.1.self_attn.{p}_proj"] for p in "qkv")
+        heads, kv_heads = q.shape[0] // 2, k.shape[0] // 2  # rank 0: the first half of each
+        want = torch.cat([q[:heads], k[:kv_heads], v[:kv_heads]])
+        got = attn.qkv_proj.quant_scheme.dequantized_weight(attn.qkv_proj)
+        assert torch.equal(got, want)
+        o = reference["model.layers.1.self_attn.o_proj"]
+        got = attn.o_proj.quant_scheme.dequantized_weight(attn.o_proj)
+        assert torch.equal(got, o[:, : o.shape[1] // 2])
+        outs = engine.generate(PROMPTS, GREEDY)
+    assert all(len(o["output_ids"]) == 8 for o in outs)
