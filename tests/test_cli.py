@@ -217,3 +217,14 @@ def test_a_host_that_is_not_this_machines_is_refused_naming_the_flag(capsys):
     assert cli.main(["serve", "--host", "192.0.2.1", "--port", "0"]) == 2  # TEST-NET-1
     err = capsys.readouterr().err
     assert "is not an address of this machine" in err and "--host" in err
+
+
+def test_the_parsers_take_sglangs_names_and_refuse_others(capsys):
+    for name in ("hermes", "qwen25", "llama3", "pythonic", "mistral", "deepseekv3", "auto"):
+        assert parse_serve("--tool-call-parser", name).tool_call_parser == name
+    for name in ("deepseek-r1", "qwen3"):
+        assert parse_serve("--reasoning-parser", name).reasoning_parser == name
+    args = parse_serve()
+    assert args.tool_call_parser is None and args.reasoning_parser is None  # the server's own
+    assert "invalid choice: 'gpt4'" in refusal(capsys, "--tool-call-parser", "gpt4")
+    assert "invalid choice: 'o1'" in refusal(capsys, "--reasoning-parser", "o1")
