@@ -6,7 +6,11 @@ headline rate counts the prompt step (a 32-token prompt) with the decode steps; 
 leaves it out.
 
     python -m benchmarks.decode_latency [--shapes smollm2-135m,llama-3.1-8b] [--new-tokens 128]
-        [--ablate fused,gemv,...] [--no-hf-compiled]
+        [--ablate fused,gemv,...] [--no-hf-compiled] [--quantization fp8]
+
+With --quantization, radixlm also runs each scheme on the same shape (the weights quantized at
+load from the same random bf16 ones), with bf16 in the same run: each one's weight bytes a step
+(float8 weights and their scales; the LM head and norms in bf16), its bandwidth floor and its rate.
 """
 
 from __future__ import annotations
@@ -65,12 +69,23 @@ ABLATIONS = {
 }
 
 
+def engine_bytes_per_step(model) -> int:
+    """`bytes_read_per_step` for radixlm's own model (what a quantized one stores: float8 weights
+    and their scales): every parameter once, an untied input embedding one row."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed_tokens.weight
+    if model.lm_head.weight is not embed:
+        total -= (embed.numel() - embed.shape[1]) * embed.element_size()
+    return total
+
+
 def ours_tok_s(
-    folder: Path, prompt: list[int], new_tokens: int, without: str = ""
+    folder: Path, prompt: list[int], new_tokens: int, without: str = "", **engine_kwargs
 ) -> tuple[float, float]:
     """radixlm's batch-1 rate, the prompt step included, and the rate of its decode steps alone
     ((new_tokens - 1) over the time beyond a one-token call's, the fastest of three of those);
-    `without` names an optimization to switch off (see ABLATIONS)."""
+    `without` names an optimization to switch off (see ABLATIONS); `engine_kwargs` more engine
+    options (quantization). The engine's weight bytes a step go to `ours_tok_s.weight_bytes`."""
     import os
 
     import radixlm
@@ -78,7 +93,10 @@ def ours_tok_s(
     if without:
         os.environ[ABLATIONS[without]] = "1"
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-    with radixlm.Engine(str(folder), load_format="dummy", max_running_requests=64) as eng:
+    with radixlm.Engine(
+        str(folder), load_format="dummy", max_running_requests=64, **engine_kwargs
+    ) as eng:
+        ours_tok_s.weight_bytes = engine_bytes_per_step(eng.model)
         eng.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 8})
         first = []
         for _ in range(3):
@@ -133,6 +151,11 @@ def main() -> None:
         default="fused,gemv,fusedgemv,ropestore,pdl",
         help="also run without each of these",
     )
+    ap.add_argument(
+        "--quantization",
+        default="",
+        help="also run radixlm with these schemes (comma-separated: fp8)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_latency measures GPU decode speed: no CUDA device here")
@@ -140,7 +163,8 @@ def main() -> None:
     print(f"device: {device_line()}  commit: {commit()}  copy bandwidth: {bw / 1e12:.2f} TB/s")
     prompt = list(range(1000, 1032))
     ablate = [a for a in args.ablate.split(",") if a]
-    rows = []
+    schemes = [q for q in args.quantization.split(",") if q]
+    rows, quant_rows = [], []
     for name in args.shapes.split(","):
         folder = shape_folder(name)
         hf, weight_bytes = hf_eager_tok_s(folder, prompt, args.new_tokens)
@@ -156,6 +180,12 @@ def main() -> None:
         floor = bw / weight_bytes  # tokens/s if each step only read the weights at copy speed
         rows.append((name, ours, decode_only, without, hf, compiled, missing, floor, weight_bytes))
         print(rows[-1], flush=True)
+        if schemes:
+            quant_rows.append((name, "bf16", ours, decode_only, ours_tok_s.weight_bytes))
+        for scheme in schemes:
+            rate, alone = ours_tok_s(folder, prompt, args.new_tokens, quantization=scheme)
+            quant_rows.append((name, scheme, rate, alone, ours_tok_s.weight_bytes))
+            print(quant_rows[-1], flush=True)
     cols = "".join(f" without {a} |" for a in ablate)
     print(
         f"\n| shape | radixlm tok/s |{cols} HF eager | HF static+compile | "
@@ -172,6 +202,20 @@ def main() -> None:
             f"{wb / 1e9:.2f} | {floor:.0f} | {ours / floor:.1%} | "
             f"{decode_only:.1f} ({decode_only / floor:.1%}) |"
         )
+    if quant_rows:
+        print(
+            "\n| shape | weights | radixlm tok/s | GB read a step | bandwidth floor tok/s | "
+            "radixlm of floor | decode steps alone (of floor) | vs bf16 |\n"
+            "|---|---|---|---|---|---|---|---|"
+        )
+        base = {name: rate for name, scheme, rate, _, _ in quant_rows if scheme == "bf16"}
+        for name, scheme, rate, alone, wb in quant_rows:
+            floor = bw / wb
+            print(
+                f"| {name} | {scheme} | {rate:.1f} | {wb / 1e9:.2f} | {floor:.0f} | "
+                f"{rate / floor:.1%} | {alone:.1f} ({alone / floor:.1%}) | "
+                f"{rate / base[name]:.2f}x |"
+            )
 
 
 if __name__ == "__main__":

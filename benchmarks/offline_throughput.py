@@ -4,7 +4,7 @@ prompts, same machine, one run.
     python -m benchmarks.offline_throughput [--model-path P] [--batch 64] [--new-tokens 64]
     python -m benchmarks.offline_throughput --shape smollm2-135m   # GPU: random weights, bf16
         [--ablate pdl,prefill-graphs,cuda-graphs,overlap [--rounds 2]]
-        [--prompt-lens 1000-2000 --output-lens 20-100]
+        [--prompt-lens 1000-2000 --output-lens 20-100] [--quantization fp8]
 
 On the CPU, two workloads: batch 1 (decode speed: a short prompt, many new tokens) and a batch of prompts of
 mixed lengths generated all at once (transformers pads them to the longest; radixlm batches them
@@ -17,6 +17,10 @@ slower; its rate is output tokens per second of that subset). The rate is the me
 --repeats runs on one engine. --ablate compares all switches on with each named one off, one at a
 time, instead: --rounds rounds of every configuration, interleaved (the first engine a process builds
 runs slowest, so a configuration measured only first or only later would carry that).
+
+--quantization fp8 runs radixlm a second time with its linear layers quantized at load (FP8 W8A8,
+from the same weights), in the same run, and prints both rates and their ratio (on the CPU the FP8
+layers take the dequantizing torch path: a correctness path, not a fast one).
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ def main() -> None:
         "--max-running", type=int, default=None,
         help="with --shape: concurrent requests (default: all of them, at once)",
     )  # fmt: skip
+    ap.add_argument("--quantization", default=None, help="also run radixlm with this scheme (fp8)")
     args = ap.parse_args()
     if args.shape:
         args.max_running = args.max_running or args.requests
@@ -143,10 +148,24 @@ def main() -> None:
     label = f"batch {args.batch}, {args.min_len}-{args.max_len} in / {args.new_tokens} out"
     rows.append((label, args.batch * args.new_tokens, ours, theirs))
     engine.shutdown()
+    quantized = []
+    if args.quantization:
+        with radixlm.Engine(
+            args.model_path, disable_radix_cache=True, quantization=args.quantization
+        ) as engine:
+            for (label, tokens, ours, _), workload, new in zip(
+                rows, (single, mixed), (args.decode_tokens, args.new_tokens)
+            ):
+                quantized.append((label, tokens, ours, time_ours(engine, workload, new)))
 
     print("\n| workload | radixlm out tok/s | transformers out tok/s | ratio |\n|---|---|---|---|")
     for label, tokens, ours, theirs in rows:
         print(f"| {label} | {tokens / ours:.1f} | {tokens / theirs:.1f} | {theirs / ours:.2f}x |")
+    if quantized:
+        print(f"\n| workload | radixlm out tok/s | radixlm {args.quantization} out tok/s | ratio |")
+        print("|---|---|---|---|")
+        for label, tokens, ours, quant in quantized:
+            print(f"| {label} | {tokens / ours:.1f} | {tokens / quant:.1f} | {ours / quant:.2f}x |")
 
 
 # switches one run turns off, one at a time, to see what each is worth at this batch size
@@ -158,12 +177,16 @@ ABLATIONS = {
 }
 
 
-def ours_offline(args, folder, prompts, params, without: str = "") -> tuple[list[float], dict]:
+def ours_offline(
+    args, folder, prompts, params, without: str = "", quantization: str | None = None
+) -> tuple[list[float], dict]:
     """Output tokens/s of --repeats runs of the whole workload on one engine, and the engine's
-    statistics; `without` names a switch of ABLATIONS to turn off."""
+    statistics; `without` names a switch of ABLATIONS to turn off; `quantization` a scheme."""
     import os
 
     env, engine_args = ABLATIONS[without] if without else ({}, {})
+    if quantization:
+        engine_args = {**engine_args, "quantization": quantization}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -190,6 +213,7 @@ def ours_offline(args, folder, prompts, params, without: str = "") -> tuple[list
                 os.environ[k] = v
         torch.cuda.empty_cache()
     label = f"without {without}" if without else "radixlm"
+    label += f" ({quantization})" if quantization else ""
     runs = ", ".join(f"{r:.0f}" for r in rates)
     print(f"{label}: median {statistics.median(rates):.0f} output tok/s (runs: {runs})")
     return rates, stats
@@ -239,6 +263,18 @@ def gpu_workload(args) -> None:
     rates, stats = ours_offline(args, folder, prompts, params)
     ours = statistics.median(rates)
     print(f"  engine stats: {stats}")
+    if args.quantization:
+        q_rates, q_stats = ours_offline(
+            args, folder, prompts, params, quantization=args.quantization
+        )
+        quant = statistics.median(q_rates)
+        print(f"  engine stats ({args.quantization}): {q_stats}")
+        print(
+            f"\n| workload | radixlm bf16 out tok/s | radixlm {args.quantization} out tok/s | ratio |"
+        )
+        print("|---|---|---|---|")
+        label = f"{args.shape}, {args.requests} req, {args.max_running} running"
+        print(f"| {label} | {ours:.0f} | {quant:.0f} | {quant / ours:.2f}x |")
 
     if not args.hf_requests:
         return

@@ -48,6 +48,11 @@ class Scheme:
 
 
 SCHEMES: dict[str, Scheme] = {
+    "fp8": Scheme(
+        "FP8 W8A8 weights (quantization=fp8)",
+        {"quantization": "fp8"},
+        "float8 weights, a scale per output channel; activations per token; LM head unquantized",
+    ),
     "fp8-kv": Scheme(
         "FP8 KV cache",
         {"kv_cache_dtype": "fp8_e4m3"},
@@ -79,7 +84,33 @@ def _per_token_fp8_kv() -> Iterator[None]:
         attention_ref.store_kv_ref = real
 
 
+@contextlib.contextmanager
+def _fp8_weight_only() -> Iterator[None]:
+    """FP8 layers multiplying by the activations as they are (the batch-1 GEMV's numerics, W8A16)
+    on every path."""
+    from radixlm.kernels.quant_ref import fp8_linear_ref
+    from radixlm.runtime.quantization.fp8 import Fp8Linear
+
+    real = Fp8Linear.apply
+
+    def apply(self, layer, x, out_dtype=None):
+        w, s, b = layer.weight, layer.weight_scale, layer.bias
+        return fp8_linear_ref(x, w, s, b, act_quant=False, out_dtype=out_dtype or x.dtype)
+
+    Fp8Linear.apply = apply
+    try:
+        yield
+    finally:
+        Fp8Linear.apply = real
+
+
 WHAT_IF: dict[str, Scheme] = {
+    "fp8-weight-only": Scheme(
+        "FP8 weights, activations unquantized (emulated)",
+        {"quantization": "fp8"},
+        "what-if: W8A16, the batch-1 GEMV's numerics on every path",
+        patch=_fp8_weight_only,
+    ),
     "fp8-kv-per-token": Scheme(
         "FP8 KV, per-token-head scale (emulated)",
         {"attention_backend": "torch"},
