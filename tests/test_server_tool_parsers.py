@@ -173,8 +173,8 @@ THINKING = "The user wants the time in UTC, so get_time."
 CALL = '<tool_call>\n{"name": "get_time", "arguments": {"timezone":"UTC"}}\n</tool_call>'
 
 
-def _app(script: str, **options: Any) -> tuple[TestClient, ScriptedBackend]:
-    backend = ScriptedBackend(script)
+def _app(script: str, finish: str = "stop", **options: Any) -> tuple[TestClient, ScriptedBackend]:
+    backend = ScriptedBackend(script, finish=finish)
     return TestClient(create_app(backend, **options)), backend
 
 
@@ -231,3 +231,23 @@ def test_an_unknown_parser_name_is_refused_naming_the_known_ones():
         create_app(ScriptedBackend("x"), tool_call_parser="llama9")
     with pytest.raises(ValueError, match="deepseek-r1"):
         create_app(ScriptedBackend("x"), reasoning_parser="r2")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_max_tokens_reached_while_thinking_is_all_thinking_and_length(stream):
+    client, _ = _app(f"<think>{THINKING} Then", finish="length", reasoning_parser="qwen3")
+    body = {"messages": [{"role": "user", "content": "Time?"}], "max_tokens": 16, "stream": stream}
+    with client:
+        if stream:
+            with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                chunks = [x for x in sse_payloads(r.iter_lines()) if x != "[DONE]"]
+            deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+            thinking = "".join(d.get("reasoning_content") or "" for d in deltas)
+            content = "".join(d.get("content") or "" for d in deltas)
+            reason = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+        else:
+            out = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+            message, reason = out["message"], out["finish_reason"]
+            thinking, content = message.get("reasoning_content"), message["content"]
+    # the output was cut off inside the thinking: no answer, and the finish reason says so
+    assert thinking == f"{THINKING} Then" and not content and reason == "length"
