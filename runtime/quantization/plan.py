@@ -62,9 +62,12 @@ def prepare(model: nn.Module, plan: QuantPlan) -> None:
 
 @torch.no_grad()
 def finish(model: nn.Module, plan: QuantPlan) -> None:
-    """After loading: each layer turns what it loaded into what it computes with."""
+    """After loading: each layer turns what it loaded into what it computes with. (The weights
+    it replaced go back to the GPU, so that the KV pool, sized from free memory next, gets them.)"""
     for layer in quantized_linears(model):
         plan.scheme.process_after_loading(layer)
+    if any(p.is_cuda for p in model.parameters()):
+        torch.cuda.empty_cache()
 
 
 def readable(
