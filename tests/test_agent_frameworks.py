@@ -1,8 +1,8 @@
 """Agent frameworks against our server, as their users run them: the OpenAI Agents SDK (its models
 over chat completions and over the Responses API, its default) and LangChain's OpenAI chat model,
-each through its own OpenAI client pointed at the server. The tiny random model serves: a demanded
+each through its own OpenAI client pointed at the server. The real default model serves: a demanded
 call (tool_choice "required" or a named tool) and a response_format are grammars, so what it writes
-is well-formed whatever its weights, and what is checked is the protocol: calls the framework parses
+is well-formed whatever it knows, and what is checked is the protocol: calls the framework parses
 and runs, their results going back into the next prompt, a final output the framework validates,
 streamed and not. Each framework's tests skip where it is not installed (`pip install -e ".[dev]"`
 installs both)."""
@@ -25,7 +25,7 @@ from tests.live_server import serve_in_thread
 # LangChain's structured output serializes its parsed object through a model that types it None
 pytestmark = pytest.mark.filterwarnings("ignore:Pydantic serializer warnings:UserWarning")
 
-MAX_TOKENS = 40  # room for a call or a Report, compact, with the tiny model's tokenizer
+MAX_TOKENS = 40  # room for a call or a Report, compact, with the default model's tokenizer
 
 
 class Report(BaseModel):
@@ -86,13 +86,10 @@ def langchain_openai() -> Any:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_folder) -> Iterator[Served]:
-    import radixlm
-
-    with radixlm.Engine(tiny_model_folder, dtype="float32", max_total_tokens=2048) as engine:
-        backend = RecordingBackend(engine)
-        with serve_in_thread(backend) as url:
-            yield Served(url, backend)
+def served(engine) -> Iterator[Served]:
+    backend = RecordingBackend(engine)
+    with serve_in_thread(backend) as url:
+        yield Served(url, backend)
 
 
 def _recording_client(url: str, sent: list[dict[str, Any]]) -> Any:
@@ -141,7 +138,7 @@ def _agent(
         instructions="Look the weather up, then report it.",
         # offered until one has run (the SDK's is_enabled), so that the next turn answers: with
         # tools offered, a model may go on calling them (tool_choice "auto", as OpenAI's may),
-        # and the tiny model does
+        # and a small model does
         tools=[
             agents.function_tool(tool, is_enabled=lambda context, agent: not ran)
             for tool in (get_weather, get_time)
@@ -287,7 +284,7 @@ def test_langchain_bind_tools_parses_calls_and_takes_their_results(langchain_ope
         (c["name"], c["args"]) for c in reply.tool_calls
     ]
     # the loop: each call run, its result back as a ToolMessage, and the model answers (without
-    # tools: offered them, a model may go on calling, as the tiny one may)
+    # tools: offered them, a model may go on calling, as a small one may)
     results = [
         ToolMessage(tools[call["name"]].invoke(call["args"]), tool_call_id=call["id"])
         for call in reply.tool_calls
