@@ -264,6 +264,30 @@ def test_fork_computes_the_shared_context_once_and_join_gathers(engine):
         assert meta["cached_tokens"] >= context_tokens
 
 
+def test_concatenate_and_append_appends_the_forks_texts_and_reuses_the_first_forks_kv(engine):
+    context = " ".join(f"Fact {i}: {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(60))
+    forks_seen = []
+
+    @sgl.function
+    def joined(s):
+        s += context + "\n"
+        forks = s.fork(2)
+        forks += lambda i: f"Fork {i} says:" + sgl.gen("part", max_tokens=6)
+        forks_seen.extend(forks.states)
+        forks.join("concate_and_append")
+        s += "\nSo:" + sgl.gen("after", max_tokens=3)
+
+    state = joined.run(backend=engine, temperature=0)
+    added = [f.text().removeprefix(context + "\n") for f in forks_seen]
+    assert added[0].startswith("Fork 0 says:") and added[1].startswith("Fork 1 says:")
+    # the text is the parent's with each fork's new text appended in order
+    assert state.text() == context + "\n" + "".join(added) + "\nSo:" + state["after"]
+    # the request after the join found the prefix and the first fork, computed at these positions,
+    # in the cache (the second fork's KV was computed at other positions: it is computed again)
+    first = len(engine.tokenizer.encode(context + "\n" + added[0]))
+    assert state.get_meta_info("after")["cached_tokens"] >= first - 2
+
+
 # ---- run_batch -----------------------------------------------------------------------------
 
 
