@@ -1,7 +1,7 @@
 """`tool_call_parser` and `reasoning_parser` through the server: with the real default model, a
 demanded call (tool_choice "required" or a named tool) comes out in the family's own format and
 the same server reads it back into `tool_calls` whose arguments follow the schema, streamed and
-not; the reasoning split over a scripted output."""
+not, as the openai client reads them too; the reasoning split over a scripted output."""
 
 from __future__ import annotations
 
@@ -135,6 +135,41 @@ def test_a_demanded_call_is_written_in_the_family_format_and_read_back(
     if reason == "tool_calls":
         assert not content
     for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("family", list(FAMILY_OPENING))
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_openai_client_gets_the_calls_of_each_family(served, family, stream):
+    from openai import OpenAI
+
+    client, backend = served[family]  # (a TestClient is an httpx.Client the openai client takes)
+    openai = OpenAI(base_url="http://testserver/v1", api_key="-", http_client=client, max_retries=0)
+    request = {
+        "model": client.get("/v1/models").json()["data"][0]["id"],
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [WEATHER, TIME],
+        "tool_choice": "required",
+        "max_tokens": MAX_TOKENS.get(family, 60),
+        "temperature": 0,
+        "parallel_tool_calls": family not in ONE_CALL,
+    }
+    if stream:
+        calls: dict[int, list[str]] = {}
+        for chunk in openai.chat.completions.create(**request, stream=True):
+            for delta in (chunk.choices[0].delta.tool_calls if chunk.choices else None) or []:
+                call = calls.setdefault(delta.index, ["", ""])
+                call[0] += delta.function.name or ""
+                call[1] += delta.function.arguments or ""
+        got = list(calls.values())
+    else:
+        message = openai.chat.completions.create(**request).choices[0].message
+        got = [[c.function.name, c.function.arguments] for c in message.tool_calls or []]
+    raw = backend.runs[-1][1]
+    assert raw.startswith(FAMILY_OPENING[family]), raw
+    parsed = tool_call_parser(family).parse(raw, {"get_weather", "get_time"})
+    assert got and got == [[c.name, c.arguments] for c in parsed.calls]
+    for name, arguments in got:
         jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
