@@ -23,6 +23,7 @@ from radixlm.protocol.stats import EngineStats
 from radixlm.radix_cache.base import NoPrefixCache
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.cache_manager import CacheManager
+from radixlm.runtime.host_memory import trim_free_heap
 from radixlm.runtime.memory_pool import (
     KVPool,
     ReqToTokenPool,
@@ -172,6 +173,8 @@ class EngineCore:
         )
         self._stop = threading.Event()
         self.num_steps = 0
+        self._trimmed_at_step = 0  # the step count when free heap memory was last given back
+        self._last_step_at = 0.0  # (time.perf_counter) when the last step was launched
         self.num_overlapped_steps = 0  # steps launched before the previous one was applied
         # the core thread's time by phase: planning, launching (with sampling unless deferred),
         # deferred sampling (grammar masks), waiting for the device, applying the tokens
@@ -313,6 +316,7 @@ class EngineCore:
                 continue
             self.host_seconds["launch"] += time.perf_counter() - t1
             self.num_steps += 1
+            self._last_step_at = t1
             for req in plan.decodes:
                 req.num_pending += 1
             for item in plan.items:
@@ -367,6 +371,8 @@ class EngineCore:
         self.host_seconds["apply"] += time.perf_counter() - t1
 
     def _drain_inbox(self, block: bool) -> None:
+        if block:
+            self._give_back_idle_memory()
         try:
             msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -396,6 +402,15 @@ class EngineCore:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _give_back_idle_memory(self) -> None:
+        """Idle for half a second after some steps: their freed host memory goes back to the
+        system (runtime/host_memory.py); under load this never runs."""
+        if self._trimmed_at_step == self.num_steps:
+            return
+        if time.perf_counter() - self._last_step_at >= 0.5:
+            self._trimmed_at_step = self.num_steps
+            trim_free_heap()
 
     def _add(self, req: Req, sink: Sink, progress: bool) -> None:
         """A request from the inbox: to the scheduler, or to the grammar queue while its grammar
