@@ -51,6 +51,7 @@ from radixlm.server.tools import (
     ContentFilter,
     ToolCallStreamer,
     ToolPlan,
+    answer_after_thinking_regex,
     auto_output_regex,
     openai_call,
     parse_output,
@@ -567,7 +568,20 @@ async def prepare_chat(
     # agent with an output type whose first turn must call a tool); the format is still checked.
     _apply_response_format({} if plan.constrained else params, req.response_format)
     reasoning = state.reasoning_parser if req.separate_reasoning else None
-    if reasoning is not None and (_constraints(params) or (plan.constrained and parser is None)):
+    after_thinking = False
+    if reasoning is not None and not plan.active and _constraints(params) == ["json_schema"]:
+        # the response_format holds the answer after the thinking, where a regex can hold it whole
+        with contextlib.suppress(ValueError):
+            params["regex"] = answer_after_thinking_regex(
+                reasoning, params["json_schema"], state.json_whitespace
+            )
+            del params["json_schema"]
+            after_thinking = True
+    if (
+        reasoning is not None
+        and not after_thinking
+        and (_constraints(params) or (plan.constrained and parser is None))
+    ):
         # a constraint that holds from the first token leaves no room for thinking: the output
         # is all answer
         reasoning = None

@@ -287,6 +287,16 @@ def thinking_prefix(parser: ReasoningParser) -> str:
     return rt.opt(rt.seq(rt.lit(parser.start), thinking))
 
 
+def answer_after_thinking_regex(parser: ReasoningParser, schema: str, whitespace: str) -> str:
+    """A response_format's JSON schema (as text) held to the answer alone: the thinking first,
+    free, then the answer in the schema. GrammarError (a ValueError) where the regex cannot
+    enforce the schema whole."""
+    from radixlm.constrained.json_schema import JsonSchemaOptions, json_schema_to_regex
+
+    answer = json_schema_to_regex(schema, JsonSchemaOptions(whitespace=whitespace))
+    return f"{thinking_prefix(parser)}(?:{answer})"
+
+
 def _text_without(marker: str) -> str:
     """A regex of every text that does not contain `marker` (whose first character occurs only
     there): the automaton that counts how much of the marker was just seen, written out."""

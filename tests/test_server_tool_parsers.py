@@ -286,3 +286,67 @@ def test_max_tokens_reached_while_thinking_is_all_thinking_and_length(stream):
             thinking, content = message.get("reasoning_content"), message["content"]
     # the output was cut off inside the thinking: no answer, and the finish reason says so
     assert thinking == f"{THINKING} Then" and not content and reason == "length"
+
+
+def _chat(client: TestClient, body: dict[str, Any]) -> tuple[str | None, str | None, str]:
+    """(reasoning_content, content, finish_reason) of a chat completion, streamed or not."""
+    if not body.get("stream"):
+        out = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        message = out["message"]
+        return message.get("reasoning_content"), message["content"], out["finish_reason"]
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        chunks = [x for x in sse_payloads(r.iter_lines()) if x != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    reason = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+    thinking = "".join(d.get("reasoning_content") or "" for d in deltas) or None
+    return thinking, "".join(d.get("content") or "" for d in deltas), reason
+
+
+HOUR = {"type": "object", "properties": {"hour": {"type": "integer"}}, "required": ["hour"]}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_json_schema_holds_the_answer_after_the_thinking(stream):
+    answer = '{"hour":12}'
+    script = f"<think>{THINKING}</think>\n\n{answer}"
+    client, backend = _app(script, reasoning_parser="qwen3")
+    fmt = {"type": "json_schema", "json_schema": {"name": "hour", "schema": HOUR}}
+    body = {"messages": [{"role": "user", "content": "Hour?"}], "response_format": fmt}
+    with client:
+        thinking, content, reason = _chat(client, {**body, "stream": stream})
+    assert thinking == THINKING and content == answer and reason == "stop"
+    # the grammar: the thinking free (qwen3: none at all, too), then the answer in the schema
+    sent = backend.calls[0]
+    assert "json_schema" not in sent
+    held = re.compile(sent["regex"], re.DOTALL)
+    assert held.fullmatch(script) and held.fullmatch(answer)
+    assert not held.fullmatch(f"<think>{THINKING}</think>\n\nNoon.")
+    assert not held.fullmatch(f'<think>{THINKING}</think>\n\n{{"hour":"12"}}')
+
+
+def test_a_schema_no_regex_holds_whole_holds_the_whole_output_as_before():
+    client, backend = _app('["a"]', reasoning_parser="qwen3")
+    schema = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+    fmt = {"type": "json_schema", "json_schema": {"name": "tags", "schema": schema}}
+    body = {"messages": [{"role": "user", "content": "Tags?"}], "response_format": fmt}
+    with client:
+        thinking, content, _ = _chat(client, body)
+    assert json.loads(backend.calls[0]["json_schema"]) == schema and "regex" not in backend.calls[0]
+    assert thinking is None and content == '["a"]'
+
+
+def test_the_real_model_answers_in_the_schema_with_a_reasoning_parser(engine):
+    app = create_app(LocalEngineBackend(engine), owns_engine=False, reasoning_parser="qwen3")
+    sunny = {"type": "object", "properties": {"sunny": {"type": "boolean"}}, "required": ["sunny"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "sunny", "schema": sunny}}
+    body = {
+        "messages": [{"role": "user", "content": "Is the sun up at noon? Answer in JSON."}],
+        "response_format": fmt,
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    with TestClient(app) as client:
+        for stream in (False, True):
+            thinking, content, reason = _chat(client, {**body, "stream": stream})
+            assert reason == "stop", (thinking, content)
+            jsonschema.validate(json.loads(content), sunny)
