@@ -49,7 +49,8 @@ _ENGINE_HELP = {
     "kv_cache_dtype": "what the KV pool stores: auto (the model's dtype) or fp8_e4m3 (float8 with "
     "per-layer scales: twice the tokens in the same memory)",
     "quantization": "weight quantization: fp8 (a bf16/fp16/fp32 checkpoint's linear layers "
-    "quantized at load to float8 with a scale per output channel, activations per token: W8A8); "
+    "quantized at load to float8 with a scale per output channel, activations per token: W8A8) "
+    "or w4a16 (to INT4 in groups of 128, activations as they are); "
     "a compressed-tensors FP8 checkpoint is detected from its config.json and run as stored",
     "random_seed": "the seed of the engine's own random choices (per-request seeds otherwise)",
     "cache_dir": "where converted models are kept (default: $RADIXLM_CACHE or ~/.cache/radixlm)",

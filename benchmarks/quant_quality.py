@@ -53,6 +53,11 @@ SCHEMES: dict[str, Scheme] = {
         {"quantization": "fp8"},
         "float8 weights, a scale per output channel; activations per token; LM head unquantized",
     ),
+    "w4a16": Scheme(
+        "INT4 W4A16 weights (quantization=w4a16)",
+        {"quantization": "w4a16"},
+        "INT4 weights in groups of 128 (64 where K is not a multiple), min-max, zero points",
+    ),
     "fp8-kv": Scheme(
         "FP8 KV cache",
         {"kv_cache_dtype": "fp8_e4m3"},

@@ -116,12 +116,12 @@ def _tile_operand(
 
 @triton.jit
 def _accumulate(
-    acc, a, w_tile, DOT: tl.constexpr, LATE_SUM: tl.constexpr, W_SCALED: tl.constexpr
+    acc, a, w_tile, DOT: tl.constexpr, LATE_SUM: tl.constexpr, W_CONVERT: tl.constexpr
 ):  # fmt: skip
     """acc plus a tile's products: (BLOCK_M, BLOCK_N) float32 sums, or with LATE_SUM the
-    (BLOCK_M, BLOCK_N, BLOCK_K) products summed over K after the loop. With W_SCALED the weights
-    are float8 (their row scales applied after the loop): converted to x's type, exactly."""
-    if DOT and W_SCALED:  # (BLOCK_M, BLOCK_K) @ (BLOCK_K, BLOCK_N) in x's type, float32 sums
+    (BLOCK_M, BLOCK_N, BLOCK_K) products summed over K after the loop. With W_CONVERT the weight
+    tile (float8, exactly; dequantized INT4, rounded) is converted to x's type for tl.dot."""
+    if DOT and W_CONVERT:  # (BLOCK_M, BLOCK_K) @ (BLOCK_K, BLOCK_N) in x's type, float32 sums
         acc = tl.dot(a, tl.trans(w_tile.to(a.dtype)), acc, input_precision="ieee")
     elif DOT:
         acc = tl.dot(a.to(w_tile.dtype), tl.trans(w_tile), acc, input_precision="ieee")
@@ -135,12 +135,33 @@ def _accumulate(
 
 
 @triton.jit
+def _weight_tile(
+    w_ptr, ws_ptr, wz_ptr, rows_n, k, k_end, N, stride_wn, stride_sn,
+    W_INT4: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """The weight's (BLOCK_N, BLOCK_K) tile at columns k, as stored; with W_INT4 unpacked from its
+    bytes (column k in byte k // 2, low four bits for even k) and dequantized to float32 with its
+    group's scale and zero point: (q - zero) * scale."""
+    mask = (rows_n[:, None] < N) & (k[None, :] < k_end)
+    if W_INT4:
+        packed = tl.load(w_ptr + rows_n[:, None] * stride_wn + k[None, :] // 2, mask=mask, other=0)
+        q = (packed.to(tl.int32) >> ((k[None, :] % 2) * 4)) & 0xF
+        at = rows_n[:, None] * stride_sn + k[None, :] // GROUP
+        scale = tl.load(ws_ptr + at, mask=mask, other=0.0)
+        zero = tl.load(wz_ptr + at, mask=mask, other=0.0)
+        tile = (q.to(tl.float32) - zero) * scale
+    else:
+        tile = tl.load(w_ptr + rows_n[:, None] * stride_wn + k[None, :], mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
+    x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, y_ptr,
     M, N, K, k_per_split, eps,
-    stride_xm, stride_rm, stride_wn, stride_ym,
+    stride_xm, stride_rm, stride_wn, stride_sn, stride_ym,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    W_SCALED: tl.constexpr,
+    W_SCALED: tl.constexpr, W_INT4: tl.constexpr, GROUP: tl.constexpr, W_CONVERT: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, LATE_SUM: tl.constexpr, PREFETCH: tl.constexpr,
     DOT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
@@ -151,7 +172,9 @@ def _gemv_kernel(
     before it touches x; a prefetching tile's first weight load is issued before that wait
     (weights do not change during a step). With W_SCALED the weights are float8 with a float32
     scale per row (ws_ptr), by which each output's sum (each split's partial sum) is multiplied:
-    the weights are read as stored and dequantized in registers."""
+    the weights are read as stored and dequantized in registers. With W_INT4 they are packed INT4
+    with a float32 scale and zero point per GROUP columns of a row (ws_ptr, wz_ptr: `_weight_tile`).
+    W_CONVERT: a weight tile is turned into x's type for tl.dot (float8 and INT4 weights)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -161,10 +184,10 @@ def _gemv_kernel(
     cols = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    w_at = w_ptr + rows_n[:, None] * stride_wn + cols[None, :]
     if PREFETCH:  # the first tile on its way before the wait and the prologue's pass over x
-        w_next = tl.load(
-            w_at + k_start, mask=(rows_n[:, None] < N) & (k_start + cols[None, :] < k_end), other=0.0
+        w_next = _weight_tile(
+            w_ptr, ws_ptr, wz_ptr, rows_n, k_start + cols, k_end, N, stride_wn, stride_sn,
+            W_INT4, GROUP,
         )  # fmt: skip
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -186,19 +209,19 @@ def _gemv_kernel(
         k = k0 + cols
         if PREFETCH:
             w_tile = w_next
-            w_next = tl.load(
-                w_at + k0 + BLOCK_K,
-                mask=(rows_n[:, None] < N) & (k[None, :] + BLOCK_K < k_end), other=0.0,
+            w_next = _weight_tile(
+                w_ptr, ws_ptr, wz_ptr, rows_n, k + BLOCK_K, k_end, N, stride_wn, stride_sn,
+                W_INT4, GROUP,
             )  # fmt: skip
         else:
-            w_tile = tl.load(
-                w_at + k0, mask=(rows_n[:, None] < N) & (k[None, :] < k_end), other=0.0
+            w_tile = _weight_tile(
+                w_ptr, ws_ptr, wz_ptr, rows_n, k, k_end, N, stride_wn, stride_sn, W_INT4, GROUP
             )
         a = _tile_operand(
             x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, k, k_end, M, K, stride_xm, stride_rm,
             PROLOGUE, HAS_RESIDUAL,
         )  # fmt: skip
-        acc = _accumulate(acc, a, w_tile, DOT, LATE_SUM, W_SCALED)
+        acc = _accumulate(acc, a, w_tile, DOT, LATE_SUM, W_CONVERT)
     if LATE_SUM:
         acc = tl.sum(acc, axis=2)
     if W_SCALED:
@@ -253,15 +276,22 @@ def _launch(
     res_out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     w_scale: torch.Tensor | None = None,
+    w_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     m = x.shape[0]
     n = weight.shape[0]
-    if m > MAX_ROWS or x.stride(-1) != 1 or weight.stride(-1) != 1 or weight.shape[1] != k:
+    int4 = w_zero is not None
+    if (
+        m > MAX_ROWS
+        or x.stride(-1) != 1
+        or weight.stride(-1) != 1
+        or weight.shape[1] != (k // 2 if int4 else k)
+    ):
         raise ValueError(
-            f"gemv takes up to {MAX_ROWS} rows of x and a weight (N, {k}), unit stride along K; "
-            f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+            f"gemv takes up to {MAX_ROWS} rows of x and a weight (N, {k}) (packed INT4: (N, "
+            f"{k // 2})), unit stride along K; got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
         )
-    _check_w_scale(weight, w_scale)
+    group = _check_w_scale(weight, k, w_scale, w_zero)
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
@@ -276,12 +306,14 @@ def _launch(
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else weight,
         res_out if res_out is not None else y,
-        weight, w_scale if w_scale is not None else weight, bias if bias is not None else weight,
+        weight, w_scale if w_scale is not None else weight,
+        w_zero if w_zero is not None else weight, bias if bias is not None else weight,
         part, m, n, k, k_per_split, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0),
-        y.stride(0),
+        w_scale.stride(0) if int4 else 0, y.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        W_SCALED=w_scale is not None,
+        W_SCALED=w_scale is not None and not int4, W_INT4=int4, GROUP=group,
+        W_CONVERT=w_scale is not None,
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NORM_BLOCK=_norm_block(k, rows, config), LATE_SUM=config.late_sum and not config.dot,
         PREFETCH=config.prefetch and not config.dot, DOT=config.dot, ROWS=rows,
@@ -296,8 +328,33 @@ def _launch(
     return y
 
 
-def _check_w_scale(weight: torch.Tensor, w_scale: torch.Tensor | None) -> None:
-    """A float8 weight comes with its float32 scale per row (N,); a weight of x's type with none."""
+def _check_w_scale(
+    weight: torch.Tensor, k: int, w_scale: torch.Tensor | None, w_zero: torch.Tensor | None
+) -> int:
+    """A float8 weight comes with its float32 scale per row (N,); a packed INT4 one (uint8) with
+    float32 scales and zero points (N, K // group); a weight of x's type with neither. Returns
+    the INT4 group (0 for other weights)."""
+    if weight.dtype == torch.uint8 or w_zero is not None:
+        n = weight.shape[0]
+        groups = w_scale.shape[1] if w_scale is not None and w_scale.dim() == 2 else 0
+        ok = (
+            weight.dtype == torch.uint8
+            and w_scale is not None
+            and w_zero is not None
+            and groups > 0
+            and k % groups == 0
+            and w_scale.shape == w_zero.shape == (n, groups)
+            and w_scale.dtype == w_zero.dtype == torch.float32
+            and w_scale.stride() == w_zero.stride() == (groups, 1)
+        )
+        if not ok:
+            raise ValueError(
+                "gemv takes a packed INT4 weight (uint8, N x K/2) with float32 scales and zero "
+                f"points, contiguous, (N, K // group) each; got a {weight.dtype} weight, "
+                f"w_scale {None if w_scale is None else tuple(w_scale.shape)}, "
+                f"w_zero {None if w_zero is None else tuple(w_zero.shape)}"
+            )
+        return k // groups
     fp8 = weight.dtype == torch.float8_e4m3fn
     if fp8 != (w_scale is not None):
         raise ValueError(
@@ -314,6 +371,7 @@ def _check_w_scale(weight: torch.Tensor, w_scale: torch.Tensor | None) -> None:
             f"w_scale must be float32 of shape ({weight.shape[0]},), contiguous; got "
             f"{w_scale.dtype} {tuple(w_scale.shape)}"
         )
+    return 0
 
 
 def gemv(
@@ -323,14 +381,18 @@ def gemv(
     config: GemvConfig = GemvConfig(),
     out_dtype: torch.dtype | None = None,
     w_scale: torch.Tensor | None = None,
+    w_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x (M, K) with M <= MAX_ROWS, weight (N, K), unit stride along K -> x @ W.T + b (M, N), in
     `out_dtype` (default x's; float32: the float32 sums unrounded). A float8_e4m3fn weight comes
     with `w_scale` (N,) float32: x @ (W * w_scale[:, None]).T, x unquantized (the oracle:
-    kernels/quant_ref.py `fp8_linear_ref(..., act_quant=False)`)."""
+    kernels/quant_ref.py `fp8_linear_ref(..., act_quant=False)`). A packed INT4 weight (uint8,
+    (N, K // 2)) comes with `w_scale` and `w_zero` (N, K // group) float32 (the oracle:
+    `int4_linear_ref`)."""
     return _launch(
-        _NONE.value, x, x.shape[1], weight, bias, config, out_dtype=out_dtype, w_scale=w_scale
-    )
+        _NONE.value, x, x.shape[1], weight, bias, config, out_dtype=out_dtype, w_scale=w_scale,
+        w_zero=w_zero,
+    )  # fmt: skip
 
 
 def gemv_rms_norm(
@@ -343,11 +405,12 @@ def gemv_rms_norm(
     config: GemvConfig = GemvConfig(),
     out_dtype: torch.dtype | None = None,
     w_scale: torch.Tensor | None = None,
+    w_zero: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rmsnorm(x + residual) * norm_weight) @ W.T + b, and x + residual (None without a residual),
     as RMSNorm then a linear layer would give them. x and residual (M, K), norm_weight (K,) of x's
     dtype. The product is in `out_dtype` (default x's; float32: the float32 sums unrounded). A
-    float8 weight comes with `w_scale`, as in `gemv`."""
+    float8 or INT4 weight comes with `w_scale` (and `w_zero`), as in `gemv`."""
     if norm_weight.dtype != x.dtype or (residual is not None and residual.shape != x.shape):
         raise ValueError(
             "gemv_rms_norm takes a norm weight of x's dtype and a residual of its shape"
@@ -360,7 +423,7 @@ def gemv_rms_norm(
     y = _launch(
         _RMS_NORM.value, x, x.shape[1], weight, bias, config,
         residual=residual, norm_weight=norm_weight, eps=eps, res_out=res_out, out_dtype=out_dtype,
-        w_scale=w_scale,
+        w_scale=w_scale, w_zero=w_zero,
     )  # fmt: skip
     return y, res_out
 
@@ -371,16 +434,18 @@ def gemv_silu_and_mul(
     bias: torch.Tensor | None = None,
     config: GemvConfig = GemvConfig(),
     w_scale: torch.Tensor | None = None,
+    w_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(silu(gate) * up) @ W.T + b for gate_up (M, 2K) = [gate | up], weight (N, K); a float8
-    weight comes with `w_scale`, as in `gemv`."""
-    if gate_up.shape[1] != 2 * weight.shape[1]:
+    or INT4 weight comes with `w_scale` (and `w_zero`), as in `gemv`."""
+    k = weight.shape[1] * (2 if w_zero is not None else 1)
+    if gate_up.shape[1] != 2 * k:
         raise ValueError(
             f"gemv_silu_and_mul takes gate_up (M, 2K) for a weight (N, K); got "
             f"{tuple(gate_up.shape)} and {tuple(weight.shape)}"
         )
     return _launch(
-        _SILU_AND_MUL.value, gate_up, weight.shape[1], weight, bias, config, w_scale=w_scale
+        _SILU_AND_MUL.value, gate_up, k, weight, bias, config, w_scale=w_scale, w_zero=w_zero
     )
 
 

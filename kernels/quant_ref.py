@@ -61,3 +61,72 @@ def fp8_linear_ref(
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype).reshape(*shape[:-1], weight.shape[0])
+
+
+# ---- INT4 group-wise (W4A16) ------------------------------------------------------------------
+# A weight (N, K) in groups of `group` columns per row: each group's values are integers q in
+# [0, 15] with a float32 scale s and zero point z (an integer in [0, 15], kept as float32), so
+# w ~ (q - z) * s. Stored packed along K: byte j of a row holds column 2j in its low four bits and
+# column 2j + 1 in its high four, (N, K // 2) uint8; scales and zeros (N, K // group).
+
+INT4_GROUP = 128
+
+
+def quantize_int4_groups(
+    w: torch.Tensor, group: int = INT4_GROUP
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w (N, K), K a multiple of `group` (even) -> (packed (N, K // 2) uint8, scales, zeros), each
+    group's range [min, max] (widened to hold 0) spread over the 16 levels (asymmetric, min-max)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo = g.amin(-1).clamp(max=0.0)
+    hi = g.amax(-1).clamp(min=0.0)
+    scale = ((hi - lo) / 15).clamp(min=_MIN_SCALE)
+    zero = (-lo / scale).round().clamp(0, 15)
+    q = (g / scale[..., None] + zero[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return pack_int4(q.reshape(n, k)), scale, zero
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) integers in [0, 15] -> (N, K // 2) uint8, column 2j low, 2j + 1 high."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K // 2) uint8 -> (N, K) uint8 integers in [0, 15]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize_int4_groups(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> torch.Tensor:
+    """The float32 weight (N, K) of a packed INT4 one: (q - zero) * scale, group by group."""
+    q = unpack_int4(packed).float()
+    n, k = q.shape
+    group = k // scale.shape[1]
+    g = q.reshape(n, -1, group)
+    return ((g - zero.float()[..., None]) * scale.float()[..., None]).reshape(n, k)
+
+
+def int4_linear_ref(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x (..., K) @ dequantize(packed, scale, zero).T + bias in float32, then `out_dtype` (default
+    x's): W4A16, x as it is. The weight is dequantized in pieces of the output."""
+    shape = x.shape
+    a = x.reshape(-1, shape[-1]).float()
+    pieces = [
+        a
+        @ dequantize_int4_groups(packed[i : i + 8192], scale[i : i + 8192], zero[i : i + 8192]).t()
+        for i in range(0, packed.shape[0], 8192)
+    ]
+    y = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype).reshape(*shape[:-1], packed.shape[0])

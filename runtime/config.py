@@ -45,8 +45,8 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as SGLang reads them
 # KV cache dtypes (runtime/memory_pool.py KV_CACHE_DTYPES), and SGLang's others not offered yet
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _KV_CACHE_LATER = ("fp8_e5m2", "fp4_e2m1", "bf16", "bfloat16")
-_QUANTIZATION = ("fp8",)  # runtime/quantization/plan.py QUANTIZATION_METHODS
-_QUANTIZATION_LATER = ("awq", "gptq", "gguf", "w4a16", "awq_marlin", "gptq_marlin")
+_QUANTIZATION = ("fp8", "w4a16")  # runtime/quantization/plan.py QUANTIZATION_METHODS
+_QUANTIZATION_LATER = ("awq", "gptq", "gguf", "awq_marlin", "gptq_marlin")
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # weight quantization, with SGLang's names: fp8 quantizes a bf16/fp16/fp32 checkpoint's linear
     # layers at load (float8 weights with a scale per output channel, activations scaled per token
-    # as they run: W8A8). A quantized checkpoint (compressed-tensors FP8) is detected from its
-    # config.json and run as stored, unset (runtime/quantization/)
+    # as they run: W8A8); w4a16 to INT4 in groups of 128 (activations as they are). A quantized
+    # checkpoint (compressed-tensors FP8) is detected from its config.json and run as stored,
+    # unset (runtime/quantization/)
     quantization: str | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     # CUDA graphs replay decode steps of up to this many requests (default: max_running_requests,

@@ -57,15 +57,15 @@ class LinearDispatch(PlainMatmuls):
     def __call__(self, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
         config = self._chosen("linear", x, linear)
         if config is not None:
-            w, scale = scheme_of(linear).gemv_operands(linear)
-            return gemv.gemv(x, w, linear.bias, config, w_scale=scale)
+            w, quant = scheme_of(linear).gemv_operands(linear)
+            return gemv.gemv(x, w, linear.bias, config, **quant)
         return scheme_of(linear).apply(linear, x)
 
     def float32(self, x, linear):
         config = self._chosen("linear", x, linear)
         if config is not None:
-            w, scale = scheme_of(linear).gemv_operands(linear)
-            return gemv.gemv(x, w, linear.bias, config, out_dtype=torch.float32, w_scale=scale)
+            w, quant = scheme_of(linear).gemv_operands(linear)
+            return gemv.gemv(x, w, linear.bias, config, out_dtype=torch.float32, **quant)
         return super().float32(x, linear)
 
     def norm_linear(self, x, residual, norm, linear, rows=None, float32=False):
@@ -82,10 +82,10 @@ class LinearDispatch(PlainMatmuls):
             x, residual = x[rows], None if residual is None else residual[rows]
         elif residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
-        w, scale = scheme_of(linear).gemv_operands(linear)
+        w, quant = scheme_of(linear).gemv_operands(linear)
         y, summed = gemv.gemv_rms_norm(
             x, residual, norm.weight, norm.eps, w, linear.bias, config,
-            out_dtype=torch.float32 if float32 else None, w_scale=scale,
+            out_dtype=torch.float32 if float32 else None, **quant,
         )  # fmt: skip
         if rows is not None:
             return y, None
@@ -95,8 +95,8 @@ class LinearDispatch(PlainMatmuls):
         config = self._chosen("silu_and_mul", gate_up, linear)
         if config is None:
             return super().silu_linear(gate_up, linear)
-        w, scale = scheme_of(linear).gemv_operands(linear)
-        return gemv.gemv_silu_and_mul(gate_up, w, linear.bias, config, w_scale=scale)
+        w, quant = scheme_of(linear).gemv_operands(linear)
+        return gemv.gemv_silu_and_mul(gate_up, w, linear.bias, config, **quant)
 
     def tune(
         self,
@@ -147,7 +147,8 @@ class LinearDispatch(PlainMatmuls):
         matmul (for an unquantized layer, the plain path in float32)."""
         w = linear.weight
         dtype = norm.weight.dtype if norm is not None else _activation_dtype(linear)
-        x = torch.randn(rows, w.shape[1], device=w.device, dtype=dtype)
+        k = linear.in_features  # (a packed weight has fewer columns)
+        x = torch.randn(rows, k, device=w.device, dtype=dtype)
         out = torch.float32 if float32 else None
         oracle = _ReferenceMatmuls()
         if op == "linear":
@@ -156,16 +157,16 @@ class LinearDispatch(PlainMatmuls):
                 if float32
                 else (lambda lin: scheme_of(lin).apply(lin, x)),
                 lambda c, lin: gemv.gemv(
-                    x, _weights(lin)[0], lin.bias, c, out_dtype=out, w_scale=_weights(lin)[1]
+                    x, _weights(lin)[0], lin.bias, c, out_dtype=out, **_weights(lin)[1]
                 ),
                 lambda lin: oracle(x, lin),
             )
         if op == "silu_and_mul":
-            gate_up = torch.randn(rows, 2 * w.shape[1], device=w.device, dtype=dtype)
+            gate_up = torch.randn(rows, 2 * k, device=w.device, dtype=dtype)
             return (
                 lambda lin: PlainMatmuls.silu_linear(self, gate_up, lin),
                 lambda c, lin: gemv.gemv_silu_and_mul(
-                    gate_up, _weights(lin)[0], lin.bias, c, w_scale=_weights(lin)[1]
+                    gate_up, _weights(lin)[0], lin.bias, c, **_weights(lin)[1]
                 ),
                 lambda lin: oracle.silu_linear(gate_up, lin),
             )
@@ -176,7 +177,7 @@ class LinearDispatch(PlainMatmuls):
             lambda lin: PlainMatmuls.norm_linear(self, x, res, norm, lin, float32=float32)[0],
             lambda c, lin: gemv.gemv_rms_norm(
                 x, res, norm.weight, norm.eps, _weights(lin)[0], lin.bias, c, out_dtype=out,
-                w_scale=_weights(lin)[1],
+                **_weights(lin)[1],
             )[0],
             lambda lin: oracle.norm_linear(x, res, norm, lin, float32=float32)[0],
         )  # fmt: skip
@@ -192,7 +193,7 @@ class _ReferenceMatmuls(PlainMatmuls):
         return scheme_of(linear).reference(linear, x)
 
 
-def _weights(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _weights(linear) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return scheme_of(linear).gemv_operands(linear)
 
 
@@ -212,7 +213,11 @@ def graph_ms(call: Callable[[torch.nn.Linear], object], linear: torch.nn.Linear)
     copies = max(1, min(512, _L2_SPILL_BYTES // (w.numel() * w.element_size())))
     linears = [linear]
     # (a quantized layer's copy keeps its scheme and scales)
-    extra = {k: getattr(linear, k) for k in ("quant_scheme", "weight_scale") if hasattr(linear, k)}
+    extra = {
+        k: getattr(linear, k)
+        for k in ("quant_scheme", "weight_scale", "weight_zero", "compute_dtype")
+        if hasattr(linear, k)
+    }
     try:
         while len(linears) < copies:
             linears.append(SimpleNamespace(weight=w.clone(), bias=b, **extra))

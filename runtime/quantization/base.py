@@ -50,9 +50,9 @@ class LinearScheme:
         b = layer.bias
         return F.linear(x.float(), layer.weight.float(), None if b is None else b.float())
 
-    def gemv_operands(self, layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, its scale per row or None) as kernels/gemv.py reads them."""
-        return layer.weight, None
+    def gemv_operands(self, layer: nn.Linear) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(weight, the keyword arguments of kernels/gemv.py that describe it: its scales)."""
+        return layer.weight, {}
 
     def weight_bytes(self, layer: nn.Linear) -> int:
         """Bytes of the layer's parameters (what a batch-1 step reads)."""

@@ -96,7 +96,7 @@ class Fp8Linear(LinearScheme):
         )  # fmt: skip
 
     def gemv_operands(self, layer):
-        return layer.weight, layer.weight_scale
+        return layer.weight, {"w_scale": layer.weight_scale}
 
     def dequantized_weight(self, layer: nn.Linear) -> torch.Tensor:
         """The float32 weight the layer stands for (tests and quality checks)."""

@@ -16,8 +16,12 @@ from torch import nn
 from radixlm.runtime.quantization.base import LinearScheme
 from radixlm.runtime.quantization.checkpoint import StoredQuantization
 from radixlm.runtime.quantization.fp8 import Fp8Linear
+from radixlm.runtime.quantization.int4 import Int4Linear
 
-QUANTIZATION_METHODS = ("fp8",)  # EngineConfig.quantization's values (None: none; config.py)
+QUANTIZATION_METHODS = (
+    "fp8",
+    "w4a16",
+)  # EngineConfig.quantization's values (None: none; config.py)
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ def plan_for(option: str | None, stored: StoredQuantization | None) -> QuantPlan
         return None
     if option == "fp8":
         return QuantPlan(Fp8Linear(stored=False), "FP8 W8A8, quantized at load")
+    if option == "w4a16":
+        return QuantPlan(Int4Linear(), "INT4 W4A16, group 128, quantized at load")
     raise ValueError(f"quantization={option!r}; use one of {', '.join(QUANTIZATION_METHODS)}")
 
 

@@ -1,0 +1,70 @@
+"""INT4 W4A16: weights in groups of 128 columns (fewer where a layer's K is not a multiple of 128),
+each group's values integers 0..15 with a float32 scale and zero point, two to a byte; activations
+as they are.
+
+Quantized at load (`quantization="w4a16"`) from the checkpoint's weights, min-max per group
+(asymmetric, as AWQ's default). At batch 1-4 the Triton GEMV (kernels/gemv.py with `w_scale` and
+`w_zero`) reads the packed bytes, an eighth of float32's, and dequantizes in registers; larger
+batches dequantize the layer and multiply (kernels/quant_ref.py `int4_linear_ref`, also the
+oracle), which is correct but reads and writes the whole weight again: a Triton dequantizing GEMM
+is the next step for them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixlm.kernels.quant_ref import (
+    INT4_GROUP,
+    dequantize_int4_groups,
+    int4_linear_ref,
+    quantize_int4_groups,
+)
+from radixlm.runtime.quantization.base import LinearScheme, replace_parameter
+
+
+def int4_group(k: int) -> int:
+    """The group of a layer of K input columns: 128, or the largest power of two that divides K
+    (down to 16); ValueError for a K that none divides."""
+    group = INT4_GROUP
+    while group >= 16:
+        if k % group == 0:
+            return group
+        group //= 2
+    raise ValueError(
+        f"quantization='w4a16' needs each linear layer's input size to be a multiple of 16; "
+        f"one has {k}: use quantization='fp8' for this model"
+    )
+
+
+class Int4Linear(LinearScheme):
+    name = "w4a16"
+    quantized = True
+
+    def create_weights(self, layer: nn.Linear) -> None:
+        layer.compute_dtype = layer.weight.dtype  # (the model's: its inputs' and outputs')
+
+    def process_after_loading(self, layer: nn.Linear) -> None:
+        w = layer.weight.data
+        packed, scale, zero = quantize_int4_groups(w, int4_group(w.shape[1]))
+        replace_parameter(layer, "weight", packed)
+        replace_parameter(layer, "weight_scale", scale)
+        replace_parameter(layer, "weight_zero", zero)
+
+    def apply(self, layer, x, out_dtype=None):
+        return int4_linear_ref(
+            x, layer.weight, layer.weight_scale, layer.weight_zero, layer.bias, out_dtype
+        )
+
+    def reference(self, layer, x):
+        return int4_linear_ref(
+            x, layer.weight, layer.weight_scale, layer.weight_zero, layer.bias, torch.float32
+        )
+
+    def gemv_operands(self, layer):
+        return layer.weight, {"w_scale": layer.weight_scale, "w_zero": layer.weight_zero}
+
+    def dequantized_weight(self, layer: nn.Linear):
+        """The float32 weight the layer stands for (tests and quality checks)."""
+        return dequantize_int4_groups(layer.weight, layer.weight_scale, layer.weight_zero)

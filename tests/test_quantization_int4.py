@@ -1,0 +1,175 @@
+"""INT4 W4A16 weights (runtime/quantization/int4.py): packing and group-wise rounding against a
+hand-worked example, the batch-1 GEMV over packed INT4 weights (kernels/gemv.py with `w_scale`
+and `w_zero`, alone and with its prologues) against its torch oracle (kernels/quant_ref.py), the
+dispatch, and `quantization="w4a16"` end to end against transformers' model with the same INT4
+numerics. Kernels under TRITON_INTERPRET=1 on the CPU at small sizes; on a GPU at real sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+import radixlm  # noqa: E402
+from radixlm.kernels.gemv import GemvConfig, gemv, gemv_rms_norm, gemv_silu_and_mul  # noqa: E402
+from radixlm.kernels.quant_ref import (  # noqa: E402
+    dequantize_int4_groups,
+    int4_linear_ref,
+    pack_int4,
+    quantize_int4_groups,
+    unpack_int4,
+)
+from radixlm.runtime.layers import RMSNorm, silu_and_mul  # noqa: E402
+from radixlm.runtime.matmul_dispatch import LinearDispatch, choice_key  # noqa: E402
+from radixlm.runtime.quantization.int4 import Int4Linear, int4_group  # noqa: E402
+from radixlm.runtime.quantization.plan import QuantPlan, finish, prepare  # noqa: E402
+from tests.test_quantization_engine import GREEDY, PROMPTS, sharp_tiny_folder  # noqa: E402, F401
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = DEVICE.type == "cuda"
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+TOL = 2e-2 if ON_GPU else 1e-4
+# (N, K, group): partial tiles and groups smaller than a tile on the CPU
+SIZES = [(37, 128, 32), (20, 256, 128)] if not ON_GPU else [(6144, 4096, 128), (4096, 14336, 128)]
+TILES = (
+    [
+        GemvConfig(8, 64, 4, 1, 1),
+        GemvConfig(4, 64, 4, 1, 3),
+        GemvConfig(4, 32, 1, 1, 2, late_sum=True, prefetch=True),
+        GemvConfig(16, 32, 1, 2, 3, dot=True),
+    ]
+    if not ON_GPU
+    else [
+        GemvConfig(4, 2048, 4, 2, 1),
+        GemvConfig(8, 512, 4, 3, 4),
+        GemvConfig(16, 512, 8, 1, 1, late_sum=True, prefetch=True),
+        GemvConfig(32, 128, 4, 4, 1, dot=True),
+    ]
+)
+
+
+def int4_weight(n: int, k: int, group: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) / k**0.5 + 0.01  # (an offset: zero points not 8)
+    packed, scale, zero = quantize_int4_groups(w, group)
+    return w, packed.to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
+
+
+def test_packing_puts_even_columns_in_the_low_bits():
+    q = torch.tensor([[1, 2, 15, 0], [7, 8, 9, 10]], dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.tolist() == [[0x21, 0x0F], [0x87, 0xA9]]
+    assert torch.equal(unpack_int4(packed), q)
+
+
+def test_groups_round_min_max_to_sixteen_levels():
+    # one row, two groups of 4: [-1, 0, 0.65, 2] and [0, 0, 0, 3]
+    w = torch.tensor([[-1.0, 0.0, 0.65, 2.0, 0.0, 0.0, 0.0, 3.0]])
+    packed, scale, zero = quantize_int4_groups(w, group=4)
+    torch.testing.assert_close(scale, torch.tensor([[3.0 / 15, 3.0 / 15]]))
+    assert zero.tolist() == [[5.0, 0.0]]  # -min / scale = 5; a group >= 0 keeps 0 at level 0
+    assert unpack_int4(packed).tolist() == [[0, 5, 8, 15, 0, 0, 0, 15]]  # 0.65 / 0.2 + 5 -> 8
+    back = dequantize_int4_groups(packed, scale, zero)
+    torch.testing.assert_close(back, torch.tensor([[-1.0, 0.0, 0.6, 2.0, 0.0, 0.0, 0.0, 3.0]]))
+    w, packed, scale, zero = (t.cpu() for t in int4_weight(16, 256, 128, seed=1))
+    err = (dequantize_int4_groups(packed, scale, zero) - w).abs().reshape(16, 2, 128)
+    assert bool((err <= scale[..., None] / 2 + 1e-6).all())  # half a level at most
+
+
+def test_group_of_a_layer():
+    assert [int4_group(k) for k in (4096, 576, 64, 48)] == [128, 64, 64, 16]
+    with pytest.raises(ValueError, match="multiple of 16; one has 100: use quantization='fp8'"):
+        int4_group(100)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("size", SIZES)
+def test_gemv_reads_packed_int4_weights_as_the_oracle_does(size, rows, torch_path):
+    n, k, group = size
+    _, packed, scale, zero = int4_weight(n, k, group, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k + 3, generator=gen).to(DEVICE, DTYPE)[:, :k]
+    b = torch.randn(n, generator=gen).to(DEVICE, DTYPE)
+    res = torch.randn(rows, k, generator=gen).to(DEVICE, DTYPE)
+    norm = RMSNorm(k, 1e-5).to(DEVICE, DTYPE)
+    gate_up = (torch.randn(rows, 2 * k, generator=gen) * 3).to(DEVICE, DTYPE)
+    want = int4_linear_ref(x, packed, scale, zero, b, out_dtype=torch.float32)
+    normed, summed = norm(x, res)
+    want_norm = int4_linear_ref(normed, packed, scale, zero, out_dtype=torch.float32)
+    want_silu = int4_linear_ref(silu_and_mul(gate_up), packed, scale, zero, out_dtype=torch.float32)
+    quant = {"w_scale": scale, "w_zero": zero}
+    for tile in TILES:
+        torch.testing.assert_close(gemv(x, packed, b, tile, **quant).float(), want, atol=TOL, rtol=TOL)  # fmt: skip
+        y, got_sum = gemv_rms_norm(x, res, norm.weight, norm.eps, packed, None, tile, **quant)
+        assert torch.equal(got_sum, summed)
+        torch.testing.assert_close(y.float(), want_norm, atol=TOL, rtol=TOL)
+        y = gemv_silu_and_mul(gate_up, packed, None, tile, **quant)
+        torch.testing.assert_close(y.float(), want_silu, atol=TOL, rtol=TOL)
+
+
+def test_gemv_refuses_int4_weights_without_their_scales():
+    _, packed, scale, zero = int4_weight(8, 64, 32, seed=2)
+    x = torch.zeros(1, 64, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(ValueError, match="packed INT4 weight"):
+        gemv(x, packed, None, TILES[0], w_zero=zero)
+    with pytest.raises(ValueError, match="packed INT4 weight"):
+        gemv(x, packed, None, TILES[0], w_scale=scale, w_zero=zero[:, :1])
+
+
+def test_dispatch_runs_the_gemv_over_int4_weights_where_chosen(count_launches):
+    layer = torch.nn.Linear(128, 40, bias=True).to(DEVICE, DTYPE)
+    plan = QuantPlan(Int4Linear(), "test")
+    model = torch.nn.ModuleDict({"proj": layer})
+    prepare(model, plan)
+    finish(model, plan)
+    assert layer.weight.dtype == torch.uint8 and layer.weight.shape == (40, 64)
+    dispatch = LinearDispatch()
+    torch.manual_seed(0)
+    x = torch.randn(1, 128, device=DEVICE, dtype=DTYPE)
+    want = layer.quant_scheme.reference(layer, x)
+    torch.testing.assert_close(dispatch(x, layer).float(), want, atol=TOL, rtol=TOL)
+    assert count_launches == []
+    dispatch.choice[choice_key("linear", 1, layer)] = TILES[0]
+    got = dispatch(x, layer)
+    assert count_launches == ["gemv"]
+    torch.testing.assert_close(got.float(), want, atol=TOL, rtol=TOL)
+
+
+def hf_with_int4_oracle(folder: str):
+    """transformers' model of `folder` (float32) whose decoder linear layers compute the W4A16
+    oracle over their weights rounded as quantization="w4a16" rounds them."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            w = module.weight.detach()
+            packed, scale, zero = quantize_int4_groups(w, int4_group(w.shape[1]))
+
+            def forward(x, _p=packed, _s=scale, _z=zero, _b=module.bias):
+                return int4_linear_ref(x, _p, _s, _z, _b)
+
+            module.forward = forward
+    return model
+
+
+def test_w4a16_engine_computes_what_transformers_computes_with_int4_linears(sharp_tiny_folder):  # noqa: F811
+    with radixlm.Engine(sharp_tiny_folder, dtype="float32", quantization="w4a16") as engine:
+        mlp = engine.model.layers[0].mlp
+        assert mlp.down_proj.weight.dtype == torch.uint8
+        assert mlp.down_proj.weight_scale.shape == (64, 1)  # K 128: one group of 128 a row
+        assert mlp.gate_up_proj.weight_scale.shape == (256, 1)  # K 64: one group of 64
+        outs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+        tokenizer = engine.tokenizer
+    hf = hf_with_int4_oracle(sharp_tiny_folder)
+    want = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([tokenizer.encode(prompt)])
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                min_new_tokens=8, eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+            want.append(out[0, ids.shape[1] :].tolist())
+    assert outs == want
