@@ -2,7 +2,8 @@
 hand-worked example, the batch-1 GEMV over packed INT4 weights (kernels/gemv.py with `w_scale`
 and `w_zero`, alone and with its prologues) against its torch oracle (kernels/quant_ref.py), the
 dispatch, and `quantization="w4a16"` end to end against transformers' model with the same INT4
-numerics. Kernels under TRITON_INTERPRET=1 on the CPU at small sizes; on a GPU at real sizes."""
+numerics; the matmul over packed INT4 weights for larger batches (kernels/quant_gemm.py) against
+the same oracle. Kernels under TRITON_INTERPRET=1 on the CPU at small sizes; on a GPU at real sizes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 import radixlm  # noqa: E402
 from radixlm.kernels.gemv import GemvConfig, gemv, gemv_rms_norm, gemv_silu_and_mul  # noqa: E402
+from radixlm.kernels.quant_gemm import int4_gemm  # noqa: E402
 from radixlm.kernels.quant_ref import (  # noqa: E402
     dequantize_int4_groups,
     int4_linear_ref,
@@ -106,6 +108,23 @@ def test_gemv_reads_packed_int4_weights_as_the_oracle_does(size, rows, torch_pat
         torch.testing.assert_close(y.float(), want_norm, atol=TOL, rtol=TOL)
         y = gemv_silu_and_mul(gate_up, packed, None, tile, **quant)
         torch.testing.assert_close(y.float(), want_silu, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("rows", [5, 33])
+@pytest.mark.parametrize("size", SIZES)
+def test_int4_gemm_for_larger_batches_matches_the_oracle(size, rows):
+    n, k, group = size
+    _, packed, scale, zero = int4_weight(n, k, group, seed=20 + rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k + 3, generator=gen).to(DEVICE, DTYPE)[:, :k]
+    b = torch.randn(n, generator=gen).to(DEVICE, DTYPE)
+    want = int4_linear_ref(x, packed, scale, zero, b, out_dtype=torch.float32)
+    block = (16, 16, 32) if not ON_GPU else (64, 64, 64)  # (the interpreter's time grows with it)
+    got = int4_gemm(x, packed, scale, zero, b, block)
+    assert got.dtype == DTYPE
+    torch.testing.assert_close(got.float(), want, atol=TOL, rtol=TOL)
+    with pytest.raises(ValueError, match="int4_gemm takes x"):
+        int4_gemm(x, packed, scale[:, :1].contiguous(), zero, b, block)
 
 
 def test_gemv_refuses_int4_weights_without_their_scales():

@@ -6,8 +6,8 @@ Quantized at load (`quantization="w4a16"`) from the checkpoint's weights, min-ma
 (asymmetric, as AWQ's default). At batch 1-4 the Triton GEMV (kernels/gemv.py with `w_scale` and
 `w_zero`) reads the packed bytes, an eighth of float32's, and dequantizes in registers; larger
 batches dequantize the layer and multiply (kernels/quant_ref.py `int4_linear_ref`, also the
-oracle), which is correct but reads and writes the whole weight again: a Triton dequantizing GEMM
-is the next step for them.
+oracle) on the CPU; on a GPU the Triton matmul kernels/quant_gemm.py dequantizes tiles as it
+reads them (an untuned tile for now).
 """
 
 from __future__ import annotations
@@ -53,6 +53,14 @@ class Int4Linear(LinearScheme):
         replace_parameter(layer, "weight_zero", zero)
 
     def apply(self, layer, x, out_dtype=None):
+        if x.is_cuda:  # the Triton matmul that dequantizes as it reads (kernels/quant_gemm.py)
+            from radixlm.kernels.quant_gemm import int4_gemm
+
+            x2 = x.reshape(-1, x.shape[-1])
+            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+            w, s, z = layer.weight, layer.weight_scale, layer.weight_zero
+            y = int4_gemm(x2, w, s, z, layer.bias).view(*x.shape[:-1], w.shape[0])
+            return y if out_dtype is None else y.to(out_dtype)
         return int4_linear_ref(
             x, layer.weight, layer.weight_scale, layer.weight_zero, layer.bias, out_dtype
         )
