@@ -1,7 +1,8 @@
 """Quantized checkpoints read as stored (runtime/quantization/checkpoint.py), each format against its
-own writer's reference dequantization: compressed-tensors FP8 checkpoints written offline by
-compressed-tensors itself (tests/quant_checkpoints.py), with channel and tensor weight scales; and
-the quantization_configs that are refused, each naming what is supported."""
+own writer's reference dequantization: compressed-tensors checkpoints written offline by
+compressed-tensors itself (tests/quant_checkpoints.py), FP8 with channel and tensor weight scales
+and W4A16 (pack-quantized) with and without zero points; and the quantization_configs that are
+refused, each naming what is supported."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytest.importorskip("compressed_tensors", reason="compressed-tensors is not inst
 
 import radixlm  # noqa: E402
 from radixlm.runtime.quantization.checkpoint import read_quantization_config  # noqa: E402
-from tests.quant_checkpoints import write_compressed_tensors_fp8  # noqa: E402
+from tests.quant_checkpoints import write_compressed_tensors  # noqa: E402
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
@@ -27,7 +28,7 @@ FUSED = {"qkv_proj": ("self_attn", ["q_proj", "k_proj", "v_proj"]),
 @pytest.fixture(scope="module", params=["channel", "tensor"])
 def ct_checkpoint(request, tiny_model_folder, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"ct-fp8-{request.param}")
-    return request.param, write_compressed_tensors_fp8(tiny_model_folder, out, request.param)
+    return request.param, write_compressed_tensors(tiny_model_folder, out, request.param)
 
 
 def reference_weights(folder) -> dict[str, torch.Tensor]:
@@ -91,7 +92,7 @@ def test_quantizing_at_load_stores_what_compressed_tensors_stores(ct_checkpoint,
 def test_a_config_that_does_not_match_its_weights_is_refused(tiny_model_folder, tmp_path):
     """config.json says FP8 and the weights are float32: an error, not float8-cast weights."""
     src = tmp_path / "src"
-    write_compressed_tensors_fp8(tiny_model_folder, src, "channel")
+    write_compressed_tensors(tiny_model_folder, src, "channel")
     folder = tmp_path / "mismatch"
     shutil.copytree(tiny_model_folder, folder)
     config = json.loads((folder / "config.json").read_text())
@@ -132,6 +133,13 @@ def fp8_config(**changes) -> dict:
 
 def test_supported_configs_are_read():
     assert read_quantization_config(fp8_config(), 2).scheme == "fp8"
+    int4 = fp8_config(**{
+        "weights.type": "int", "weights.num_bits": 4, "weights.strategy": "group",
+        "weights.group_size": 128, "weights.symmetric": False, "input_activations": None,
+        "format": "pack-quantized",
+    })  # fmt: skip
+    stored = read_quantization_config(int4, 2)
+    assert (stored.scheme, stored.group, stored.zero_points) == ("w4a16", 128, True)
     tensor = fp8_config(**{"weights.strategy": "tensor", "input_activations.dynamic": False})
     stored = read_quantization_config(tensor, 2)
     assert stored.unread_suffixes == (".input_scale",)
@@ -144,13 +152,47 @@ def test_supported_configs_are_read():
     [
         ({"top.quant_method": "gptq"}, "quant_method 'gptq'"),
         ({"weights.strategy": "block"}, "strategy: 'block'"),
-        ({"weights.type": "int", "weights.num_bits": 4}, "type: 'int'"),
+        (
+            {"weights.type": "int", "weights.num_bits": 4},
+            "integer weights in format 'float-quantized'",
+        ),
         ({"input_activations": None}, "input activations {}"),
         ({"top.kv_cache_scheme": {"num_bits": 8}}, "kv_cache_dtype='fp8_e4m3'"),
         ({"top.ignore": []}, "quantized LM head"),
         ({"top.ignore": ["lm_head", "re:.*down_proj"]}, "leaving decoder layers unquantized"),
         ({"top.quantization_status": "frozen"}, "quantization_status 'frozen'"),
         ({"format": "pack-quantized"}, "format 'pack-quantized'"),
+        (
+            {
+                "weights.type": "int",
+                "weights.num_bits": 8,
+                "weights.strategy": "channel",
+                "format": "pack-quantized",
+            },
+            "num_bits: 8",
+        ),
+        (
+            {
+                "weights.type": "int",
+                "weights.num_bits": 4,
+                "weights.strategy": "group",
+                "weights.group_size": 128,
+                "weights.actorder": "group",
+                "input_activations": None,
+                "format": "pack-quantized",
+            },
+            "actorder 'group'",
+        ),
+        (
+            {
+                "weights.type": "int",
+                "weights.num_bits": 4,
+                "weights.strategy": "group",
+                "weights.group_size": 128,
+                "format": "pack-quantized",
+            },
+            "with quantized activations",
+        ),
     ],
 )
 def test_unsupported_configs_are_refused_naming_what_is_supported(changes, what):
@@ -180,3 +222,52 @@ def test_tensor_parallel_ranks_hold_their_rows_and_columns_with_their_scales(ct_
         assert torch.equal(got, o[:, : o.shape[1] // 2])
         outs = engine.generate(PROMPTS, GREEDY)
     assert all(len(o["output_ids"]) == 8 for o in outs)
+
+
+@pytest.fixture(scope="module", params=["w4a16", "w4a16-asym"])
+def ct_int4_checkpoint(request, tiny_model_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"ct-{request.param}")
+    return request.param, write_compressed_tensors(tiny_model_folder, out, request.param)
+
+
+def reference_int4_weights(folder) -> dict[str, torch.Tensor]:
+    """Each quantized layer's weight as compressed-tensors' own pack-quantized compressor
+    decompresses it, by checkpoint name."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
+    tensors = load_file(str(folder / "model.safetensors"))
+    out = {}
+    for name in tensors:
+        if name.endswith(".weight_packed"):
+            module = name.removesuffix(".weight_packed")
+            state = {k.removeprefix(module + "."): t for k, t in tensors.items() if k.startswith(module + ".")}  # fmt: skip
+            out[module] = PackedQuantizationCompressor.decompress(state, scheme)["weight"].float()
+    return out
+
+
+def test_compressed_tensors_w4a16_loads_as_stored(ct_int4_checkpoint):
+    scheme, folder = ct_int4_checkpoint
+    reference = reference_int4_weights(folder)
+    assert len(reference) == 2 * 7
+    with radixlm.Engine(str(folder), dtype="float32") as engine:
+        for i, layer in enumerate(engine.model.layers):
+            for ours, (block, parts) in FUSED.items():
+                linear = getattr(getattr(layer, block), ours)
+                assert linear.weight.dtype == torch.uint8
+                got = linear.quant_scheme.dequantized_weight(linear)
+                want = torch.cat([reference[f"model.layers.{i}.{block}.{p}"] for p in parts])
+                torch.testing.assert_close(got, want, atol=0, rtol=1e-6, msg=f"{scheme} {i} {ours}")
+        outs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+    assert all(len(o) == 8 for o in outs)
+
+
+def test_w4a16_checkpoints_are_refused_with_tensor_parallelism(ct_int4_checkpoint):
+    scheme, folder = ct_int4_checkpoint
+    if scheme != "w4a16":
+        pytest.skip("one start suffices")
+    with pytest.raises(ValueError, match="W4A16 checkpoints are not supported with tp_size > 1"):
+        radixlm.Engine(str(folder), dtype="float32", tp_size=2)

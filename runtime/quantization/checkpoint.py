@@ -1,11 +1,14 @@
 """Reading a checkpoint's `quantization_config` (config.json): what it stores, or why it is refused.
 
-Supported: compressed-tensors (what llmcompressor writes) FP8, stored compressed: one config group
-targeting every Linear, float8 e4m3 weights (symmetric, static, a scale per output channel or per
-tensor: llmcompressor's FP8_DYNAMIC and FP8 schemes), float8 input activations (dynamic per token or
-static per tensor: radixlm always scales them per token at run time, so a static `input_scale` is
-not read), and the LM head left out (`ignore`). Everything else is refused, naming what is
-supported.
+Supported: compressed-tensors (what llmcompressor writes), stored compressed, one config group
+targeting every Linear, the LM head left out (`ignore`):
+- FP8: float8 e4m3 weights (symmetric, static, a scale per output channel or per tensor:
+  llmcompressor's FP8_DYNAMIC and FP8 schemes), float8 input activations (dynamic per token or
+  static per tensor: radixlm always scales them per token at run time, so a static `input_scale`
+  is not read);
+- W4A16: 4-bit integer weights in groups (symmetric or with zero points: W4A16, W4A16_ASYM),
+  packed eight to an int32 (`pack-quantized`), activations unquantized, no activation ordering.
+Everything else is refused, naming what is supported.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from typing import Any
 
 SUPPORTED_CHECKPOINTS = (
     "compressed-tensors FP8 (float8_e4m3 weights with channel or tensor scales and float8 "
-    "activations, as llmcompressor's FP8_DYNAMIC and FP8 schemes write them)"
+    "activations, as llmcompressor's FP8_DYNAMIC and FP8 schemes write them) and W4A16 (4-bit "
+    "integer weights in groups, pack-quantized, as its W4A16 and W4A16_ASYM schemes write them)"
 )
 _FORMATS = ("float-quantized", "naive-quantized")
+_INT4_FORMATS = ("pack-quantized",)
 # a Llama-family decoder layer's linear layers, as a Hugging Face checkpoint names them
 _DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -32,6 +37,10 @@ class StoredQuantization:
     description: str
     # checkpoint tensor names ending so are not read (a static input scale: see the module doc)
     unread_suffixes: tuple[str, ...] = ()
+    # checkpoint tensor name endings -> the layer's parameter names (W4A16's packed tensors)
+    renames: tuple[tuple[str, str], ...] = ()
+    group: int = 0  # W4A16: columns a scale covers
+    zero_points: bool = False  # W4A16: stored zero points (else symmetric)
 
 
 def as_dict(quantization_config: Any) -> dict[str, Any]:
@@ -66,9 +75,12 @@ def read_quantization_config(qc: dict[str, Any], num_layers: int) -> StoredQuant
     if group.get("targets") != ["Linear"]:
         _refuse(f"a config group targeting {group.get('targets')!r} (['Linear'] is)")
     fmt = group.get("format") or qc.get("format")
+    weights = group.get("weights") or {}
+    if weights.get("type") == "int":
+        _check_ignore(qc.get("ignore") or [], num_layers)
+        return _read_w4a16(group, fmt)
     if fmt not in _FORMATS:
         _refuse(f"compressed-tensors format {fmt!r} (supported: {', '.join(_FORMATS)})")
-    weights = group.get("weights") or {}
     strategy = weights.get("strategy")
     if not (
         weights.get("type") == "float"
@@ -92,6 +104,34 @@ def read_quantization_config(qc: dict[str, Any], num_layers: int) -> StoredQuant
         "fp8",
         f"compressed-tensors FP8, {strategy} weight scales",
         unread_suffixes=(".input_scale",) if static else (),
+    )
+
+
+def _read_w4a16(group: dict[str, Any], fmt: str | None) -> StoredQuantization:
+    weights = group["weights"]
+    if fmt not in _INT4_FORMATS:
+        _refuse(f"compressed-tensors integer weights in format {fmt!r} (pack-quantized is)")
+    size = weights.get("group_size")
+    if not (
+        weights.get("num_bits") == 4
+        and weights.get("strategy") == "group"
+        and isinstance(size, int)
+        and size >= 16
+        and not weights.get("dynamic", False)
+    ):
+        _refuse(f"compressed-tensors weights {_args(weights)}, group_size {size!r}")
+    if weights.get("actorder"):
+        _refuse(f"compressed-tensors weights with actorder {weights['actorder']!r}")
+    if group.get("input_activations") or group.get("output_activations"):
+        _refuse("compressed-tensors 4-bit weights with quantized activations")
+    zero_points = not weights.get("symmetric", True)
+    return StoredQuantization(
+        "w4a16",
+        f"compressed-tensors W4A16, group {size}{', zero points' if zero_points else ''}",
+        unread_suffixes=(".weight_shape",),
+        renames=((".weight_packed", ".weight"), (".weight_zero_point", ".weight_zero")),
+        group=size,
+        zero_points=zero_points,
     )
 
 
@@ -126,6 +166,6 @@ def _args(args: dict[str, Any]) -> str:
 def _refuse(what: str) -> None:
     raise ValueError(
         f"{what}: not supported. Supported quantized checkpoints: {SUPPORTED_CHECKPOINTS}; or "
-        "quantization='fp8' on a bfloat16/float16/float32 checkpoint (quantized at load), or a "
-        "GGUF file (dequantized at load)"
+        "quantization='fp8' or 'w4a16' on a bfloat16/float16/float32 checkpoint (quantized at "
+        "load), or a GGUF file (dequantized at load)"
     )

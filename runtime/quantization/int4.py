@@ -3,7 +3,10 @@ each group's values integers 0..15 with a float32 scale and zero point, two to a
 as they are.
 
 Quantized at load (`quantization="w4a16"`) from the checkpoint's weights, min-max per group
-(asymmetric, as AWQ's default). At batch 1-4 the Triton GEMV (kernels/gemv.py with `w_scale` and
+(asymmetric, as AWQ's default); or read as stored from a compressed-tensors W4A16 checkpoint
+(`pack-quantized`: eight signed 4-bit values to an int32, column 8j + i in bits 4i..4i+3 of word
+j, each offset by 8: read as bytes, exactly this module's layout; zero points packed the same way
+along the rows, or none, that is 8). At batch 1-4 the Triton GEMV (kernels/gemv.py with `w_scale` and
 `w_zero`) reads the packed bytes, an eighth of float32's, and dequantizes in registers; larger
 batches dequantize the layer and multiply (kernels/quant_ref.py `int4_linear_ref`, also the
 oracle) on the CPU; on a GPU the Triton matmul kernels/quant_gemm.py dequantizes tiles as it
@@ -22,6 +25,7 @@ from radixlm.kernels.quant_ref import (
     quantize_int4_groups,
 )
 from radixlm.runtime.quantization.base import LinearScheme, replace_parameter
+from radixlm.runtime.quantization.checkpoint import StoredQuantization
 
 
 def int4_group(k: int) -> int:
@@ -42,10 +46,53 @@ class Int4Linear(LinearScheme):
     name = "w4a16"
     quantized = True
 
+    def __init__(self, stored: StoredQuantization | None = None) -> None:
+        self.stored = stored  # the checkpoint's W4A16 (None: quantized at load)
+
     def create_weights(self, layer: nn.Linear) -> None:
         layer.compute_dtype = layer.weight.dtype  # (the model's: its inputs' and outputs')
+        if self.stored is None:
+            return
+        comm = getattr(layer, "comm", None)
+        if comm is not None and comm.size > 1:
+            raise ValueError(
+                "compressed-tensors W4A16 checkpoints are not supported with tp_size > 1 yet "
+                "(a rank's columns of a packed weight and its groups); run tp_size=1"
+            )
+        n, k = layer.weight.shape
+        group = self.stored.group
+        if k % group:
+            raise ValueError(f"a layer's {k} input columns are not whole groups of {group}")
+        device = layer.weight.device
+        replace_parameter(layer, "weight", torch.empty(n, k // 2, dtype=torch.uint8, device=device))
+        replace_parameter(layer, "weight_scale", torch.empty(n, k // group, device=device))
+        if self.stored.zero_points:
+            replace_parameter(layer, "weight_zero", torch.empty(n, k // group, device=device))
+
+    def checkpoint_tensor(self, layer, leaf, tensor, index):
+        if self.stored is None or leaf == "bias":
+            return tensor
+        if leaf == "weight":
+            if tensor.dtype != torch.int32:
+                raise ValueError(
+                    "the checkpoint's quantization_config says packed 4-bit weights, but a "
+                    f"weight is {str(tensor.dtype).removeprefix('torch.')}: the checkpoint is "
+                    "not as its config.json describes it"
+                )
+            return tensor.contiguous().view(torch.uint8)  # (N, K // 8) int32 -> (N, K // 2)
+        if leaf == "weight_scale":
+            return tensor.float()
+        if leaf == "weight_zero":  # (ceil(N / 8), groups) int32, rows packed as columns are
+            rows = layer.part_size(index or 0) if hasattr(layer, "part_size") else None
+            nibbles = torch.stack([(tensor >> (4 * i)) & 0xF for i in range(8)], dim=1)
+            return nibbles.reshape(-1, tensor.shape[1])[:rows].float()
+        return tensor
 
     def process_after_loading(self, layer: nn.Linear) -> None:
+        if self.stored is not None:
+            if not self.stored.zero_points:  # symmetric: the offset of the stored values
+                replace_parameter(layer, "weight_zero", torch.full_like(layer.weight_scale, 8.0))
+            return
         w = layer.weight.data
         packed, scale, zero = quantize_int4_groups(w, int4_group(w.shape[1]))
         replace_parameter(layer, "weight", packed)

@@ -29,6 +29,7 @@ class QuantPlan:
     scheme: LinearScheme
     description: str  # for the start-up line
     unread_suffixes: tuple[str, ...] = ()  # checkpoint tensors not read (StoredQuantization)
+    renames: tuple[tuple[str, str], ...] = ()  # checkpoint name endings -> the layer's names
 
 
 def plan_for(option: str | None, stored: StoredQuantization | None) -> QuantPlan | None:
@@ -40,7 +41,8 @@ def plan_for(option: str | None, stored: StoredQuantization | None) -> QuantPlan
                 f"quantization={option!r}, but the checkpoint is already quantized "
                 f"({stored.description}): leave quantization unset to run it as stored"
             )
-        return QuantPlan(Fp8Linear(stored=True), stored.description, stored.unread_suffixes)
+        scheme = Int4Linear(stored=stored) if stored.scheme == "w4a16" else Fp8Linear(stored=True)
+        return QuantPlan(scheme, stored.description, stored.unread_suffixes, stored.renames)
     if option is None:
         return None
     if option == "fp8":
@@ -79,7 +81,12 @@ def finish(model: nn.Module, plan: QuantPlan) -> None:
 def readable(
     weights: Iterable[tuple[str, torch.Tensor]], plan: QuantPlan
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors less those the plan does not read."""
+    """The checkpoint's tensors less those the plan does not read, named as the layers name them."""
     for name, tensor in weights:
-        if not name.endswith(plan.unread_suffixes):  # (none: an empty tuple)
-            yield name, tensor
+        if name.endswith(plan.unread_suffixes):  # (none: an empty tuple)
+            continue
+        for end, ours in plan.renames:
+            if name.endswith(end):
+                name = name[: -len(end)] + ours
+                break
+        yield name, tensor
