@@ -43,10 +43,10 @@ def build_model(
         model = LlamaForCausalLM(mc, context_len + 1, sampled_vocab, tp, comm)
         if stage is not None:  # a pipeline stage (runtime/pipeline.py): its own layers only
             model = stage.trim(model)
-    check_weights_fit(model, dtype, device)
     model = model.to(dtype)
     if plan is not None:
         quant.prepare(model, plan)
+    check_weights_fit(model, dtype, device)
     model = model.to_empty(device=device)
     if config.load_format == "dummy":
         model.tie_weights_if_needed()
@@ -91,10 +91,12 @@ def build_kv_pool(
 
 
 def check_weights_fit(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse a model whose weights cannot fit in what `device` has free (it would be killed
-    for memory part-way through loading instead)."""
-    need = sum(t.numel() for t in itertools.chain(model.parameters(), model.buffers()))
-    need *= dtype.itemsize
+    """Refuse a model (on the meta device, in `dtype`, a stored quantization's parameters in
+    place) whose weights cannot fit in what `device` has free (it would be killed for memory
+    part-way through loading instead)."""
+    need = sum(
+        t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers())
+    )
     free = free_memory(device)
     if need > free:
         half = " or a half dtype (dtype='bfloat16')" if dtype == torch.float32 else ""
