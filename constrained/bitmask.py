@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from radixlm.constrained.errors import GrammarError
+from radixlm.kernels.sampling_ref import apply_token_bitmask_ref
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -19,17 +20,11 @@ def allocate_token_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
     return torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32)
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(B, W) int32 -> (B, vocab_size) bool, True where allowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # (B, W, 32)
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
-
-
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place: logits of disallowed tokens become -inf. logits (B, V) float, bitmask (B, W).
 
-    Columns beyond 32 * W are disallowed too. Runs on the logits' device.
+    Columns beyond 32 * W are disallowed too. Runs on the logits' device: kernels/sampling.py's
+    `apply_token_bitmask` on a GPU, else its plain-torch twin in kernels/sampling_ref.py.
     """
     if logits.dim() != 2 or bitmask.dim() != 2 or logits.shape[0] != bitmask.shape[0]:
         raise ValueError(
@@ -41,14 +36,9 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if logits.is_cuda and logits.stride(1) == 1 and mask.stride(1) == 1:
         from radixlm.kernels.sampling import apply_token_bitmask  # (triton: only on a GPU)
 
-        apply_token_bitmask(logits, mask)  # one kernel for what follows
+        apply_token_bitmask(logits, mask)
         return
-    vocab = logits.shape[1]
-    covered = min(vocab, 32 * bitmask.shape[1])
-    allowed = unpack_bitmask(mask, covered)  # (B, covered)
-    logits[:, :covered].masked_fill_(~allowed, float("-inf"))
-    if covered < vocab:
-        logits[:, covered:] = float("-inf")
+    apply_token_bitmask_ref(logits, mask)
 
 
 def bitmask_from_ids(ids: Iterable[int], vocab_size: int) -> np.ndarray:

@@ -1,11 +1,12 @@
 """Fused sampling on the GPU: temperature, min-p, top-k, top-p and the exponential race in a few
 passes over each row's logits, with no sort, no (B, V) temporaries and no host sync.
 
-It draws what runtime/sampler.py's torch code draws (that code stays the CPU path and the oracle):
-the token of a sampled row is argmax(p_i / q_i) over the tokens its filters keep, where p is the
-softmax at the row's temperature and q_i the same splitmix64 Exp(1) noise as
-`exponential_noise(row seed)`, compared in the log domain as (y_i - max y) - log q_i with
-y = logits / temperature. One program per row:
+Its oracle is beside it: kernels/sampling_ref.py, the plain-torch twins of every kernel here (and
+the sampler's CPU path). `sample` draws what `sample_ref` draws: the token of a sampled row is
+argmax(p_i / q_i) over the tokens its filters keep (`filtered_probs`), where p is the softmax at
+the row's temperature and q_i the same splitmix64 Exp(1) noise as `exponential_noise(row seed)`,
+compared in the log domain as (y_i - max y) - log q_i with y = logits / temperature. One program
+per row:
 
 1. One pass: the running max m of y, the smallest finite y, and the race winner over all tokens
    (scores rebased as m grows). A row with no filter is done here.
@@ -40,7 +41,7 @@ MAX_PASSES = 24  # bisection passes; float32 resolution is reached well before t
 
 @triton.jit
 def _neg_log_noise(seed, start, steps):
-    """-log(q) for tokens start + arange, q the Exp(1) noise of runtime/sampler.exponential_noise;
+    """-log(q) for tokens start + arange, q the Exp(1) noise of sampling_ref.exponential_noise;
     steps = (arange + 1) * golden, hoisted out of the caller's loop (uint64 arithmetic wraps as
     torch's int64 does; the shifts of uint64 are logical)."""
     z = (seed + tl.cast(start, tl.uint64) * 0x9E3779B97F4A7C15) + steps
@@ -231,7 +232,8 @@ def sample(
     threshold_out: torch.Tensor | None = None,
     bisects: bool = True,
 ) -> torch.Tensor:
-    """(R,) int64 sampled token ids on the logits' device, launched without waiting for it.
+    """(R,) int64 sampled token ids on the logits' device, launched without waiting for it (the
+    oracle: kernels/sampling_ref.sample_ref with each row's parameters).
     `threshold_out` (R,) float32, if given, receives each row's top-k / top-p threshold on
     y = logits / temperature: the row keeps the min-p survivors with y >= it (-inf: no cut).
     `bisects=False` says that no row has top-k or top-p (the caller knows it on the host): the
@@ -302,7 +304,8 @@ def argmax_rows(
     index of each row's max, as torch gives it, in two short kernels (chunks of `block` tokens, then
     their winners) where torch's reduction of one long row runs as one block of threads. With
     `into` and `rows` (B,) it also writes `into[rows] = the result` (what a decode graph keeps in
-    `token_buf`), saving that kernel too. Launched without waiting for the device."""
+    `token_buf`), saving that kernel too. Launched without waiting for the device. The oracle is
+    kernels/sampling_ref.argmax_rows_ref."""
     b, vocab = logits.shape
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     if b == 0:
@@ -340,7 +343,7 @@ def _apply_bitmask_kernel(
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, block: int = 4096) -> None:
     """In place, in one kernel: the logits (B, V) of tokens whose bit is clear in the packed
     (B, W) int32 `bitmask` (bit i % 32 of word i // 32), and of columns past 32 * W, become -inf.
-    The oracle is constrained.bitmask.apply_token_bitmask_'s torch path."""
+    The oracle is kernels/sampling_ref.apply_token_bitmask_ref."""
     b, vocab = logits.shape
     if b == 0:
         return

@@ -9,8 +9,9 @@ Greedy rows are an argmax, and a batch of plain greedy rows is nothing else.
 
 On CUDA the sampled rows go through one fused Triton kernel (kernels/sampling.py: temperature,
 softmax statistics, min-p, top-k and top-p by bisection on a threshold instead of a sort, and the
-race with the same noise), unless RADIXLM_DISABLE_FUSED=1; the torch code here is the CPU path and
-the oracle its tests compare against.
+race with the same noise), unless RADIXLM_DISABLE_FUSED=1; elsewhere through that kernel's
+plain-torch twin, kernels/sampling_ref.py (`row_seed`, `exponential_noise`, `filtered_probs`: the
+CPU path and the oracle the kernel's tests compare against).
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ from typing import Any
 
 import torch
 
+from radixlm.kernels.sampling_ref import argmax_rows_ref, row_seed, sample_ref
 from radixlm.protocol.sampling_params import SamplingParams
 from radixlm.runtime.tensors import int64_tensor, packed_to_device, to_device
-
-_MASK64 = (1 << 64) - 1
 
 
 @dataclass
@@ -50,44 +50,6 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # the chosen token's log-probability, where asked
     top_logprobs: list[list[tuple[float, int]] | None]
-
-
-def row_seed(seed: int, step: int) -> int:
-    """Mix a request seed and a position into a 63-bit seed (splitmix64)."""
-    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
-
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GOLDEN, _MIX1, _MIX2 = (
-    _signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
-)
-
-
-def _shr(z: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (z >> n) & ((1 << (64 - n)) - 1)
-
-
-def exponential_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(B, vocab) float32 Exp(1) noise; row b is splitmix64 of (seeds[b], token id). int64
-    arithmetic wraps modulo 2**64 on every torch device, so the CPU and the GPU draw the same
-    uniforms (their float32 logarithms may differ in the last bit)."""
-    ids = torch.arange(1, vocab + 1, dtype=torch.int64, device=seeds.device)
-    z = seeds.unsqueeze(1) + ids * _GOLDEN
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    z = z ^ _shr(z, 31)
-    u = (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    # (2**24 - 1 + 0.5) rounds to 2**24 in float32: keep u below 1 so that q > 0 (q = -0.0 made a
-    # filtered or masked token's 0 / q a NaN, which argmax picks)
-    u = u.clamp_(max=1.0 - 2.0**-24)  # uniform in (0, 1)
-    return -torch.log(u)
 
 
 def logprobs_at(
@@ -204,9 +166,8 @@ class Sampler:
         if sampled:
             dev = logits.device
             idx = _to_device(sampled, torch.int64, dev)
-            probs = _filtered_probs(logits[idx], [rows[i].params for i in sampled])
-            noise = exponential_noise(_to_device(seeds, torch.int64, dev), probs.shape[-1])
-            token_ids[idx] = (probs / noise).argmax(dim=-1)
+            params = [rows[i].params for i in sampled]
+            token_ids[idx] = sample_ref(logits[idx], params, _to_device(seeds, torch.int64, dev))
         return token_ids
 
 
@@ -219,10 +180,7 @@ def greedy_ids(
     of a step after the LM head), and the scatter is a kernel of its own."""
     if _use_fused(logits) and logits.dim() == 2 and logits.stride(-1) == 1:
         return _sampling_kernels().argmax_rows(logits, into, rows)
-    ids = logits.argmax(dim=-1)
-    if into is not None and rows is not None:
-        into[rows] = ids
-    return ids
+    return argmax_rows_ref(logits, into, rows)
 
 
 def _use_fused(logits: torch.Tensor) -> bool:
@@ -298,41 +256,6 @@ def _apply_penalties(logits: torch.Tensor, r: SamplingRow) -> None:
             0, out, torch.ones_like(out, dtype=logits.dtype)
         )
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-
-
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax at each row's temperature, then min-p, top-k and top-p, for all rows at once
-    (renormalization is not needed: the exponential race samples in proportion to what is left);
-    tokens tied at the top-k / top-p boundary are all kept."""
-    dev, dtype = logits.device, logits.dtype
-    # a NaN logit is never sampled (as in the fused kernel); it would make the whole row NaN
-    inf = float("inf")
-    logits = logits.nan_to_num(nan=-inf, posinf=inf, neginf=-inf)
-    temps = _to_device([p.temperature for p in params], dtype, dev).unsqueeze(1)
-    probs = torch.softmax(logits / temps, dim=-1)
-    if any(p.min_p > 0 for p in params):
-        min_p = _to_device([p.min_p for p in params], dtype, dev).unsqueeze(1)
-        probs = torch.where(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0, probs)
-    use_top_p = any(p.top_p < 1.0 for p in params)
-    if not use_top_p and not any(p.top_k > 0 for p in params):
-        return probs
-    vocab = probs.shape[-1]
-    ks = [p.top_k if p.top_k > 0 else vocab for p in params]
-    # the top-p set is cut from the sorted row; top-k alone needs only the k largest
-    width = vocab if use_top_p else min(max(ks), vocab)
-    vals, order = probs.topk(width, dim=-1)  # sorted, largest first
-    rank = torch.arange(width, device=dev)
-    keep = rank < _to_device(ks, torch.int64, dev).unsqueeze(1)
-    if use_top_p:
-        # the smallest set of top tokens whose mass reaches top_p (of the row's mass after min-p)
-        top_p = _to_device([p.top_p for p in params], dtype, dev).unsqueeze(1)
-        before = vals.cumsum(dim=-1) - vals
-        # (rows without top-p keep everything: rounding in the cumulative sum must not cut them)
-        keep &= (before < top_p * probs.sum(dim=-1, keepdim=True)) | (top_p >= 1.0)
-    # every token tied with the last one kept is kept too, as the fused kernel keeps them (the
-    # kept set is a prefix of the sorted row: its last value is the row's threshold)
-    last = vals.gather(-1, keep.sum(dim=-1, keepdim=True).clamp(min=1) - 1)
-    return torch.where(probs >= last, probs, 0.0)
 
 
 def _apply_grammar_masks(

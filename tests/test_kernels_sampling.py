@@ -1,5 +1,6 @@
-"""The fused sampling kernel (kernels/sampling.py) against the torch oracle of runtime/sampler.py
-(`_filtered_probs`, `exponential_noise`, argmax of p / q): the same token for the same seeds.
+"""The fused sampling kernel (kernels/sampling.py) against its torch oracle, kernels/sampling_ref.py
+(`sample_ref`: `filtered_probs`, `exponential_noise`, argmax of p / q): the same token for the same
+seeds.
 Without CUDA under TRITON_INTERPRET=1 at small sizes; on a GPU also at 256 x 128256.
 
 The logits are random normals: in them no two race scores are within float32 rounding of each
@@ -15,15 +16,16 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 from radixlm.kernels import sampling  # noqa: E402
+from radixlm.kernels.sampling_ref import (  # noqa: E402
+    apply_token_bitmask_ref,
+    argmax_rows_ref,
+    filtered_probs,
+    row_seed,
+    sample_ref,
+)
 from radixlm.protocol.sampling_params import SamplingParams  # noqa: E402
 from radixlm.runtime import sampler as sampler_module  # noqa: E402
-from radixlm.runtime.sampler import (  # noqa: E402
-    Sampler,
-    SamplingRow,
-    _filtered_probs,
-    exponential_noise,
-    row_seed,
-)
+from radixlm.runtime.sampler import Sampler, SamplingRow  # noqa: E402
 from tests.sampling_cases import SETTINGS, params  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -32,8 +34,7 @@ BLOCKS = dict(block=128, bisect_block=128) if DEVICE.type == "cpu" else {}
 
 
 def oracle(logits: torch.Tensor, ps: list[SamplingParams], seeds: torch.Tensor) -> torch.Tensor:
-    probs = _filtered_probs(logits, ps)
-    return (probs / exponential_noise(seeds, logits.shape[-1])).argmax(dim=-1)
+    return sample_ref(logits, ps, seeds)
 
 
 def fused(
@@ -98,7 +99,7 @@ def test_kept_set_is_the_oracles(pivots, capacity):
     logits = random_logits(len(ps), 600, seed=10 + pivots)
     threshold = torch.empty(len(ps), device=DEVICE)
     fused(logits, ps, seeds_for(len(ps)), pivots=pivots, capacity=capacity, threshold_out=threshold)
-    want = _filtered_probs(logits, ps) > 0
+    want = filtered_probs(logits, ps) > 0
     assert torch.equal(kept_by_threshold(logits, ps, threshold), want)
 
 
@@ -141,10 +142,10 @@ def test_exact_ties_at_the_top_k_boundary_keep_every_tied_token():
     assert threshold.tolist() == [2.0] * 64
     assert set(got.tolist()) == {0, 1, 2, 3}
     # the oracle keeps the same set, also where top-p cuts inside a tie (a flat row)
-    assert (_filtered_probs(logits, ps[:1]) > 0).nonzero()[:, 1].tolist() == [0, 1, 2, 3]
+    assert (filtered_probs(logits, ps[:1]) > 0).nonzero()[:, 1].tolist() == [0, 1, 2, 3]
     flat = torch.zeros(1, 100)
     for p in (params(temperature=1.0, top_k=3), params(temperature=1.0, top_p=0.5)):
-        assert int((_filtered_probs(flat, [p]) > 0).sum()) == 100
+        assert int((filtered_probs(flat, [p]) > 0).sum()) == 100
 
 
 def test_a_nan_logit_is_never_sampled_and_both_paths_agree():
@@ -216,14 +217,14 @@ def test_kept_set_is_the_oracles_at_real_size():
     threshold = torch.empty(256, device=DEVICE)
     fused(logits, ps, seeds_for(256), threshold_out=threshold)
     got = kept_by_threshold(logits, ps, threshold)
-    want = _filtered_probs(logits, ps) > 0
+    want = filtered_probs(logits, ps) > 0
     # float32 sums in another order may move a top-p boundary by one token of tiny probability
     # (the module docstring); top-k and min-p sets are exact
     differ = (got != want).sum(dim=-1)
     top_p = torch.tensor([p.top_p < 1.0 for p in ps], device=DEVICE)
     assert int(differ.max()) <= 1 and not (differ > 0)[~top_p].any(), differ.nonzero().tolist()
     assert int((differ > 0).sum()) <= 32
-    assert (_filtered_probs(logits, ps)[got != want] < 1e-4).all()
+    assert (filtered_probs(logits, ps)[got != want] < 1e-4).all()
 
 
 @pytest.mark.gpu
@@ -256,7 +257,7 @@ def test_argmax_rows_is_torchs_argmax_ties_included(vocab, block):
     logits[4] = logits[4].round()  # many ties
     logits[5, 17] = float("nan")  # a NaN is the max, as in torch
     logits = logits.to(DEVICE)
-    want = logits.argmax(dim=-1)
+    want = argmax_rows_ref(logits)
     assert torch.equal(sampling.argmax_rows(logits, block=block), want)
     into = torch.full((10,), -1, dtype=torch.int64, device=DEVICE)
     rows = torch.tensor([7, 0, 3, 9, 2, 5], device=DEVICE)
@@ -267,10 +268,8 @@ def test_argmax_rows_is_torchs_argmax_ties_included(vocab, block):
 
 @pytest.mark.parametrize("vocab,words", [(300, 10), (300, 8), (33, 2)])
 def test_apply_token_bitmask_is_the_torch_path(vocab, words):
-    """The one-kernel mask against constrained's torch path: random bits, a row all clear, a row
-    all set, and a bitmask narrower than the vocabulary (columns past it are -inf)."""
-    from radixlm.constrained.bitmask import unpack_bitmask
-
+    """The one-kernel mask against its torch twin: random bits, a row all clear, a row all set,
+    and a bitmask narrower than the vocabulary (columns past it are -inf)."""
     gen = torch.Generator().manual_seed(vocab + words)
     logits = torch.randn(4, vocab, generator=gen)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (4, words), generator=gen, dtype=torch.int64)
@@ -279,8 +278,7 @@ def test_apply_token_bitmask_is_the_torch_path(vocab, words):
     bitmask[2] = -1
     covered = min(vocab, 32 * words)
     want = logits.clone()
-    want[:, :covered].masked_fill_(~unpack_bitmask(bitmask, covered), float("-inf"))
-    want[:, covered:] = float("-inf")
+    apply_token_bitmask_ref(want, bitmask)
     got = logits.to(DEVICE)
     sampling.apply_token_bitmask(got, bitmask.to(DEVICE), block=64)
     assert torch.equal(got.cpu(), want)

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+from radixlm.kernels.sampling_ref import exponential_noise, filtered_probs
 from radixlm.protocol.sampling_params import SamplingParams
-from radixlm.runtime.sampler import Sampler, SamplingRow, _filtered_probs, exponential_noise
+from radixlm.runtime.sampler import Sampler, SamplingRow
 from tests.sampling_cases import SETTINGS, params
 
 
@@ -41,7 +42,7 @@ def test_batched_filters_match_the_row_by_row_reference():
     settings = SETTINGS[:6]
     ps = [params(**s) for s in settings]
     logits = torch.randn(len(ps), 300, generator=gen) * 3
-    got = _filtered_probs(logits, ps)
+    got = filtered_probs(logits, ps)
     for i, p in enumerate(ps):
         want = reference_filtered(logits[i], p)
         assert torch.equal(got[i] > 0, want > 0), settings[i]
@@ -130,5 +131,5 @@ def test_a_uniform_that_rounds_to_one_leaves_masked_tokens_unchosen():
     assert (q > 0).all()
     logits = torch.zeros(1, 64)
     logits[0, 49] = float("-inf")
-    probs = _filtered_probs(logits, [params(temperature=1.0)])
+    probs = filtered_probs(logits, [params(temperature=1.0)])
     assert int((probs / q).argmax()) != 49

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from radixlm.kernels.sampling_ref import exponential_noise, filtered_probs, row_seed
 from radixlm.protocol.sampling_params import SamplingParams
-from radixlm.runtime.sampler import _filtered_probs, exponential_noise, row_seed
 
 _ACCEPT_STREAM = 0x5EC  # separates the acceptance uniforms from the sampling noise of a position
 
@@ -60,5 +60,5 @@ def rejection_sample(probs: torch.Tensor, draft: Sequence[int], seed: int, step:
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(k + 1, V) logits -> the distributions plain sampling draws from (temperature, min-p,
     top-k, top-p), row-normalized."""
-    probs = _filtered_probs(logits, [params] * logits.shape[0])
+    probs = filtered_probs(logits, [params] * logits.shape[0])
     return probs / probs.sum(dim=-1, keepdim=True)
