@@ -71,3 +71,91 @@ def write_compressed_tensors(src: str | Path, out: str | Path, scheme: str = "ch
     compressor.update_config(str(out))
     copy_tokenizer_files(src, out)
     return out
+
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's pack: column 8j + AWQ_ORDER[i] in bits 4i
+
+
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words of 32 bits -> int32 with the same bits."""
+    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32)
+
+
+def _pack_rows_of_eight(values: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """(R, C) 4-bit values -> (R, C // 8) int32, value 8j + order[i] of a row in bits 4i of word j."""
+    v = values.to(torch.int64).reshape(values.shape[0], -1, 8)[:, :, order]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    return _int32((v << shifts).sum(-1))
+
+
+def write_awq_gptq(src: str | Path, out: str | Path, layout: str, group: int = 32) -> Path:
+    """`src` (a Hugging Face folder, float weights) as an AWQ (AutoAWQ GEMM) or GPTQ (the original
+    format, zero points stored minus one; desc_act false) checkpoint, written here from the
+    formats' documented layouts: each decoder linear's weight rounded to 4 bits in groups
+    (radixlm's min-max rounding), then packed as that format packs it, scales in float16."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from radixlm.kernels.quant_ref import quantize_int4_groups, unpack_int4
+
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    written = {}
+    for name, w in tensors.items():
+        if not (name.endswith("_proj.weight") and ".layers." in name):
+            written[name] = w
+            continue
+        module = name.removesuffix(".weight")
+        packed, scale, zero = quantize_int4_groups(w, group)
+        q_t = unpack_int4(packed).t()  # (K, N)
+        zero_t = zero.t().to(torch.int64)  # (groups, N)
+        if layout == "awq":
+            qweight = _pack_rows_of_eight(q_t, AWQ_ORDER)  # (K, N // 8)
+            qzeros = _pack_rows_of_eight(zero_t, AWQ_ORDER)
+        else:  # along K: k = 8i + j in bits 4j of word (i, n); zero points minus one
+            qweight = _pack_rows_of_eight(q_t.t(), list(range(8))).t().contiguous()
+            qzeros = _pack_rows_of_eight((zero_t - 1) & 0xF, list(range(8)))
+            k = w.shape[1]
+            written[f"{module}.g_idx"] = torch.arange(k, dtype=torch.int32) // group
+        written[f"{module}.qweight"] = qweight
+        written[f"{module}.qzeros"] = qzeros
+        written[f"{module}.scales"] = scale.t().contiguous().half()
+    save_file(written, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+         "version": "gemm"}
+        if layout == "awq"
+        else {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+              "sym": False, "checkpoint_format": "gptq"}
+    )  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors") and f.is_file():
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def reference_awq_gptq_dequantize(
+    layout: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """The float32 weight (N, K) of an AWQ or GPTQ layer, element by element as the formats
+    define it: w[n, k] = (q[k, n] - z[g, n]) * s[g, n], g the group of k; AWQ's q and z at bit
+    4 * AWQ_ORDER.index(n % 8) of word n // 8 of their row; GPTQ's q at bit 4 * (k % 8) of word
+    (k // 8, n), its z at bit 4 * (n % 8) of word (g, n // 8), plus one."""
+    groups, n = scales.shape
+    k = qweight.shape[0] if layout == "awq" else qweight.shape[0] * 8
+    kk = torch.arange(k)[:, None]  # (K, 1)
+    nn_ = torch.arange(n)[None, :]  # (1, N)
+    g = kk // (k // groups)
+    if layout == "awq":
+        pos = torch.tensor([AWQ_ORDER.index(c) for c in range(8)])[nn_ % 8]
+        q = (qweight.to(torch.int64)[kk, nn_ // 8] >> (4 * pos)) & 0xF
+        z = (qzeros.to(torch.int64)[g, nn_ // 8] >> (4 * pos)) & 0xF
+    else:
+        q = (qweight.to(torch.int64)[kk // 8, nn_] >> (4 * (kk % 8))) & 0xF
+        z = ((qzeros.to(torch.int64)[g, nn_ // 8] >> (4 * (nn_ % 8))) & 0xF) + 1
+    return ((q - z).float() * scales.float()[g, nn_]).t()

@@ -147,10 +147,27 @@ def test_supported_configs_are_read():
     assert read_quantization_config(regex_ignore, 2).scheme == "fp8"
 
 
+def test_awq_and_gptq_configs_read_and_refused():
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
+    stored = read_quantization_config(gptq, 2)
+    assert (stored.scheme, stored.layout, stored.unread_suffixes) == ("w4a16", "gptq", (".g_idx",))
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
+    assert read_quantization_config(awq, 2).layout == "awq"
+    for bad, what in [
+        ({**gptq, "desc_act": True}, "desc_act=true"),
+        ({**gptq, "bits": 8}, "bits 8"),
+        ({**awq, "version": "gemv"}, "AWQ version 'gemv'"),
+        ({**awq, "modules_to_not_convert": ["model.layers.0.mlp"]}, "leaving modules"),
+    ]:
+        with pytest.raises(ValueError, match=what) as e:
+            read_quantization_config(bad, 2)
+        assert "AWQ (4-bit, GEMM layout) and GPTQ (4-bit, desc_act false)" in str(e.value)
+
+
 @pytest.mark.parametrize(
     ("changes", "what"),
     [
-        ({"top.quant_method": "gptq"}, "quant_method 'gptq'"),
+        ({"top.quant_method": "marlin"}, "quant_method 'marlin'"),
         ({"weights.strategy": "block"}, "strategy: 'block'"),
         (
             {"weights.type": "int", "weights.num_bits": 4},
@@ -271,3 +288,42 @@ def test_w4a16_checkpoints_are_refused_with_tensor_parallelism(ct_int4_checkpoin
         pytest.skip("one start suffices")
     with pytest.raises(ValueError, match="W4A16 checkpoints are not supported with tp_size > 1"):
         radixlm.Engine(str(folder), dtype="float32", tp_size=2)
+
+
+@pytest.fixture(scope="module", params=["awq", "gptq"])
+def awq_gptq_checkpoint(request, tiny_model_folder, tmp_path_factory):
+    from tests.quant_checkpoints import write_awq_gptq
+
+    out = tmp_path_factory.mktemp(f"{request.param}-checkpoint")
+    return request.param, write_awq_gptq(tiny_model_folder, out, request.param)
+
+
+def test_awq_and_gptq_layouts_load_as_their_reference_dequantization_says(awq_gptq_checkpoint):
+    """An AWQ (GEMM) or GPTQ checkpoint, written from the formats' documented layouts
+    (tests/quant_checkpoints.py): every layer's weight equals the formats' element-by-element
+    definition of it; the layouts' packing is read, not trusted, and the engine generates."""
+    from safetensors.torch import load_file
+
+    from tests.quant_checkpoints import reference_awq_gptq_dequantize
+
+    layout, folder = awq_gptq_checkpoint
+    tensors = load_file(str(folder / "model.safetensors"))
+    with radixlm.Engine(str(folder), dtype="float32") as engine:
+        for i, layer in enumerate(engine.model.layers):
+            for ours, (block, parts) in FUSED.items():
+                linear = getattr(getattr(layer, block), ours)
+                got = linear.quant_scheme.dequantized_weight(linear)
+                want = []
+                for p in parts:
+                    pre = f"model.layers.{i}.{block}.{p}"
+                    want.append(
+                        reference_awq_gptq_dequantize(
+                            layout,
+                            tensors[f"{pre}.qweight"],
+                            tensors[f"{pre}.qzeros"],
+                            tensors[f"{pre}.scales"],
+                        )  # fmt: skip
+                    )
+                torch.testing.assert_close(got, torch.cat(want), atol=0, rtol=1e-6)
+        outs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+    assert all(len(o) == 8 for o in outs)

@@ -8,6 +8,9 @@ targeting every Linear, the LM head left out (`ignore`):
   is not read);
 - W4A16: 4-bit integer weights in groups (symmetric or with zero points: W4A16, W4A16_ASYM),
   packed eight to an int32 (`pack-quantized`), activations unquantized, no activation ordering.
+And AWQ (AutoAWQ's GEMM layout: `qweight` (K, N / 8) int32 in AWQ's column order, `qzeros`,
+`scales` per group) and GPTQ (`qweight` (K / 8, N) packed along K, `qzeros` stored minus one in
+the original format, `scales`; without activation order, `desc_act: false`), 4-bit in groups.
 Everything else is refused, naming what is supported.
 """
 
@@ -20,7 +23,8 @@ from typing import Any
 SUPPORTED_CHECKPOINTS = (
     "compressed-tensors FP8 (float8_e4m3 weights with channel or tensor scales and float8 "
     "activations, as llmcompressor's FP8_DYNAMIC and FP8 schemes write them) and W4A16 (4-bit "
-    "integer weights in groups, pack-quantized, as its W4A16 and W4A16_ASYM schemes write them)"
+    "integer weights in groups, pack-quantized, as its W4A16 and W4A16_ASYM schemes write them); "
+    "AWQ (4-bit, GEMM layout) and GPTQ (4-bit, desc_act false)"
 )
 _FORMATS = ("float-quantized", "naive-quantized")
 _INT4_FORMATS = ("pack-quantized",)
@@ -39,8 +43,9 @@ class StoredQuantization:
     unread_suffixes: tuple[str, ...] = ()
     # checkpoint tensor name endings -> the layer's parameter names (W4A16's packed tensors)
     renames: tuple[tuple[str, str], ...] = ()
-    group: int = 0  # W4A16: columns a scale covers
+    group: int = 0  # W4A16: columns a scale covers (-1: a row's all)
     zero_points: bool = False  # W4A16: stored zero points (else symmetric)
+    layout: str = "compressed-tensors"  # W4A16: how the tensors pack: or "awq", "gptq", "gptq_v2"
 
 
 def as_dict(quantization_config: Any) -> dict[str, Any]:
@@ -57,6 +62,8 @@ def read_quantization_config(qc: dict[str, Any], num_layers: int) -> StoredQuant
     """The stored scheme of a checkpoint's quantization_config; ValueError saying what is
     supported for any other."""
     method = qc.get("quant_method", "?")
+    if method in ("awq", "gptq"):
+        return _read_awq_gptq(qc, method)
     if method != "compressed-tensors":
         _refuse(f"quantized checkpoints of quant_method {method!r} are not supported yet")
     status = qc.get("quantization_status", "compressed")
@@ -133,6 +140,35 @@ def _read_w4a16(group: dict[str, Any], fmt: str | None) -> StoredQuantization:
         group=size,
         zero_points=zero_points,
     )
+
+
+def _read_awq_gptq(qc: dict[str, Any], method: str) -> StoredQuantization:
+    bits, size = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
+    if bits != 4 or not isinstance(size, int) or not (size == -1 or size >= 16):
+        _refuse(f"{method} with bits {bits!r} and group_size {size!r} (4 bits in groups is)")
+    if qc.get("modules_to_not_convert"):
+        _refuse(f"{method} leaving modules unquantized ({qc['modules_to_not_convert']!r})")
+    renames = ((".qweight", ".weight"), (".qzeros", ".weight_zero"), (".scales", ".weight_scale"))
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm" or not qc.get("zero_point", True):
+            _refuse(f"AWQ version {version!r} (zero_point {qc.get('zero_point')!r}); GEMM is")
+        return StoredQuantization(
+            "w4a16", f"AWQ, group {size}", renames=renames, group=size, zero_points=True,
+            layout="awq",
+        )  # fmt: skip
+    if qc.get("desc_act"):
+        _refuse(
+            "GPTQ with desc_act=true (activation order: the groups permute the columns); "
+            "quantize with desc_act=false"
+        )
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        _refuse(f"GPTQ checkpoint_format {fmt!r} (gptq and gptq_v2 are)")
+    return StoredQuantization(
+        "w4a16", f"GPTQ, group {size}", unread_suffixes=(".g_idx",), renames=renames,
+        group=size, zero_points=True, layout=fmt,
+    )  # fmt: skip
 
 
 def _check_ignore(ignore: list[str], num_layers: int) -> None:

@@ -6,8 +6,9 @@ Quantized at load (`quantization="w4a16"`) from the checkpoint's weights, min-ma
 (asymmetric, as AWQ's default); or read as stored from a compressed-tensors W4A16 checkpoint
 (`pack-quantized`: eight signed 4-bit values to an int32, column 8j + i in bits 4i..4i+3 of word
 j, each offset by 8: read as bytes, exactly this module's layout; zero points packed the same way
-along the rows, or none, that is 8). At batch 1-4 the Triton GEMV (kernels/gemv.py with `w_scale` and
-`w_zero`) reads the packed bytes, an eighth of float32's, and dequantizes in registers; larger
+along the rows, or none, that is 8), an AWQ or a GPTQ one (unpacked and packed again, transposed:
+`_awq_gptq_tensor`). At batch 1-4 the Triton GEMV (kernels/gemv.py with `w_scale` and `w_zero`)
+reads the packed bytes, an eighth of float32's, and dequantizes in registers; larger
 batches dequantize the layer and multiply (kernels/quant_ref.py `int4_linear_ref`, also the
 oracle) on the CPU; on a GPU the Triton matmul kernels/quant_gemm.py dequantizes tiles as it
 reads them (an untuned tile for now).
@@ -22,6 +23,7 @@ from radixlm.kernels.quant_ref import (
     INT4_GROUP,
     dequantize_int4_groups,
     int4_linear_ref,
+    pack_int4,
     quantize_int4_groups,
 )
 from radixlm.runtime.quantization.base import LinearScheme, replace_parameter
@@ -42,6 +44,44 @@ def int4_group(k: int) -> int:
     )
 
 
+# AutoAWQ packs columns 8j + AWQ_ORDER[i] into bits 4i of word j: reading bits 4i gives column
+# 8j + AWQ_ORDER[i]; AWQ_REVERSE_ORDER puts them back in column order
+AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def _nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words -> their eight 4-bit values (bits 4i for i = 0..7), unpacked along `dim` (the
+    values of a word adjacent, in bit order)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    if dim == 0:  # (R, C) -> (8 R, C)
+        values = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+        return values.reshape(-1, words.shape[1])
+    values = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # (R, C, 8)
+    return values.reshape(words.shape[0], -1)
+
+
+def _awq_gptq_tensor(layout: str, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+    """An AWQ or GPTQ tensor (the input dimension first) in this module's layout: the weight
+    (N, K // 2) packed along K, scales and zero points (N, groups) float32."""
+    if leaf == "weight_scale":
+        return tensor.float().t().contiguous()
+    if leaf == "weight_zero":  # (groups, N // 8), packed along N
+        zeros = _nibbles(tensor, dim=1)
+        if layout == "awq":
+            zeros = zeros.view(zeros.shape[0], -1, 8)[:, :, AWQ_REVERSE_ORDER].reshape(zeros.shape)
+        if layout == "gptq":  # the original GPTQ format stores each zero point minus one
+            zeros = zeros + 1  # (a stored 15 is 16, as GPTQ's own kernels read it)
+        return zeros.float().t().contiguous()
+    if leaf == "weight":
+        if layout == "awq":  # (K, N // 8), packed along N in AWQ's order
+            q = _nibbles(tensor, dim=1)
+            q = q.view(q.shape[0], -1, 8)[:, :, AWQ_REVERSE_ORDER].reshape(q.shape)
+        else:  # GPTQ: (K // 8, N), packed along K
+            q = _nibbles(tensor, dim=0)
+        return pack_int4(q.t())
+    return tensor
+
+
 class Int4Linear(LinearScheme):
     name = "w4a16"
     quantized = True
@@ -60,7 +100,7 @@ class Int4Linear(LinearScheme):
                 "(a rank's columns of a packed weight and its groups); run tp_size=1"
             )
         n, k = layer.weight.shape
-        group = self.stored.group
+        group = k if self.stored.group == -1 else self.stored.group
         if k % group:
             raise ValueError(f"a layer's {k} input columns are not whole groups of {group}")
         device = layer.weight.device
@@ -72,13 +112,15 @@ class Int4Linear(LinearScheme):
     def checkpoint_tensor(self, layer, leaf, tensor, index):
         if self.stored is None or leaf == "bias":
             return tensor
+        if leaf == "weight" and tensor.dtype != torch.int32:
+            raise ValueError(
+                "the checkpoint's quantization_config says packed 4-bit weights, but a weight "
+                f"is {str(tensor.dtype).removeprefix('torch.')}: the checkpoint is not as its "
+                "config.json describes it"
+            )
+        if self.stored.layout != "compressed-tensors":
+            return _awq_gptq_tensor(self.stored.layout, leaf, tensor)
         if leaf == "weight":
-            if tensor.dtype != torch.int32:
-                raise ValueError(
-                    "the checkpoint's quantization_config says packed 4-bit weights, but a "
-                    f"weight is {str(tensor.dtype).removeprefix('torch.')}: the checkpoint is "
-                    "not as its config.json describes it"
-                )
             return tensor.contiguous().view(torch.uint8)  # (N, K // 8) int32 -> (N, K // 2)
         if leaf == "weight_scale":
             return tensor.float()
