@@ -54,10 +54,6 @@ class LinearScheme:
         """(weight, the keyword arguments of kernels/gemv.py that describe it: its scales)."""
         return layer.weight, {}
 
-    def weight_bytes(self, layer: nn.Linear) -> int:
-        """Bytes of the layer's parameters (what a batch-1 step reads)."""
-        return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
-
 
 UNQUANTIZED = LinearScheme()
 
