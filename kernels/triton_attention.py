@@ -351,9 +351,12 @@ def _multiprocessor_count(device_index: int) -> int:
 
 
 def default_num_kv_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Enough splits to give every SM about two programs; depends on shapes only (graph-safe)."""
+    """Enough splits to give every SM about two programs; depends on shapes only (graph-safe).
+
+    Elsewhere (Triton's CPU interpreter, which runs the programs one after another) two: the
+    split-and-merge path, at the fewest programs that take it."""
     if device.type != "cuda":
-        return 4
+        return 2
     sms = _multiprocessor_count(device.index if device.index is not None else 0)
     splits = triton.cdiv(2 * sms, max(1, batch * num_kv_heads))
     return max(1, min(32, triton.next_power_of_2(splits)))
