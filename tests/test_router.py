@@ -67,14 +67,15 @@ def router(workers: list[str], policy: str) -> Iterator[str]:
 
 def wait_for_workers(proc: subprocess.Popen, url: str, count: int) -> None:
     deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the router exited ({proc.returncode}): {proc.stdout.read()}")
-        with contextlib.suppress(httpx.HTTPError):
-            listed = httpx.get(f"{url}/workers", timeout=2).json()["workers"]
-            if sum(w["is_healthy"] for w in listed) == count:
-                return
-        time.sleep(0.2)
+    with httpx.Client(timeout=2) as poller:  # (one SSL context for all the polls)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"the router exited ({proc.returncode}): {proc.stdout.read()}")
+            with contextlib.suppress(httpx.HTTPError):
+                listed = poller.get(f"{url}/workers").json()["workers"]
+                if sum(w["is_healthy"] for w in listed) == count:
+                    return
+            time.sleep(0.2)
     raise AssertionError(f"the router did not take {count} healthy workers in {STARTUP_S} s")
 
 

@@ -189,15 +189,16 @@ def test_serve_finishes_in_flight_requests_on_sigterm(default_model_folder):
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("the server did not start:\n" + (proc.stdout.read() or ""))
-            time.sleep(0.2)
+        with httpx.Client(timeout=1) as poller:  # (one SSL context for all the polls)
+            while True:
+                try:
+                    if poller.get(url + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError("the server did not start:\n" + (proc.stdout.read() or ""))
+                time.sleep(0.2)
         body = {"text": "Hello", "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}}
         events = []
         with (
