@@ -42,3 +42,34 @@ def test_the_engine_gives_memory_back_once_idle_and_never_while_it_works(
         while len(trims) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert trims == [steps, core.num_steps]
+
+
+# ---- the KV pool's slots: freed ones first -------------------------------------------------------
+
+
+def test_the_allocator_hands_out_the_slots_freed_last_before_fresh_ones():
+    from radixlm.runtime.memory_pool import SlotAllocator
+
+    alloc = SlotAllocator(10_000)
+    first = alloc.allocate(30)
+    alloc.free(first[:10])
+    alloc.free(first[10:20])
+    again = alloc.allocate(15)  # the newest piece whole, then the tail of the one before
+    assert again.tolist() == [*range(11, 21), *range(6, 11)]
+    assert alloc.allocate(5).tolist() == list(range(1, 6))
+    assert alloc.allocate(2).tolist() == [31, 32]  # none freed left: fresh ones
+    assert alloc.num_free == alloc.capacity - 32  # 30 + 22 taken, 20 given back
+    with pytest.raises(RuntimeError, match="exhausted"):
+        alloc.allocate(alloc.num_free + 1)
+    assert alloc.allocate(0).numel() == 0
+
+
+def test_sequential_requests_reuse_the_same_kv_slots(tiny_model_folder):
+    """A pool's pages become resident when first written (on a CPU): requests one after another
+    must not walk through the whole pool, or the engine's RSS grows with every token served."""
+    with radixlm.Engine(tiny_model_folder, max_total_tokens=4096, disable_radix_cache=True) as eng:
+        params = {"max_new_tokens": 10, "ignore_eos": True}
+        for k in range(30):
+            eng.generate(input_ids=[100 + k + i for i in range(60)], sampling_params=params)
+        untouched = len(eng._core.allocator._free)
+    assert untouched >= 4096 - 2 * 70  # (30 requests of 70 tokens would have taken 2,100)
