@@ -1,6 +1,8 @@
-"""The engine gives the host memory its steps freed back to the system once it is idle (glibc
-keeps freed heap pages otherwise, and an idle engine's resident set wandered with the last batch
-mix: tests/test_server_soak.py measures the whole effect)."""
+"""The engine process's resident memory follows what it holds: the host memory its steps freed
+goes back to the system once it is idle (glibc keeps freed heap pages otherwise, and an idle
+engine's resident set wandered with the last batch mix), and the KV slots freed last are reused
+first (fresh ones would make more of the lazily mapped pool resident with every token served).
+tests/test_server_soak.py and benchmarks/soak.py measure the whole effect."""
 
 from __future__ import annotations
 
