@@ -32,6 +32,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 TOL = 2e-2 if ON_GPU else 1e-4
+# make test-fast takes the cases that are not SLOW (the interpreter takes seconds a case)
+SLOW = (lambda v: v) if ON_GPU else (lambda v: pytest.param(v, marks=pytest.mark.slow))
 # (N, K, group): partial tiles and groups smaller than a tile on the CPU
 SIZES = [(37, 128, 32), (20, 256, 128)] if not ON_GPU else [(6144, 4096, 128), (4096, 14336, 128)]
 TILES = (
@@ -85,7 +87,7 @@ def test_group_of_a_layer():
         int4_group(100)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, SLOW(3)])
 @pytest.mark.parametrize("size", SIZES)
 def test_gemv_reads_packed_int4_weights_as_the_oracle_does(size, rows, torch_path):
     n, k, group = size
@@ -110,7 +112,7 @@ def test_gemv_reads_packed_int4_weights_as_the_oracle_does(size, rows, torch_pat
         torch.testing.assert_close(y.float(), want_silu, atol=TOL, rtol=TOL)
 
 
-@pytest.mark.parametrize("rows", [5, 33])
+@pytest.mark.parametrize("rows", [5, SLOW(33)])
 @pytest.mark.parametrize("size", SIZES)
 def test_int4_gemm_for_larger_batches_matches_the_oracle(size, rows):
     n, k, group = size
