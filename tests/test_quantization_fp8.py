@@ -208,11 +208,13 @@ def test_dispatch_runs_the_gemv_over_fp8_weights_where_chosen(count_launches):
 
 
 @pytest.mark.gpu
-def test_scaled_mm_path_matches_the_w8a8_oracle():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scaled_mm_path_matches_the_w8a8_oracle(dtype):
     for rows in (5, 64, 300):
         layer, _ = fp8_layer(4096, 4096, bias=False, seed=rows)
-        x = torch.randn(rows, 4096, device=DEVICE, dtype=torch.bfloat16)
+        x = torch.randn(rows, 4096, device=DEVICE, dtype=dtype)
         got = layer.quant_scheme.apply(layer, x)
+        assert got.dtype == dtype
         want = fp8_linear_ref(x, layer.weight, layer.weight_scale, out_dtype=torch.float32)
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 

@@ -78,12 +78,13 @@ class Fp8Linear(LinearScheme):
     def apply(self, layer, x, out_dtype=None):
         w, scale, b = layer.weight, layer.weight_scale, layer.bias
         out = out_dtype or x.dtype
-        if x.is_cuda and out == torch.bfloat16 and _scaled_mm_fits(x, w):
+        if x.is_cuda and out in _HALF and _scaled_mm_fits(x, w):
             x2 = x.reshape(-1, x.shape[-1])
             xq, x_scale = quantize_fp8_rows(x2)  # (T, K) float8, (T, 1) float32
+            # (row-wise scales write bfloat16: a float16 model's output is rounded once more)
             y = torch._scaled_mm(
-                xq, w.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=out
-            )  # (T, N)
+                xq, w.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16
+            ).to(out)  # (T, N)
             if b is not None:
                 y = y + b
             return y.view(*x.shape[:-1], w.shape[0])
@@ -101,6 +102,9 @@ class Fp8Linear(LinearScheme):
     def dequantized_weight(self, layer: nn.Linear) -> torch.Tensor:
         """The float32 weight the layer stands for (tests and quality checks)."""
         return dequantize_fp8_rows(layer.weight, layer.weight_scale)
+
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def _scaled_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
