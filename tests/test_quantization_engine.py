@@ -138,12 +138,12 @@ def test_unsupported_quantization_option_is_refused(value, message):
 def test_a_checkpoint_in_another_quantized_format_is_refused_naming_what_is_supported(
     tiny_model_folder, tmp_path
 ):
-    folder = tmp_path / "awq"
+    folder = tmp_path / "bnb"
     shutil.copytree(tiny_model_folder, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quant_method 'awq' are not supported yet") as e:
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' are not supported yet") as e:
         radixlm.Engine(str(folder))
     assert "compressed-tensors FP8" in str(e.value) and "quantization='fp8'" in str(e.value)
 
