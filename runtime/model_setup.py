@@ -39,6 +39,11 @@ def build_model(
     from radixlm.runtime.quantization import plan as quant
 
     plan = quant.plan_for(config.quantization, mc.quantization)
+    if plan is not None and device.type != "cuda":
+        startup.say(
+            f"{plan.description}: on the {device.type} the quantized layers run their "
+            "dequantizing torch twins, correct but slower than unquantized weights"
+        )
     with torch.device("meta"):
         model = LlamaForCausalLM(mc, context_len + 1, sampled_vocab, tp, comm)
         if stage is not None:  # a pipeline stage (runtime/pipeline.py): its own layers only
