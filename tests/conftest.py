@@ -23,15 +23,17 @@ _REAL_MODEL_FIXTURES = {"engine", "hf_model", "tokenizer"}
 # The files that take longest (minutes on two cores), longest first: run first, so that under
 # pytest-xdist (each file on one worker) none of them starts last and leaves the other worker idle.
 _LONGEST_FIRST = (
-    "test_attention_backends.py",
     "test_engine_reference.py",
-    "test_server_fuzz.py",
     "test_overlap_schedule.py",
+    "test_attention_backends.py",
+    "test_speculative_engine.py",
+    "test_radix_engine.py",
+    "test_server_fuzz.py",
     "test_tensor_parallel.py",
     "test_pipeline_parallel.py",
-    "test_sglang_client.py",
+    "test_startup.py",
     "test_server_process.py",
-    "test_speculative_engine.py",
+    "test_sglang_client.py",
     "test_data_parallel.py",
 )
 
