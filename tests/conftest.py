@@ -26,6 +26,7 @@ _LONGEST_FIRST = (
     "test_engine_reference.py",
     "test_overlap_schedule.py",
     "test_attention_backends.py",
+    "test_server_soak.py",
     "test_speculative_engine.py",
     "test_radix_engine.py",
     "test_server_fuzz.py",
