@@ -17,8 +17,8 @@ decode speed at a large batch over long contexts (random weights of a real shape
    bytes a step reads, the achieved bandwidth.
 3. **Kernel** (CUDA only): the Triton decode kernel alone over one layer of the shape at the same
    batch and context, slots shuffled over the pool, model-dtype pool against float8 pool, for a
-   few key-tile lengths (`block_n`; the engine uses 32): where the step's time goes, and whether
-   float8 wants longer tiles.
+   few key-tile lengths (`block_n`; the engine uses 32, and 128 for a float8 pool): where the
+   step's time goes, and whether float8 wants longer tiles.
 
 The table comes last, with the ratios fp8 / auto (targets on the H200, Llama-3.1-8B shape: capacity
 >= 1.9x, decode at batch 64 over 8k-token contexts >= 1.3x).
