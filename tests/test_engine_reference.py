@@ -92,14 +92,18 @@ def test_greedy_in_a_mixed_batch_of_32_matches_transformers(engine, prompt_ids, 
 
 def test_chunked_prefill_matches_transformers(default_model_folder, prompt_ids, reference):
     # small prefill chunks and a pool barely larger than the longest request: long prompts are
-    # computed in many chunks, interleaved with other requests' decodes
-    longest = max(map(len, prompt_ids)) + NEW_TOKENS
+    # computed in many chunks, interleaved with other requests' decodes. The prompts up to ~1,100
+    # tokens (12 chunks): the two longer ones would only add chunks of the same kind, at nearly
+    # half the test's time.
+    subset = [i for i, ids in enumerate(prompt_ids) if len(ids) <= 1100]
+    assert len(subset) == len(prompt_ids) - 2 and max(len(prompt_ids[i]) for i in subset) > 1000
+    longest = max(len(prompt_ids[i]) for i in subset) + NEW_TOKENS
     with radixlm.Engine(
         default_model_folder, max_total_tokens=longest + 200, chunked_prefill_size=96
     ) as eng:
-        outputs = eng.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+        outputs = eng.generate(input_ids=[prompt_ids[i] for i in subset], sampling_params=GREEDY)
         stats = eng.get_stats()
-    ties = check_against_reference(outputs, reference)
+    ties = check_against_reference(outputs, [reference[i] for i in subset])
     assert len(ties) <= 1, ties
     assert (
         stats["kv_pool_free_tokens"] + stats["radix_cache_tokens"]
