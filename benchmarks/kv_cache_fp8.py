@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -60,7 +61,9 @@ def shape_folder(name: str, context: int) -> Path:
         **shape,
     }  # fmt: skip
     (out / "config.json").write_text(json.dumps(cfg))
-    copy_tokenizer_files(resolve_model_folder(None, default_cache_dir()), out)
+    # (RADIXLM_BENCH_TOKENIZER names a tokenizer folder, as for benchmarks.common.shape_folder)
+    tokenizer = os.environ.get("RADIXLM_BENCH_TOKENIZER")
+    copy_tokenizer_files(tokenizer or resolve_model_folder(None, default_cache_dir()), out)
     return out
 
 
