@@ -15,9 +15,12 @@ nouns that the DFA backend has too:
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import re
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -126,11 +129,7 @@ class LLGuidanceBackend:
                 raise GrammarError("the tokenizer has no eos_token_id; pass eos_token_ids")
             size = int(vocab_size) if vocab_size is not None else len(tokenizer)
             try:
-                lltok = _unpanicked(
-                    lambda: llguidance.LLTokenizer(
-                        _tokenizer_json(tokenizer), n_vocab=size, eos_token=list(eos)
-                    )
-                )
+                lltok = _unpanicked(lambda: _read_tokenizer(_tokenizer_json(tokenizer), size, eos))
             except ValueError:  # not one llguidance reads: by its bytes
                 pass
             else:
@@ -709,6 +708,30 @@ def begin_fill(pairs: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor
     # over now (0.07 ms).
     time.sleep(0)
     return PendingFill(future, pairs, versions, bitmask)
+
+
+# llguidance's reading of a tokenizer, by (its JSON's digest, vocabulary size, EOS ids): immutable,
+# so engines of one process with the same tokenizer share it (each reading costs ~0.6 s of CPU)
+_READ_TOKENIZERS: OrderedDict[tuple[bytes, int, tuple[int, ...]], Any] = OrderedDict()
+_READ_TOKENIZERS_LOCK = threading.Lock()
+_READ_TOKENIZERS_KEPT = 4
+
+
+def _read_tokenizer(text: str, size: int, eos: tuple[int, ...]) -> Any:
+    import llguidance
+
+    key = (hashlib.sha256(text.encode()).digest(), size, eos)
+    with _READ_TOKENIZERS_LOCK:
+        found = _READ_TOKENIZERS.get(key)
+        if found is not None:
+            _READ_TOKENIZERS.move_to_end(key)
+            return found
+    lltok = llguidance.LLTokenizer(text, n_vocab=size, eos_token=list(eos))
+    with _READ_TOKENIZERS_LOCK:
+        _READ_TOKENIZERS[key] = lltok
+        while len(_READ_TOKENIZERS) > _READ_TOKENIZERS_KEPT:
+            _READ_TOKENIZERS.popitem(last=False)
+    return lltok
 
 
 def _tokenizer_json(tokenizer: Any) -> str:

@@ -71,10 +71,35 @@ def test_a_tokenizer_the_backend_cannot_read_fails_only_the_constrained_requests
     with radixlm.Engine(tiny_model_folder, max_total_tokens=2048) as eng:
         outs = eng.generate(
             ["Hi", "Hello"],
-            [{"max_new_tokens": 4, "json_schema": DIGIT}, {"max_new_tokens": 4, "ignore_eos": True}],
+            [
+                {"max_new_tokens": 4, "json_schema": DIGIT},
+                {"max_new_tokens": 4, "ignore_eos": True},
+            ],
         )
         with pytest.raises(ValueError, match="grammar_backend='outlines'"):
             eng.generate("Hi", {"max_new_tokens": 4, "regex": "(yes|no)"})
     reason = outs[0]["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "cannot read this tokenizer" in reason["message"]
     assert outs[1]["meta_info"]["completion_tokens"] == 4
+
+
+def test_engines_of_one_process_share_llguidances_reading_of_one_tokenizer(tiny_model_folder):
+    """Reading a tokenizer costs llguidance ~0.6 s of CPU; the result is immutable, so compilers
+    of the same tokenizer, vocabulary size and EOS ids share it, and any of these differing
+    reads it anew."""
+    from transformers import AutoTokenizer
+
+    from radixlm.constrained import GrammarCompiler
+
+    def reading(vocab_size: int, eos: list[int]):
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_folder)  # (a fresh object each time)
+        return GrammarCompiler(tokenizer, vocab_size, eos_token_ids=eos)._llguidance().tokenizer
+
+    first = reading(49152, [2])
+    assert reading(49152, [2]) is first
+    assert reading(49216, [2]) is not first
+    assert reading(49152, [0, 2]) is not first
+    compiled = GrammarCompiler(
+        AutoTokenizer.from_pretrained(tiny_model_folder), 49152, eos_token_ids=[2]
+    ).compile("regex", "(yes|no)")
+    assert compiled.matcher().accept_string("yes")
