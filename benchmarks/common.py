@@ -136,3 +136,27 @@ def cuda_event_spans(owner: type, method: str):
     finally:
         setattr(owner, method, real)
         torch.cuda.synchronize()
+
+
+def write_tiny_llama(out: Path, tokenizer_folder: str | Path | None = None) -> Path:
+    """The tests' tiny random Llama (2 layers, hidden 64, seed 0) with the tokenizer of
+    `tokenizer_folder` (default: the embedded default model's), saved in `out`: for mechanics,
+    not for quality."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from radixlm.runtime.model_loader import copy_tokenizer_files
+
+    if tokenizer_folder is None:
+        from radixlm.runtime.config import default_cache_dir
+        from radixlm.runtime.model_loader import resolve_model_folder
+
+        tokenizer_folder = resolve_model_folder(None, default_cache_dir())
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=2, bos_token_id=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    copy_tokenizer_files(tokenizer_folder, out)
+    return out

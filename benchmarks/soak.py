@@ -46,7 +46,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import commit, device_line
+from benchmarks.common import commit, device_line, write_tiny_llama
 from benchmarks.overload import engine_stats, kv_whole, rss_mib, wait_idle
 from benchmarks.serving import start_server, stop_server
 
@@ -433,25 +433,6 @@ def split(items: list, parts: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)] if items else []
 
 
-def tiny_model(out: Path) -> Path:
-    """The tests' tiny random Llama (tests/conftest.py's tiny_model_folder) in `out`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from radixlm.runtime.config import default_cache_dir
-    from radixlm.runtime.model_loader import copy_tokenizer_files, resolve_model_folder
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=2, bos_token_id=1, tie_word_embeddings=True,
-    )  # fmt: skip
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    copy_tokenizer_files(resolve_model_folder(None, default_cache_dir()), out)
-    return out
-
-
 def serve_options(model_path: str | None, max_total_tokens: int) -> list[str]:
     model = ["--model-path", model_path] if model_path else []
     return [*model, "--max-total-tokens", str(max_total_tokens), "--enable-priority-scheduling"]
@@ -508,7 +489,7 @@ def main() -> None:
     args = parser.parse_args()
     model_path = args.model_path
     if args.tiny:
-        model_path = str(tiny_model(Path(tempfile.mkdtemp(prefix="radixlm-soak-tiny-"))))
+        model_path = str(write_tiny_llama(Path(tempfile.mkdtemp(prefix="radixlm-soak-tiny-"))))
     serve = SimpleNamespace(engine_in_process=args.engine_in_process)
     with tempfile.NamedTemporaryFile(
         "w", prefix="radixlm-soak-", suffix=".log", delete=False

@@ -457,21 +457,19 @@ class Engine:
             return None
         t0 = time.perf_counter()
         lenient = params.json_schema_lenient
-        setup = self._grammar_setup
-        if setup.done() and setup.exception() is None:
-            future = setup.result().compile_async(*constraint, lenient=lenient)
-        else:  # the compile starts once the compiler is ready, in its thread, not this one
-            future = Future()
+        future: Future = Future()
 
-            def start(setup: Future) -> None:
-                try:
-                    compiled = setup.result().compile_async(*constraint, lenient=lenient)
-                except BaseException as e:
-                    future.set_exception(e)
-                else:
-                    compiled.add_done_callback(lambda done: _relay(done, future))
+        def start(setup: Future) -> None:
+            """Once the compiler is ready (at once, in this thread, if it is already): the compile
+            starts in its worker threads, its outcome relayed to `future`."""
+            try:
+                compiled = setup.result().compile_async(*constraint, lenient=lenient)
+            except BaseException as e:  # (a compiler that could not be built, a bad spec)
+                future.set_exception(e)
+            else:
+                compiled.add_done_callback(lambda done: _relay(done, future))
 
-            setup.add_done_callback(start)
+        self._grammar_setup.add_done_callback(start)
         future.add_done_callback(lambda _: self._grammar_times.observe(time.perf_counter() - t0))
         return future
 

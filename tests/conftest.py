@@ -114,17 +114,6 @@ def hf_model(default_model_folder):
 @pytest.fixture(scope="session")
 def tiny_model_folder(tmp_path_factory, default_model_folder) -> str:
     """A tiny random Llama with the default model's tokenizer: for mechanics, not for quality."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from benchmarks.common import write_tiny_llama
 
-    from radixlm.runtime.model_loader import copy_tokenizer_files
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=2, bos_token_id=1, tie_word_embeddings=True,
-    )  # fmt: skip
-    out = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    copy_tokenizer_files(default_model_folder, out)
-    return str(out)
+    return str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_folder))

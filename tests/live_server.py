@@ -28,6 +28,15 @@ def sse_payloads(lines: Iterable[str]) -> list[Any]:
     return out
 
 
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll `predicate` until it holds; AssertionError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.05)
+
+
 def wait_idle(get_stats: Callable[[], dict], timeout: float) -> dict:
     """Poll the engine's stats until no request runs or waits; its stats then."""
     deadline = time.monotonic() + timeout

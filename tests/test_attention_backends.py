@@ -17,6 +17,20 @@ EAGER = {"dtype": "float32", "disable_cuda_graph": True}
 CAPTURE = torch.cuda.is_available()
 
 
+def install_prefill_graphs(eng, max_tokens: int, max_reqs: int, keep_hidden: bool = False):
+    """Give `eng`'s model runner prompt-step graphs of its own (captured and replayed on a GPU,
+    run eagerly on the CPU); the graphs."""
+    from radixlm.runtime.cuda_graph import PrefillGraphs
+
+    runner = eng._core.runner
+    runner.prefill_graphs = PrefillGraphs(
+        runner.model, runner.backend, runner.req_to_token, runner.token_buf,
+        max_tokens=max_tokens, max_reqs=max_reqs, capture=CAPTURE,
+        padding_row=eng._core.rows.padding_row, keep_hidden=keep_hidden,
+    )  # fmt: skip
+    return runner.prefill_graphs
+
+
 def assert_same_outputs(want: list[dict], got: list[dict]) -> None:
     """The same tokens, and their log-probabilities within 1e-4 (where they were asked for)."""
     assert len(want) == len(got)
@@ -269,7 +283,7 @@ def test_prompt_steps_padded_for_prefill_graphs_match_eager(tiny_model_folder):
     on a GPU, give the ordinary path's tokens and log-probabilities: chunked prompts after cached
     prefixes, mixed with decodes, and prompt log-probabilities (a logits row per prompt token:
     replayed where the bucket holds that many rows, else eager)."""
-    from radixlm.runtime.cuda_graph import PrefillGraphs, prefill_buckets
+    from radixlm.runtime.cuda_graph import prefill_buckets
 
     assert prefill_buckets(100) == [16, 32, 48, 64, 96, 128]
     shared = list(range(600, 640))
@@ -283,11 +297,7 @@ def test_prompt_steps_padded_for_prefill_graphs_match_eager(tiny_model_folder):
         ) as eng:
             runner = eng._core.runner
             if graphs:
-                runner.prefill_graphs = PrefillGraphs(
-                    runner.model, runner.backend, runner.req_to_token, runner.token_buf,
-                    max_tokens=40, max_reqs=6, capture=CAPTURE,
-                    padding_row=eng._core.rows.padding_row,
-                )  # fmt: skip
+                install_prefill_graphs(eng, max_tokens=40, max_reqs=6)
                 run = runner.prefill_graphs.run
 
                 def noting(*a, run=run):
@@ -323,7 +333,6 @@ def test_speculative_verify_steps_through_prefill_graphs_match_eager(tiny_model_
     fits a prompt-step graph whose bucket holds that many rows: replayed (run eagerly here), it
     gives the eager verify's tokens, greedy and seeded; a step wanting more rows than its bucket
     holds runs eagerly."""
-    from radixlm.runtime.cuda_graph import PrefillGraphs
 
     # prompts that repeat themselves, so that the n-gram drafter always has a draft to verify
     prompts = [[300 + (j % (4 + i)) for j in range(20 + 5 * i)] for i in range(2)]
@@ -339,11 +348,7 @@ def test_speculative_verify_steps_through_prefill_graphs_match_eager(tiny_model_
         ) as eng:  # fmt: skip
             runner = eng._core.runner
             if graphs:
-                runner.prefill_graphs = PrefillGraphs(
-                    runner.model, runner.backend, runner.req_to_token, runner.token_buf,
-                    max_tokens=32, max_reqs=16, capture=CAPTURE,
-                    padding_row=eng._core.rows.padding_row,
-                )  # fmt: skip
+                install_prefill_graphs(eng, max_tokens=32, max_reqs=16)
                 run = runner.prefill_graphs.run
 
                 def noting(*a, run=run):
@@ -365,7 +370,6 @@ def test_medusa_steps_through_prefill_graphs_keep_the_hidden_states(tiny_model_f
     need not run eagerly, and the tokens are those of the eager steps."""
     from transformers import AutoModelForCausalLM
 
-    from radixlm.runtime.cuda_graph import PrefillGraphs
     from radixlm.runtime.speculative import medusa
 
     target = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
@@ -386,11 +390,7 @@ def test_medusa_steps_through_prefill_graphs_keep_the_hidden_states(tiny_model_f
         ) as eng:  # fmt: skip
             runner = eng._core.runner
             if graphs:
-                runner.prefill_graphs = PrefillGraphs(
-                    runner.model, runner.backend, runner.req_to_token, runner.token_buf,
-                    max_tokens=32, max_reqs=16, capture=CAPTURE,
-                    padding_row=eng._core.rows.padding_row, keep_hidden=True,
-                )  # fmt: skip
+                install_prefill_graphs(eng, max_tokens=32, max_reqs=16, keep_hidden=True)
                 run = runner.prefill_graphs.run
 
                 def noting(*a, run=run, graphs=runner.prefill_graphs):
@@ -413,8 +413,6 @@ def test_prefill_graph_layout_under_load_matches_eager(tiny_model_folder):
     prompt-step path (run eagerly on the CPU, replayed on a GPU) gives the tokens of the ordinary path."""
     import random
 
-    from radixlm.runtime.cuda_graph import PrefillGraphs
-
     rng = random.Random(9)
     shared = [rng.randrange(100, 4000) for _ in range(30)]
     prompts = [
@@ -433,13 +431,8 @@ def test_prefill_graph_layout_under_load_matches_eager(tiny_model_folder):
             tiny_model_folder, **EAGER, attention_backend="triton", chunked_prefill_size=16,
             max_running_requests=5,
         ) as eng:  # fmt: skip
-            runner = eng._core.runner
             if graphs:
-                runner.prefill_graphs = PrefillGraphs(
-                    runner.model, runner.backend, runner.req_to_token, runner.token_buf,
-                    max_tokens=24, max_reqs=5, capture=CAPTURE,
-                    padding_row=eng._core.rows.padding_row,
-                )  # fmt: skip
+                install_prefill_graphs(eng, max_tokens=24, max_reqs=5)
             first = eng.generate(input_ids=prompts[:6], sampling_params=params[:6])
             second = eng.generate(input_ids=prompts[6:], sampling_params=params[6:])
             outs.append([o["output_ids"] for o in first + second])

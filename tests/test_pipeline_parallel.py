@@ -244,20 +244,12 @@ def test_two_gpus_match_one(default_model_folder):
 # ---- failures ----------------------------------------------------------------------------------
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.05)
-
-
 def test_a_killed_stage_stops_the_engine_and_the_server_answers_503(tiny_model_folder):
     import httpx
 
     import radixlm
     from radixlm.errors import EngineShutDown
-    from tests.live_server import serve_in_thread
+    from tests.live_server import serve_in_thread, wait_until
 
     eng = radixlm.Engine(tiny_model_folder, pp_size=2, max_total_tokens=2048, dist_timeout=20)
     try:
@@ -271,7 +263,7 @@ def test_a_killed_stage_stops_the_engine_and_the_server_answers_503(tiny_model_f
 
             thread = threading.Thread(target=run, daemon=True)
             thread.start()
-            _wait_for(lambda: eng.get_stats()["generated_tokens"] > 5, 60, "decoding begins")
+            wait_until(lambda: eng.get_stats()["generated_tokens"] > 5, 60, "decoding begins")
             (last_stage,) = eng._tp.processes
             t0 = time.monotonic()
             os.kill(last_stage.pid, signal.SIGKILL)

@@ -61,6 +61,21 @@ def hf_with_fp8_oracle(folder: str):
     return model
 
 
+def hf_greedy(hf, tokenizer) -> list[list[int]]:
+    """transformers' greedy tokens for PROMPTS, as many as GREEDY asks (EOS ignored)."""
+    want = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([tokenizer.encode(prompt)])
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=GREEDY["max_new_tokens"], min_new_tokens=GREEDY["max_new_tokens"],
+                eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+            want.append(out[0, ids.shape[1] :].tolist())
+    return want
+
+
 def test_fp8_engine_computes_what_transformers_computes_with_fp8_linears(sharp_tiny_folder):
     with radixlm.Engine(sharp_tiny_folder, dtype="float32", quantization="fp8") as engine:
         model = engine.model
@@ -71,16 +86,7 @@ def test_fp8_engine_computes_what_transformers_computes_with_fp8_linears(sharp_t
         outs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
         tokenizer = engine.tokenizer
     hf = hf_with_fp8_oracle(sharp_tiny_folder)
-    want = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([tokenizer.encode(prompt)])
-            out = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
-                min_new_tokens=8, eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
-            want.append(out[0, ids.shape[1] :].tolist())
-    assert outs == want
+    assert outs == hf_greedy(hf, tokenizer)
     # and the quantization matters: the unquantized engine's tokens are not these
     with radixlm.Engine(sharp_tiny_folder, dtype="float32") as engine:
         plain = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]

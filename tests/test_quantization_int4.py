@@ -26,7 +26,12 @@ from radixlm.runtime.layers import RMSNorm, silu_and_mul  # noqa: E402
 from radixlm.runtime.matmul_dispatch import LinearDispatch, choice_key  # noqa: E402
 from radixlm.runtime.quantization.int4 import Int4Linear, int4_group  # noqa: E402
 from radixlm.runtime.quantization.plan import QuantPlan, finish, prepare  # noqa: E402
-from tests.test_quantization_engine import GREEDY, PROMPTS, sharp_tiny_folder  # noqa: E402, F401
+from tests.test_quantization_engine import (  # noqa: E402, F401
+    GREEDY,
+    PROMPTS,
+    hf_greedy,
+    sharp_tiny_folder,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
@@ -184,13 +189,4 @@ def test_w4a16_engine_computes_what_transformers_computes_with_int4_linears(shar
         outs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
         tokenizer = engine.tokenizer
     hf = hf_with_int4_oracle(sharp_tiny_folder)
-    want = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([tokenizer.encode(prompt)])
-            out = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
-                min_new_tokens=8, eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
-            want.append(out[0, ids.shape[1] :].tolist())
-    assert outs == want
+    assert outs == hf_greedy(hf, tokenizer)

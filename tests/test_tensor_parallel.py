@@ -26,6 +26,7 @@ import torch
 
 from radixlm.runtime.model_config import ModelConfig
 from radixlm.runtime.parallel import Partition
+from tests.live_server import wait_until
 
 # a near-tie: the single-process engine's two best log-probabilities closer than this
 NEAR_TIE = 1e-3
@@ -184,14 +185,6 @@ def _long_generation(eng) -> tuple[threading.Thread, dict]:
     return thread, result
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.05)
-
-
 def test_a_killed_rank_stops_the_engine_and_the_server_answers_503(tiny_model_folder):
     import httpx
 
@@ -204,7 +197,7 @@ def test_a_killed_rank_stops_the_engine_and_the_server_answers_503(tiny_model_fo
         with serve_in_thread(eng) as url:
             assert httpx.get(f"{url}/health", timeout=10).status_code == 200
             thread, result = _long_generation(eng)
-            _wait_for(lambda: eng.get_stats()["generated_tokens"] > 5, 60, "decoding begins")
+            wait_until(lambda: eng.get_stats()["generated_tokens"] > 5, 60, "decoding begins")
             (follower,) = eng._tp.processes
             t0 = time.monotonic()
             os.kill(follower.pid, signal.SIGKILL)
@@ -255,7 +248,7 @@ def test_the_other_rank_exits_when_rank_0_is_killed(tiny_model_folder):
         time.sleep(0.5)  # (decoding)
         rank0.kill()
         rank0.wait(timeout=10)
-        _wait_for(lambda: _exited(follower), 30, "rank 1 exits after rank 0 died")
+        wait_until(lambda: _exited(follower), 30, "rank 1 exits after rank 0 died")
     finally:
         rank0.kill()
         rank0.wait()
