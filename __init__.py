@@ -6,9 +6,25 @@ talks HTTP starts fast.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+
+def _package_folder_last_on_path() -> None:
+    """This folder is the package, so run from it (`python -m pytest`, `python -m benchmarks.x`)
+    its subpackages are also top-level names, and `kernels` would hide the Hugging Face package
+    of that name, which transformers imports (from 5.2x on, when loading a checkpoint): the folder
+    moves to the end of sys.path, where it only finds what nothing installed is called."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = [p for p in sys.path if os.path.abspath(p or os.curdir) == here]
+    if ours:
+        sys.path[:] = [p for p in sys.path if p not in ours] + ours
+
+
+_package_folder_last_on_path()
 
 # public name -> module that defines it (imported on first access)
 _LAZY = {
