@@ -168,8 +168,8 @@ class TritonAttentionBackend:
         ta = self.ta
         k_pool, v_pool = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
         ks, vs = self.kv_pool.k_scale[layer_id], self.kv_pool.v_scale[layer_id]
-        if batch.is_decode:  # rope and the K/V store inside the decode kernel, when fused
-            fused = None
+        if batch.is_decode and not batch.store_kv_first:  # rope and the K/V store inside the
+            fused = None  # decode kernel, when fused
             if rope is not None:
                 fused = ta.DecodeRope(k, v, rope.positions, rope.cos, rope.sin, batch.out_cache_loc)
             else:
@@ -185,6 +185,11 @@ class TritonAttentionBackend:
             )  # fmt: skip
         else:
             ta.store_kv(k_pool, v_pool, batch.out_cache_loc, k, v, ks, vs)
+        if batch.is_decode:  # rows of one request see each other's K/V, stored above
+            return ta.decode_attention(
+                q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.seq_lens, sm_scale,
+                scratch=self._decode_scratch(batch.batch_size), k_scale=ks, v_scale=vs,
+            )  # fmt: skip
         if batch.extend_blocks is not None:  # a graph's step: tiles listed, padding rows zero
             return ta.extend_attention(
                 q, k_pool, v_pool, self.req_to_token, batch.req_pool_indices, batch.prefix_lens,

@@ -1,5 +1,6 @@
-"""Steps replayed from CUDA graphs: decode steps (`DecodeGraphs`) and every other step of up to a
-few thousand tokens (`PrefillGraphs`, at the end of this module).
+"""Steps replayed from CUDA graphs: decode steps (`DecodeGraphs`), speculative verify steps run as
+decode rows (`RowGraphs`), and every other step of up to a few thousand tokens (`PrefillGraphs`, at
+the end of this module).
 
 A decode step of a small model is a few hundred short kernels; launched one by one from Python the
 GPU waits on the host between them. Here the whole forward of a decode batch (embedding, every layer,
@@ -206,6 +207,125 @@ class DecodeGraphs(_BucketGraphs):
     def _padding_inputs(self, bs: int) -> None:
         self._inputs[0] = self.padding_row  # every row is padding: length 0, slot 0
         self._inputs[1:].zero_()
+
+
+class RowGraphs(_BucketGraphs):
+    """CUDA graphs of steps run as decode rows, one per token: a speculative verify step (a
+    request's newest token and its draft, beside other requests' decodes), or, when a drafter
+    reads the final hidden states, a decode step that keeps them.
+
+    A prompt-step graph computes such a step as an extend over the cached prefix, whose attention
+    tiles and padding suit chunks of hundreds of tokens: for a verify step of a few tokens it
+    costs several decode steps. Here every token is a row of its own, with the sequence length of
+    its position: row j of a request's [newest, d1 .. dk] attends to the prefix and to the rows
+    before it, as the causal extend would, through the decode kernel, and the whole step costs
+    about a decode step of as many rows. The rows' K/V are stored before any row attends
+    (`ForwardBatch.store_kv_first`). One graph per bucket row count; the inputs are the step's
+    token lists (tokens, positions, request rows, and the rows of `token_buf` a token is read
+    from); each graph leaves every row's logits, their argmax (its own buffer: the rows of one
+    request would overwrite each other's in `token_buf`), and with `keep_hidden` the rows' final
+    hidden states. Padding rows point at the padding row with sequence length 0 and slot 0.
+    """
+
+    def __init__(
+        self,
+        model,
+        backend,
+        req_to_token: torch.Tensor,
+        token_buf: torch.Tensor,
+        max_rows: int,
+        max_item_tokens: int,
+        capture: bool = True,
+        padding_row: int | None = None,
+        keep_hidden: bool = False,
+    ) -> None:
+        """A step fits when it has at most `max_rows` tokens and no request has more than
+        `max_item_tokens` (longer items, prompt chunks, are what extend attention is for)."""
+        self._setup(model, backend, req_to_token, token_buf, padding_row, graph_buckets(max_rows))
+        self.max_rows = n = self.buckets[-1]
+        self.max_item_tokens = max_item_tokens
+        self.keeps_hidden = keep_hidden
+        self.hidden: torch.Tensor | None = None  # (rows, H) of the last run, if kept
+        self._inputs = torch.zeros((4, n), dtype=torch.int64, device=self.device)
+        self._init_staging(4 * n, pinned=capture)
+        self._ones = torch.ones(n, dtype=torch.int64, device=self.device)
+        self._all_rows = torch.arange(n, dtype=torch.int64, device=self.device)
+        self._capturing = capture
+        if capture:  # (the outputs: logits, argmax, and the hidden states if kept)
+            self._capture("verify")
+        self._capturing = False
+
+    def can_run(self, num_tokens: int, longest_item: int) -> bool:
+        return 0 < num_tokens <= self.max_rows and longest_item <= self.max_item_tokens
+
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        token_rows: list[int],
+        pending: list[tuple[int, int]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token i is `input_ids[i]` (or, for each (i, row) of `pending`, `token_buf[row]`) at
+        `positions[i]` of request row `token_rows[i]`, whose KV slot the request table holds.
+        Returns the float32 logits of every token (len(input_ids), vocab) and their argmax: views
+        of the graph's outputs, to be read before the next call."""
+        n = len(input_ids)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        pad = bucket - n
+        from_buf = [-1] * bucket
+        for i, row in pending:
+            from_buf[i] = row
+        staging = self._staging_buffer()[: 4 * bucket]
+        staging.copy_(
+            int64_tensor(
+                input_ids + [0] * pad
+                + positions + [0] * pad
+                + token_rows + [self.padding_row] * pad
+                + from_buf
+            )
+        )  # fmt: skip
+        self._inputs[:, :bucket].copy_(staging.view(4, bucket), non_blocking=True)
+        self._copied()
+        graph = self._graphs.get(bucket)
+        if graph is None:  # not captured
+            logits, tokens, hidden = self._forward(bucket)
+        else:
+            graph.replay()
+            logits, tokens, hidden = self._outputs[bucket]
+        self.hidden = None if hidden is None else hidden[:n]
+        return logits[:n], tokens[:n]
+
+    # ---- capture --------------------------------------------------------------------------
+
+    def _forward(self, n: int):
+        ids, positions, rows, from_buf = self._inputs[:, :n]
+        ids = torch.where(from_buf >= 0, self.token_buf[from_buf.clamp(min=0)], ids)
+        padding = rows == self.padding_row
+        slots = torch.where(padding, 0, self.req_to_token[rows, positions].long())
+        seq_lens = torch.where(padding, 0, positions + 1)
+        batch = ForwardBatch(
+            input_ids=ids,
+            positions=positions,
+            out_cache_loc=slots,
+            req_pool_indices=rows,
+            prefix_lens=positions,
+            extend_lens=self._ones[:n],
+            seq_lens=seq_lens,
+            logits_indices=None,  # every row
+            extend_lens_cpu=[1] * n,
+            # (read by the CPU's torch backend only, which runs uncaptured)
+            prefix_lens_cpu=[0] * n if self._capturing else positions.tolist(),
+            num_multi=0,
+            hidden_indices=self._all_rows[:n] if self.keeps_hidden else None,
+            store_kv_first=True,
+        )
+        logits = self.model(batch, self.backend)
+        return logits, greedy_ids(logits), batch.hidden_states
+
+    def _padding_inputs(self, n: int) -> None:
+        self._inputs.zero_()
+        self._inputs[2] = self.padding_row
+        self._inputs[3] = -1
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:

@@ -38,6 +38,10 @@ from radixlm.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
+# the most decode rows a verify step's graphs take (requests x tokens each verifies); a larger
+# verify step replays the prompt-step graphs
+_MAX_VERIFY_ROWS = 256
+
 
 def use_cuda_graphs(config, device, backend) -> bool:
     from radixlm.runtime.attention import TritonAttentionBackend
@@ -80,13 +84,21 @@ def tune_batch1_matmuls(model) -> None:
 
 
 def capture_graphs(
-    config, model, backend, rows: ReqToTokenPool, token_buf: torch.Tensor, keep_hidden=False
+    config,
+    model,
+    backend,
+    rows: ReqToTokenPool,
+    token_buf: torch.Tensor,
+    keep_hidden: bool = False,
+    verify_tokens: int | None = None,
 ):
     """The batch-1 matmul choices, then the decode and prompt-step CUDA graphs (the latter keeping
-    the final hidden states with `keep_hidden`, for a drafter that reads them). (Every rank of a
-    tensor-parallel group captures the same graphs in the same order: their warm-up runs and
-    captures hold the group's collectives.)"""
-    from radixlm.runtime.cuda_graph import DecodeGraphs, PrefillGraphs
+    the final hidden states with `keep_hidden`, for a drafter that reads them) and, with
+    speculative decoding (`verify_tokens`: the most tokens a request verifies in a step), the
+    graphs of verify steps run as decode rows. (Every rank of a tensor-parallel group captures
+    the same graphs in the same order: their warm-up runs and captures hold the group's
+    collectives.)"""
+    from radixlm.runtime.cuda_graph import DecodeGraphs, PrefillGraphs, RowGraphs
 
     if os.environ.get("RADIXLM_DISABLE_GEMV") != "1":
         tune_batch1_matmuls(model)
@@ -103,7 +115,13 @@ def capture_graphs(
             min(config.cuda_graph_max_prefill_tokens, most), config.max_running_requests,
             padding_row=rows.padding_row, keep_hidden=keep_hidden,
         )  # fmt: skip
-    return graphs, prefill_graphs
+    row_graphs = None
+    if verify_tokens:
+        row_graphs = RowGraphs(
+            model, backend, rows.table, token_buf, min(max_bs * verify_tokens, _MAX_VERIFY_ROWS),
+            verify_tokens, padding_row=rows.padding_row, keep_hidden=keep_hidden,
+        )  # fmt: skip
+    return graphs, prefill_graphs, row_graphs
 
 
 class EngineCore:
@@ -148,17 +166,20 @@ class EngineCore:
             priority_scheduling_preemption_threshold=config.priority_scheduling_preemption_threshold,
             drafter=self.speculative.propose if self.speculative is not None else None,
         )
-        graphs = prefill_graphs = None
+        graphs = prefill_graphs = row_graphs = None
         token_buf = torch.zeros(self.rows.max_requests, dtype=torch.int64, device=device)
         if use_cuda_graphs(config, device, backend):
+            spec = self.speculative
             with on_device(device):  # tuning and capture follow the thread's current device
-                graphs, prefill_graphs = capture_graphs(
+                graphs, prefill_graphs, row_graphs = capture_graphs(
                     config, model, backend, self.rows, token_buf,
-                    keep_hidden=self.speculative is not None and self.speculative.medusa is not None,
+                    keep_hidden=spec is not None and spec.medusa is not None,
+                    verify_tokens=None if spec is None else spec.num_draft_tokens,
                 )  # fmt: skip
         self.runner = ModelRunner(
             model, backend, self.rows.table, device, graphs, token_buf, prefill_graphs,
             verifier=self.speculative, mirror=None if tp is None else tp.mirror(self.rows),
+            row_graphs=row_graphs,
         )  # fmt: skip
         # (a draft is made from the newest tokens on the host: speculation runs in lockstep)
         self.overlap = not config.disable_overlap_schedule and self.speculative is None

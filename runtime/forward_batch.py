@@ -41,6 +41,10 @@ class ForwardBatch:
     # (runtime/speculative/medusa.py); None: none are kept
     hidden_indices: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
+    # decode rows of which several may be one request's, at consecutive positions (a verify step
+    # run as decode rows, runtime/cuda_graph.py RowGraphs): every row's K/V is stored before any
+    # row attends, so a backend must not fold the store into its decode kernel
+    store_kv_first: bool = False
 
     @property
     def batch_size(self) -> int:

@@ -81,6 +81,8 @@ class StepLists:
     # here by the forward, (L, H)
     keep_hidden: bool = False
     hidden: torch.Tensor | None = None
+    # the argmax of each logits row, where the forward computed it (a step run as decode rows)
+    argmax: torch.Tensor | None = None
 
 
 class StepHandle:
@@ -138,6 +140,7 @@ class ModelRunner:
         prefill_graphs=None,
         verifier=None,
         mirror=None,
+        row_graphs=None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -145,6 +148,7 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs  # a cuda_graph.DecodeGraphs, or None
         self.prefill_graphs = prefill_graphs  # a cuda_graph.PrefillGraphs, or None
+        self.row_graphs = row_graphs  # a cuda_graph.RowGraphs (verify steps as rows), or None
         self.sampler = Sampler()
         # speculative decoding (runtime/speculative/worker.py): verifies the steps' drafts
         self.verifier = verifier
@@ -162,6 +166,7 @@ class ModelRunner:
         self._flip = 0
         self.num_graph_steps = 0  # decode steps replayed from a CUDA graph
         self.num_prefill_graph_steps = 0  # other steps replayed from a CUDA graph
+        self.num_row_graph_steps = 0  # of which run as decode rows (RowGraphs)
 
     def _host_buffer(self) -> torch.Tensor:
         buf = torch.zeros(self.token_buf.shape[0], dtype=torch.int64)
@@ -202,23 +207,20 @@ class ModelRunner:
             lists = self._step_lists(items)
             lists.keep_hidden = self._keeps_hidden(items)
             which, logit_rows, input_lp_rows = lists.which, lists.sample_rows, lists.input_lp_rows
-            use_graph = (
-                self.prefill_graphs is not None
-                and (self.prefill_graphs.keeps_hidden or not lists.keep_hidden)
-                and self.prefill_graphs.can_run(
-                    len(lists.input_ids), len(items), len(lists.logits_rows)
-                )
-            )
+            use_graph = self._graph_for(lists)
             if self.mirror is not None:
                 self.mirror.eager_step(plan if plan.decodes else None, lists, use_graph)
             with self._lockstep():
                 logits = self.forward_lists(lists, use_graph)  # (L, V)
-            self.num_prefill_graph_steps += use_graph
+            self.num_prefill_graph_steps += bool(use_graph)
+            self.num_row_graph_steps += use_graph == "rows"
             if lists.hidden is not None and which:  # the drafter follows the sampled tokens
                 hidden = lists.hidden[to_device(int64_tensor(logit_rows), logits.device)]
                 self.verifier.draft_from_hidden(hidden, [items[i].req for i in which])
             if lists.drafts:
-                verified = self._verify(logits, items, order, lists.drafts, lists.hidden)
+                verified = self._verify(
+                    logits, items, order, lists.drafts, lists.hidden, lists.argmax
+                )
             if logit_rows == list(range(len(logit_rows))):
                 row_logits = logits[: len(logit_rows)]  # (logits may have padding rows after)
             else:
@@ -247,14 +249,20 @@ class ModelRunner:
         )  # fmt: skip
 
     def _verify(
-        self, logits: torch.Tensor, items: list[ScheduledReq], order: list[int], drafts, hidden
+        self,
+        logits: torch.Tensor,
+        items: list[ScheduledReq],
+        order: list[int],
+        drafts,
+        hidden,
+        argmax: torch.Tensor | None = None,
     ) -> dict[int, list[int]]:
         """The output tokens of the step's drafts (plan index -> tokens); each request's newest
         one goes into token_buf, as a sampled token does."""
         which = [items[i] for i, _ in drafts]
         tokens = self.verifier.verify(
             logits, [it.req for it in which], [it.draft for it in which], [r for _, r in drafts],
-            hidden,
+            hidden, argmax,
         )  # fmt: skip
         pool_rows, last = packed_to_device(
             [[it.req.pool_row for it in which], [t[-1] for t in tokens]], self.device
@@ -357,9 +365,42 @@ class ModelRunner:
         )
         self.req_to_token[rows_t, positions] = slots_t.to(self.req_to_token.dtype)
 
-    def forward_lists(self, lists: StepLists, use_graph: bool) -> torch.Tensor:
-        """The logits (L, V) of an eager step given as its host lists, from a prompt-step CUDA
-        graph (`use_graph`) or the model run eagerly."""
+    def _graph_for(self, lists: StepLists) -> str:
+        """Which CUDA graphs a step that is not all plain decodes replays: "rows" (a verify step,
+        or a step whose hidden states a drafter reads, of short items: RowGraphs), "prefill"
+        (PrefillGraphs), or "" (none: it runs eagerly)."""
+        rg = self.row_graphs
+        if (
+            rg is not None
+            and (lists.drafts or lists.keep_hidden)
+            and (rg.keeps_hidden or not lists.keep_hidden)
+            and rg.can_run(len(lists.input_ids), max(lists.extend_lens))
+        ):
+            return "rows"
+        pg = self.prefill_graphs
+        if (
+            pg is not None
+            and (pg.keeps_hidden or not lists.keep_hidden)
+            and pg.can_run(len(lists.input_ids), len(lists.rows), len(lists.logits_rows))
+        ):
+            return "prefill"
+        return ""
+
+    def forward_lists(self, lists: StepLists, use_graph: str) -> torch.Tensor:
+        """The logits (L, V) of an eager step given as its host lists, from the CUDA graphs
+        `use_graph` names ("rows", "prefill"; `_graph_for`) or the model run eagerly."""
+        if use_graph == "rows":
+            logits, argmax = self.row_graphs.run(
+                lists.input_ids, lists.positions, lists.token_rows, lists.pending
+            )
+            hidden = self.row_graphs.hidden if lists.keep_hidden else None
+            at = lists.logits_rows
+            if at != list(range(len(lists.input_ids))):  # (a verify step's are every row)
+                at_t = to_device(int64_tensor(at), logits.device)
+                logits, argmax = logits[at_t], argmax[at_t]
+                hidden = None if hidden is None else hidden[at_t]
+            lists.hidden, lists.argmax = hidden, argmax
+            return logits
         if use_graph:
             logits = self.prefill_graphs.run(
                 lists.input_ids, lists.positions, lists.token_rows, lists.pending,

@@ -176,7 +176,7 @@ class StepMirror:
     def graph_step(self, rows: list[int], seq_lens: list[int], slots: torch.Tensor) -> None:
         self.group.send({"w": self.rows.take_journal(), "g": [rows, seq_lens, slots.tolist()]})
 
-    def eager_step(self, plan, lists, use_graph: bool) -> None:
+    def eager_step(self, plan, lists, use_graph: str) -> None:
         decodes = None if plan is None else [plan.rows, plan.seq_lens, plan.slots.tolist()]
         self.group.send(
             {
@@ -516,11 +516,17 @@ class _Follower:
             config.attention_backend, kv_pool, rows.table, device, num_q_heads=local.num_heads
         )
         token_buf = torch.zeros(rows.max_requests, dtype=torch.int64, device=device)
-        graphs = prefill_graphs = None
+        graphs = prefill_graphs = row_graphs = None
         if use_cuda_graphs(config, device, backend):
+            verify = config.speculative_num_draft_tokens if config.speculative_algorithm else None
             with on_device(device), torch.inference_mode():
-                graphs, prefill_graphs = capture_graphs(config, model, backend, rows, token_buf)
-        runner = ModelRunner(model, backend, rows.table, device, graphs, token_buf, prefill_graphs)
+                graphs, prefill_graphs, row_graphs = capture_graphs(
+                    config, model, backend, rows, token_buf, verify_tokens=verify
+                )
+        runner = ModelRunner(
+            model, backend, rows.table, device, graphs, token_buf, prefill_graphs,
+            row_graphs=row_graphs,
+        )  # fmt: skip
         return cls(runner, rows, channel, comm)
 
     def run(self) -> None:

@@ -406,6 +406,95 @@ def test_medusa_steps_through_prefill_graphs_keep_the_hidden_states(tiny_model_f
     assert outs[0] == outs[1]
 
 
+def install_row_graphs(eng, max_rows: int, max_item_tokens: int, keep_hidden: bool = False):
+    """Give `eng`'s model runner verify-step graphs of its own (runtime/cuda_graph.py RowGraphs:
+    captured and replayed on a GPU, run eagerly on the CPU), noting each run's (rows, whether
+    hidden states came back); the list of notes."""
+    from radixlm.runtime.cuda_graph import RowGraphs
+
+    runner = eng._core.runner
+    graphs = runner.row_graphs = RowGraphs(
+        runner.model, runner.backend, runner.req_to_token, runner.token_buf,
+        max_rows=max_rows, max_item_tokens=max_item_tokens, capture=CAPTURE,
+        padding_row=eng._core.rows.padding_row, keep_hidden=keep_hidden,
+    )  # fmt: skip
+    notes, run = [], graphs.run
+
+    def noting(*a):
+        logits, argmax = run(*a)
+        assert torch.equal(argmax, logits.argmax(dim=-1))
+        notes.append((len(a[0]), None if graphs.hidden is None else tuple(graphs.hidden.shape)))
+        return logits, argmax
+
+    graphs.run = noting
+    return notes
+
+
+def test_verify_steps_as_decode_rows_match_eager(tiny_model_folder):
+    """A verify step run as decode rows (every token a row of the decode kernel with the sequence
+    length of its position, every row's K/V stored first) gives the eager extend's tokens: NGRAM
+    drafts verified greedy and seeded, beside a request that decodes plainly in the same steps
+    (log-probabilities asked: it is not drafted for), whose log-probabilities match too; a step
+    with a longer item (a prompt chunk) does not take these graphs."""
+    prompts = [[300 + (j % (4 + i)) for j in range(20 + 5 * i)] for i in range(2)]
+    prompts.append(list(range(500, 540)))
+    params = [
+        {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 8, "temperature": 0.9, "seed": 5, "ignore_eos": True},
+        {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+    ]
+    outs, verifies, notes = [], [], []
+    for graphs in (False, True):
+        with radixlm.Engine(
+            tiny_model_folder, **EAGER, attention_backend="triton",
+            speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
+        ) as eng:  # fmt: skip
+            if graphs:
+                notes = install_row_graphs(eng, max_rows=16, max_item_tokens=4)
+            got = eng.generate(
+                input_ids=prompts, sampling_params=params, return_logprob=[False, False, True]
+            )
+            outs.append(got)
+            verifies.append(eng.get_stats()["spec_verify_ct"])
+            assert eng._core.runner.num_row_graph_steps == len(notes)
+    assert verifies[0] == verifies[1] > 0
+    assert any(rows > 3 for rows, _ in notes), "no verify step ran as decode rows"
+    assert_same_outputs(outs[0], outs[1])
+
+
+def test_medusa_steps_as_decode_rows_keep_the_hidden_states(tiny_model_folder, tmp_path):
+    """MEDUSA's steps (its verify steps, and its plain decodes, whose hidden states it drafts
+    from) run as decode rows with the rows' final hidden states kept: the tokens are those of
+    the eager steps."""
+    from transformers import AutoModelForCausalLM
+
+    from radixlm.runtime.speculative import medusa
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
+    hidden, vocab = target.config.hidden_size, target.config.vocab_size
+    torch.manual_seed(3)
+    heads = medusa.MedusaHeads(hidden, 3)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    config = medusa.MedusaConfig(3, 1, hidden, vocab, "tiny")
+    medusa.save_heads(tmp_path, heads, config, medusa.lm_head_sample(target.lm_head.weight))
+    prompts = [[300 + (j % (4 + i)) for j in range(20 + 5 * i)] for i in range(2)]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    outs, notes = [], []
+    for graphs in (False, True):
+        with radixlm.Engine(
+            tiny_model_folder, **EAGER, attention_backend="triton",
+            speculative_algorithm="MEDUSA", speculative_draft_model_path=str(tmp_path),
+        ) as eng:  # fmt: skip
+            if graphs:
+                notes = install_row_graphs(eng, max_rows=16, max_item_tokens=4, keep_hidden=True)
+            got = eng.generate(input_ids=prompts, sampling_params=params)
+            outs.append([o["output_ids"] for o in got])
+    assert notes and all(shape == (rows, hidden) for rows, shape in notes), notes
+    assert any(rows > 2 for rows, _ in notes), "no verify step ran as decode rows"
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.slow  # (the Triton interpreter on the CPU: tens of seconds)
 def test_prefill_graph_layout_under_load_matches_eager(tiny_model_folder):
     """Many requests with shared prefixes (radix hits), small chunks, a cap of 5 running (buckets

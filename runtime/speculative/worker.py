@@ -3,7 +3,9 @@ for the model runner; the output processor takes what it accepts (`OutputProcess
 
 A request with a draft is scheduled as one multi-token item [newest token, d1 .. dk] over its
 cached prefix: causally a prompt chunk, so the extend path of the model runner and the attention
-backends computes it, with logits kept at all k + 1 positions. The positions of rejected draft
+backends computes it, with logits kept at all k + 1 positions. On a GPU the step replays graphs
+that run every token as a decode row instead (runtime/cuda_graph.py RowGraphs), at about the cost
+of a decode step of as many rows, and give each row's argmax with its logits. The positions of rejected draft
 tokens lose their KV slots as soon as the step is applied (`CacheManager.truncate`), before the
 accepted tokens are taken, so they never reach the prefix cache.
 
@@ -128,16 +130,22 @@ class SpeculativeWorker:
         drafts: list[tuple[int, ...]],
         rows: list[int],
         hidden: torch.Tensor | None = None,
+        argmax: torch.Tensor | None = None,
     ) -> list[list[int]]:
         """Each request's output tokens from its k + 1 logits rows starting at rows[i]: the
         accepted draft tokens, then the target's own next token. With `hidden` (the final
         hidden states at the logits rows), MEDUSA drafts the next chain from the row of the last
-        accepted position, the one that gave the target's own token."""
+        accepted position, the one that gave the target's own token. `argmax`: each logits row's
+        argmax, where the step computed it already."""
         out: list[list[int] | None] = [None] * len(reqs)
         greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
         if greedy:
             at = [rows[i] + j for i in greedy for j in range(len(drafts[i]) + 1)]
-            targets = logits[torch.tensor(at, device=logits.device)].argmax(dim=-1).tolist()
+            if argmax is not None:  # (one copy of the step's few rows, then picked on the host)
+                every = argmax.tolist()
+                targets = [every[a] for a in at]
+            else:
+                targets = logits[torch.tensor(at, device=logits.device)].argmax(dim=-1).tolist()
             offset = 0
             for i in greedy:
                 k = len(drafts[i])
