@@ -10,17 +10,22 @@ parameter schema.
 |---|---|
 | `hermes`, `qwen25` | `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, one block per call |
 | `llama3` | `{"name": "f", "parameters": {...}}` (after `<|python_tag|>` or as the answer), `;` between |
-| `pythonic` | `[f(a=1, b="x"), g()]` (Llama 3.2/4; read with `ast`, never evaluated) |
+| `pythonic` | `[f(a=1, b="x"), g()]` (Llama 3.2/4; read as Python literals, never evaluated) |
 | `mistral` | `[TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]` |
 | `deepseekv3` | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\\n```json\\n{...}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>` |
 
-One rule for all: a call counts once it is complete and well-formed and names an offered tool,
-with arguments that are a JSON object. Anything else (a call cut off by max_tokens, broken JSON
-or Python, an unknown name) stays in the text, as content. A streamed output therefore sends a
-call whole (a first delta with its id and name, then one with its arguments) once it is complete,
-and never sends a call the finished output does not have: streamed in any pieces, an output gives
-the content and calls that parsing it whole gives. Whitespace between content and a call belongs
-to the call.
+One rule for all, streamed or whole. A call counts from the moment its name (an offered tool) and
+the beginning of its arguments are in: its arguments are then streamed as they are generated, as
+OpenAI streams them (a first delta with the call's index, id and name, then pieces of the
+arguments' text), and only what can no longer change is sent: a JSON family's arguments are their
+JSON text as generated, sent as far as it is a valid beginning of a JSON object; a pythonic call's
+are the JSON of its keyword arguments, each sent once its value (a string: each character) is
+read. A call cut off there (max_tokens) or broken off by text no call can hold keeps the arguments
+it got, so the finished output has every call the stream sent, with the same arguments, and
+parsing it whole gives what streaming it in any pieces gives. Text that is not yet known to be a
+call or not (the start of a call marker, a name not complete yet) is held back until it is known;
+anything that is no call (a name no tool has, a block of other text) stays content. Whitespace
+between content and a call belongs to the call.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ import functools
 import json
 import keyword
 import logging
+import re
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -41,7 +48,7 @@ logger = logging.getLogger("radixlm.server")
 @dataclass(frozen=True)
 class ToolCallItem:
     name: str
-    arguments: str  # the JSON text of an object
+    arguments: str  # the JSON text of an object (so far, in a call cut off)
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,7 @@ class ParseResult:
 
 
 class _Incomplete:
-    """A call region whose end has not arrived yet."""
+    """A call region not known yet to be one or not."""
 
 
 INCOMPLETE = _Incomplete()
@@ -59,8 +66,25 @@ INCOMPLETE = _Incomplete()
 
 @dataclass(frozen=True)
 class _Region:
-    end: int  # where the call region ends in the text
+    end: int  # where the call region ends in the text (while open: the end of the text)
+    calls: list[ToolCallItem]  # at least one; while open, the last may still grow
+    open: bool = False  # more of the region may arrive (never when the output is finished)
+
+
+@dataclass(frozen=True)
+class _Read:
+    """Calls read from some place: how far they go and how they stopped there ("done": at their
+    end; "open": the text ends inside them; "broken": `end` is where text they cannot hold
+    begins)."""
+
     calls: list[ToolCallItem]
+    end: int
+    state: str
+
+
+# scanners of JSON values by where they start, kept across the steps of one stream
+# (and of Python strings, for the pythonic format)
+_Memo = dict[int, Any]
 
 
 class ToolCallParser(ABC):
@@ -81,8 +105,8 @@ class ToolCallParser(ABC):
     def parse(self, text: str, tools: set[str]) -> ParseResult:
         """The content and the calls of a finished output."""
         scan = _Scan(self, tools)
-        normal, calls = scan.step(text, final=True)
-        return ParseResult(normal, calls)
+        normal = scan.step(text, final=True)
+        return ParseResult(normal, list(scan.calls))
 
     def stream(self, tools: set[str]) -> ToolCallStream:
         """An incremental parse of an output that arrives in pieces."""
@@ -105,10 +129,11 @@ class ToolCallParser(ABC):
 
     @abstractmethod
     def _region(
-        self, text: str, start: int, tools: set[str], final: bool
+        self, text: str, start: int, tools: set[str], final: bool, memo: _Memo
     ) -> _Region | _Incomplete | None:
-        """The calls of the region at `start`: INCOMPLETE while its end has not arrived (never
-        when `final`), None if it is no call region after all (its text is content)."""
+        """The calls of the region at `start`: INCOMPLETE while it is not known to hold a call
+        (never when `final`), None if it holds none (its text is content). Read again from
+        `start` as more text arrives, it gives the same calls, their arguments only extended."""
 
     @abstractmethod
     def format_call(self, name: str, arguments: dict[str, Any]) -> str:
@@ -152,35 +177,51 @@ class ToolCallParser(ABC):
 
 
 class ToolCallStream:
-    """The content and tool-call deltas of an output as it arrives (OpenAI's `tool_calls` delta
-    shape, with each call's `index`)."""
+    """The content and tool-call deltas of an output as it arrives, in OpenAI's `tool_calls`
+    delta shape: a call's first delta has its `index`, `id`, `type` and `function.name` (with
+    empty arguments), the next ones its `index` and a piece of `function.arguments`; the pieces
+    of a call add up to the arguments parsing the finished output gives."""
 
     def __init__(self, scan: _Scan) -> None:
         self._scan = scan
-        self.count = 0  # calls sent
+        self._sent: list[str] = []  # each call's arguments sent so far
+
+    @property
+    def count(self) -> int:
+        """Calls sent."""
+        return len(self._sent)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """(the new content, the new tool-call deltas) for the output so far (`final`: all of
         it)."""
-        normal, calls = self._scan.step(text, final)
+        normal = self._scan.step(text, final)
         deltas: list[dict[str, Any]] = []
-        for call in calls:
-            deltas.append(
-                {
-                    "index": self.count,
-                    "id": new_call_id(),
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": ""},
-                }
-            )
-            deltas.append({"index": self.count, "function": {"arguments": call.arguments}})
-            self.count += 1
+        for index, call in enumerate(self._scan.calls):
+            if index == len(self._sent):
+                self._sent.append("")
+                deltas.append(
+                    {
+                        "index": index,
+                        "id": new_call_id(),
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
+            sent = self._sent[index]
+            if len(call.arguments) > len(sent):
+                if not call.arguments.startswith(sent):  # (the parsers never take text back)
+                    raise RuntimeError(f"tool call {index}'s arguments changed once sent")
+                deltas.append(
+                    {"index": index, "function": {"arguments": call.arguments[len(sent) :]}}
+                )
+                self._sent[index] = call.arguments
         return normal, deltas
 
 
 class _Scan:
     """Walks an output from its start, deciding what is content and what is a call only where
-    the text seen so far settles it (the part undecided is looked at again with more text).
+    the text seen so far settles it (the part undecided, and a call region still arriving, is
+    read again with more text).
 
     Whitespace is held back until what follows it is known: whitespace before the first call
     with no content before it, and after the last call with no content after it, is the calls';
@@ -189,14 +230,17 @@ class _Scan:
     def __init__(self, parser: ToolCallParser, tools: set[str]) -> None:
         self.parser = parser
         self.tools = tools
-        self.pos = 0  # the text before this is decided
+        self.pos = 0  # the text before this is decided (an open region starts here)
         self.held = ""  # decided whitespace not handed out yet
         self.content_started = False
         self.call_since_content = False
+        self.calls: list[ToolCallItem] = []  # found so far; the open region's last may grow
+        self._settled = 0  # calls of regions that have ended
+        self._memo: _Memo = {}
 
-    def step(self, text: str, final: bool) -> tuple[str, list[ToolCallItem]]:
+    def step(self, text: str, final: bool) -> str:
+        """The new content; `calls` is brought up to date."""
         normal: list[str] = []
-        calls: list[ToolCallItem] = []
         search = self.pos  # where the next region may start (past regions that were not)
         while True:
             fresh = search == self.pos  # (no region was turned down since the decided text)
@@ -210,22 +254,27 @@ class _Scan:
                 if final:
                     normal.append("" if self.call_since_content else self.held)
                     self.held = ""
-                return "".join(normal), calls
-            region = self.parser._region(text, start, self.tools, final)
+                return "".join(normal)
+            region = self.parser._region(text, start, self.tools, final, self._memo)
             if region is INCOMPLETE:
                 normal.append(self._content(text[self.pos : start]))
                 self.pos = start
-                return "".join(normal), calls
+                return "".join(normal)
             if region is None:  # no call: its first character is content; search on after it
                 search = start + 1
                 continue
             assert isinstance(region, _Region)
             normal.append(self._content(text[self.pos : start]))
+            self.pos = start
+            self.calls[self._settled :] = region.calls
+            if region.open:  # (read again from its start with more text)
+                return "".join(normal)
             if not self.content_started:
                 self.held = ""  # whitespace the output opens with, before a call
-            calls.extend(region.calls)
+            self._settled = len(self.calls)
             self.pos = search = region.end
             self.call_since_content = True
+            self._memo.clear()
 
     def _content(self, piece: str) -> str:
         """`piece` decided as content, less the whitespace it ends with (held back)."""
@@ -242,7 +291,7 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-# ---- reading JSON and Python ---------------------------------------------------------------
+# ---- reading JSON as it arrives ------------------------------------------------------------
 
 
 def _skip_space(text: str, i: int) -> int:
@@ -251,58 +300,169 @@ def _skip_space(text: str, i: int) -> int:
     return i
 
 
-def _json_end(text: str, start: int) -> int | None:
-    """Where the JSON object or array that opens at `start` ends (None: not yet arrived).
-    Strings are skipped as JSON writes them; the text between is not checked here."""
-    depth, i, in_string = 0, start, False
-    while i < len(text):
-        c = text[i]
-        if in_string:
-            if c == "\\":
+_STRING_RUN = re.compile(r'[^"\\\x00-\x1f]*')
+_LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
+# a JSON number, character by character: state -> (class of character -> next state)
+_NUMBER = {
+    "sign": {"0": "zero", "1": "int"},
+    "zero": {".": "dot", "e": "e"},
+    "int": {"0": "int", "1": "int", ".": "dot", "e": "e"},
+    "dot": {"0": "frac", "1": "frac"},
+    "frac": {"0": "frac", "1": "frac", "e": "e"},
+    "e": {"+": "esign", "0": "exp", "1": "exp"},
+    "esign": {"0": "exp", "1": "exp"},
+    "exp": {"0": "exp", "1": "exp"},
+}
+_NUMBER_ENDS = {"zero", "int", "frac", "exp"}
+
+
+def _number_class(c: str) -> str:
+    if c == "0":
+        return "0"
+    if "1" <= c <= "9":
+        return "1"
+    if c in "eE":
+        return "e"
+    if c in "+-":
+        return "+"
+    return c
+
+
+class _JsonScanner:
+    """One JSON value read from `start` as its text arrives (the text only ever grows), checked
+    as strictly as `json.loads` reads it: `state` "done" (it ends at `pos`), "open" (all of the
+    text so far, up to `pos`, begins a valid value) or "broken" (`pos` is the first character
+    no valid value can have there)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = self.pos = start
+        self.state = "open"
+        self._stack: list[str] = []  # the open containers, "{" or "["
+        self._mode = "value"
+        self._key = False  # the string being read is an object's key
+        self._escape = 0  # in a string: -1 after a backslash, k > 0: hex digits of \\u to come
+        self._number = ""
+        self._literal = ""  # the rest of true, false or null
+
+    def advance(self, text: str) -> _JsonScanner:
+        i, n = self.pos, len(text)
+        while i < n and self.state == "open":
+            c, mode = text[i], self._mode
+            if mode == "string":
+                if self._escape == 0:
+                    i = _STRING_RUN.match(text, i).end()  # type: ignore[union-attr]
+                    if i == n:
+                        break
+                    c = text[i]
+                    if c == '"':
+                        i += 1
+                        if self._key:
+                            self._mode = "colon"
+                        else:
+                            self._value_done(i)
+                        continue
+                    if c != "\\":
+                        self._break(i)  # a control character
+                        break
+                    self._escape = -1
+                elif self._escape == -1:
+                    if c == "u":
+                        self._escape = 4
+                    elif c in '"\\/bfnrt':
+                        self._escape = 0
+                    else:
+                        self._break(i)
+                        break
+                elif c in "0123456789abcdefABCDEF":
+                    self._escape -= 1
+                else:
+                    self._break(i)
+                    break
                 i += 1
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return None
+            elif mode == "number":
+                step = _NUMBER[self._number].get(_number_class(c))
+                if step is not None:
+                    self._number = step
+                    i += 1
+                elif self._number in _NUMBER_ENDS:
+                    self._value_done(i)  # (the character after a number is read anew)
+                else:
+                    self._break(i)
+            elif mode == "literal":
+                if c != self._literal[0]:
+                    self._break(i)
+                    break
+                self._literal = self._literal[1:]
+                i += 1
+                if not self._literal:
+                    self._value_done(i)
+            elif c in " \t\r\n":
+                i += 1
+            elif mode in ("value", "first_value"):
+                i += 1
+                if c == "]" and mode == "first_value":
+                    self._stack.pop()
+                    self._value_done(i)
+                elif c == "{":
+                    self._stack.append("{")
+                    self._mode = "first_key"
+                elif c == "[":
+                    self._stack.append("[")
+                    self._mode = "first_value"
+                elif c == '"':
+                    self._mode, self._key = "string", False
+                elif c == "-" or "0" <= c <= "9":
+                    self._mode = "number"
+                    self._number = "sign" if c == "-" else "zero" if c == "0" else "int"
+                elif c in _LITERALS:
+                    self._mode, self._literal = "literal", _LITERALS[c]
+                else:
+                    self._break(i - 1)
+            elif mode in ("key", "first_key"):
+                i += 1
+                if c == '"':
+                    self._mode, self._key = "string", True
+                elif c == "}" and mode == "first_key":
+                    self._stack.pop()
+                    self._value_done(i)
+                else:
+                    self._break(i - 1)
+            elif mode == "colon":
+                if c != ":":
+                    self._break(i)
+                    break
+                self._mode = "value"
+                i += 1
+            else:  # "after": a value inside a container has ended
+                closer = "}" if self._stack[-1] == "{" else "]"
+                i += 1
+                if c == ",":
+                    self._mode = "key" if closer == "}" else "value"
+                elif c == closer:
+                    self._stack.pop()
+                    self._value_done(i)
+                else:
+                    self._break(i - 1)
+        if self.state == "open":
+            self.pos = max(i, self.pos)
+        return self
+
+    def _value_done(self, i: int) -> None:
+        if self._stack:
+            self._mode = "after"
+        else:
+            self.state, self.pos = "done", i
+
+    def _break(self, i: int) -> None:
+        self.state, self.pos = "broken", i
 
 
-def _call_from_json(item: Any, tools: set[str], keys: tuple[str, ...]) -> ToolCallItem | None:
-    """A call from a JSON object `{"name": ..., <key>: {...}}`; None unless it is one of the
-    tools with an object of arguments (an object written as a JSON string of it counts)."""
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        return None
-    if item["name"] not in tools:
-        return None
-    arguments = next((item[k] for k in keys if k in item), {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCallItem(item["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def _json_calls(text: str, tools: set[str], keys: tuple[str, ...]) -> list[ToolCallItem] | None:
-    """The calls of a JSON object or array of objects; None unless every one is a call."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    items = value if isinstance(value, list) else [value]
-    calls = [_call_from_json(item, tools, keys) for item in items]
-    if not calls or any(c is None for c in calls):
-        return None
-    return calls  # type: ignore[return-value]
+def _json_at(text: str, i: int, memo: _Memo) -> _JsonScanner:
+    """The JSON value at `i`, read as far as the text goes (its scanner kept in `memo`)."""
+    scanner = memo.get(i)
+    if scanner is None:
+        scanner = memo[i] = _JsonScanner(i)
+    return scanner.advance(text)
 
 
 def _expect(text: str, i: int, literal: str, final: bool) -> int | _Incomplete | None:
@@ -313,6 +473,149 @@ def _expect(text: str, i: int, literal: str, final: bool) -> int | _Incomplete |
     if literal.startswith(rest) and i + len(rest) == len(text):
         return None if final else INCOMPLETE
     return None
+
+
+def _arriving(text: str, i: int, literal: str) -> bool:
+    """Whether the text from `i` is all of it a beginning of `literal`."""
+    return literal.startswith(text[i : i + len(literal)]) and i + len(literal) > len(text)
+
+
+def _call_object(
+    text: str, i: int, tools: set[str], keys: tuple[str, ...], final: bool, memo: _Memo
+) -> _Read | _Incomplete | None:
+    """A call written as the JSON object at `i`: `{"name": ..., <key>: {...}}` with one of
+    `keys` for the arguments (an object, or a JSON string of one), its members in any order,
+    others skipped. It is a call once its name (an offered tool) is in and its arguments have
+    begun; before that, INCOMPLETE while it may still become one."""
+    n = len(text)
+    name: str | None = None
+    arguments: str | None = None  # their text so far
+
+    def stop(state: str, at: int) -> _Read | _Incomplete | None:
+        if name is not None and arguments is not None:
+            return _Read([ToolCallItem(name, arguments)], at, state)
+        return None if final or state == "broken" else INCOMPLETE
+
+    j = _skip_space(text, i + 1)
+    while True:
+        if j == n:
+            return stop("open", n)
+        if text[j] != '"':
+            return stop("broken", j)
+        key = _json_at(text, j, memo)
+        if key.state != "done":
+            return stop(key.state, key.pos)
+        k = _skip_space(text, key.pos)
+        if k == n:
+            return stop("open", n)
+        if text[k] != ":":
+            return stop("broken", k)
+        v = _skip_space(text, k + 1)
+        if v == n:
+            return stop("open", n)
+        value = _json_at(text, v, memo)
+        member = json.loads(text[j : key.pos])
+        if member == "name" and name is None:
+            if text[v] != '"' or value.state == "broken":
+                return None
+            if value.state == "open":
+                return stop("open", n)
+            name = json.loads(text[v : value.pos])
+            if name not in tools:
+                return None
+        elif member in keys and arguments is None:
+            if text[v] == "{":
+                arguments = text[v : value.pos]
+                if value.state != "done":
+                    return stop(value.state, value.pos)
+            elif text[v] == '"' and value.state == "done":
+                decoded = json.loads(text[v : value.pos])
+                if not isinstance(_loads(decoded), dict):
+                    return None
+                arguments = decoded.strip()
+            elif text[v] == '"' and value.state == "open":
+                return stop("open", n)
+            else:
+                return None
+        elif value.state != "done":
+            return stop(value.state, value.pos)
+        j = _skip_space(text, value.pos)
+        if j == n:
+            return stop("open", n)
+        if text[j] == "}":
+            if name is None:
+                return None
+            return _Read([ToolCallItem(name, arguments or "{}")], j + 1, "done")
+        if text[j] != ",":
+            return stop("broken", j)
+        j = _skip_space(text, j + 1)
+
+
+def _call_list(
+    text: str,
+    i: int,
+    read_call: Callable[[int], _Read | _Incomplete | None],
+    sep: str,
+    close: str,
+    final: bool,
+) -> _Read | _Incomplete | None:
+    """Calls one after another from `i`, `sep` between them (may be ""), `close` after them: None
+    unless the first is a call; after one, what is no call ends them ("broken" there)."""
+    calls: list[ToolCallItem] = []
+    last = i  # where the calls read so far end
+    j = _skip_space(text, i)
+    while True:
+        if j == len(text):
+            if not calls:
+                return None if final else INCOMPLETE
+            return _Read(calls, len(text), "open")
+        read = read_call(j)
+        if not isinstance(read, _Read):
+            if not calls:
+                return read
+            if read is INCOMPLETE:
+                return _Read(calls, len(text), "open")
+            return _Read(calls, last, "broken")
+        calls.extend(read.calls)
+        if read.state != "done":
+            return _Read(calls, read.end, read.state)
+        last = read.end
+        k = _skip_space(text, last)
+        if text.startswith(close, k):
+            return _Read(calls, k + len(close), "done")
+        if k == len(text) or _arriving(text, k, close) or _arriving(text, k, sep):
+            return _Read(calls, len(text), "open")
+        if sep and not text.startswith(sep, k):
+            return _Read(calls, last, "broken")
+        j = _skip_space(text, k + len(sep))
+
+
+def _region_of(read: _Read, text: str, close: str, final: bool) -> _Region:
+    """The region of calls `read`, which `close` ends if given: after calls that are done, what
+    is not `close` is no part of it; after a call broken off, the text up to `close` is."""
+    n = len(text)
+    if read.state == "open":
+        return _Region(n, read.calls, open=not final)
+    if not close:
+        return _Region(read.end, read.calls)
+    if read.state == "broken":
+        found = text.find(close, read.end)
+        if found == -1:
+            return _Region(n, read.calls, open=not final)
+        return _Region(found + len(close), read.calls)
+    k = _skip_space(text, read.end)
+    if text.startswith(close, k):
+        return _Region(k + len(close), read.calls)
+    if k == n or _arriving(text, k, close):
+        return _Region(n, read.calls, open=not final)
+    return _Region(read.end, read.calls)
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 # ---- the families --------------------------------------------------------------------------
@@ -326,20 +629,14 @@ class HermesParser(ToolCallParser):
     starts = ("<tool_call>",)
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def _region(self, text, start, tools, final):
+    def _region(self, text, start, tools, final, memo):
         i = _skip_space(text, start + len(self.OPEN))
         if i == len(text):
             return None if final else INCOMPLETE
         if text[i] != "{":
             return None
-        end = _json_end(text, i)
-        if end is None:
-            return None if final else INCOMPLETE
-        after = _expect(text, _skip_space(text, end), self.CLOSE, final)
-        if not isinstance(after, int):
-            return after
-        calls = _json_calls(text[i:end], tools, ("arguments", "parameters"))
-        return _Region(after, calls) if calls and len(calls) == 1 else None
+        read = _call_object(text, i, tools, ("arguments", "parameters"), final, memo)
+        return _region_of(read, text, self.CLOSE, final) if isinstance(read, _Read) else read
 
     def format_call(self, name, arguments):
         body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
@@ -372,7 +669,7 @@ class Llama3Parser(ToolCallParser):
             return i if tagged == -1 else min(i, tagged)
         return tagged
 
-    def _region(self, text, start, tools, final):
+    def _region(self, text, start, tools, final, memo):
         i = start
         if text.startswith(self.TAG, i):
             i += len(self.TAG)
@@ -383,11 +680,8 @@ class Llama3Parser(ToolCallParser):
             return None if final else INCOMPLETE
         if text[i] != "{":
             return None
-        end = _json_end(text, i)
-        if end is None:
-            return None if final else INCOMPLETE
-        calls = _json_calls(text[i:end], tools, ("parameters", "arguments"))
-        return _Region(end, calls) if calls and len(calls) == 1 else None
+        read = _call_object(text, i, tools, ("parameters", "arguments"), final, memo)
+        return _region_of(read, text, "", final) if isinstance(read, _Read) else read
 
     def format_call(self, name, arguments):
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
@@ -413,17 +707,29 @@ class MistralParser(ToolCallParser):
     TAG = "[TOOL_CALLS]"
     starts = (TAG,)
 
-    def _region(self, text, start, tools, final):
+    def _region(self, text, start, tools, final, memo):
         i = _skip_space(text, start + len(self.TAG))
         if i == len(text):
             return None if final else INCOMPLETE
-        if text[i] not in "[{":
+        keys = ("arguments", "parameters")
+        if text[i] == "{":
+            read = _call_object(text, i, tools, keys, final, memo)
+        elif text[i] == "[":
+
+            def call(j: int) -> _Read | _Incomplete | None:
+                return _call_object(text, j, tools, keys, final, memo) if text[j] == "{" else None
+
+            read = _call_list(text, i + 1, call, ",", "]", final)
+            if isinstance(read, _Read) and read.state == "broken":
+                # an item of the list that is no call: the list is still the calls' (to its end)
+                items = _json_at(text, i, memo)
+                if items.state == "done":
+                    return _Region(items.pos, read.calls)
+                if items.state == "open":
+                    return _Region(len(text), read.calls, open=not final)
+        else:
             return None
-        end = _json_end(text, i)
-        if end is None:
-            return None if final else INCOMPLETE
-        calls = _json_calls(text[i:end], tools, ("arguments", "parameters"))
-        return _Region(end, calls) if calls else None
+        return _region_of(read, text, "", final) if isinstance(read, _Read) else read
 
     def format_call(self, name, arguments):
         return self.format_calls([(name, arguments)])
@@ -451,47 +757,49 @@ class DeepSeekV3Parser(ToolCallParser):
     markers = ("tool▁calls▁begin",)
     BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    FENCE = "\n```json\n"
     starts = (BEGIN,)
 
-    def _region(self, text, start, tools, final):
-        i = start + len(self.BEGIN)
-        calls: list[ToolCallItem] = []
-        while True:
-            i = _skip_space(text, i)
-            if text.startswith(self.END, i) and calls:
-                return _Region(i + len(self.END), calls)
-            opened = _expect(text, i, self.CALL_BEGIN, final)
-            if not isinstance(opened, int):
-                if opened is INCOMPLETE or not calls:
-                    return opened
-                after = _expect(text, i, self.END, final)  # (not a call: must be the end)
-                return after if not isinstance(after, int) else None
-            i = opened
-            sep = text.find(self.SEP, i)
-            fence = text.find("\n```json\n", sep + 1) if sep != -1 else -1
-            if fence == -1:
-                return None if final else INCOMPLETE
-            name = text[sep + len(self.SEP) : fence]
-            if text[i:sep] != "function" or "\n" in name or name not in tools:
-                return None
-            j = _skip_space(text, fence + len("\n```json\n"))
-            if j == len(text):
-                return None if final else INCOMPLETE
-            if text[j] != "{":
-                return None
-            end = _json_end(text, j)
-            if end is None:
-                return None if final else INCOMPLETE
-            after = _expect(text, _skip_space(text, end), "```" + self.CALL_END, final)
-            if not isinstance(after, int):
-                return after
-            call = _call_from_json(
-                {"name": name, "arguments": _loads(text[j:end])}, tools, ("arguments",)
-            )
-            if call is None:
-                return None
-            calls.append(call)
-            i = after
+    def _region(self, text, start, tools, final, memo):
+        read = _call_list(
+            text,
+            start + len(self.BEGIN),
+            lambda j: self._call(text, j, tools, final, memo),
+            "",
+            self.END,
+            final,
+        )
+        return _region_of(read, text, self.END, final) if isinstance(read, _Read) else read
+
+    def _call(self, text, i, tools, final, memo) -> _Read | _Incomplete | None:
+        pending = None if final else INCOMPLETE
+        head = _expect(text, i, f"{self.CALL_BEGIN}function{self.SEP}", final)
+        if not isinstance(head, int):
+            return head
+        line_end = text.find("\n", head)
+        if line_end == -1:  # the name is arriving: no tool's name begins so, no call
+            return pending if any(t.startswith(text[head:]) for t in tools) else None
+        name = text[head:line_end]
+        if name not in tools:
+            return None
+        fenced = _expect(text, line_end, self.FENCE, final)
+        if not isinstance(fenced, int):
+            return fenced
+        j = _skip_space(text, fenced)
+        if j == len(text):
+            return pending
+        if text[j] != "{":
+            return None
+        arguments = _json_at(text, j, memo)
+        call = [ToolCallItem(name, text[j : arguments.pos])]
+        if arguments.state != "done":
+            return _Read(call, arguments.pos, arguments.state)
+        after = _expect(text, _skip_space(text, arguments.pos), "```" + self.CALL_END, final)
+        if isinstance(after, int):
+            return _Read(call, after, "done")
+        if after is INCOMPLETE:
+            return _Read(call, len(text), "open")
+        return _Read(call, arguments.pos, "broken")
 
     def format_call(self, name, arguments):
         return self.format_calls([(name, arguments)])
@@ -519,25 +827,18 @@ class DeepSeekV3Parser(ToolCallParser):
         return rt.seq(rt.lit(self.BEGIN), items, rt.lit(self.END))
 
 
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
 class PythonicParser(ToolCallParser):
     """Llama 3.2 / Llama 4 pythonic calls: a Python list of calls with keyword arguments,
     `[get_weather(city="Paris"), f(x=1)]` (Llama 4 may wrap it in `<|python_start|>` ...
-    `<|python_end|>`). Read with `ast`, never evaluated; argument values are literals (JSON's
-    `true`, `false` and `null` are read as Python's)."""
+    `<|python_end|>`). Read as Python literals, never evaluated (JSON's `true`, `false` and
+    `null` are read as Python's), and given as the JSON object of the keyword arguments."""
 
     names = ("pythonic",)
     markers = ("<|python_start|>",)
     OPEN, CLOSE = "<|python_start|>", "<|python_end|>"
     starts = (OPEN, "[")
 
-    def _region(self, text, start, tools, final):
+    def _region(self, text, start, tools, final, memo):
         i = start
         wrapped = text.startswith(self.OPEN, i)
         if wrapped:
@@ -546,28 +847,12 @@ class PythonicParser(ToolCallParser):
                 return None if final else INCOMPLETE
         if text[i] != "[":
             return None
-        # "[" then a name and "(": anything else is no list of calls (decided early, so that a
-        # bracket in plain text is not held back)
-        j = _skip_space(text, i + 1)
-        k = j
-        while k < len(text) and (text[k].isalnum() or text[k] in "_."):
-            k += 1
-        if k == len(text):
-            return None if final else INCOMPLETE
-        if k == j or text[k] != "(" or not (text[j].isalpha() or text[j] == "_"):
-            return None
-        end = _python_list_end(text, i)
-        if end is None:
-            return None if final else INCOMPLETE
-        calls = _python_calls(text[i:end], tools)
-        if calls is None:
-            return None
-        if wrapped:
-            after = _expect(text, _skip_space(text, end), self.CLOSE, final)
-            if not isinstance(after, int):
-                return after
-            end = after
-        return _Region(end, calls)
+        read = _call_list(
+            text, i + 1, lambda j: _python_call(text, j, tools, final, memo), ",", "]", final
+        )
+        if not isinstance(read, _Read):
+            return read
+        return _region_of(read, text, self.CLOSE if wrapped else "", final)
 
     def format_call(self, name, arguments):
         return self.format_calls([(name, arguments)])
@@ -592,9 +877,97 @@ class PythonicParser(ToolCallParser):
         return rt.seq(rt.lit("["), items, rt.lit("]"))
 
 
-def _python_list_end(text: str, start: int) -> int | None:
-    """Where the Python list that opens at `start` ends (None: not arrived yet); strings in
-    single or double quotes are skipped."""
+# ---- reading Python calls as they arrive ---------------------------------------------------
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _python_call(
+    text: str, i: int, tools: set[str], final: bool, memo: _Memo
+) -> _Read | _Incomplete | None:
+    """The call `name(a=..., b=...)` at `i`, its keyword arguments as a JSON object. It is a call
+    once its name (an offered tool) and `(` are in and its first argument's value has begun (or
+    it has none): positional arguments, code, an unknown name are none."""
+    n = len(text)
+    pending = None if final else INCOMPLETE
+    head = _IDENTIFIER.match(text, i)
+    if head is None:
+        return None
+    if head.end() == n:
+        return pending if any(t.startswith(head.group()) for t in tools) else None
+    name = head.group()
+    if text[head.end()] != "(" or name not in tools:
+        return None
+    parts = ["{"]  # the arguments' JSON, piece by piece
+
+    def stop(state: str, at: int) -> _Read | _Incomplete | None:
+        if len(parts) == 1:  # (no argument's value has begun: not known to be a call)
+            return None if state == "broken" else pending
+        return _Read([ToolCallItem(name, "".join(parts))], at, state)
+
+    j = _skip_space(text, head.end() + 1)
+    while True:
+        if j == n:
+            return stop("open", n)
+        if text[j] == ")":
+            parts.append("}")
+            return _Read([ToolCallItem(name, "".join(parts))], j + 1, "done")
+        if len(parts) > 1:
+            if text[j] != ",":
+                return stop("broken", j)
+            j = _skip_space(text, j + 1)
+            if j == n:
+                return stop("open", n)
+            if text[j] == ")":
+                continue
+        key = _IDENTIFIER.match(text, j)
+        if key is None or keyword.iskeyword(key.group()):
+            return stop("broken", j)
+        eq = _skip_space(text, key.end())
+        if eq == n:
+            return stop("open", n)
+        if text[eq] != "=":
+            return stop("broken", j)
+        v = _skip_space(text, eq + 1)
+        if v == n:
+            return stop("open", n)
+        value, end, state = _python_value(text, v, memo)
+        if state == "broken" and not value:
+            return stop("broken", j)
+        if value:
+            comma = ", " if len(parts) > 1 else ""
+            parts.append(f"{comma}{json.dumps(key.group())}: {value}")
+        if state != "done":
+            return stop(state, end)
+        j = _skip_space(text, end)
+
+
+def _python_value(text: str, i: int, memo: _Memo) -> tuple[str, int, str]:
+    """(the JSON text of the literal at `i` so far, where it ends or stops, its state): a
+    string streams as its characters arrive; other literals come whole, once they end."""
+    q = text[i]
+    if q in "'\"":
+        if text[i:] in (q, q * 2):  # ("" may be all of it, or the start of """)
+            return '"', len(text), "open"
+        string = memo.get(i)
+        if string is None:
+            string = memo[i] = _PythonString(text, i)
+        string.advance(text)
+        return string.json, string.pos, string.state
+    end = _python_value_end(text, i)
+    if end is None:
+        return "", len(text), "open"
+    source = text[i:end].rstrip()
+    try:
+        value = _literal(ast.parse(source, mode="eval").body)
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return "", i, "broken"
+    return json.dumps(value, ensure_ascii=False), i + len(source), "done"
+
+
+def _python_value_end(text: str, start: int) -> int | None:
+    """Where the Python expression at `start` ends: at a `,` or an unmatched closing bracket
+    outside strings (None: not arrived yet)."""
     depth, i, quote = 0, start, ""
     while i < len(text):
         c = text[i]
@@ -608,39 +981,93 @@ def _python_list_end(text: str, start: int) -> int | None:
         elif c in "([{":
             depth += 1
         elif c in ")]}":
-            depth -= 1
             if depth == 0:
-                return i + 1
+                return i
+            depth -= 1
+        elif c == "," and depth == 0:
+            return i
         i += 1
     return None
 
 
+_PLAIN = {q: re.compile(rf"[^{q}\\\n]*") for q in "'\""}
+
+
+class _PythonString:
+    """The Python string literal at `start` as JSON text, read as its characters arrive (the
+    text only ever grows): `json` so far, `state` and `pos` as `_JsonScanner` has them."""
+
+    def __init__(self, text: str, start: int) -> None:
+        self.quote = text[start]
+        triple = text.startswith(self.quote * 3, start)
+        self.close = self.quote * (3 if triple else 1)
+        self.pos = start + len(self.close)
+        self.state = "open"
+        self.json = '"'
+
+    def advance(self, text: str) -> _PythonString:
+        n, q, close = len(text), self.quote, self.close
+        j, out = self.pos, []
+        while j < n and self.state == "open":
+            c = text[j]
+            if text.startswith(close, j):
+                out.append('"')
+                self.state, j = "done", j + len(close)
+            elif c == q:  # (in a triple-quoted string)
+                if _arriving(text, j, close):
+                    break
+                out.append(_json_chars(c))
+                j += 1
+            elif c == "\\":
+                end = _escape_end(text, j)
+                if end is None:
+                    break
+                try:
+                    char = _ESCAPES.get(text[j + 1 : end]) or ast.literal_eval(q + text[j:end] + q)
+                except (ValueError, SyntaxError):
+                    self.state = "broken"
+                    break
+                out.append(_json_chars(char))
+                j = end
+            elif c == "\n" and len(close) == 1:
+                self.state = "broken"
+            else:
+                run = max(_PLAIN[q].match(text, j).end(), j + 1)  # type: ignore[union-attr]
+                out.append(_json_chars(text[j:run]))  # (a newline, in a triple-quoted string)
+                j = run
+        self.pos = j
+        self.json += "".join(out)
+        return self
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"'}
+
+
+def _json_chars(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+def _escape_end(text: str, i: int) -> int | None:
+    """Where the escape sequence at `i` (a backslash) ends (None: not arrived yet)."""
+    n = len(text)
+    if i + 1 == n:
+        return None
+    c = text[i + 1]
+    if c in "xuU":
+        end = i + 2 + {"x": 2, "u": 4, "U": 8}[c]
+        return end if end <= n else None
+    if c == "N":
+        close = text.find("}", i + 2)
+        return None if close == -1 else close + 1
+    if c in "01234567":
+        j = i + 2
+        while j < min(n, i + 4) and text[j] in "01234567":
+            j += 1
+        return None if j == n and j < i + 4 else j
+    return i + 2
+
+
 _JSON_NAMES = {"true": True, "false": False, "null": None}
-
-
-def _python_calls(source: str, tools: set[str]) -> list[ToolCallItem] | None:
-    try:
-        tree = ast.parse(source, mode="eval")
-    except (SyntaxError, ValueError):
-        return None
-    if not isinstance(tree.body, ast.List) or not tree.body.elts:
-        return None
-    calls = []
-    for node in tree.body.elts:
-        if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, ast.Name):
-            return None
-        if node.func.id not in tools:
-            return None
-        arguments = {}
-        for kw in node.keywords:
-            if kw.arg is None:  # **kwargs
-                return None
-            try:
-                arguments[kw.arg] = _literal(kw.value)
-            except ValueError:
-                return None
-        calls.append(ToolCallItem(node.func.id, json.dumps(arguments, ensure_ascii=False)))
-    return calls
 
 
 def _literal(node: ast.AST) -> Any:

@@ -156,12 +156,16 @@ def test_the_openai_client_gets_the_calls_of_each_family(served, family, stream)
     }
     if stream:
         calls: dict[int, list[str]] = {}
+        pieces: dict[int, int] = {}
         for chunk in openai.chat.completions.create(**request, stream=True):
             for delta in (chunk.choices[0].delta.tool_calls if chunk.choices else None) or []:
                 call = calls.setdefault(delta.index, ["", ""])
                 call[0] += delta.function.name or ""
                 call[1] += delta.function.arguments or ""
+                pieces[delta.index] = pieces.get(delta.index, 0) + bool(delta.function.arguments)
         got = list(calls.values())
+        # the arguments went out as they were generated, not in one piece at the end
+        assert pieces and all(n > 1 for n in pieces.values()), pieces
     else:
         message = openai.chat.completions.create(**request).choices[0].message
         got = [[c.function.name, c.function.arguments] for c in message.tool_calls or []]
@@ -241,11 +245,59 @@ def test_thinking_is_reasoning_content_and_calls_are_read_from_the_answer(stream
                 [c["function"]["name"], c["function"]["arguments"]] for c in message["tool_calls"]
             ]
     assert thinking == f"{THINKING} Maybe <tool_call>"
-    assert calls == [["get_time", '{"timezone": "UTC"}']]
+    assert calls == [["get_time", '{"timezone":"UTC"}']]  # (as generated)
     assert not content and reason == "tool_calls"
     # the forced grammar lets the model think first, then demands the call in its format
     forced = re.compile(backend.calls[0]["regex"], re.DOTALL)
     assert forced.fullmatch(script) and not forced.fullmatch(f"{THINKING}\n</think>\nNo call.")
+
+
+@pytest.mark.parametrize("family", list(FAMILY_OPENING))
+def test_the_openai_client_gets_arguments_in_pieces_as_they_come(family):
+    # the scripted output arrives a few characters a step: each call goes out as OpenAI streams
+    # one (its index, id, type and name first, then its arguments piece by piece), and the
+    # pieces add up to the arguments of the same output read whole
+    calls = tool_call_parser(family).format_calls(
+        [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"timezone": "UTC"})]
+    )
+    script = calls if family == "llama3" else f"Checking. {calls}"  # (llama3: calls alone)
+    from openai import OpenAI
+
+    client, _ = _app(script, tool_call_parser=family)
+    with client:
+        openai = OpenAI(
+            base_url="http://testserver/v1", api_key="-", http_client=client, max_retries=0
+        )
+        request = {
+            "model": client.get("/v1/models").json()["data"][0]["id"],
+            "messages": [{"role": "user", "content": "Weather and time in Paris?"}],
+            "tools": [WEATHER, TIME],
+        }
+        content, firsts, pieces, reasons = "", {}, {}, []
+        for chunk in openai.chat.completions.create(**request, stream=True):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                reasons.append(choice.finish_reason)
+                for delta in choice.delta.tool_calls or []:
+                    if delta.id is not None:
+                        assert delta.index == len(firsts) and delta.type == "function"
+                        firsts[delta.index] = delta.function.name
+                        assert delta.function.arguments == ""
+                    else:  # later deltas: the call's index and a piece of its arguments only
+                        assert delta.function.name is None and delta.type is None
+                        pieces.setdefault(delta.index, []).append(delta.function.arguments)
+        whole = openai.chat.completions.create(**request).choices[0]
+    assert firsts == {0: "get_weather", 1: "get_time"}
+    assert len(pieces[0]) > 2 and len(pieces[1]) > 1, pieces
+    assert ["".join(pieces[i]) for i in sorted(pieces)] == [
+        c.function.arguments for c in whole.message.tool_calls or []
+    ]
+    assert [json.loads("".join(pieces[i])) for i in sorted(pieces)] == [
+        {"city": "Paris", "unit": "celsius"},
+        {"timezone": "UTC"},
+    ]
+    assert content == (whole.message.content or "") == ("" if family == "llama3" else "Checking.")
+    assert [r for r in reasons if r] == ["tool_calls"] and whole.finish_reason == "tool_calls"
 
 
 def test_separate_reasoning_false_keeps_the_thinking_in_the_content():

@@ -1,7 +1,7 @@
 """The tool-call formats of model families (`--tool-call-parser`) and the reasoning split
 (`--reasoning-parser`): outputs written in each family's documented format, whole and streamed
-in random pieces (which must agree), malformed and cut-off calls, the forced-call grammars, and
-choosing the format from a chat template."""
+in random pieces (which must agree), arguments streamed as they are generated, malformed and
+cut-off calls, the forced-call grammars, and choosing the format from a chat template."""
 
 from __future__ import annotations
 
@@ -55,8 +55,9 @@ UTC = ("get_time", {"timezone": "UTC"})
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 
-# (parser, output as the family writes it, expected content, expected calls)
-CASES: list[tuple[str, str, str, list[tuple[str, dict[str, Any]]]]] = [
+# (parser, output as the family writes it, expected content, expected calls: the arguments as a
+# value, or as their text where a call was cut off)
+CASES: list[tuple[str, str, str, list[tuple[str, Any]]]] = [
     (
         "hermes",
         'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
@@ -65,21 +66,27 @@ CASES: list[tuple[str, str, str, list[tuple[str, dict[str, Any]]]]] = [
         "Let me check.",
         [PARIS, UTC],
     ),
-    (  # an unknown tool and a block of no JSON stay text; a call cut off too
+    (  # an unknown tool and a block of no JSON stay text; a call cut off keeps what it got
         "qwen25",
         '<tool_call>{"name": "launch", "arguments": {}}</tool_call> <tool_call>oops</tool_call>'
         ' <tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>'
         '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
-        # (whitespace between content and a call in the middle stays: " " before, "\n" after)
-        '<tool_call>{"name": "launch", "arguments": {}}</tool_call> <tool_call>oops</tool_call>'
-        ' \n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
-        [UTC],
+        '<tool_call>{"name": "launch", "arguments": {}}</tool_call> <tool_call>oops</tool_call>',
+        [UTC, ("get_weather", '{"city": "Pa')],
     ),
-    (  # broken JSON inside a closed block
+    (  # broken JSON inside a closed block: the call as far as it was valid; text after it stays
         "hermes",
-        'x <tool_call>{"name": "get_time", "arguments": {"timezone": }}</tool_call>',
-        'x <tool_call>{"name": "get_time", "arguments": {"timezone": }}</tool_call>',
-        [],
+        'x <tool_call>{"name": "get_time", "arguments": {"timezone": }}</tool_call>. Done',
+        "x . Done",
+        [("get_time", '{"timezone": ')],
+    ),
+    (  # the arguments written first, or as a JSON string of them; other members skipped
+        "hermes",
+        '<tool_call>{"arguments": {"timezone": "UTC"}, "name": "get_time"}</tool_call>'
+        '<tool_call>{"type": "function", "name": "get_time", "arguments": "{\\"timezone\\": '
+        '\\"UTC\\"}", "id": 7}</tool_call>',
+        "",
+        [UTC, UTC],
     ),
     (
         "llama3",
@@ -103,8 +110,8 @@ CASES: list[tuple[str, str, str, list[tuple[str, dict[str, Any]]]]] = [
     (
         "llama3",
         'Sure. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Par',
-        'Sure. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Par',
-        [],
+        "Sure.",
+        [("get_weather", '{"city": "Par')],
     ),
     (
         "pythonic",
@@ -124,14 +131,31 @@ CASES: list[tuple[str, str, str, list[tuple[str, dict[str, Any]]]]] = [
             )
         ],
     ),  # fmt: skip
-    (  # positional arguments, a call that is code, an unknown tool, a cut-off list: all text
+    (  # positional arguments, a call that is code, an unknown tool: text; a call cut off
         "pythonic",
         '[get_time("UTC")] [get_time(timezone=__import__("os").getcwd())] [launch(x=1)] '
         '[get_time(timezone="U',
-        '[get_time("UTC")] [get_time(timezone=__import__("os").getcwd())] [launch(x=1)] '
-        '[get_time(timezone="U',
-        [],
+        '[get_time("UTC")] [get_time(timezone=__import__("os").getcwd())] [launch(x=1)]',
+        [("get_time", '{"timezone": "U')],
     ),
+    (  # Python's strings (escapes, triple quotes), numbers, no arguments, a trailing comma
+        "pythonic",
+        '[get_time(timezone=\'Europe/\\u00c5land\\n\\x41\\101\', tz="""it\'s ""x"" y""", '
+        "n=-3, big=1e3,), get_weather()]",
+        "",
+        [
+            (
+                "get_time",
+                {
+                    "timezone": "Europe/\u00c5land\nAA",
+                    "tz": 'it\'s ""x"" y',
+                    "n": -3,
+                    "big": 1000.0,
+                },
+            ),
+            ("get_weather", {}),
+        ],
+    ),  # fmt: skip
     (
         "mistral",
         '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
@@ -139,19 +163,24 @@ CASES: list[tuple[str, str, str, list[tuple[str, dict[str, Any]]]]] = [
         "",
         [PARIS, UTC],
     ),
-    (  # one unknown tool in the list: no calls
+    (  # an unknown tool in the list after a call: no call, and no content either
         "mistral",
         'Hm. [TOOL_CALLS] [{"name": "get_time", "arguments": {"timezone": "UTC"}}, '
-        '{"name": "launch", "arguments": {}}]',
-        'Hm. [TOOL_CALLS] [{"name": "get_time", "arguments": {"timezone": "UTC"}}, '
-        '{"name": "launch", "arguments": {}}]',
+        '{"name": "launch", "arguments": {"a": "]"}}] Done.',
+        "Hm.  Done.",
+        [UTC],
+    ),
+    (  # ... and first: the list is no list of calls
+        "mistral",
+        '[TOOL_CALLS] [{"name": "launch", "arguments": {}}, {"name": "get_time", "arguments": {}}]',
+        '[TOOL_CALLS] [{"name": "launch", "arguments": {}}, {"name": "get_time", "arguments": {}}]',
         [],
     ),
     (
         "mistral",
         '[TOOL_CALLS] [{"name": "get_time", "arguments": {"timezone": "U',
-        '[TOOL_CALLS] [{"name": "get_time", "arguments": {"timezone": "U',
-        [],
+        "",
+        [("get_time", '{"timezone": "U')],
     ),
     (
         "deepseekv3",
@@ -164,7 +193,13 @@ CASES: list[tuple[str, str, str, list[tuple[str, dict[str, Any]]]]] = [
     (
         "deepseekv3",
         f'{DS_BEGIN}{DS_CALL}function{DS_SEP}get_time\n```json\n{{"timezone": "UTC"',
-        f'{DS_BEGIN}{DS_CALL}function{DS_SEP}get_time\n```json\n{{"timezone": "UTC"',
+        "",
+        [("get_time", '{"timezone": "UTC"')],
+    ),
+    (  # an unknown tool, and a name no tool's begins with: text
+        "deepseekv3",
+        f"{DS_BEGIN}{DS_CALL}function{DS_SEP}launch\n```json\n{{}}\n```{DS_CALL_END}{DS_END} ok",
+        f"{DS_BEGIN}{DS_CALL}function{DS_SEP}launch\n```json\n{{}}\n```{DS_CALL_END}{DS_END} ok",
         [],
     ),
     (  # no calls at all: every character is content, whitespace included
@@ -176,13 +211,17 @@ CASES: list[tuple[str, str, str, list[tuple[str, dict[str, Any]]]]] = [
 ]
 
 
-def _expected(calls: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
-    return [(name, arguments) for name, arguments in calls]
+def _value(arguments: str) -> Any:
+    """Arguments as a value; their text where they are no JSON (a call cut off)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
-def _whole(parser: str, text: str) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+def _whole(parser: str, text: str) -> tuple[str, list[tuple[str, Any]]]:
     result = tool_call_parser(parser).parse(text, TOOLS)
-    return result.normal_text, [(c.name, json.loads(c.arguments)) for c in result.calls]
+    return result.normal_text, [(c.name, _value(c.arguments)) for c in result.calls]
 
 
 def _streamed(parser: str, text: str, cuts: list[int]) -> tuple[str, list[list[str]]]:
@@ -203,7 +242,7 @@ def _streamed(parser: str, text: str, cuts: list[int]) -> tuple[str, list[list[s
 
 @pytest.mark.parametrize("parser,text,content,calls", CASES)
 def test_whole_outputs_in_each_family_format(parser, text, content, calls):
-    assert _whole(parser, text) == (content, _expected(calls))
+    assert _whole(parser, text) == (content, calls)
 
 
 @pytest.mark.parametrize("parser,text,content,calls", CASES)
@@ -219,16 +258,82 @@ def test_streamed_in_random_pieces_agrees_with_the_whole_output(parser, text, co
     assert _streamed(parser, text, list(range(1, len(text))))[0] == whole.normal_text
 
 
-def test_a_call_streams_only_once_it_is_complete():
-    text = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>'
-    stream = tool_call_parser("hermes").stream(TOOLS)
-    for cut in range(1, len(text)):
-        assert stream.feed(text[:cut]) == ("", [])
-    _, deltas = stream.feed(text)
-    assert [d["function"] for d in deltas] == [
-        {"name": "get_time", "arguments": ""},
-        {"arguments": '{"timezone": "UTC"}'},
-    ]
+# ---- arguments streamed as they are generated ----------------------------------------------
+
+STREAM_FAMILIES = ["hermes", "llama3", "pythonic", "mistral", "deepseekv3"]
+RICH = (
+    "get_weather",
+    {"city": 'Saint-Étienne "centre"\n', "unit": "celsius", "days": [1, 2.5, -300.0],
+     "extra": {"deep": [True, None, {}]}},
+)  # fmt: skip
+
+
+def _family_output(parser: str) -> str:
+    calls = tool_call_parser(parser).format_calls([RICH, UTC])
+    return calls if parser == "llama3" else f"Let me look. {calls}"  # (llama3: calls alone)
+
+
+def _stream_deltas(parser: str, text: str, cuts: list[int]) -> tuple[str, list[list[str]], int]:
+    """Feeds `text` cut at `cuts`, checking each delta's shape and that a call's arguments so
+    far only ever grow; (content, [name, arguments] of each call, argument pieces sent)."""
+    stream = tool_call_parser(parser).stream(TOOLS)
+    content, calls, pieces = "", [], 0
+    for cut in [*cuts, len(text)]:
+        piece, deltas = stream.feed(text[:cut], final=cut == len(text))
+        content += piece
+        for delta in deltas:
+            if "id" in delta:  # a call's first: its index, id, type and name, no arguments yet
+                assert set(delta) == {"index", "id", "type", "function"}
+                assert delta["index"] == len(calls) and delta["type"] == "function"
+                assert delta["function"]["arguments"] == ""
+                calls.append([delta["function"]["name"], ""])
+            else:  # then pieces of its arguments, and nothing else
+                assert set(delta) == {"index", "function"} and set(delta["function"]) == {
+                    "arguments"
+                }
+                assert delta["function"]["arguments"]
+                calls[delta["index"]][1] += delta["function"]["arguments"]
+                pieces += 1
+    return content, calls, pieces
+
+
+@pytest.mark.parametrize("parser", STREAM_FAMILIES)
+def test_streamed_argument_pieces_add_up_to_the_parsed_arguments(parser):
+    text = _family_output(parser)
+    whole = tool_call_parser(parser).parse(text, TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == [RICH, UTC]
+    expected = (whole.normal_text, [[c.name, c.arguments] for c in whole.calls])
+    # character by character, and in pieces of a few characters as tokens come
+    content, calls, pieces = _stream_deltas(parser, text, list(range(1, len(text))))
+    assert (content, calls) == expected and pieces > 20
+    rng = random.Random(parser)
+    for _ in range(20):
+        cuts = sorted({rng.randint(1, len(text) - 1) for _ in range(len(text) // 3)})
+        assert _stream_deltas(parser, text, cuts)[:2] == expected, cuts
+
+
+@pytest.mark.parametrize("parser", STREAM_FAMILIES)
+def test_arguments_go_out_before_the_call_is_complete(parser):
+    text = _family_output(parser)
+    final = tool_call_parser(parser).parse(text, TOOLS).calls[0].arguments
+    cut = text.index("Saint-") + len("Saint-")  # in the middle of the first call's arguments
+    _, calls, _ = _stream_deltas(parser, text[:cut], list(range(1, cut)))
+    assert calls[0][0] == "get_weather"
+    assert final.startswith(calls[0][1]) and calls[0][1].endswith("Saint-")
+
+
+def test_text_that_turns_out_no_call_is_let_go_as_soon_as_known():
+    hermes = tool_call_parser("hermes").stream(TOOLS)
+    assert hermes.feed('Hi <tool_call>{"name": "lau') == ("Hi", [])
+    # an unknown tool: content at once, before its block ends
+    assert hermes.feed('Hi <tool_call>{"name": "launch"') == (' <tool_call>{"name": "launch"', [])
+    deepseek = tool_call_parser("deepseekv3").stream(TOOLS)
+    head = f"{DS_BEGIN}{DS_CALL}function{DS_SEP}"
+    assert deepseek.feed(f"{head}get_") == ("", [])
+    assert deepseek.feed(f"{head}get_x") == (f"{head}get_x", [])  # (no tool's name begins so)
+    pythonic = tool_call_parser("pythonic").stream(TOOLS)
+    assert pythonic.feed("[get_time(") == ("", [])
+    assert pythonic.feed('[get_time("') == ('[get_time("', [])  # (positional: no call)
 
 
 def test_text_that_cannot_open_a_call_is_not_held_back():
@@ -237,6 +342,92 @@ def test_text_that_cannot_open_a_call_is_not_held_back():
     assert stream.feed("Hello <tools are") == (" <tools are", [])
     pythonic = tool_call_parser("pythonic").stream(TOOLS)
     assert pythonic.feed("See [1] and") == ("See [1] and", [])
+
+
+# ---- the readers of JSON and Python literals, against json.loads and ast ------------------
+
+VALID_JSON = [
+    '{"a": [1, -2.5e+3, 0, 0.25E-2, true, false, null, {"b": "x\\"\\\\\\/\\u00e9\\n"}]}',
+    "[]",
+    "{}",
+    ' [ 1 ,2 , "3" ] ',
+    '"é"',
+    "true",
+    '{"": {"": []}}',
+]
+# (the text, where the reader must stop: the first character no valid JSON has there)
+INVALID_JSON = [
+    ('{"a" 1}', 5),
+    ('{"a": 01}', 7),
+    ('{"a": 1.}', 8),
+    ('{"a": -}', 7),
+    ('{"a": tru}', 9),
+    ('{"a": "\\x"}', 8),
+    ('{"a": "\\u12g4"}', 11),
+    ('{"a": "line\nbreak"}', 11),
+    ("[1,]", 3),
+    ("{,}", 1),
+    ('{"a": 1,}', 8),
+    ("{'a': 1}", 1),
+]
+
+
+def _scan_json(text: str, by_char: bool):
+    from radixlm.server.tool_parsers import _JsonScanner
+
+    scanner = _JsonScanner(0)
+    for cut in range(1, len(text) + 1) if by_char else [len(text)]:
+        scanner.advance(text[:cut])
+        if scanner.state != "open":
+            break
+    return scanner
+
+
+@pytest.mark.parametrize("text", VALID_JSON)
+@pytest.mark.parametrize("by_char", [False, True])
+def test_the_json_reader_reads_what_json_reads(text, by_char):
+    json.loads(text)  # (the oracle agrees it is JSON)
+    start = len(text) - len(text.lstrip())
+    scanner = _scan_json(text[start:], by_char)
+    assert scanner.state == "done" and scanner.pos == len(text.strip())
+    for cut in range(1, len(text.strip())):  # every beginning of it may still become JSON
+        assert _scan_json(text.strip()[:cut], False).state == "open"
+
+
+@pytest.mark.parametrize("text,at", INVALID_JSON)
+@pytest.mark.parametrize("by_char", [False, True])
+def test_the_json_reader_stops_where_json_is_broken(text, at, by_char):
+    with pytest.raises(ValueError):
+        json.loads(text)
+    scanner = _scan_json(text, by_char)
+    assert (scanner.state, scanner.pos) == ("broken", at)
+
+
+@pytest.mark.parametrize(
+    "literal",
+    [
+        "'plain'",
+        '"it\'s"',
+        "'\\n\\t\\\\\\'\\x41\\101\\0\\u00e9\\U0001F600\\N{EM DASH}\\q'",
+        "'''a\nb'' ''c'''",
+        '""',
+        "''",
+        "'a\\\nb'",
+    ],
+)
+def test_the_python_string_reader_reads_what_python_reads(literal):
+    import ast
+
+    from radixlm.server.tool_parsers import _python_value
+
+    memo: dict[int, Any] = {}
+    sent, text = "", literal + ", b=1)"  # ("" ends only where no third quote follows)
+    for cut in range(1, len(text) + 1):  # character by character, as it arrives
+        got, end, state = _python_value(text[:cut], 0, memo)
+        assert got.startswith(sent)
+        sent = got
+    assert (state, end) == ("done", len(literal))
+    assert json.loads(got) == ast.literal_eval(literal)
 
 
 # ---- forced calls --------------------------------------------------------------------------
