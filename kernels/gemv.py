@@ -1,6 +1,7 @@
 """Skinny matmuls for small decode batches: y = op(x) @ W.T (+ b) for x of a few rows.
 
-At batch 1-4 a linear layer is a pass over its weights; the work is reading W once at full
+At batch 1-4 (and a speculative verify step's few rows: up to 16, through the tl.dot tiles) a
+linear layer is a pass over its weights; the work is reading W once at full
 bandwidth, and at small models the launches between the matmuls cost as much. Each program here owns
 a few output rows and streams their weights along K (or a slice of K: split-K, with a second small
 kernel summing the slices), reusing each weight tile for every row of x. The op before the matmul
@@ -38,7 +39,10 @@ import triton.language as tl
 from radixlm.kernels import fused
 from radixlm.kernels.fused import add_rounded, norm_then_weight, pdl_start, silu_mul_rounded
 
-MAX_ROWS = 4  # x rows the kernel takes; more go to cuBLAS
+MAX_ROWS = 16  # x rows the kernel takes; more go to cuBLAS
+# above this many rows only the tl.dot tiles (`GemvConfig.dot`): the others keep a register per
+# row, output row and column of their tile
+MAX_ROWS_WITHOUT_DOT = 4
 
 # the op run as the prologue of each K tile
 _NONE: tl.constexpr = tl.constexpr(0)
@@ -282,14 +286,15 @@ def _launch(
     n = weight.shape[0]
     int4 = w_zero is not None
     if (
-        m > MAX_ROWS
+        m > (MAX_ROWS if config.dot else MAX_ROWS_WITHOUT_DOT)
         or x.stride(-1) != 1
         or weight.stride(-1) != 1
         or weight.shape[1] != (k // 2 if int4 else k)
     ):
         raise ValueError(
-            f"gemv takes up to {MAX_ROWS} rows of x and a weight (N, {k}) (packed INT4: (N, "
-            f"{k // 2})), unit stride along K; got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+            f"gemv takes up to {MAX_ROWS_WITHOUT_DOT} rows of x ({MAX_ROWS} with a dot tile) and "
+            f"a weight (N, {k}) (packed INT4: (N, {k // 2})), unit stride along K; got x "
+            f"{tuple(x.shape)}, weight {tuple(weight.shape)}, {config}"
         )
     group = _check_w_scale(weight, k, w_scale, w_zero)
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
@@ -383,8 +388,9 @@ def gemv(
     w_scale: torch.Tensor | None = None,
     w_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x (M, K) with M <= MAX_ROWS, weight (N, K), unit stride along K -> x @ W.T + b (M, N), in
-    `out_dtype` (default x's; float32: the float32 sums unrounded). A float8_e4m3fn weight comes
+    """x (M, K) with M <= MAX_ROWS (MAX_ROWS_WITHOUT_DOT unless `config.dot`), weight (N, K),
+    unit stride along K -> x @ W.T + b (M, N), in `out_dtype` (default x's; float32: the float32
+    sums unrounded). A float8_e4m3fn weight comes
     with `w_scale` (N,) float32: x @ (W * w_scale[:, None]).T, x unquantized (the oracle:
     kernels/quant_ref.py `fp8_linear_ref(..., act_quant=False)`). A packed INT4 weight (uint8,
     (N, K // 2)) comes with `w_scale` and `w_zero` (N, K // group) float32 (the oracle:

@@ -53,12 +53,14 @@ def use_cuda_graphs(config, device, backend) -> bool:
     )
 
 
-def tune_batch1_matmuls(model) -> None:
+def tune_small_matmuls(model, verify_rows: tuple[int, ...] = ()) -> None:
     """For each weight shape, time cuBLAS against the Triton GEMV at batch 1 and route the layer
     to the faster (runtime/matmul_dispatch.py); then the same for each norm or SiLU with the
-    matmul after it, fused into one kernel or not. Before graph capture, so graphs record the
-    choice."""
-    from radixlm.kernels.gemv import fused_gemv_enabled
+    matmul after it, fused into one kernel or not. `verify_rows`: the row counts of speculative
+    verify steps (their graphs' buckets): the plain matmuls are tuned at those too, over the
+    tl.dot tiles only (the norm and SiLU before them stay kernels of their own there). Before
+    graph capture, so graphs record the choice."""
+    from radixlm.kernels.gemv import MAX_ROWS, fused_gemv_enabled
     from radixlm.runtime.matmul_dispatch import LinearDispatch, choice_key
 
     dispatch = LinearDispatch()
@@ -72,15 +74,17 @@ def tune_batch1_matmuls(model) -> None:
         key = choice_key(op, 1, linear)
         if key not in seen:
             seen[key] = dispatch.tune(linear, rows=1, op=op, norm=norm, float32=linear is head)
+    for rows in sorted({r for r in verify_rows if 1 < r <= MAX_ROWS}):
+        for linear in model.linears():
+            key = choice_key("linear", rows, linear)
+            if key not in seen:
+                seen[key] = dispatch.tune(linear, rows, float32=linear is head, dot_only=True)
     model.use_matmul(dispatch)
-    for (op, _, n, k, *_), (base, best) in seen.items():
+    for (op, rows, n, k, *_), (base, best) in seen.items():
         logger.info(
-            "batch-1 %s matmul %s: plain %.1f us, chosen %.1f us",
-            op,
-            (n, k),
-            base * 1e3,
+            "%d-row %s matmul %s: plain %.1f us, chosen %.1f us", rows, op, (n, k), base * 1e3,
             best * 1e3,
-        )
+        )  # fmt: skip
 
 
 def capture_graphs(
@@ -98,11 +102,12 @@ def capture_graphs(
     graphs of verify steps run as decode rows. (Every rank of a tensor-parallel group captures
     the same graphs in the same order: their warm-up runs and captures hold the group's
     collectives.)"""
-    from radixlm.runtime.cuda_graph import DecodeGraphs, PrefillGraphs, RowGraphs
+    from radixlm.runtime.cuda_graph import DecodeGraphs, PrefillGraphs, RowGraphs, graph_buckets
 
-    if os.environ.get("RADIXLM_DISABLE_GEMV") != "1":
-        tune_batch1_matmuls(model)
     max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 256)
+    max_rows = min(max_bs * verify_tokens, _MAX_VERIFY_ROWS) if verify_tokens else 0
+    if os.environ.get("RADIXLM_DISABLE_GEMV") != "1":
+        tune_small_matmuls(model, tuple(graph_buckets(max_rows)) if verify_tokens else ())
     graphs = DecodeGraphs(
         model, backend, rows.table, token_buf, max_bs, padding_row=rows.padding_row
     )
@@ -118,8 +123,8 @@ def capture_graphs(
     row_graphs = None
     if verify_tokens:
         row_graphs = RowGraphs(
-            model, backend, rows.table, token_buf, min(max_bs * verify_tokens, _MAX_VERIFY_ROWS),
-            verify_tokens, padding_row=rows.padding_row, keep_hidden=keep_hidden,
+            model, backend, rows.table, token_buf, max_rows, verify_tokens,
+            padding_row=rows.padding_row, keep_hidden=keep_hidden,
         )  # fmt: skip
     return graphs, prefill_graphs, row_graphs
 

@@ -21,7 +21,14 @@ from types import SimpleNamespace
 import torch
 
 from radixlm.kernels import gemv
-from radixlm.kernels.gemv import CONFIGS, FUSED_CONFIGS, MAX_ROWS, OPS, GemvConfig
+from radixlm.kernels.gemv import (
+    CONFIGS,
+    FUSED_CONFIGS,
+    MAX_ROWS,
+    MAX_ROWS_WITHOUT_DOT,
+    OPS,
+    GemvConfig,
+)
 from radixlm.runtime.layers import PlainMatmuls, float32_linear
 from radixlm.runtime.quantization.base import scheme_of
 
@@ -52,7 +59,10 @@ class LinearDispatch(PlainMatmuls):
         m = x.shape[0] if rows is None else rows.shape[0]
         if x.dim() != 2 or m > MAX_ROWS or x.stride(-1) != 1:
             return None
-        return self.choice.get(choice_key(op, m, linear))
+        config = self.choice.get(choice_key(op, m, linear))
+        if config is not None and m > MAX_ROWS_WITHOUT_DOT and not config.dot:
+            return None  # (only the dot tiles take that many rows)
+        return config
 
     def __call__(self, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
         config = self._chosen("linear", x, linear)
@@ -105,12 +115,15 @@ class LinearDispatch(PlainMatmuls):
         op: str = "linear",
         norm=None,
         float32: bool = False,
+        dot_only: bool = False,
     ) -> tuple[float, float]:
         """Time the plain path of `op` and each candidate kernel on random input of `rows` rows (in
         a CUDA graph: `graph_ms`) and keep the fastest (a kernel only on a clear win). For the
         fused ops the plain path is the norm (`norm`, the model's RMSNorm) or SiLU kernel and then
         this dispatch's linear, so tune "linear" for the shape first. `float32`: the layer's output
-        is float32 (the LM head: `float32_linear`), on both paths. Returns (plain ms, chosen ms)."""
+        is float32 (the LM head: `float32_linear`), on both paths. `dot_only`: only the tl.dot
+        tiles (as always above MAX_ROWS_WITHOUT_DOT rows), whose compiled kernels are shared by
+        every row count of the same power of two. Returns (plain ms, chosen ms)."""
         key = choice_key(op, rows, linear)
         plain, kernel, oracle = self._candidate_calls(op, linear, rows, norm, float32)
         want = oracle(linear).float()
@@ -120,6 +133,10 @@ class LinearDispatch(PlainMatmuls):
             ranked = self.timings.get(choice_key("linear", rows, linear), [])
             fastest = [c for _, c in ranked[:2]]
             candidates = fastest + [c for c in FUSED_CONFIGS if c not in fastest]
+        if rows > MAX_ROWS_WITHOUT_DOT:
+            dot_only = True
+        if dot_only:
+            candidates = [c for c in candidates if c.dot]
         timed = []
         for config in candidates:
             call = functools.partial(kernel, config)

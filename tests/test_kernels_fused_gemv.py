@@ -248,10 +248,10 @@ def test_llama_forward_with_fused_matmuls_equals_plain(rows, bias, torch_path):
 
 @pytest.mark.gpu
 def test_tuning_keeps_the_plain_path_unless_a_kernel_wins():
-    from radixlm.runtime.engine_core import tune_batch1_matmuls
+    from radixlm.runtime.engine_core import tune_small_matmuls
 
     model = small_llama(torch.bfloat16, bias=False)
-    tune_batch1_matmuls(model)
+    tune_small_matmuls(model)
     dispatch = model.matmul
     assert isinstance(dispatch, LinearDispatch)
     batch = decode_batch([5])

@@ -58,11 +58,34 @@ def test_gemv_matches_linear(rows, bias, size):
         torch.testing.assert_close(gemv(x, w, b, config).float(), want, atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize("rows", [SLOW(5), 8, SLOW(12), 16])
+@pytest.mark.parametrize("size", SIZES[:2])
+def test_gemv_dot_tiles_take_a_verify_steps_rows(rows, size):
+    """Above 4 rows (a speculative verify step's) only the tl.dot tiles run, up to 16 rows; a
+    tile without tl.dot is refused there."""
+    n, k = size
+    gen = torch.Generator().manual_seed(rows * 11 + n)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, DTYPE)
+    b = torch.randn(n, generator=gen).to(DEVICE, DTYPE)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, DTYPE)
+    want = F.linear(x.float(), w.float(), b.float())
+    configs = (
+        [GemvConfig(16, 32, 4, 2, 1, dot=True), GemvConfig(16, 64, 4, 2, 3, dot=True)]
+        if DEVICE.type == "cpu"
+        else [c for c in CONFIGS if c.dot]
+    )
+    for config in configs:
+        torch.testing.assert_close(gemv(x, w, b, config).float(), want, atol=TOL, rtol=TOL)
+    with pytest.raises(ValueError, match="dot tile"):
+        gemv(x, w, b, GemvConfig(8, 64, 4, 1, 1))
+
+
 def test_dispatch_routes_by_rows_and_choice(count_launches):
     linear = torch.nn.Linear(96, 40, bias=True).to(DEVICE, DTYPE)
     dispatch = LinearDispatch()
     x1 = torch.randn(1, 96, device=DEVICE, dtype=DTYPE)
     x8 = torch.randn(8, 96, device=DEVICE, dtype=DTYPE)
+    x17 = torch.randn(17, 96, device=DEVICE, dtype=DTYPE)
     dispatch(x1, linear)
     assert count_launches == []  # nothing tuned: cuBLAS
     # a choice for the same shape without a bias is not this layer's
@@ -73,10 +96,15 @@ def test_dispatch_routes_by_rows_and_choice(count_launches):
     out1 = dispatch(x1, linear)
     assert count_launches == ["gemv"]
     dispatch.choice[choice_key("linear", 8, linear)] = CONFIGS[0]
-    out8 = dispatch(x8, linear)  # more rows than the kernel takes: cuBLAS
+    out8 = dispatch(x8, linear)  # more rows than a tile without tl.dot takes: cuBLAS
+    assert count_launches == ["gemv"]
+    dot = next(c for c in CONFIGS if c.dot)
+    dispatch.choice[choice_key("linear", 17, linear)] = dot
+    out17 = dispatch(x17, linear)  # more rows than the kernel takes: cuBLAS
     assert count_launches == ["gemv"]
     torch.testing.assert_close(out1, F.linear(x1, linear.weight, linear.bias), atol=TOL, rtol=TOL)
     torch.testing.assert_close(out8, F.linear(x8, linear.weight, linear.bias))
+    torch.testing.assert_close(out17, F.linear(x17, linear.weight, linear.bias))
 
 
 @pytest.mark.gpu
