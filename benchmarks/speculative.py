@@ -143,6 +143,19 @@ def main() -> None:
         f"{sum(accepted) / len(accepted):.2f} ({', '.join(f'{a:.2f}' for a in accepted)})"
     )
     print(f"speed-up: {spec_rate / plain_rate:.2f}x; outputs equal: {spec_ids == plain_ids}")
+    if spec_ids != plain_ids:  # (in bf16 a verify of k rows rounds apart from a decode step)
+        firsts = [_first_difference(a, b) for a, b in zip(plain_ids, spec_ids)]
+        print(
+            "first differing token per prompt (None: equal): "
+            + ", ".join(f"{f} of {len(a)}" for f, a in zip(firsts, plain_ids))
+        )
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 if __name__ == "__main__":
