@@ -85,6 +85,9 @@ _ENGINE_HELP = {
     "(default: 1)",
     "speculative_ngram_max_match_window_size": "NGRAM: the longest ending of the context matched, "
     "tried first (default: 12)",
+    "speculative_adaptive": "speculation only at the batch sizes where verify steps were "
+    "measured to give more tokens a second than plain decode steps (--no-speculative-adaptive: "
+    "at every step)",
     "tp_size": "tensor parallelism: the model split over this many processes, one a GPU (gloo "
     "on the CPU), rank 0 scheduling every step",
     "pp_size": "pipeline parallelism: the model's layers split into this many stages, one "

@@ -139,6 +139,9 @@ class EngineConfig:
     # names SGLang used before its n-gram trie took max_trie_depth)
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
+    # draft only at the batch sizes where verifying was measured to give more tokens a second
+    # than decoding plainly (runtime/speculative/gate.py); False: draft at every step
+    speculative_adaptive: bool = True
     # tensor parallelism, with SGLang's names: the model split over tp_size processes (one a
     # GPU), this one rank 0 (runtime/tp_worker.py); over nnodes machines, each but the first
     # started with its node_rank and the first's dist_init_addr (host:port; default: a free

@@ -170,6 +170,7 @@ class EngineCore:
             schedule_low_priority_values_first=config.schedule_low_priority_values_first,
             priority_scheduling_preemption_threshold=config.priority_scheduling_preemption_threshold,
             drafter=self.speculative.propose if self.speculative is not None else None,
+            drafting=self.speculative.drafting if self.speculative is not None else None,
         )
         graphs = prefill_graphs = row_graphs = None
         token_buf = torch.zeros(self.rows.max_requests, dtype=torch.int64, device=device)
@@ -201,6 +202,7 @@ class EngineCore:
         self.num_steps = 0
         self._trimmed_at_step = 0  # the step count when free heap memory was last given back
         self._last_step_at = 0.0  # (time.perf_counter) when the last step was launched
+        self._step_began = 0.0  # (time.perf_counter) when the newest step's scheduling began
         self.num_overlapped_steps = 0  # steps launched before the previous one was applied
         # the core thread's time by phase: planning, launching (with sampling unless deferred),
         # deferred sampling (grammar masks), waiting for the device, applying the tokens
@@ -320,7 +322,7 @@ class EngineCore:
             self._drain_inbox(block=inflight is None and not self.scheduler.has_work())
             if self._stop.is_set():
                 break
-            t0 = time.perf_counter()
+            t0 = self._step_began = time.perf_counter()
             plan = self.scheduler.schedule()
             t1 = time.perf_counter()
             self.host_seconds["schedule"] += t1 - t0
@@ -394,7 +396,10 @@ class EngineCore:
         t1 = time.perf_counter()
         self.host_seconds["wait"] += t1 - t0
         self.output.apply_step(plan, results, self._next_masks)
-        self.host_seconds["apply"] += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        self.host_seconds["apply"] += t2 - t1
+        if self.speculative is not None:  # (in lockstep: the step's whole time)
+            self.speculative.observe_step(plan, results, t2 - self._step_began)
 
     def _drain_inbox(self, block: bool) -> None:
         if block:

@@ -100,6 +100,7 @@ class Scheduler:
         schedule_policy: str,
         max_admission_delay: int = 0,
         drafter: Callable[[Req], list[int]] | None = None,
+        drafting: Callable[[int], bool] | None = None,
         enable_priority_scheduling: bool = False,
         schedule_low_priority_values_first: bool = False,
         priority_scheduling_preemption_threshold: int = 10,
@@ -112,6 +113,8 @@ class Scheduler:
         # speculative decoding: a draft for a request about to decode its newest token ([] for
         # none); such a request then computes [newest, *draft] as one item
         self.drafter = drafter
+        # whether a step of so many decoding requests drafts at all (None: always)
+        self.drafting = drafting
         self.max_running = max_running_requests
         self.chunk_budget = chunked_prefill_size
         self.policy = schedule_policy
@@ -208,7 +211,7 @@ class Scheduler:
             return prefilling
         total = sum(counts)
         drafts: list[tuple[int, ...]] = []
-        if self.drafter is not None:
+        if self.drafter is not None and (self.drafting is None or self.drafting(len(decoding))):
             drafts = _drafts(self.drafter, decoding, counts)
             extra = sum(map(len, drafts))
             if extra and self.cache.can_extend(total + extra):

@@ -345,6 +345,7 @@ def test_speculative_verify_steps_through_prefill_graphs_match_eager(tiny_model_
         with radixlm.Engine(
             tiny_model_folder, **EAGER, attention_backend="triton",
             speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
+            speculative_adaptive=False,
         ) as eng:  # fmt: skip
             runner = eng._core.runner
             if graphs:
@@ -387,6 +388,7 @@ def test_medusa_steps_through_prefill_graphs_keep_the_hidden_states(tiny_model_f
         with radixlm.Engine(
             tiny_model_folder, **EAGER, attention_backend="triton",
             speculative_algorithm="MEDUSA", speculative_draft_model_path=str(tmp_path),
+            speculative_adaptive=False,
         ) as eng:  # fmt: skip
             runner = eng._core.runner
             if graphs:
@@ -448,6 +450,7 @@ def test_verify_steps_as_decode_rows_match_eager(tiny_model_folder):
         with radixlm.Engine(
             tiny_model_folder, **EAGER, attention_backend="triton",
             speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
+            speculative_adaptive=False,
         ) as eng:  # fmt: skip
             if graphs:
                 notes = install_row_graphs(eng, max_rows=16, max_item_tokens=4)
@@ -485,6 +488,7 @@ def test_medusa_steps_as_decode_rows_keep_the_hidden_states(tiny_model_folder, t
         with radixlm.Engine(
             tiny_model_folder, **EAGER, attention_backend="triton",
             speculative_algorithm="MEDUSA", speculative_draft_model_path=str(tmp_path),
+            speculative_adaptive=False,
         ) as eng:  # fmt: skip
             if graphs:
                 notes = install_row_graphs(eng, max_rows=16, max_item_tokens=4, keep_hidden=True)

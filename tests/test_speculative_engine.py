@@ -64,8 +64,13 @@ PLAIN_ONES = (
     ],
 )
 
-SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6}
-MEDUSA = {"speculative_algorithm": "MEDUSA"}  # the heads shipped for the default model
+# (drafting at every step: the gate that turns it off where it does not pay has its own tests)
+SPEC = {
+    "speculative_algorithm": "NGRAM",
+    "speculative_num_draft_tokens": 6,
+    "speculative_adaptive": False,
+}
+MEDUSA = {"speculative_algorithm": "MEDUSA", "speculative_adaptive": False}  # the shipped heads
 
 
 def results(outs) -> list[tuple]:

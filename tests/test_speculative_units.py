@@ -169,3 +169,61 @@ def test_the_cli_takes_the_speculative_options():
     assert config.speculative_algorithm == "NGRAM"
     assert config.speculative_num_draft_tokens == 6
     assert config.speculative_ngram_max_match_window_size == 4
+
+
+# ---- the gate: drafting where it measured faster ------------------------------------------------
+
+
+def test_the_gate_drafts_until_both_ways_are_measured_then_where_tokens_come_faster():
+    from radixlm.runtime.speculative.gate import SpeculationGate
+
+    gate = SpeculationGate(explore=4)
+    # a bucket starts drafting; its first plain step is its 4th
+    assert [gate.drafting(1) for _ in range(4)] == [True, True, True, False]
+    gate.observe(1, True, 30, 0.01)  # 3,000 tokens/s verifying
+    gate.observe(1, False, 1, 0.001)  # 1,000 plain
+    assert [gate.drafting(1) for _ in range(4)] == [True, True, True, False]  # (4th: explores)
+    # a bucket of its own for 2-3 requests: plain measured faster there
+    gate.observe(3, True, 6, 0.01)
+    gate.observe(2, False, 3, 0.001)
+    assert [gate.drafting(2) for _ in range(8)] == [False, False, False, True] * 2
+    assert gate.plain_steps == 1 + 1 + 6
+    # the averages follow new measurements: verifying turned slow at batch 1
+    for _ in range(20):
+        gate.observe(1, True, 4, 0.01)
+    assert gate.rates()[(1, True)] < gate.rates()[(1, False)]
+    assert gate.drafting(1) is False
+    # nothing measured from a step that gave nothing
+    before = gate.rates()
+    gate.observe(1, True, 0, 0.01)
+    gate.observe(1, False, 5, 0.0)
+    assert gate.rates() == before
+
+
+def test_the_engine_drafts_only_where_the_gate_measured_it_pays(tiny_model_folder):
+    """With the gate's measurements saying plain decoding is faster at batch 1, the engine's
+    steps go plain (exploring a verify step now and then); the tokens are the same as with
+    drafting at every step (the gate off)."""
+    import radixlm
+
+    prompt = [300 + (j % 5) for j in range(30)]
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    outs, verifies = [], []
+    for adaptive in (False, True):
+        with radixlm.Engine(
+            tiny_model_folder, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
+            speculative_adaptive=adaptive,
+        ) as eng:  # fmt: skip
+            gate = eng._core.speculative.gate
+            if adaptive:  # (measured: verifying far slower than plain decoding)
+
+                def seed(gate=gate):
+                    gate._rate.update({(1, True): 1.0, (1, False): 1e12})
+
+                eng._core.call(seed)
+            outs.append(eng.generate(input_ids=prompt, sampling_params=params)["output_ids"])
+            verifies.append(eng.get_stats()["spec_verify_ct"])
+            if adaptive:
+                assert gate.plain_steps > 20
+    assert outs[0] == outs[1]
+    assert verifies[0] >= 5 and verifies[1] <= 3, verifies

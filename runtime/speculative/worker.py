@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.runtime.request import Req
+from radixlm.runtime.speculative.gate import SpeculationGate
 from radixlm.runtime.speculative.ngram import NgramIndex
 from radixlm.runtime.speculative.verify import greedy_accept, rejection_sample, target_probs
 
@@ -76,6 +77,23 @@ class SpeculativeWorker:
                     f"positions; use at most {most} (or leave it unset)"
                 )
         self.totals = SpecTotals()
+        # where drafting pays, by measurement (None: draft at every step)
+        self.gate = SpeculationGate() if config.speculative_adaptive else None
+
+    def drafting(self, batch: int) -> bool:
+        """Whether a step of `batch` decoding requests drafts (the scheduler asks first)."""
+        return self.gate is None or self.gate.drafting(batch)
+
+    def observe_step(self, plan, results, seconds: float) -> None:
+        """A finished step, scheduled to applied in `seconds`, for the gate: measured when it
+        held decodes only (no prompt chunk), verifying drafts or not."""
+        if self.gate is None or any(len(it.draft) + 1 != it.num_tokens for it in plan.items):
+            return
+        tokens = sum(t is not None for t in results.tokens)
+        verified = bool(results.verified)
+        if verified:
+            tokens += sum(map(len, results.verified.values()))
+        self.gate.observe(len(plan), verified, tokens, seconds)
 
     # ---- drafting (the scheduler asks) -------------------------------------------------------
 
