@@ -76,6 +76,12 @@ def run(
             outs.append(out)
         if profile:
             _profiled(eng, lambda: [eng.generate(p, params) for p in prompts(algorithm)], profile)
+        spec = eng._core.speculative
+        if spec is not None and spec.gate is not None:
+            print(
+                f"the gate kept {spec.gate.plain_steps} steps from drafting; its tokens/s by "
+                f"(batch bucket, verified): {spec.gate.rates()}"
+            )
     return (
         tokens / seconds,
         [o["output_ids"] for o in outs],
@@ -116,6 +122,10 @@ def main() -> None:
     )
     ap.add_argument("--draft-model-path", default=None, help="MEDUSA: the heads' folder")
     ap.add_argument(
+        "--no-adaptive", action="store_true",
+        help="draft at every step (speculative_adaptive off): the verify path alone",
+    )  # fmt: skip
+    ap.add_argument(
         "--profile", type=int, default=0, metavar="N",
         help="then the speculative run once more under cProfile: its N costliest functions",
     )  # fmt: skip
@@ -128,6 +138,8 @@ def main() -> None:
         spec["speculative_num_draft_tokens"] = k
     if args.draft_model_path:
         spec["speculative_draft_model_path"] = args.draft_model_path
+    if args.no_adaptive:
+        spec["speculative_adaptive"] = False
     spec_rate, spec_ids, accepted = run(
         args.device, args.new_tokens, algorithm, args.dtype, args.profile, **spec
     )
