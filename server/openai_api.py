@@ -46,17 +46,16 @@ from radixlm.server.openai_protocol import (
 )
 from radixlm.server.sglang_fields import CHAT, COMPLETIONS, check_unsupported
 from radixlm.server.state import ServerState
+from radixlm.server.thinking import hold_after_thinking
 from radixlm.server.tool_parsers import HermesParser, ToolCallParser, ToolCallStream
 from radixlm.server.tools import (
     ContentFilter,
     ToolCallStreamer,
     ToolPlan,
-    answer_after_thinking_regex,
     auto_output_regex,
     openai_call,
     parse_output,
     plan_tools,
-    thinking_prefix,
 )
 
 router = APIRouter()
@@ -567,36 +566,27 @@ async def prepare_chat(
     # tools' grammar applies. OpenAI takes the two together, as agent frameworks send them (an
     # agent with an output type whose first turn must call a tool); the format is still checked.
     _apply_response_format({} if plan.constrained else params, req.response_format)
-    reasoning = state.reasoning_parser if req.separate_reasoning else None
-    after_thinking = False
-    if reasoning is not None and not plan.active and _constraints(params) == ["json_schema"]:
-        # the response_format holds the answer after the thinking, where a regex can hold it whole
-        with contextlib.suppress(ValueError):
-            params["regex"] = answer_after_thinking_regex(
-                reasoning, params["json_schema"], state.json_whitespace
-            )
-            del params["json_schema"]
-            after_thinking = True
-    if (
-        reasoning is not None
-        and not after_thinking
-        and (_constraints(params) or (plan.constrained and parser is None))
-    ):
-        # a constraint that holds from the first token leaves no room for thinking: the output
-        # is all answer
-        reasoning = None
     if parser is not None:
-        _set_tool_grammar(state, params, plan, parser, reasoning)
+        _set_tool_grammar(state, params, plan, parser)
         stream_calls = False
     else:
         schema = plan.output_schema()
         if schema is not None:
             _set_constraint(params, "json_schema", json.dumps(schema), "tool_choice")
         stream_calls = plan.constrained
-    # with "auto", calls follow their schemas once opened; streamed, calls then go out as deltas
-    # while generated
-    if parser is None and plan.mode == "auto" and _set_auto_tools_grammar(state, params, plan):
-        stream_calls = True
+        # with "auto", calls follow their schemas once opened; streamed, calls then go out as
+        # deltas while generated
+        if plan.mode == "auto" and _set_auto_tools_grammar(state, params, plan):
+            stream_calls = True
+    reasoning = state.reasoning_parser if req.separate_reasoning else None
+    if (
+        reasoning is not None
+        and _constraints(params)
+        and not hold_after_thinking(params, reasoning, state.json_whitespace)
+    ):
+        # a constraint that holds from the first token leaves no room for thinking: the output
+        # is all answer
+        reasoning = None
     item = GenerationInput(
         input_ids=ids,
         params=params,
@@ -660,15 +650,10 @@ class _ChatOutput:
 
 
 def _set_tool_grammar(
-    state: ServerState,
-    params: dict[str, Any],
-    plan: ToolPlan,
-    parser: ToolCallParser,
-    reasoning: ReasoningParser | None,
+    state: ServerState, params: dict[str, Any], plan: ToolPlan, parser: ToolCallParser
 ) -> None:
-    """A demanded call is forced in the parser's own format (after the thinking, with a reasoning
-    parser); under "auto", Hermes-format calls follow their schemas once opened, other formats
-    are read from free text."""
+    """A demanded call is forced in the parser's own format; under "auto", Hermes-format calls
+    follow their schemas once opened, other formats are read from free text."""
     if plan.constrained:
         try:
             regex = parser.forced_regex(
@@ -676,10 +661,8 @@ def _set_tool_grammar(
             )
         except ValueError as e:
             raise bad_request(f"cannot enforce the tools' parameter schemas: {e}", "tools") from e
-        if reasoning is not None:
-            regex = f"{thinking_prefix(reasoning)}(?:{regex})"
         _set_constraint(params, "regex", regex, "tool_choice")
-    elif isinstance(parser, HermesParser) and reasoning is None:
+    elif isinstance(parser, HermesParser):
         _set_auto_tools_grammar(state, params, plan)
 
 

@@ -1,0 +1,184 @@
+"""A reasoning model's thinking before a constraint (`server/thinking.py`): each kind of
+constraint rewritten to hold the answer after the thinking, checked by what each grammar backend
+admits over a vocabulary of single characters, and through the server over a scripted output:
+`reasoning_content` split off and the answer held, streamed and whole."""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from radixlm.constrained import GrammarCompiler
+from radixlm.constrained.compiler import GRAMMAR_BACKENDS
+from radixlm.constrained.ebnf import ebnf_to_regex
+from radixlm.protocol.reasoning import reasoning_parser
+from radixlm.server.app import create_app
+from radixlm.server.thinking import ebnf_after_thinking, hold_after_thinking
+from tests.live_server import sse_payloads
+from tests.test_server_tools import TIME, WEATHER, ScriptedBackend
+
+TOKENS = ["<eos>", *string.printable]
+
+
+class CharTokenizer:
+    """A vocabulary of single characters: a grammar admits a text exactly when it admits it
+    character by character."""
+
+    eos_token_id = 0
+    all_special_ids = [0]
+
+    def get_vocab(self) -> dict[str, int]:
+        return {t: i for i, t in enumerate(TOKENS)}
+
+
+@pytest.fixture(scope="module", params=GRAMMAR_BACKENDS)
+def compiler(request) -> GrammarCompiler:
+    return GrammarCompiler(
+        CharTokenizer(), vocab_size=len(TOKENS), compile_timeout=30, backend=request.param
+    )
+
+
+def admits(compiler: GrammarCompiler, params: dict[str, Any], text: str) -> bool:
+    (kind,) = [k for k in ("regex", "json_schema", "ebnf") if k in params]
+    matcher = compiler.compile(kind, params[kind]).matcher()
+    return matcher.accept_string(text) and matcher.is_accepting()
+
+
+THOUGHT = "The user asks <yes or no>; </thin is not the end. So: yes."
+EBNF = '# root answers\nroot ::= "The answer is " answer "."\nanswer ::= "yes" | "no" | "[root]"'
+CONSTRAINTS: list[tuple[dict[str, Any], str, str]] = [
+    # (the constraint, an answer it admits, one it refuses)
+    ({"regex": "^(yes|no)$"}, "yes", "maybe"),
+    ({"regex": r"\d{2}-\d{2}"}, "12-31", "12/31"),
+    ({"ebnf": EBNF}, "The answer is [root].", "The answer is maybe."),
+    ({"ebnf": 'greeting ::= "hi" | "hello"'}, "hello", "hey"),
+    (
+        {"json_schema": json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}})},
+        '{"n":1}',
+        '{"n":"1"}',
+    ),
+]
+
+
+@pytest.mark.parametrize("constraint,answer,wrong", CONSTRAINTS)
+@pytest.mark.parametrize("name", ["qwen3", "deepseek-r1"])
+def test_a_constraint_holds_the_answer_after_the_thinking(
+    compiler, constraint, answer, wrong, name
+):
+    parser = reasoning_parser(name)
+    params = dict(constraint)
+    assert hold_after_thinking(params, parser, "compact")
+    assert admits(compiler, params, f"<think>\n{THOUGHT}\n</think>\n\n{answer}")
+    assert not admits(compiler, params, f"<think>\n{THOUGHT}\n</think>\n\n{wrong}")
+    assert not admits(compiler, params, f"<think>{THOUGHT}{answer}")  # (thinking never ended)
+    # qwen3 may answer without thinking; deepseek-r1's template opened <think>: it always thinks
+    assert admits(compiler, params, answer) == (name == "qwen3")
+    assert admits(compiler, params, f"{THOUGHT}</think>{answer}") == (name == "deepseek-r1")
+
+
+def test_ebnf_after_thinking_keeps_the_grammar_s_own_lines_and_names():
+    grammar = ebnf_after_thinking(EBNF, reasoning_parser("qwen3"))
+    # the grammar's lines first, as written but for its start rule's new name
+    assert grammar.splitlines()[:3] == [
+        "# root answers",
+        'answer-1 ::= "The answer is " answer "."',  # ("answer" was taken)
+        'answer ::= "yes" | "no" | "[root]"',
+    ]
+    assert grammar.splitlines()[-1] == "root ::= thinking answer-1"
+    regex = re.compile(ebnf_to_regex(grammar), re.DOTALL)
+    assert regex.fullmatch(f"<think>{THOUGHT}</think>The answer is no.")
+    # a grammar without `root` starts at its first rule
+    first = ebnf_after_thinking('a ::= "x" b\nb ::= "y"', reasoning_parser("deepseek-r1"))
+    assert re.fullmatch(ebnf_to_regex(first), f"{THOUGHT}</think>\nxy")
+
+
+def test_what_cannot_come_after_the_thinking_says_so():
+    parser = reasoning_parser("qwen3")
+    for params in ({"regex": "(?i)yes"}, {"json_schema": json.dumps({"uniqueItems": True})}):
+        before = dict(params)
+        assert not hold_after_thinking(params, parser, "compact") and params == before
+    tag = {"structural_tag": json.dumps({"structures": [], "triggers": []})}
+    assert hold_after_thinking(dict(tag), parser, "compact")  # (its free text holds thinking)
+
+
+# ---- through the server --------------------------------------------------------------------
+
+
+def _chat(client: TestClient, body: dict[str, Any]) -> tuple[str | None, str, list, str]:
+    """(reasoning_content, content, [name, arguments] of each call, finish_reason)."""
+    if not body.get("stream"):
+        out = client.post("/v1/chat/completions", json=body)
+        assert out.status_code == 200, out.text
+        choice = out.json()["choices"][0]
+        message = choice["message"]
+        calls = [
+            [c["function"]["name"], c["function"]["arguments"]]
+            for c in message.get("tool_calls") or []
+        ]
+        content = message["content"] or ""
+        return message.get("reasoning_content"), content, calls, choice["finish_reason"]
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        chunks = [x for x in sse_payloads(r.iter_lines()) if x != "[DONE]"]
+    thinking, content, calls, reason = "", "", [], None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            thinking += delta.get("reasoning_content") or ""
+            content += delta.get("content") or ""
+            for d in delta.get("tool_calls") or []:
+                if "id" in d:
+                    calls.append([d["function"]["name"], d["function"]["arguments"]])
+                else:
+                    calls[d["index"]][1] += d["function"]["arguments"]
+            reason = choice["finish_reason"] or reason
+    return thinking or None, content, calls, reason
+
+
+CALL = '[{"name":"get_time","arguments":{"timezone":"UTC"}}]'  # (compact, as the grammar writes)
+SERVER_CASES = [
+    # (what the request asks, what the model writes after its thinking, the reply it gets)
+    (
+        {"tools": [WEATHER, TIME], "tool_choice": "required"},
+        CALL,
+        ("", [["get_time", '{"timezone":"UTC"}']], "tool_calls"),
+    ),
+    ({"regex": "(yes|no)"}, "yes", ("yes", [], "stop")),
+    ({"ebnf": 'root ::= "yes" | "no"'}, "no", ("no", [], "stop")),
+]
+
+
+@pytest.mark.parametrize("asks,answer,reply", SERVER_CASES)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_server_splits_the_thinking_and_holds_the_answer(asks, answer, reply, stream):
+    script = f"<think>\nThe user wants a short answer.\n</think>\n\n{answer}"
+    backend = ScriptedBackend(script)
+    body = {"messages": [{"role": "user", "content": "Well?"}], **asks, "stream": stream}
+    with TestClient(create_app(backend, reasoning_parser="qwen3")) as client:
+        thinking, *rest = _chat(client, body)
+    assert thinking == "The user wants a short answer." and tuple(rest) == reply
+    # the grammar sent lets the thinking come first, then holds the answer
+    (sent,) = [v for k, v in backend.calls[0].items() if k in ("regex", "ebnf")]
+    kind = "regex" if "regex" in backend.calls[0] else "ebnf"
+    held = re.compile(sent if kind == "regex" else ebnf_to_regex(sent), re.DOTALL)
+    assert held.fullmatch(script) and not held.fullmatch(f"{script} and more")
+
+
+def test_a_structural_tag_keeps_the_thinking_apart():
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}],
+        "triggers": ["<f>"],
+    }
+    script = "<think>\nPlan.\n</think>\n\nSee <f>{}</f>"
+    backend = ScriptedBackend(script)
+    body = {"messages": [{"role": "user", "content": "Go"}], "response_format": tag}
+    with TestClient(create_app(backend, reasoning_parser="qwen3")) as client:
+        thinking, content, _, _ = _chat(client, body)
+    assert (thinking, content) == ("Plan.", "See <f>{}</f>")
+    assert json.loads(backend.calls[0]["structural_tag"])["triggers"] == ["<f>"]
