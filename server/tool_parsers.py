@@ -38,7 +38,7 @@ import logging
 import re
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -484,17 +484,25 @@ def _call_object(
     text: str, i: int, tools: set[str], keys: tuple[str, ...], final: bool, memo: _Memo
 ) -> _Read | _Incomplete | None:
     """A call written as the JSON object at `i`: `{"name": ..., <key>: {...}}` with one of
-    `keys` for the arguments (an object, or a JSON string of one), its members in any order,
-    others skipped. It is a call once its name (an offered tool) is in and its arguments have
-    begun; before that, INCOMPLETE while it may still become one."""
+    `keys` for the arguments (an object, or a JSON string of one), in either order. It is a call
+    once its name (an offered tool) is in and its arguments have begun; before that, INCOMPLETE
+    while it may still become one, and None as soon as it cannot (a name no tool's begins with,
+    a member other than those, `type` and `id`: a JSON answer is let go early). Other members
+    after that are skipped."""
     n = len(text)
     name: str | None = None
     arguments: str | None = None  # their text so far
+    members = ("name", *keys, "type", "id")
 
     def stop(state: str, at: int) -> _Read | _Incomplete | None:
         if name is not None and arguments is not None:
             return _Read([ToolCallItem(name, arguments)], at, state)
         return None if final or state == "broken" else INCOMPLETE
+
+    def may_become(string: _JsonScanner, start: int, candidates: Iterable[str]) -> bool:
+        """Whether the string arriving at `start` may still be one of `candidates`."""
+        so_far = text[start + 1 : string.pos]
+        return "\\" in so_far or any(c.startswith(so_far) for c in candidates)
 
     j = _skip_space(text, i + 1)
     while True:
@@ -503,6 +511,9 @@ def _call_object(
         if text[j] != '"':
             return stop("broken", j)
         key = _json_at(text, j, memo)
+        committed = name is not None and arguments is not None
+        if key.state == "open" and not committed and not may_become(key, j, members):
+            return None
         if key.state != "done":
             return stop(key.state, key.pos)
         k = _skip_space(text, key.pos)
@@ -515,11 +526,13 @@ def _call_object(
             return stop("open", n)
         value = _json_at(text, v, memo)
         member = json.loads(text[j : key.pos])
+        if member not in members and not committed:
+            return None
         if member == "name" and name is None:
             if text[v] != '"' or value.state == "broken":
                 return None
             if value.state == "open":
-                return stop("open", n)
+                return stop("open", n) if may_become(value, v, tools) else None
             name = json.loads(text[v : value.pos])
             if name not in tools:
                 return None

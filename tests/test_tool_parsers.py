@@ -324,9 +324,12 @@ def test_arguments_go_out_before_the_call_is_complete(parser):
 
 def test_text_that_turns_out_no_call_is_let_go_as_soon_as_known():
     hermes = tool_call_parser("hermes").stream(TOOLS)
-    assert hermes.feed('Hi <tool_call>{"name": "lau') == ("Hi", [])
-    # an unknown tool: content at once, before its block ends
-    assert hermes.feed('Hi <tool_call>{"name": "launch"') == (' <tool_call>{"name": "launch"', [])
+    assert hermes.feed('Hi <tool_call>{"name": "get_') == ("Hi", [])
+    # a name no tool's begins with: content at once, before the name or the block ends
+    assert hermes.feed('Hi <tool_call>{"name": "get_x') == (' <tool_call>{"name": "get_x', [])
+    llama3 = tool_call_parser("llama3").stream(TOOLS)  # (a JSON answer, not a call)
+    assert llama3.feed('{"a') == ("", [])
+    assert llama3.feed('{"answer": 4') == ('{"answer": 4', [])
     deepseek = tool_call_parser("deepseekv3").stream(TOOLS)
     head = f"{DS_BEGIN}{DS_CALL}function{DS_SEP}"
     assert deepseek.feed(f"{head}get_") == ("", [])
@@ -334,6 +337,46 @@ def test_text_that_turns_out_no_call_is_let_go_as_soon_as_known():
     pythonic = tool_call_parser("pythonic").stream(TOOLS)
     assert pythonic.feed("[get_time(") == ("", [])
     assert pythonic.feed('[get_time("') == ('[get_time("', [])  # (positional: no call)
+
+
+@pytest.mark.parametrize("parser", STREAM_FAMILIES)
+def test_any_output_streamed_in_any_pieces_agrees_with_itself_whole(parser):
+    # outputs pieced together from calls, an unknown tool's call, markers of every family and
+    # stray characters, then cut off or with a character changed: however the text arrives, the
+    # stream never takes back what it sent and ends where parsing it whole ends
+    p = tool_call_parser(parser)
+    pieces = [
+        p.format_calls([RICH, UTC]),
+        p.format_call(*UTC),
+        p.format_call("launch", {"x": 1}),
+        "Hi ",
+        " ",
+        "\n",
+        "[1]",
+        *"{}[]\"',;:()=<\\",
+        "<tool_call>",
+        "</tool_call>",
+        "[TOOL_CALLS]",
+        "<|python_tag|>",
+        "<|python_start|>",
+        "<|python_end|>",
+        DS_BEGIN,
+        DS_END,
+        DS_CALL,
+        "```",
+    ]
+    rng = random.Random(f"fuzz {parser}")
+    for _ in range(600):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 6)))
+        if rng.random() < 0.5:
+            text = text[: rng.randint(1, len(text))]
+        if rng.random() < 0.3:
+            k = rng.randrange(len(text))
+            text = text[:k] + rng.choice('x"{}[],:; \n)') + text[k + 1 :]
+        whole = p.parse(text, TOOLS)
+        expected = (whole.normal_text, [[c.name, c.arguments] for c in whole.calls])
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12))))
+        assert _stream_deltas(parser, text, cuts)[:2] == expected, (text, cuts)
 
 
 def test_text_that_cannot_open_a_call_is_not_held_back():
