@@ -481,9 +481,10 @@ class ModelRunner:
                     for pos, token_index in entries:
                         out.input_lp_rows[i].append((len(out.logits_rows), token_index))
                         out.logits_rows.append(offset + pos - it.start)
-            if it.draft:  # verified: logits at every position (not sampled here)
+            if it.draft:  # verified: logits at the newest token and each draft token
                 out.drafts.append((i, len(out.logits_rows)))
-                out.logits_rows.extend(range(offset, offset + it.num_tokens))
+                first = offset + it.num_tokens - len(it.draft) - 1  # (after jump-forward's)
+                out.logits_rows.extend(range(first, offset + it.num_tokens))
             elif it.samples:
                 out.which.append(i)
                 out.sample_rows.append(len(out.logits_rows))

@@ -131,9 +131,10 @@ class OutputProcessor:
             return
         accepted = len(tokens) - 1
         self.cache.truncate(req, req.num_tokens + accepted)
-        taken = self.apply_tokens(req, tokens)
-        if self.speculative is not None:
-            self.speculative.record(req, num_drafted, taken, min(accepted, taken))
+        if self.speculative is not None:  # (before: the tokens may finish it, and its meta_info
+            # is made then; what the verify accepted counts, a stop among them or not)
+            self.speculative.record(req, num_drafted, len(tokens), accepted)
+        self.apply_tokens(req, tokens)
 
     def apply_tokens(self, req: Req, tokens: Sequence[int], extras: Sequence[Any] = ()) -> int:
         """Several tokens of one request at once (a verified draft), each taken as a step's

@@ -364,11 +364,10 @@ class Scheduler:
 def _drafts(
     drafter: Callable[[Req], list[int]], decoding: list[Req], counts: list[int]
 ) -> list[tuple[int, ...]]:
-    """The drafter's proposal for each request that computes just its newest token, which is
-    known on the host (no step in flight for it); () for the others."""
-    return [
-        tuple(drafter(r)) if n == 1 and not r.num_pending else () for r, n in zip(decoding, counts)
-    ]
+    """The drafter's proposal for each request whose newest tokens are known on the host (no
+    step in flight for it): one that computes its newest token, or the tokens jump-forward
+    appended; () for the others."""
+    return [tuple(drafter(r)) if not r.num_pending else () for r in decoding]
 
 
 # Waiting for another request to compute a shared prefix pays only when the prefix is long.

@@ -190,3 +190,48 @@ def test_seeded_sampling_with_speculation_repeats(spec_engine):
     again = spec_engine.generate([_CODE, _NUMBERS], params)
     assert results(first) == results(again[::-1])
     assert first[0]["meta_info"]["spec_verify_ct"] > 0
+
+
+def test_constrained_requests_are_drafted_for_within_their_grammar(tiny_model_folder):
+    """A request with a regex or a JSON schema is drafted for too: its drafts are cut where its
+    grammar stops allowing them and each verify row is masked by the grammar's state there, so
+    greedy outputs are plain constrained decoding's token for token, a seeded one repeats, and
+    every output matches its constraint."""
+    import json
+    import re
+
+    import jsonschema
+
+    regex = "(hello world ){3,12}done"
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"enum": ["abc", "abd"]}}},
+        "required": ["tags"],
+    }
+    prompt = "hello world hello world hello world " * 3
+    params = [
+        {"max_new_tokens": 48, "temperature": 0, "regex": regex},  # (jump-forward's text, too)
+        {"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(schema)},
+        {"max_new_tokens": 48, "temperature": 0.8, "seed": 3, "regex": regex},
+        {"max_new_tokens": 24, "temperature": 0, "regex": "(hello| world| done)+"},
+    ]
+    outs, stats = [], []
+    for spec in ({}, {**SPEC, "speculative_num_draft_tokens": 4}, {**SPEC}):
+        with radixlm.Engine(tiny_model_folder, **spec) as eng:
+            got = eng.generate([prompt] * 4, params)
+            outs.append(got)
+            stats.append(eng.get_stats())
+    plain, spec4, spec6 = outs
+    for got in outs:
+        assert re.fullmatch(regex, got[0]["text"]), got[0]["text"]
+        jsonschema.validate(json.loads(got[1]["text"]), schema)
+        assert re.fullmatch(regex, got[2]["text"]), got[2]["text"]
+    greedy = [0, 1, 3]
+    for got in (spec4, spec6):
+        assert [got[i]["output_ids"] for i in greedy] == [plain[i]["output_ids"] for i in greedy]
+        assert all(got[i]["meta_info"]["spec_verify_ct"] > 0 for i in (0, 2, 3))
+    assert stats[1]["spec_num_correct_drafts"] > 0 and stats[2]["spec_num_correct_drafts"] > 0
+    # (a sampled request's tokens are a different draw than plain sampling's: seeded, they repeat)
+    with radixlm.Engine(tiny_model_folder, **SPEC) as eng:
+        again = eng.generate(prompt, params[2])
+    assert again["output_ids"] == spec6[2]["output_ids"]

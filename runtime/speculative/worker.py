@@ -16,9 +16,14 @@ gave the request's newest token. The model runner hands that state over after ea
 chain waits in `req.draft_index` with the context length it follows, so a context that changed
 since (jump-forward, a rewritten output) is not drafted for from a stale state.
 
-Requests with a grammar, log-probabilities, penalties, a logit bias or min_new_tokens decode
-plainly for now (their sampling needs the host's state at each position); a request whose draft
-finds no earlier occurrence of its ending decodes plainly that step.
+A request with a grammar is drafted for too: its draft is cut at the first token its grammar
+does not allow from where it stands (`_grammar_prefix`: the matcher advanced over the draft and
+rolled back), and each of its verify rows is masked by the grammar's state after the draft tokens
+before it (`_masked_rows`), so greedy acceptance takes the masked argmax and rejection sampling
+the masked distribution: exactly what plain constrained decoding would take at each position.
+Requests with log-probabilities, penalties, a logit bias or min_new_tokens decode plainly for
+now (their sampling needs the host's state at each position); a request whose draft finds no
+earlier occurrence of its ending decodes plainly that step.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ from radixlm.runtime.request import Req
 from radixlm.runtime.speculative.gate import SpeculationGate
 from radixlm.runtime.speculative.ngram import NgramIndex
 from radixlm.runtime.speculative.verify import greedy_accept, rejection_sample, target_probs
+
+# a grammar's matcher must be able to undo this many tokens to check a draft (speculative drafts
+# are at most speculative_num_draft_tokens - 1 long; the matchers undo 64)
+_MOST_DRAFT = 32
 
 
 @dataclass(slots=True)
@@ -46,8 +55,9 @@ class SpecTotals:
 def speculates(req: Req) -> bool:
     """Whether `req` may be drafted for (else it decodes plainly)."""
     p = req.params
+    grammar = req.grammar
     return (
-        req.grammar is None
+        (grammar is None or (grammar.max_rollback >= _MOST_DRAFT and not grammar.is_terminated()))
         and not req.logprob.return_logprob
         and not p.has_penalties
         and not p.has_logit_bias
@@ -107,12 +117,16 @@ class SpeculativeWorker:
             made = req.draft_index
             if made is None or made[0] != len(req.input_ids) + len(req.output_ids):
                 return []
-            return list(made[1][:room])
-        index = req.draft_index
-        if index is None:
-            index = req.draft_index = NgramIndex(self.min_window, self.max_window)
-        index.update(req.input_ids, req.output_ids)
-        return index.propose(room)
+            draft = list(made[1][:room])
+        else:
+            index = req.draft_index
+            if index is None:
+                index = req.draft_index = NgramIndex(self.min_window, self.max_window)
+            index.update(req.input_ids, req.output_ids)
+            draft = index.propose(room)
+        if req.grammar is not None and draft:
+            draft = _grammar_prefix(req.grammar, draft)
+        return draft
 
     # ---- hidden states (the model runner asks, for MEDUSA) ------------------------------------
 
@@ -156,7 +170,15 @@ class SpeculativeWorker:
         accepted position, the one that gave the target's own token. `argmax`: each logits row's
         argmax, where the step computed it already."""
         out: list[list[int] | None] = [None] * len(reqs)
-        greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
+        masked = {
+            i: _masked_rows(logits, rows[i], r.grammar, drafts[i])
+            for i, r in enumerate(reqs)
+            if r.grammar is not None
+        }
+        greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy and i not in masked]
+        for i, m in masked.items():
+            if reqs[i].params.is_greedy:
+                out[i] = greedy_accept(m.argmax(dim=-1).tolist(), drafts[i])
         if greedy:
             at = [rows[i] + j for i in greedy for j in range(len(drafts[i]) + 1)]
             if argmax is not None:  # (one copy of the step's few rows, then picked on the host)
@@ -172,7 +194,8 @@ class SpeculativeWorker:
         for i, req in enumerate(reqs):
             if out[i] is None:
                 k = len(drafts[i])
-                probs = target_probs(logits[rows[i] : rows[i] + k + 1], req.params)
+                own = masked.get(i, logits[rows[i] : rows[i] + k + 1])
+                probs = target_probs(own, req.params)
                 out[i] = rejection_sample(probs, drafts[i], req.seed, len(req.output_ids))
         if hidden is not None and self.medusa is not None:
             at = [rows[i] + len(t) - 1 for i, t in enumerate(out)]  # type: ignore[arg-type]
@@ -205,3 +228,40 @@ class SpeculativeWorker:
             "spec_accept_length": t.output_tokens / t.verify_steps if t.verify_steps else 0.0,
             "spec_accept_rate": t.accepted_tokens / t.draft_tokens if t.draft_tokens else 0.0,
         }
+
+
+def _grammar_prefix(grammar, draft: list[int]) -> list[int]:
+    """The longest prefix of `draft` that `grammar` allows from where it stands; the matcher is
+    left where it was."""
+    n = 0
+    for token in draft:
+        if grammar.is_terminated() or not grammar.accept_token(token):
+            break
+        n += 1
+    if n:
+        grammar.rollback(n)
+    return draft[:n]
+
+
+def _masked_rows(logits: torch.Tensor, start: int, grammar, draft) -> torch.Tensor:
+    """The k + 1 logits rows of a constrained request's verify, each masked by its grammar's
+    state after the draft tokens before it (a copy; the matcher is left where it was). The draft
+    is one the grammar allows (`_grammar_prefix` made it)."""
+    from radixlm.constrained import allocate_token_bitmask, apply_token_bitmask_
+
+    k = len(draft)
+    bitmask = allocate_token_bitmask(k + 1, logits.shape[-1])
+    taken = 0
+    try:
+        for j in range(k + 1):
+            grammar.fill_next_token_bitmask(bitmask, j)
+            if j < k:
+                if not grammar.accept_token(draft[j]):
+                    raise RuntimeError(f"the grammar refused draft token {draft[j]} it allowed")
+                taken += 1
+    finally:
+        if taken:
+            grammar.rollback(taken)
+    rows = logits[start : start + k + 1].clone()
+    apply_token_bitmask_(rows, bitmask.to(rows.device))
+    return rows
