@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 SGL_VENV  := .venv-sglang
 SGL_STAMP := $(SGL_VENV)/.installed
 
-.PHONY: install serve test test-fast lint format bench clean
+.PHONY: install serve test test-fast soak lint format bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ test: lint $(SGL_STAMP)
 # The quick loop: unit tests and the tiny model's mechanics, without the real model or slow tests.
 test-fast: lint
 	$(PYTEST) -m "not real_model and not slow" $(PYTEST_ARGS)
+
+# The full soak of tests/test_server_soak.py: 5,000 mixed requests against a small KV pool (issue
+# #22's proof, minutes on two cores); make test runs the same soak with 1,000.
+soak: $(STAMP)
+	RADIXLM_FULL_SOAK=1 $(PYTEST) tests/test_server_soak.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) .pytest_cache .ruff_cache

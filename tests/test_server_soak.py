@@ -2,12 +2,16 @@
 vanish, deadlines, priorities, bad requests) against a small KV pool, over HTTP on loopback. After
 it nothing may be left behind: no 5xx on the way, every KV slot free or in the prefix cache, no
 prefix-cache node locked, the processes' memory flat, and no Python object kept per request.
-benchmarks/soak.py is the workload and its checks; these tests run it on the tiny model."""
+benchmarks/soak.py is the workload and its checks; these tests run it on the tiny model.
+
+`make test` soaks with 1,000 requests; the full 5,000 (issue #22's proof, about three minutes on
+two cores) run where RADIXLM_FULL_SOAK=1 is set, as `make soak` does."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -19,10 +23,18 @@ from benchmarks import soak
 from benchmarks.serving import start_server, stop_server
 
 
+FULL_SOAK = os.environ.get("RADIXLM_FULL_SOAK") == "1"
+# The same workload, pool and checks either way: the shorter soak's prompts still come to over
+# 50 times the pool (about 43,000 tokens), and it too ends each of its eleven rounds (the warm-up
+# and ten tenths) idle, with the KV whole and the RSS read.
+SOAK_REQUESTS = 5000 if FULL_SOAK else 1000
+
+
 @pytest.mark.slow
-def test_5000_mixed_requests_on_a_small_kv_pool_leave_no_5xx_no_leak_and_flat_memory(
+def test_mixed_requests_on_a_small_kv_pool_leave_no_5xx_no_leak_and_flat_memory(
     tiny_model_folder, tmp_path
 ):
+    requests = SOAK_REQUESTS
     capacity = 600  # tokens: a fraction of what 24 clients ask for at once
     with open(tmp_path / "server.log", "w") as log:
         proc, url = start_server(
@@ -33,7 +45,7 @@ def test_5000_mixed_requests_on_a_small_kv_pool_leave_no_5xx_no_leak_and_flat_me
         try:
             engine_pid = httpx.get(url + "/server_info", timeout=30).json()["engine_pid"]
             pids = {"server": proc.pid, "engine": engine_pid}
-            result = soak.soak(url, pids, requests=5000, concurrency=24, seed=0)
+            result = soak.soak(url, pids, requests=requests, concurrency=24, seed=0)
         finally:
             stop_server(proc)
     # the checks of the soak itself: no 5xx, each answer as its kind expects, KV whole and
@@ -41,7 +53,7 @@ def test_5000_mixed_requests_on_a_small_kv_pool_leave_no_5xx_no_leak_and_flat_me
     assert result.failures == [], result.failures
     kinds = Counter(o.kind for o in result.outcomes)
     assert set(kinds) == {name for name, _ in soak.KINDS}
-    assert len(result.outcomes) == 5000
+    assert len(result.outcomes) == requests
     statuses = Counter(o.status for o in result.outcomes)
     assert statuses[400] == kinds["bad"]
     assert statuses[None] > (kinds["drop_stream"] + kinds["give_up"]) / 2  # most cut short
