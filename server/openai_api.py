@@ -766,20 +766,31 @@ class _ChoiceProgress:
     text_sent: int = 0  # characters of the output shown (no tools)
     tokens_sent: int = 0  # output tokens whose logprobs were sent
     started: bool = False
-    final: dict[str, Any] | None = None
 
 
-async def _chat_events(
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What a choice's output added, as OpenAI's chat delta (`role`, `reasoning_content`,
+    `content` or `tool_calls`; the last one of a choice empty, with its finish reason), and the
+    engine's snapshot it came from."""
+
+    index: int
+    delta: dict[str, Any]
+    snap: dict[str, Any]
+    logprobs: Any = None
+    finish_reason: str | None = None
+
+
+async def chat_deltas(
     state: ServerState,
     req: ChatCompletionRequest,
     output: _ChatOutput,
-    n: int,
     streams: list[AsyncIterator[dict[str, Any]]],
-    rid: str,
-    created: int,
     stream_calls: bool,
-) -> AsyncIterator[bytes]:
-    include_usage, continuous = _stream_usage(req)
+) -> AsyncIterator[ChoiceDelta]:
+    """The deltas of a chat's choices as their outputs arrive: the thinking apart, the content,
+    and tool calls as they are generated (in a parser's format, or in the default one where a
+    grammar wrote them; else found in the finished output)."""
     plan, parser, reasoning = output.plan, output.parser, output.reasoning
     progress = [
         _ChoiceProgress(
@@ -790,30 +801,12 @@ async def _chat_events(
         )
         for _ in streams
     ]
-
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
-        body: dict[str, Any] = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": state.served_model_name,
-            "choices": choices,
-        }
-        if include_usage:  # the last chunk's, or with continuous_usage_stats the choice's so far
-            body["usage"] = usage if usage is not None else live
-        return sse_event(body)
-
-    def choice(index: int, delta: dict[str, Any], logprobs: Any = None, reason: Any = None):
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-
-    live: dict[str, Any] | None = None
     async for index, snap in merge(streams):
         p = progress[index]
         meta = snap["meta_info"]
-        live = _live_usage(meta) if continuous else None
         if not p.started:
             p.started = True
-            yield chunk([choice(index, {"role": "assistant", "content": ""})])
+            yield ChoiceDelta(index, {"role": "assistant", "content": ""}, snap)
         text = snap["text"]
         finished = meta.get("finish_reason") is not None
         if finished:
@@ -822,7 +815,7 @@ async def _chat_events(
                 raise internal_error(f"generation failed: {error}")
         if p.thinking is not None:  # the thinking goes out apart; the rest is read as the answer
             if thinking := p.thinking.feed(text, finished):
-                yield chunk([choice(index, {"reasoning_content": thinking})])
+                yield ChoiceDelta(index, {"reasoning_content": thinking}, snap)
             text = p.thinking.answer
         call_deltas: list[dict[str, Any]] = []
         if p.parsed is not None:
@@ -839,18 +832,17 @@ async def _chat_events(
             if entries:
                 logprobs = {"content": entries}
         if content or logprobs:
-            yield chunk([choice(index, {"content": content}, logprobs)])
+            yield ChoiceDelta(index, {"content": content}, snap, logprobs)
         if p.calls is not None:
             call_deltas = p.calls.feed(text)
         if call_deltas:
-            yield chunk([choice(index, {"tool_calls": call_deltas})])
+            yield ChoiceDelta(index, {"tool_calls": call_deltas}, snap)
         if not finished:
             continue
-        p.final = snap
         if p.parsed is not None:
             reason = _finish_reason(meta)
             reason = _reason_with_calls(reason) if p.parsed.count else reason
-            yield chunk([choice(index, {}, None, reason)])
+            yield ChoiceDelta(index, {}, snap, None, reason)
             continue
         calls_found = p.calls is not None and p.calls.count > 0
         # (no calls streamed: those of an output no grammar wrote, found now; the streamer's own
@@ -860,14 +852,50 @@ async def _chat_events(
                 {"index": k, **call}  # id, type and the whole function (name, arguments)
                 for k, call in enumerate(parsed.tool_calls)
             ]
-            yield chunk([choice(index, {"tool_calls": deltas})])
+            yield ChoiceDelta(index, {"tool_calls": deltas}, snap)
             calls_found = True
         reason = _finish_reason(meta)
         if calls_found:
             reason = _reason_with_calls(reason)
         if plan.active and (rest := p.filter.rest(text, calls_found)):
-            yield chunk([choice(index, {"content": rest})])
-        yield chunk([choice(index, {}, None, reason)])
+            yield ChoiceDelta(index, {"content": rest}, snap)
+        yield ChoiceDelta(index, {}, snap, None, reason)
+
+
+async def _chat_events(
+    state: ServerState,
+    req: ChatCompletionRequest,
+    output: _ChatOutput,
+    n: int,
+    streams: list[AsyncIterator[dict[str, Any]]],
+    rid: str,
+    created: int,
+    stream_calls: bool,
+) -> AsyncIterator[bytes]:
+    include_usage, continuous = _stream_usage(req)
+
+    def chunk(choices: list[dict[str, Any]], usage: Any) -> bytes:
+        body: dict[str, Any] = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.served_model_name,
+            "choices": choices,
+        }
+        if include_usage:  # the last chunk's, or with continuous_usage_stats the choice's so far
+            body["usage"] = usage
+        return sse_event(body)
+
+    finals: dict[int, dict[str, Any]] = {}
+    async for d in chat_deltas(state, req, output, streams, stream_calls):
+        choice = {
+            "index": d.index,
+            "delta": d.delta,
+            "logprobs": d.logprobs,
+            "finish_reason": d.finish_reason,
+        }
+        yield chunk([choice], _live_usage(d.snap["meta_info"]) if continuous else None)
+        if d.finish_reason is not None:
+            finals[d.index] = d.snap
     if include_usage:
-        finals = [p.final for p in progress if p.final is not None]
-        yield chunk([], _usage(finals, n))
+        yield chunk([], _usage([finals[i] for i in sorted(finals)], n))

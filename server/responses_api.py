@@ -6,9 +6,11 @@ message first), `tools` (functions), `tool_choice`, `max_output_tokens`, `temper
 runs one (the same prompt, tool grammars and output parsing); its output becomes Responses items:
 a `reasoning` item (with a reasoning parser), a `message` with one `output_text` part, and a
 `function_call` item per call. Streamed, the events are the Responses API's (`response.created`,
-`response.output_item.added`, `response.output_text.delta`, ..., `response.completed`); a plain
-text answer streams as it is generated, an answer with tools or thinking once it is complete.
-Nothing is stored: `previous_response_id` is refused.
+`response.output_item.added`, `response.reasoning_text.delta`, `response.output_text.delta`,
+`response.function_call_arguments.delta`, ..., `response.completed`), each item's as it is
+generated: the chat stream's deltas (`chat_deltas`) in the Responses items, an item added when
+its first piece comes and done when the next begins. Nothing is stored: `previous_response_id` is
+refused.
 """
 
 from __future__ import annotations
@@ -28,13 +30,12 @@ from radixlm.server.generation import (
     cancel_on_disconnect,
     collect,
     finish_error,
-    merge,
     start,
     stream_failure,
 )
 from radixlm.server.http_util import json_response, read_json
 from radixlm.server.inflight import check_timeout
-from radixlm.server.openai_api import chat_choice, check_model, prepare_chat
+from radixlm.server.openai_api import chat_choice, chat_deltas, check_model, prepare_chat
 from radixlm.server.openai_protocol import ChatCompletionRequest, ResponsesRequest
 from radixlm.server.state import ServerState
 
@@ -55,7 +56,7 @@ async def responses(request: Request) -> Response:
             "previous_response_id",
         )
     chat = _chat_request(req)
-    item, output, _ = await prepare_chat(state, chat)
+    item, output, stream_calls = await prepare_chat(state, chat)
     response_id = f"resp_{uuid.uuid4().hex}"
     streams = await start(
         state,
@@ -84,9 +85,8 @@ async def responses(request: Request) -> Response:
         "error": None,
         "incomplete_details": None,
     }
-    plain = not output.plan.active and output.reasoning is None
     if req.stream:
-        events = _events(state, chat, output, streams, base, plain)
+        events = _events(state, chat, output, streams, base, stream_calls)
         return StreamingResponse(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
@@ -323,73 +323,132 @@ async def _events(
     output: Any,
     streams: list[AsyncIterator[dict[str, Any]]],
     base: dict[str, Any],
-    plain: bool,
+    stream_calls: bool,
 ) -> AsyncIterator[bytes]:
     event = _Events()
     pending = {**base, "status": "in_progress", "output": [], "usage": None}
     yield event("response.created", response=pending)
     yield event("response.in_progress", response=pending)
     try:
-        if plain:  # text only: it streams as it is generated
-            item_id = f"msg_{uuid.uuid4().hex}"
-            opened = {**_message_item("", item_id), "status": "in_progress", "content": []}
-            yield event("response.output_item.added", output_index=0, item=opened)
-            part = {"type": "output_text", "text": "", "annotations": []}
-            at = {"item_id": item_id, "output_index": 0, "content_index": 0}
-            yield event("response.content_part.added", **at, part=part)
-            sent, final = 0, None
-            async for _, snap in merge(streams):
-                text = snap["text"]
-                if len(text) > sent:
-                    yield event("response.output_text.delta", **at, delta=text[sent:])
-                    sent = len(text)
-                if snap["meta_info"].get("finish_reason") is not None:
-                    final = snap
-            if final is None:
-                raise internal_error("the engine ended a generation without a result")
-            _raise_if_failed(final)
-            item = _message_item(final["text"], item_id)
-            yield event("response.output_text.done", **at, text=final["text"])
-            yield event("response.content_part.done", **at, part=item["content"][0])
-            yield event("response.output_item.done", output_index=0, item=item)
-            items = [item]
-        else:  # tools or thinking: read once the whole output is there
-            (final,) = await collect(streams)
-            _raise_if_failed(final)
-            items = _items(chat_choice(state, chat, output, 0, final))
-            for index, item in enumerate(items):
-                for chunk in _item_events(event, index, item):
-                    yield chunk
-        yield event("response.completed", response=_response(base, items, final))
+        items, final = _StreamedItems(event), None
+        async for d in chat_deltas(state, chat, output, streams, stream_calls):
+            for chunk in items.add(d.delta):
+                yield chunk
+            if d.finish_reason is not None:
+                final = d.snap
+        if final is None:
+            raise internal_error("the engine ended a generation without a result")
+        for chunk in items.finish():
+            yield chunk
+        yield event("response.completed", response=_response(base, items.items, final))
     except Exception as e:  # begun: reported in-band (stream_failure counts it)
         body = msgspec.json.decode(stream_failure(state, e).removeprefix(b"data: "))
         err = body.get("error", body)
         yield event("error", code=err.get("code"), message=err.get("message"), param=None)
 
 
-def _item_events(event: _Events, index: int, item: dict[str, Any]) -> list[bytes]:
-    """The events of a finished item, added to done."""
-    out = []
-    if item["type"] == "message":
-        text = item["content"][0]["text"]
-        opened = {**item, "status": "in_progress", "content": []}
-        at = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        out.append(event("response.output_item.added", output_index=index, item=opened))
-        empty = {"type": "output_text", "text": "", "annotations": []}
-        out.append(event("response.content_part.added", **at, part=empty))
-        if text:
-            out.append(event("response.output_text.delta", **at, delta=text))
-        out.append(event("response.output_text.done", **at, text=text))
-        out.append(event("response.content_part.done", **at, part=item["content"][0]))
-    elif item["type"] == "function_call":
-        opened = {**item, "status": "in_progress", "arguments": ""}
-        at = {"item_id": item["id"], "output_index": index}
-        out.append(event("response.output_item.added", output_index=index, item=opened))
-        out.append(event("response.function_call_arguments.delta", **at, delta=item["arguments"]))
-        out.append(
-            event("response.function_call_arguments.done", **at, arguments=item["arguments"])
-        )
-    else:
-        out.append(event("response.output_item.added", output_index=index, item=item))
-    out.append(event("response.output_item.done", output_index=index, item=item))
-    return out
+class _StreamedItems:
+    """The Responses items of a chat's deltas as they arrive, as `_items` makes them of the
+    finished output: the thinking a `reasoning` item, the content one `message`, each call a
+    `function_call`, each added when its first piece comes. The reasoning is done when the
+    answer begins, a call when the next one begins, the message when the output ends (content
+    may follow a call, and a call's last piece come after content that follows it in the same
+    step). An output with neither content nor calls still has its (empty) message."""
+
+    def __init__(self, event: _Events) -> None:
+        self.event = event
+        self.items: list[dict[str, Any]] = []  # by output index; open ones "in_progress"
+        self._texts: list[str] = []  # each item's text or arguments so far
+        self._reasoning: int | None = None  # the reasoning item while it is open
+        self._message: int | None = None
+        self._calls: dict[int, int] = {}  # a call's index in the deltas -> its item's
+
+    def add(self, delta: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        if delta.get("reasoning_content"):
+            if self._reasoning is None:
+                item = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": []}
+                self._reasoning = self._begin(item, out)
+            self._write(self._reasoning, delta["reasoning_content"], out)
+        if delta.get("content"):
+            self._close_reasoning(out)
+            if self._message is None:
+                self._message = self._begin(_message_item("", f"msg_{uuid.uuid4().hex}"), out)
+            self._write(self._message, delta["content"], out)
+        for call in delta.get("tool_calls") or []:
+            self._close_reasoning(out)
+            if "id" in call:
+                for index in self._calls.values():  # (a call's arguments end where the next begins)
+                    if self.items[index]["status"] == "in_progress":
+                        self._close(index, out)
+                item = {
+                    "id": f"fc_{uuid.uuid4().hex}",
+                    "type": "function_call",
+                    "call_id": call["id"],
+                    "name": call["function"]["name"],
+                    "arguments": "",
+                }
+                self._calls[call["index"]] = self._begin(item, out)
+            if call["function"].get("arguments"):
+                self._write(self._calls[call["index"]], call["function"]["arguments"], out)
+        return out
+
+    def finish(self) -> list[bytes]:
+        out: list[bytes] = []
+        self._close_reasoning(out)
+        if self._message is None and not self._calls:
+            self._message = self._begin(_message_item("", f"msg_{uuid.uuid4().hex}"), out)
+        for index, item in enumerate(self.items):
+            if item["status"] == "in_progress":
+                self._close(index, out)
+        return out
+
+    def _begin(self, item: dict[str, Any], out: list[bytes]) -> int:
+        index = len(self.items)
+        opened = {**item, "status": "in_progress"}
+        if item["type"] != "function_call":
+            opened["content"] = []
+        self.items.append(opened)
+        self._texts.append("")
+        out.append(self.event("response.output_item.added", output_index=index, item=opened))
+        if item["type"] != "function_call":
+            part = self._part(index, "")
+            out.append(self.event("response.content_part.added", **self._at(index), part=part))
+        return index
+
+    def _write(self, index: int, piece: str, out: list[bytes]) -> None:
+        self._texts[index] += piece
+        kind = {
+            "reasoning": "response.reasoning_text.delta",
+            "message": "response.output_text.delta",
+            "function_call": "response.function_call_arguments.delta",
+        }[self.items[index]["type"]]
+        out.append(self.event(kind, **self._at(index), delta=piece))
+
+    def _close_reasoning(self, out: list[bytes]) -> None:
+        if self._reasoning is not None:
+            self._close(self._reasoning, out)
+            self._reasoning = None
+
+    def _close(self, index: int, out: list[bytes]) -> None:
+        item, at, text = self.items[index], self._at(index), self._texts[index]
+        if item["type"] == "function_call":
+            item = {**item, "arguments": text, "status": "completed"}
+            out.append(self.event("response.function_call_arguments.done", **at, arguments=text))
+        else:
+            part = self._part(index, text)
+            item = {**item, "content": [part], "status": "completed"}
+            kind = "reasoning" if item["type"] == "reasoning" else "output"
+            out.append(self.event(f"response.{kind}_text.done", **at, text=text))
+            out.append(self.event("response.content_part.done", **at, part=part))
+        out.append(self.event("response.output_item.done", output_index=index, item=item))
+        self.items[index] = item
+
+    def _part(self, index: int, text: str) -> dict[str, Any]:
+        if self.items[index]["type"] == "reasoning":
+            return {"type": "reasoning_text", "text": text}
+        return {"type": "output_text", "text": text, "annotations": []}
+
+    def _at(self, index: int) -> dict[str, Any]:
+        at = {"item_id": self.items[index]["id"], "output_index": index}
+        return at if self.items[index]["type"] == "function_call" else {**at, "content_index": 0}
