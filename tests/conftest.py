@@ -13,7 +13,12 @@ if not torch.cuda.is_available():
 # With pytest-xdist each worker gets its share of the cores (two workers each running torch on
 # every core would only take turns).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // _WORKERS)))
+_THREADS = max(1, min(4, (os.cpu_count() or 1) // _WORKERS))
+torch.set_num_threads(_THREADS)
+if _WORKERS > 1:
+    # and so do the processes a test starts (servers, engine processes, benchmarks), which would
+    # otherwise each take every core while the other workers run
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 # A test that needs one of these runs the real default model, as does one that needs its folder
 # other than for the tiny model's tokenizer: marked `real_model` (`make test-fast` skips those).
@@ -24,19 +29,31 @@ _REAL_MODEL_FIXTURES = {"engine", "hf_model", "tokenizer"}
 # pytest-xdist (each file on one worker) none of them starts last and leaves the other worker idle.
 _LONGEST_FIRST = (
     "test_engine_reference.py",
-    "test_overlap_schedule.py",
     "test_attention_backends.py",
     "test_server_soak.py",
-    "test_speculative_engine.py",
     "test_radix_engine.py",
-    "test_server_fuzz.py",
-    "test_tensor_parallel.py",
     "test_pipeline_parallel.py",
-    "test_startup.py",
+    "test_tensor_parallel.py",
+    "test_overlap_schedule.py",
+    "test_server_fuzz.py",
     "test_server_process.py",
-    "test_sglang_client.py",
+    "test_server_live.py",
+    "test_examples.py",
+    "test_engine_api.py",
+    "test_speculative_engine.py",
+    "test_lang.py",
+    "test_constrained_engine.py",
     "test_data_parallel.py",
+    "test_sglang_client.py",
+    "test_startup.py",
 )
+
+
+def pytest_configure(config):
+    # pytest-xdist hands out the files in the order above only without its own reordering (by
+    # number of tests, on by default), which would leave the long files of few tests for last
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
