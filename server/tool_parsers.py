@@ -196,7 +196,9 @@ class ToolCallStream:
         it)."""
         normal = self._scan.step(text, final)
         deltas: list[dict[str, Any]] = []
-        for index, call in enumerate(self._scan.calls):
+        # (a call's arguments are whole once the next call has begun)
+        for index in range(max(len(self._sent) - 1, 0), len(self._scan.calls)):
+            call = self._scan.calls[index]
             if index == len(self._sent):
                 self._sent.append("")
                 deltas.append(
@@ -571,12 +573,14 @@ def _call_list(
     sep: str,
     close: str,
     final: bool,
+    memo: _Memo,
 ) -> _Read | _Incomplete | None:
     """Calls one after another from `i`, `sep` between them (may be ""), `close` after them: None
-    unless the first is a call; after one, what is no call ends them ("broken" there)."""
-    calls: list[ToolCallItem] = []
-    last = i  # where the calls read so far end
-    j = _skip_space(text, i)
+    unless the first is a call; after one, what is no call ends them ("broken" there). Read
+    again with more text, it resumes after the calls a separator has settled (kept in `memo`)."""
+    settled = memo.get(("calls", i))
+    calls, last, j = (list(settled[0]), settled[1], settled[2]) if settled else ([], i, i)
+    j = _skip_space(text, j)  # (last: where the calls read so far end)
     while True:
         if j == len(text):
             if not calls:
@@ -600,6 +604,7 @@ def _call_list(
             return _Read(calls, len(text), "open")
         if sep and not text.startswith(sep, k):
             return _Read(calls, last, "broken")
+        memo["calls", i] = (list(calls), last, k + len(sep))  # (no more text changes these)
         j = _skip_space(text, k + len(sep))
 
 
@@ -732,7 +737,7 @@ class MistralParser(ToolCallParser):
             def call(j: int) -> _Read | _Incomplete | None:
                 return _call_object(text, j, tools, keys, final, memo) if text[j] == "{" else None
 
-            read = _call_list(text, i + 1, call, ",", "]", final)
+            read = _call_list(text, i + 1, call, ",", "]", final, memo)
             if isinstance(read, _Read) and read.state == "broken":
                 # an item of the list that is no call: the list is still the calls' (to its end)
                 items = _json_at(text, i, memo)
@@ -781,6 +786,7 @@ class DeepSeekV3Parser(ToolCallParser):
             "",
             self.END,
             final,
+            memo,
         )
         return _region_of(read, text, self.END, final) if isinstance(read, _Read) else read
 
@@ -861,7 +867,7 @@ class PythonicParser(ToolCallParser):
         if text[i] != "[":
             return None
         read = _call_list(
-            text, i + 1, lambda j: _python_call(text, j, tools, final, memo), ",", "]", final
+            text, i + 1, lambda j: _python_call(text, j, tools, final, memo), ",", "]", final, memo
         )
         if not isinstance(read, _Read):
             return read
@@ -967,40 +973,50 @@ def _python_value(text: str, i: int, memo: _Memo) -> tuple[str, int, str]:
             string = memo[i] = _PythonString(text, i)
         string.advance(text)
         return string.json, string.pos, string.state
-    end = _python_value_end(text, i)
-    if end is None:
-        return "", len(text), "open"
-    source = text[i:end].rstrip()
-    try:
-        value = _literal(ast.parse(source, mode="eval").body)
-    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-        return "", i, "broken"
-    return json.dumps(value, ensure_ascii=False), i + len(source), "done"
+    expression = memo.get(i)
+    if expression is None:
+        expression = memo[i] = _PythonExpression(i)
+    return expression.advance(text)
 
 
-def _python_value_end(text: str, start: int) -> int | None:
-    """Where the Python expression at `start` ends: at a `,` or an unmatched closing bracket
-    outside strings (None: not arrived yet)."""
-    depth, i, quote = 0, start, ""
-    while i < len(text):
-        c = text[i]
-        if quote:
-            if c == "\\":
-                i += 1
-            elif c == quote:
-                quote = ""
-        elif c in "\"'":
-            quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            if depth == 0:
-                return i
-            depth -= 1
-        elif c == "," and depth == 0:
-            return i
-        i += 1
-    return None
+class _PythonExpression:
+    """The Python literal at `start` (not a string) as JSON text, once it has ended: at a `,` or
+    an unmatched closing bracket outside strings, found as its text arrives."""
+
+    def __init__(self, start: int) -> None:
+        self.start = self.pos = start
+        self._depth, self._quote, self._escape = 0, "", False
+        self._read: tuple[str, int, str] | None = None  # (JSON text, end, state) once ended
+
+    def advance(self, text: str) -> tuple[str, int, str]:
+        i, n = self.pos, len(text)
+        while i < n and self._read is None:
+            c = text[i]
+            if self._quote:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == self._quote:
+                    self._quote = ""
+            elif c in "\"'":
+                self._quote = c
+            elif c in "([{":
+                self._depth += 1
+            elif c in ")]}" and self._depth:
+                self._depth -= 1
+            elif c in ",)]}" and not self._depth:
+                self._read = self._literal(text[self.start : i].rstrip())
+            i += 1
+        self.pos = i
+        return self._read or ("", n, "open")
+
+    def _literal(self, source: str) -> tuple[str, int, str]:
+        try:
+            value = _literal(ast.parse(source, mode="eval").body)
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return "", self.start, "broken"
+        return json.dumps(value, ensure_ascii=False), self.start + len(source), "done"
 
 
 _PLAIN = {q: re.compile(rf"[^{q}\\\n]*") for q in "'\""}
