@@ -582,7 +582,9 @@ async def prepare_chat(
     if (
         reasoning is not None
         and _constraints(params)
-        and not hold_after_thinking(params, reasoning, state.json_whitespace)
+        and not hold_after_thinking(
+            params, reasoning, state.json_whitespace, user_regex=req.regex is not None
+        )
     ):
         # a constraint that holds from the first token leaves no room for thinking: the output
         # is all answer

@@ -26,9 +26,13 @@ from radixlm.protocol.reasoning import ReasoningParser
 from radixlm.server.tools import answer_after_thinking_regex, thinking_prefix
 
 
-def hold_after_thinking(params: dict[str, Any], parser: ReasoningParser, whitespace: str) -> bool:
+def hold_after_thinking(
+    params: dict[str, Any], parser: ReasoningParser, whitespace: str, user_regex: bool = True
+) -> bool:
     """Let the thinking come before the constraint `params` carry (rewritten in place); False
-    where the constraint cannot be written so (it then holds from the first token)."""
+    where the constraint cannot be written so (it then holds from the first token). A `regex`
+    the server built itself (`user_regex` false: a forced call's, the tools') is in the
+    engine's dialect already."""
     if "structural_tag" in params:
         return True
     if "json_schema" in params:
@@ -39,7 +43,7 @@ def hold_after_thinking(params: dict[str, Any], parser: ReasoningParser, whitesp
         return False
     if "regex" in params:
         try:
-            answer = _translated(params["regex"])
+            answer = _translated(params["regex"]) if user_regex else params["regex"]
         except ValueError:  # (the engine refuses it, saying why, as without thinking)
             return False
         params["regex"] = f"{thinking_prefix(parser)}(?:{answer})"

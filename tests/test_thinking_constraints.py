@@ -182,3 +182,29 @@ def test_a_structural_tag_keeps_the_thinking_apart():
         thinking, content, _, _ = _chat(client, body)
     assert (thinking, content) == ("Plan.", "See <f>{}</f>")
     assert json.loads(backend.calls[0]["structural_tag"])["triggers"] == ["<f>"]
+
+
+PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3", "pythonic", "mistral", "deepseekv3"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_demanded_call_in_each_family_comes_after_the_thinking(family, stream):
+    from radixlm.server.tool_parsers import tool_call_parser
+
+    call = tool_call_parser(family).format_calls([("ping", {})])
+    script = f"<think>\nI should ping.\n</think>\n\n{call}"
+    backend = ScriptedBackend(script)
+    body = {
+        "messages": [{"role": "user", "content": "Ping?"}],
+        "tools": [PING],
+        "tool_choice": "required",
+        "stream": stream,
+    }
+    app = create_app(backend, reasoning_parser="qwen3", tool_call_parser=family)
+    with TestClient(app) as client:
+        reply = _chat(client, body)
+    assert reply == ("I should ping.", "", [["ping", "{}"]], "tool_calls")
+    held = re.compile(backend.calls[0]["regex"], re.DOTALL)
+    assert held.fullmatch(script) and held.fullmatch(call)  # (qwen3 may also not think)
+    assert not held.fullmatch("<think>\nNo.\n</think>\n\nNo call.")
