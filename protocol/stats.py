@@ -49,6 +49,9 @@ class EngineStats(Mapping):
     spec_num_correct_drafts: int | None = None
     spec_accept_length: float | None = None
     spec_accept_rate: float | None = None
+    # tokens each verify step gave (accepted draft tokens + the bonus token): a
+    # protocol.histogram snapshot with buckets 1, 2, 3, ...
+    spec_accept_length_histogram: dict[str, Any] | None = None
     # how long each constrained request waited for its grammar: a protocol.histogram snapshot
     grammar_compile_seconds: dict[str, Any] | None = None
 

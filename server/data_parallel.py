@@ -231,7 +231,7 @@ def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
         present = [getattr(p, field.name) for p in parts if getattr(p, field.name) is not None]
         if not present:
             continue
-        if field.name == "grammar_compile_seconds":
+        if field.name in ("grammar_compile_seconds", "spec_accept_length_histogram"):
             values[field.name] = _merge_histograms(present)
         else:
             values[field.name] = sum(present)

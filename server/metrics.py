@@ -337,6 +337,7 @@ _SHOWN = {
     "cached_tokens",
     "generated_tokens",
     "grammar_compile_seconds",
+    "spec_accept_length_histogram",
     *_SGLANG_ENGINE_COUNTERS,
     *_ENGINE_COUNTERS,
 }
@@ -395,6 +396,15 @@ class EngineCollector:
                     "Time a constrained request waited for its grammar (a compile, or a cache "
                     "hit).",
                     EngineHistogram.from_snapshot(grammar),
+                )
+        accepted = stats.spec_accept_length_histogram
+        if isinstance(accepted, dict):
+            with contextlib.suppress(ValueError, TypeError, KeyError):  # malformed: left out
+                yield _histogram(
+                    "spec_accept_length",
+                    "Tokens each speculative verify step gave (accepted draft tokens and the "
+                    "target's own next token).",
+                    EngineHistogram.from_snapshot(accepted),
                 )
         # any other number the engine reports, as a gauge (a running total belongs above)
         for key, value in sorted(stats.as_dict().items()):

@@ -693,6 +693,21 @@ def test_the_engines_histograms_render_from_their_snapshots():
         assert parse_prometheus(text)[ttft] == 0
 
 
+def test_speculative_acceptance_lengths_are_a_prometheus_histogram():
+    from radixlm.protocol.histogram import Histogram
+
+    hist = Histogram((1.0, 2.0, 3.0, 4.0))
+    for tokens in (1, 3, 3, 4, 2):
+        hist.observe(tokens)
+    stats = EngineStats(spec_verify_ct=5, spec_accept_length_histogram=hist.snapshot())
+    s = parse_prometheus(Metrics("m").render(stats).decode())
+    name = "radixlm_spec_accept_length"
+    cumulative = [s[f'{name}_bucket{{le="{le}"}}'] for le in ("1.0", "2.0", "3.0", "4.0", "+Inf")]
+    assert cumulative == [1, 2, 4, 5, 5]
+    assert s[name + "_count"] == 5 and s[name + "_sum"] == 13
+    assert "spec_accept_length_histogram" not in Metrics("m").render(stats).decode()
+
+
 def test_metrics_are_prometheus_text(client):
     client.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 3}})
     client.post("/generate", json={"text": ""})  # an error, counted by kind

@@ -222,7 +222,12 @@ def test_the_engine_drafts_only_where_the_gate_measured_it_pays(tiny_model_folde
 
                 eng._core.call(seed)
             outs.append(eng.generate(input_ids=prompt, sampling_params=params)["output_ids"])
-            verifies.append(eng.get_stats()["spec_verify_ct"])
+            stats = eng.get_stats()
+            verifies.append(stats["spec_verify_ct"])
+            # each verify step's tokens, in the acceptance-length histogram (/metrics)
+            lengths = stats["spec_accept_length_histogram"]
+            assert lengths["count"] == stats["spec_verify_ct"]
+            assert lengths["sum"] == pytest.approx(stats["spec_accept_length"] * lengths["count"])
             if adaptive:
                 assert gate.plain_steps > 20
     assert outs[0] == outs[1]

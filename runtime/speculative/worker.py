@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixlm.protocol.histogram import Histogram
 from radixlm.runtime.request import Req
 from radixlm.runtime.speculative.gate import SpeculationGate
 from radixlm.runtime.speculative.ngram import NgramIndex
@@ -87,6 +88,10 @@ class SpeculativeWorker:
                     f"positions; use at most {most} (or leave it unset)"
                 )
         self.totals = SpecTotals()
+        # tokens a verify step gave, per step: 1 (the bonus only) .. num_draft_tokens
+        self.accept_lengths = Histogram(
+            tuple(float(n) for n in range(1, self.num_draft_tokens + 1))
+        )
         # where drafting pays, by measurement (None: draft at every step)
         self.gate = SpeculationGate() if config.speculative_adaptive else None
 
@@ -213,13 +218,14 @@ class SpeculativeWorker:
         while len(hist) <= num_accepted:
             hist.append(0)
         hist[num_accepted] += 1
+        self.accept_lengths.observe(tokens_taken)
         t = self.totals
         t.verify_steps += 1
         t.draft_tokens += num_drafted
         t.accepted_tokens += num_accepted
         t.output_tokens += tokens_taken
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, object]:
         t = self.totals
         return {
             "spec_verify_ct": t.verify_steps,
@@ -227,6 +233,7 @@ class SpeculativeWorker:
             "spec_num_correct_drafts": t.accepted_tokens,
             "spec_accept_length": t.output_tokens / t.verify_steps if t.verify_steps else 0.0,
             "spec_accept_rate": t.accepted_tokens / t.draft_tokens if t.draft_tokens else 0.0,
+            "spec_accept_length_histogram": self.accept_lengths.snapshot(),
         }
 
 
