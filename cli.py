@@ -85,6 +85,8 @@ _ENGINE_HELP = {
     "(default: 1)",
     "speculative_ngram_max_match_window_size": "NGRAM: the longest ending of the context matched, "
     "tried first (default: 12)",
+    "speculative_eagle_topk": "candidate paths a draft holds: 1, a chain; more, a tree verified "
+    "in one step (MEDUSA: the first head's top-k; NGRAM: matches of different lengths)",
     "speculative_adaptive": "speculation only at the batch sizes where verify steps were "
     "measured to give more tokens a second than plain decode steps (--no-speculative-adaptive: "
     "at every step)",

@@ -104,6 +104,19 @@ class CacheManager:
         self.allocator.free(self.rows.read(req.pool_row, req.kv_len)[length:])
         req.kv_len = min(req.kv_len, length)
 
+    def keep_path(self, req: Req, root: int, num_nodes: int, path: list[int]) -> None:
+        """After a draft tree's verify: of the `num_nodes` slots after position `root` (the tree's
+        nodes in node order), keep those of the accepted `path` (node indices) at positions
+        root + 1, root + 2, ... and free the others."""
+        slots = self.rows.read(req.pool_row, root + 1 + num_nodes)[root + 1 :]
+        kept = slots[path] if path else slots[:0]
+        dropped = torch.ones(num_nodes, dtype=torch.bool)
+        dropped[path] = False
+        self.allocator.free(slots[dropped])
+        if path != list(range(len(path))):  # (the first path's are in place already)
+            self.rows.write(req.pool_row, root + 1, kept)
+        req.kv_len = root + 1 + len(path)
+
     def release(self, req: Req) -> None:
         """Hand the request's computed tokens to the prefix cache and free what it does not keep.
 

@@ -139,6 +139,11 @@ class EngineConfig:
     # names SGLang used before its n-gram trie took max_trie_depth)
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
+    # candidates a draft holds: 1, a chain; more, a tree of up to this many paths (MEDUSA: the
+    # first head's top-k, each followed by the other heads' top-1; NGRAM: the continuations of
+    # matches of different lengths), verified in one step (runtime/speculative/tree.py); SGLang's
+    # name (its EAGLE's branching)
+    speculative_eagle_topk: int = 1
     # draft only at the batch sizes where verifying was measured to give more tokens a second
     # than decoding plainly (runtime/speculative/gate.py); False: draft at every step
     speculative_adaptive: bool = True
@@ -277,6 +282,11 @@ class EngineConfig:
                 "speculative_algorithm MEDUSA is not available with tp_size > 1 yet (its heads "
                 "read the whole LM head, of which each rank holds a part); use NGRAM"
             )
+        if self.pp_size > 1 and self.speculative_eagle_topk > 1:
+            bad(
+                "speculative_eagle_topk above 1 (draft trees) is not available with pp_size > 1 "
+                "yet (a tree's step runs as decode rows, which the stages do not take); use 1"
+            )
         if self.pp_size > 1 and self.speculative_algorithm == "MEDUSA":
             bad(
                 "speculative_algorithm MEDUSA is not available with pp_size > 1 yet (its heads "
@@ -313,6 +323,11 @@ class EngineConfig:
             bad(
                 f"speculative_num_draft_tokens={self.speculative_num_draft_tokens}; it counts the "
                 "newest token and the draft tokens, so it must be at least 2"
+            )
+        if self.speculative_eagle_topk < 1:
+            bad(
+                f"speculative_eagle_topk={self.speculative_eagle_topk}; it counts a draft's "
+                "candidate paths, so it must be at least 1 (1: a chain)"
             )
         lo = self.speculative_ngram_min_match_window_size
         hi = self.speculative_ngram_max_match_window_size

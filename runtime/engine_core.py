@@ -43,6 +43,14 @@ logger = logging.getLogger(__name__)
 _MAX_VERIFY_ROWS = 256
 
 
+def tree_rows(config) -> int:
+    """The request table's spare rows for draft trees' further paths (each tree of k paths
+    borrows k - 1 for its step; a tree that finds too few left is verified as its first path)."""
+    if config.speculative_algorithm is None or config.speculative_eagle_topk <= 1:
+        return 0
+    return (config.speculative_eagle_topk - 1) * min(config.max_running_requests, 16)
+
+
 def use_cuda_graphs(config, device, backend) -> bool:
     from radixlm.runtime.attention import TritonAttentionBackend
 
@@ -140,7 +148,9 @@ class EngineCore:
         self.kv_pool = kv_pool
         self.device = device
         table = ReqToTokenPool if tp is None else tp.request_table  # (tp: writes go to them too)
-        self.rows = table(config.max_running_requests + 1, context_len + 1, device)
+        self.rows = table(
+            config.max_running_requests + 1, context_len + 1, device, tree_rows(config)
+        )
         backend = create_backend(
             config.attention_backend, kv_pool, self.rows.table, device,
             num_q_heads=model_config.num_heads,

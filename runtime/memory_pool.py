@@ -168,9 +168,14 @@ class ReqToTokenPool:
 
     The table lives on the model's device; on a GPU a host copy is kept in step, so that reading a
     row (when a request finishes or is cached) never waits for the GPU. The last row is never
-    handed out: the padding rows of a decode graph point at it (`padding_row`)."""
+    handed out: the padding rows of a decode graph point at it (`padding_row`). With
+    `spare_rows`, that many more rows before it are lent for a step at a time (`lend`): a
+    speculative draft tree's further paths (runtime/speculative/tree.py)."""
 
-    def __init__(self, max_requests: int, max_context: int, device: torch.device) -> None:
+    def __init__(
+        self, max_requests: int, max_context: int, device: torch.device, spare_rows: int = 0
+    ) -> None:
+        max_requests += spare_rows  # (the table's rows)
         self.table = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
         self.host = (
             self.table
@@ -178,7 +183,8 @@ class ReqToTokenPool:
             else torch.zeros_like(self.table, device="cpu")
         )
         self.padding_row = max_requests - 1
-        self._free_rows = list(range(max_requests - 2, -1, -1))
+        self._spare_rows = list(range(max_requests - 2, max_requests - 2 - spare_rows, -1))
+        self._free_rows = list(range(max_requests - 2 - spare_rows, -1, -1))
         self.max_requests = max_requests
 
     @property
@@ -192,6 +198,17 @@ class ReqToTokenPool:
 
     def free(self, row: int) -> None:
         self._free_rows.append(row)
+
+    @property
+    def num_spare(self) -> int:
+        return len(self._spare_rows)
+
+    def lend(self) -> int:
+        """A spare row, until `give_back`."""
+        return self._spare_rows.pop()
+
+    def give_back(self, row: int) -> None:
+        self._spare_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         slots = slots.to(torch.int32)

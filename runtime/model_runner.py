@@ -83,6 +83,9 @@ class StepLists:
     hidden: torch.Tensor | None = None
     # the argmax of each logits row, where the forward computed it (a step run as decode rows)
     argmax: torch.Tensor | None = None
+    # a draft tree is among the items: the step must run as decode rows (its nodes' positions
+    # are their depths, each on its path's request-table row)
+    tree: bool = False
 
 
 class StepHandle:
@@ -212,7 +215,7 @@ class ModelRunner:
                 self.mirror.eager_step(plan if plan.decodes else None, lists, use_graph)
             with self._lockstep():
                 logits = self.forward_lists(lists, use_graph)  # (L, V)
-            self.num_prefill_graph_steps += bool(use_graph)
+            self.num_prefill_graph_steps += use_graph in ("rows", "prefill")
             self.num_row_graph_steps += use_graph == "rows"
             if lists.hidden is not None and which:  # the drafter follows the sampled tokens
                 hidden = lists.hidden[to_device(int64_tensor(logit_rows), logits.device)]
@@ -368,7 +371,8 @@ class ModelRunner:
     def _graph_for(self, lists: StepLists) -> str:
         """Which CUDA graphs a step that is not all plain decodes replays: "rows" (a verify step,
         or a step whose hidden states a drafter reads, of short items: RowGraphs), "prefill"
-        (PrefillGraphs), or "" (none: it runs eagerly)."""
+        (PrefillGraphs), or "" (none: it runs eagerly); "eager rows" for a step with a draft
+        tree that no graph takes (it runs eagerly as decode rows)."""
         rg = self.row_graphs
         if (
             rg is not None
@@ -377,6 +381,8 @@ class ModelRunner:
             and rg.can_run(len(lists.input_ids), max(lists.extend_lens))
         ):
             return "rows"
+        if lists.tree:
+            return "eager rows"
         pg = self.prefill_graphs
         if (
             pg is not None
@@ -400,6 +406,11 @@ class ModelRunner:
                 logits, argmax = logits[at_t], argmax[at_t]
                 hidden = None if hidden is None else hidden[at_t]
             lists.hidden, lists.argmax = hidden, argmax
+            return logits
+        if use_graph == "eager rows":
+            batch = self._rows_batch(lists)
+            logits = self.model(batch, self.backend)
+            lists.hidden = batch.hidden_states
             return logits
         if use_graph:
             logits = self.prefill_graphs.run(
@@ -462,8 +473,16 @@ class ModelRunner:
                 out.pending.append((len(input_ids), req.pool_row))
                 input_ids.append(0)
             input_ids.extend(it.draft)
-            positions.extend(range(it.start, it.start + it.num_tokens))
-            token_rows += [req.pool_row] * it.num_tokens
+            if it.node_rows is not None:  # a draft tree (runtime/speculative/tree.py)
+                root = it.start + it.num_tokens - len(it.draft) - 1
+                positions.extend(range(it.start, root + 1))
+                positions.extend(root + depth for depth in it.draft.depths())
+                token_rows += [req.pool_row] * (root + 1 - it.start)
+                token_rows += it.node_rows
+                out.tree = True
+            else:
+                positions.extend(range(it.start, it.start + it.num_tokens))
+                token_rows += [req.pool_row] * it.num_tokens
             out.rows.append(req.pool_row)
             out.extend_lens.append(it.num_tokens)
             out.prefix_lens.append(it.start)
@@ -536,6 +555,34 @@ class ModelRunner:
             prefix_lens_cpu=lists.prefix_lens,
             num_multi=lists.num_multi,
             padding=padding,
+        )
+
+    def _rows_batch(self, lists: StepLists) -> ForwardBatch:
+        """An eager step as decode rows, as RowGraphs computes one (runtime/cuda_graph.py): each
+        token a row with the sequence length of its position, on its own request-table row,
+        every row's K/V stored before any row attends."""
+        ids_t, pos_t, rows_t, logits_t = packed_to_device(
+            [lists.input_ids, lists.positions, lists.token_rows, lists.logits_rows], self.device
+        )
+        if lists.pending:
+            flat = [x for pair in lists.pending for x in pair]
+            at, pool_rows = to_device(int64_tensor(flat), self.device).view(-1, 2).unbind(1)
+            ids_t[at] = self.token_buf[pool_rows]
+        n = len(lists.input_ids)
+        return ForwardBatch(
+            input_ids=ids_t,
+            positions=pos_t,
+            out_cache_loc=self.req_to_token[rows_t, pos_t].long(),
+            req_pool_indices=rows_t,
+            prefix_lens=pos_t,
+            extend_lens=torch.ones_like(pos_t),
+            seq_lens=pos_t + 1,
+            logits_indices=logits_t,
+            hidden_indices=logits_t if lists.keep_hidden else None,
+            extend_lens_cpu=[1] * n,
+            prefix_lens_cpu=lists.positions,
+            num_multi=0,
+            store_kv_first=True,
         )
 
     @staticmethod

@@ -126,11 +126,16 @@ class OutputProcessor:
     def _apply_verified(self, req: Req, num_drafted: int, tokens: list[int]) -> None:
         """A verified draft's tokens (accepted draft tokens, then the target's own). The K/V of
         the rejected draft positions is dropped first: the newest token's and the accepted
-        tokens' stay, and the last token, as after any step, has none yet."""
+        tokens' stay, and the last token, as after any step, has none yet. For a draft tree
+        `tokens` carries the accepted path's nodes (runtime/speculative/tree.py Accepted)."""
         if req.status is ReqStatus.FINISHED:  # (aborted meanwhile: its memory is released)
             return
         accepted = len(tokens) - 1
-        self.cache.truncate(req, req.num_tokens + accepted)
+        nodes = getattr(tokens, "nodes", None)
+        if nodes is not None:  # a draft tree: the accepted path's slots go to its positions
+            self.cache.keep_path(req, req.num_tokens - 1, num_drafted, nodes)
+        else:
+            self.cache.truncate(req, req.num_tokens + accepted)
         if self.speculative is not None:  # (before: the tokens may finish it, and its meta_info
             # is made then; what the verify accepted counts, a stop among them or not)
             self.speculative.record(req, num_drafted, len(tokens), accepted)

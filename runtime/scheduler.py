@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from radixlm.radix_cache.ordering import order_waiting
 from radixlm.runtime.cache_manager import CacheManager
 from radixlm.runtime.request import Req, ReqStatus
+from radixlm.runtime.speculative.tree import DraftTree, lay_out
 
 if TYPE_CHECKING:
     import torch
@@ -37,9 +38,11 @@ if TYPE_CHECKING:
 class ScheduledReq:
     """One request's part of a step: positions `start .. start + num_tokens` are computed. With a
     `draft` (speculative decoding), the last len(draft) of them are its tokens, not yet the
-    request's: the step verifies them."""
+    request's: the step verifies them. A draft tree (runtime/speculative/tree.py) also has each
+    node's request-table row (`node_rows`: the request's own for its first path, a lent row for
+    the others)."""
 
-    __slots__ = ("req", "start", "num_tokens", "samples", "draft")
+    __slots__ = ("req", "start", "num_tokens", "samples", "draft", "node_rows")
 
     def __init__(
         self,
@@ -51,6 +54,7 @@ class ScheduledReq:
     ) -> None:
         self.req = req
         self.draft = draft
+        self.node_rows: list[int] | None = None
         self.start = start  # first position computed in this step
         self.num_tokens = num_tokens  # positions computed in this step
         # whether this step ends at the request's newest token, so its logits give the next one
@@ -124,6 +128,7 @@ class Scheduler:
         self.num_priority_preemptions = 0  # of those, preempted for a more urgent request
         self.max_admission_delay = max_admission_delay
         self._deferred = 0  # steps admission has been put off
+        self._lent: list[int] = []  # request-table rows lent to the last step's draft trees
 
     # ---- queue ----------------------------------------------------------------------------
 
@@ -211,8 +216,20 @@ class Scheduler:
             return prefilling
         total = sum(counts)
         drafts: list[tuple[int, ...]] = []
+        rows = self.cache.rows
+        for row in self._lent:  # (speculation runs in lockstep: that step is done)
+            rows.give_back(row)
+        self._lent = []
         if self.drafter is not None and (self.drafting is None or self.drafting(len(decoding))):
             drafts = _drafts(self.drafter, decoding, counts)
+            spare = rows.num_spare
+            for i, d in enumerate(drafts):  # a tree's further paths borrow rows of the table
+                if isinstance(d, DraftTree):
+                    need = len(d.paths()) - 1
+                    if need > spare:
+                        drafts[i] = d.first_path()
+                    else:
+                        spare -= need
             extra = sum(map(len, drafts))
             if extra and self.cache.can_extend(total + extra):
                 total += extra
@@ -234,7 +251,12 @@ class Scheduler:
                     start = r.kv_len
                     self.cache.extend(r, n)
                     draft = drafts[i] if drafts else ()
-                    plan.items.append(ScheduledReq(r, start, n, True, draft))
+                    item = ScheduledReq(r, start, n, True, draft)
+                    if isinstance(draft, DraftTree):
+                        root = start + n - len(draft) - 1  # (the newest token's position)
+                        item.node_rows, lent = lay_out(draft, rows, r.pool_row, root)
+                        self._lent += lent
+                    plan.items.append(item)
             decoding = [r for r, n in zip(decoding, counts) if n == 1 and r.token_in_buf]
         if decoding:
             plan.decodes = decoding
@@ -367,7 +389,11 @@ def _drafts(
     """The drafter's proposal for each request whose newest tokens are known on the host (no
     step in flight for it): one that computes its newest token, or the tokens jump-forward
     appended; () for the others."""
-    return [tuple(drafter(r)) if not r.num_pending else () for r in decoding]
+    return [_as_tuple(drafter(r)) if not r.num_pending else () for r in decoding]
+
+
+def _as_tuple(draft) -> tuple[int, ...]:
+    return draft if isinstance(draft, tuple) else tuple(draft)  # (a DraftTree is one)
 
 
 # Waiting for another request to compute a shared prefix pays only when the prefix is long.

@@ -474,7 +474,12 @@ class _Follower:
         from pathlib import Path
 
         from radixlm.runtime.attention import create_backend
-        from radixlm.runtime.engine_core import capture_graphs, on_device, use_cuda_graphs
+        from radixlm.runtime.engine_core import (
+            capture_graphs,
+            on_device,
+            tree_rows,
+            use_cuda_graphs,
+        )
         from radixlm.runtime.model_config import ModelConfig
         from radixlm.runtime.model_loader import load_hf_config
         from radixlm.runtime.model_runner import ModelRunner
@@ -511,7 +516,9 @@ class _Follower:
         comm.group = _process_group(store, rank, config.world_size, device, config.dist_timeout)
         context_len = spec["context_len"]
         kv_pool = build_kv_pool(config, local, start["start"], dtype, device)
-        rows = ReqToTokenPool(config.max_running_requests + 1, context_len + 1, device)
+        rows = ReqToTokenPool(
+            config.max_running_requests + 1, context_len + 1, device, tree_rows(config)
+        )
         backend = create_backend(
             config.attention_backend, kv_pool, rows.table, device, num_q_heads=local.num_heads
         )

@@ -465,10 +465,12 @@ def test_verify_steps_as_decode_rows_match_eager(tiny_model_folder):
     assert_same_outputs(outs[0], outs[1])
 
 
-def test_medusa_steps_as_decode_rows_keep_the_hidden_states(tiny_model_folder, tmp_path):
+@pytest.mark.parametrize("topk", [1, 2])
+def test_medusa_steps_as_decode_rows_keep_the_hidden_states(tiny_model_folder, tmp_path, topk):
     """MEDUSA's steps (its verify steps, and its plain decodes, whose hidden states it drafts
     from) run as decode rows with the rows' final hidden states kept: the tokens are those of
-    the eager steps."""
+    the eager steps; with speculative_eagle_topk 2 its drafts are trees (their nodes on lent
+    request-table rows), through the graphs and eagerly as decode rows alike."""
     from transformers import AutoModelForCausalLM
 
     from radixlm.runtime.speculative import medusa
@@ -488,15 +490,19 @@ def test_medusa_steps_as_decode_rows_keep_the_hidden_states(tiny_model_folder, t
         with radixlm.Engine(
             tiny_model_folder, **EAGER, attention_backend="triton",
             speculative_algorithm="MEDUSA", speculative_draft_model_path=str(tmp_path),
-            speculative_adaptive=False,
+            speculative_adaptive=False, speculative_eagle_topk=topk,
         ) as eng:  # fmt: skip
             if graphs:
-                notes = install_row_graphs(eng, max_rows=16, max_item_tokens=4, keep_hidden=True)
+                notes = install_row_graphs(
+                    eng, max_rows=16, max_item_tokens=1 + 3 * topk, keep_hidden=True
+                )
             got = eng.generate(input_ids=prompts, sampling_params=params)
             outs.append([o["output_ids"] for o in got])
+    with radixlm.Engine(tiny_model_folder, **EAGER, attention_backend="triton") as eng:
+        plain = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
     assert notes and all(shape == (rows, hidden) for rows, shape in notes), notes
     assert any(rows > 2 for rows, _ in notes), "no verify step ran as decode rows"
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == plain
 
 
 @pytest.mark.slow  # (the Triton interpreter on the CPU: tens of seconds)

@@ -235,3 +235,42 @@ def test_constrained_requests_are_drafted_for_within_their_grammar(tiny_model_fo
     with radixlm.Engine(tiny_model_folder, **SPEC) as eng:
         again = eng.generate(prompt, params[2])
     assert again["output_ids"] == spec6[2]["output_ids"]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {**SPEC, "speculative_num_draft_tokens": 8, "speculative_eagle_topk": 3},
+        {**MEDUSA, "speculative_eagle_topk": 2},
+    ],
+    ids=["ngram-tree", "medusa-tree"],
+)
+def test_draft_trees_give_the_plain_tokens(
+    default_model_folder, tokenizer, plain_outputs, spec, monkeypatch
+):
+    """With speculative_eagle_topk above 1 a greedy request's draft is a tree (NGRAM: matches of
+    different lengths; MEDUSA: the first head's top-k), verified in one step as decode rows on
+    lent request-table rows: the tokens are plain decoding's, beside requests that decode
+    plainly, and the pool and the lent rows are whole afterwards."""
+    from radixlm.runtime import scheduler
+
+    laid_out = []
+    real = scheduler.lay_out
+
+    def counting(tree, *a):
+        laid_out.append(len(tree.paths()))
+        return real(tree, *a)
+
+    monkeypatch.setattr(scheduler, "lay_out", counting)
+    prompts, params = workload(tokenizer)
+    with start(default_model_folder, **spec) as eng:
+        outs = eng.generate(prompts + PLAIN_ONES[0], params + PLAIN_ONES[1])
+        stats = eng.get_stats()
+        rows = eng._core.rows
+        spare = rows.num_spare + len(eng._core.scheduler._lent)
+        expected_spare = eng._core.rows.table.shape[0] - 1 - (eng._core.config.max_running_requests)
+    assert results(outs) == results(plain_outputs)
+    assert any(paths > 1 for paths in laid_out), laid_out
+    assert stats["spec_verify_ct"] > 0 and stats["spec_num_correct_drafts"] > 0
+    assert kv_whole(stats), stats
+    assert spare == expected_spare

@@ -99,8 +99,9 @@ def test_a_chain_is_proposed_only_for_the_context_it_was_made_for(tmp_path):
     )  # fmt: skip
     assert worker.propose(req) == []  # nothing drafted yet
     worker.draft_from_hidden(torch.randn(1, H), [req])  # the chain after the token sampled now
-    chain = req.draft_index[1]
-    assert req.draft_index[0] == 5 and len(chain) == 3
+    chains = req.draft_index[1]  # (one: speculative_eagle_topk 1)
+    assert req.draft_index[0] == 5 and len(chains) == 1 and len(chains[0]) == 3
+    chain = chains[0]
     assert worker.propose(req) == []  # that token has not been taken yet
     req.output_ids.append(7)
     assert worker.propose(req) == chain

@@ -232,3 +232,74 @@ def test_the_engine_drafts_only_where_the_gate_measured_it_pays(tiny_model_folde
                 assert gate.plain_steps > 20
     assert outs[0] == outs[1]
     assert verifies[0] >= 5 and verifies[1] <= 3, verifies
+
+
+# ---- draft trees -----------------------------------------------------------------------------
+
+
+def test_chains_merge_into_a_depth_first_tree_whose_first_path_comes_first():
+    from radixlm.runtime.speculative.tree import DraftTree, merge_chains
+
+    assert merge_chains([[5, 6, 7]], 8) == (5, 6, 7)  # one chain: a chain
+    assert not isinstance(merge_chains([[5, 6], [5, 6]], 8), DraftTree)
+    tree = merge_chains([[5, 6, 7], [5, 8], [9]], 8)
+    assert isinstance(tree, DraftTree)
+    assert list(tree) == [5, 6, 7, 8, 9] and tree.parents == (-1, 0, 1, 0, -1)
+    assert tree.depths() == [1, 2, 3, 2, 1]
+    assert tree.paths() == [[0, 1, 2], [0, 3], [4]]
+    assert tree.first_path() == (5, 6, 7)
+    cut = merge_chains([[5, 6, 7], [5, 8], [9]], 4)  # the budget keeps a depth-first prefix
+    assert list(cut) == [5, 6, 7, 8] and cut.parents == (-1, 0, 1, 0)
+    with pytest.raises(ValueError, match="parent"):
+        DraftTree([1, 2], [-1, 1])
+
+
+def test_greedy_tree_acceptance_follows_the_argmax_down_any_branch():
+    from radixlm.runtime.speculative.tree import accept_greedy, merge_chains
+
+    tree = merge_chains([[5, 6, 7], [5, 8], [9]], 8)  # nodes 5 6 7 8 9
+    # rows: root, then node order; the root's argmax 5, node 0's 8 (its second child), node 3's 4
+    targets = [5, 8, 0, 0, 4, 0]
+    assert accept_greedy(targets, tree) == ([5, 8, 4], [0, 3])
+    assert accept_greedy([9, 0, 0, 0, 0, 2], tree) == ([9, 2], [4])
+    assert accept_greedy([1, 0, 0, 0, 0, 0], tree) == ([1], [])
+    assert accept_greedy([5, 6, 7, 3, 0, 0], tree) == ([5, 6, 7, 3], [0, 1, 2])
+
+
+def test_a_tree_is_laid_out_on_lent_rows_and_its_accepted_path_kept():
+    """The request's row holds the nodes in node order after the root; each further path gets a
+    lent row with the prefix and its own slots at their depths; after the verify the accepted
+    path's slots sit at the positions after the root and the other nodes' slots are free."""
+    from radixlm.radix_cache.base import NoPrefixCache
+    from radixlm.runtime.cache_manager import CacheManager
+    from radixlm.runtime.memory_pool import ReqToTokenPool, SlotAllocator
+    from radixlm.runtime.speculative.tree import lay_out, merge_chains
+
+    rows = ReqToTokenPool(4, 32, torch.device("cpu"), spare_rows=2)
+    allocator = SlotAllocator(64)
+    cache = CacheManager(allocator, rows, NoPrefixCache())
+    row = rows.allocate()
+    tree = merge_chains([[5, 6, 7], [5, 8], [9]], 8)
+    prefix = allocator.allocate(4)  # positions 0..3, the root (newest token) at 3
+    rows.write(row, 0, prefix)
+    nodes = allocator.allocate(len(tree))
+    rows.write(row, 4, nodes)
+    node_rows, lent = lay_out(tree, rows, row, 3)
+    assert len(lent) == 2 and rows.num_spare == 0
+    assert node_rows[:3] == [row] * 3 and node_rows[3] == lent[0] and node_rows[4] == lent[1]
+    for j, depth in enumerate(tree.depths()):  # every node at its depth on its row, with
+        assert int(rows.table[node_rows[j], 3 + depth]) == int(nodes[j])  # the prefix before
+        assert rows.table[node_rows[j], :4].tolist() == prefix.tolist()
+    assert rows.table[lent[0], 4].item() == int(nodes[0])  # (its path's ancestor)
+
+    class R:
+        pool_row, kv_len = row, 4 + len(tree)
+
+    free_before = allocator.num_free
+    cache.keep_path(R, 3, len(tree), [0, 3])  # accepted: 5 then 8
+    assert R.kv_len == 6
+    assert rows.read(row, 6).tolist() == [*prefix.tolist(), int(nodes[0]), int(nodes[3])]
+    assert allocator.num_free == free_before + 3
+    for r in lent:
+        rows.give_back(r)
+    assert rows.num_spare == 2

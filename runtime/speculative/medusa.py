@@ -251,9 +251,21 @@ class MedusaDrafter:
     def draft(self, hidden: torch.Tensor, num: int) -> list[list[int]]:
         """hidden (N, H) -> each row's chain of `num` tokens (num <= the heads): the top-1 token of
         heads 1..num, guesses for the tokens after the one the target draws from that row."""
+        return [chains[0] for chains in self.draft_candidates(hidden, num, 1)]
+
+    @torch.inference_mode()
+    def draft_candidates(self, hidden: torch.Tensor, num: int, width: int) -> list[list[list[int]]]:
+        """hidden (N, H) -> for each row, `width` chains of `num` tokens: the first is `draft`'s,
+        chain c takes head 1's c-th best token instead, the other heads' top-1 after it (the heads
+        guess from the same state, whatever came before)."""
         if hidden.shape[0] == 0 or num <= 0:
-            return [[] for _ in range(hidden.shape[0])]
+            return [[[]] for _ in range(hidden.shape[0])]
         x = self.heads(hidden, num).reshape(-1, hidden.shape[-1])  # (N num, H)
         # one matmul for all heads: the LM head's weight is read once
         logits = F.linear(x, self.lm_head.weight[: self.sampled_vocab])  # (N num, V)
-        return logits.argmax(dim=-1).view(hidden.shape[0], num).tolist()
+        logits = logits.view(hidden.shape[0], num, -1)
+        if width <= 1:
+            return [[chain] for chain in logits.argmax(dim=-1).tolist()]
+        rest = logits[:, 1:].argmax(dim=-1).tolist()
+        firsts = logits[:, 0].topk(width, dim=-1).indices.tolist()
+        return [[[f, *r] for f in first] for first, r in zip(firsts, rest)]

@@ -7,8 +7,9 @@ latest occurrence. It grows with the context (a few dict writes per new token), 
 max_window - min_window + 1 lookups, not a scan of the context.
 
 Where the copy reaches the context's end it continues over itself (a repeating text keeps
-repeating). A draft is a chain (one candidate per position). SGLang builds a tree of several candidates per
-position (its BFS breadth) and verifies it with tree attention; that can come later.
+repeating). `propose_many` also gives what followed the latest occurrences of shorter windows,
+where those are other occurrences: the candidates of a draft tree (tree.py,
+speculative_eagle_topk).
 """
 
 from __future__ import annotations
@@ -64,6 +65,23 @@ class NgramIndex:
             if pos is not None:
                 return _continue_from(tokens, pos, max_tokens)
         return []
+
+    def propose_many(self, max_tokens: int, count: int) -> list[list[int]]:
+        """Up to `count` drafts of up to `max_tokens` tokens: what `propose` gives first, then
+        what followed the latest occurrences of shorter windows the sequence ends with, where
+        those are other occurrences."""
+        tokens = self.tokens
+        if max_tokens <= 0:
+            return []
+        out, seen, lo = [], set(), self.min_window
+        for n in range(min(self.max_window, len(tokens) - 1), lo - 1, -1):
+            pos = self._follows[n - lo].get(tuple(tokens[len(tokens) - n :]))
+            if pos is not None and pos not in seen:
+                seen.add(pos)
+                out.append(_continue_from(tokens, pos, max_tokens))
+                if len(out) == count:
+                    break
+        return out
 
 
 def _at(prompt: Sequence[int], output: Sequence[int], i: int) -> int:

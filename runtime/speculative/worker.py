@@ -16,6 +16,11 @@ gave the request's newest token. The model runner hands that state over after ea
 chain waits in `req.draft_index` with the context length it follows, so a context that changed
 since (jump-forward, a rewritten output) is not drafted for from a stale state.
 
+With speculative_eagle_topk above 1 a greedy request's draft is a tree of that many candidate
+paths (tree.py: NGRAM's matches of different lengths, MEDUSA's first-head top-k), laid out on
+lent request-table rows so that its step runs as decode rows and each node sees only its
+ancestors; greedy acceptance follows the argmax down any branch (`accept_greedy`).
+
 A request with a grammar is drafted for too: its draft is cut at the first token its grammar
 does not allow from where it stands (`_grammar_prefix`: the matcher advanced over the draft and
 rolled back), and each of its verify rows is masked by the grammar's state after the draft tokens
@@ -36,6 +41,7 @@ from radixlm.protocol.histogram import Histogram
 from radixlm.runtime.request import Req
 from radixlm.runtime.speculative.gate import SpeculationGate
 from radixlm.runtime.speculative.ngram import NgramIndex
+from radixlm.runtime.speculative.tree import Accepted, DraftTree, accept_greedy, merge_chains
 from radixlm.runtime.speculative.verify import greedy_accept, rejection_sample, target_probs
 
 # a grammar's matcher must be able to undo this many tokens to check a draft (speculative drafts
@@ -74,18 +80,21 @@ class SpeculativeWorker:
         self.min_window = config.speculative_ngram_min_match_window_size
         self.max_window = config.speculative_ngram_max_match_window_size
         self.medusa = None
+        # candidate paths a greedy request's draft holds (speculative_eagle_topk: 1, a chain)
+        self.width = config.speculative_eagle_topk
         if self.algorithm == "MEDUSA":
             from radixlm.runtime.speculative.medusa import MedusaDrafter
 
             self.medusa = MedusaDrafter.load(config.speculative_draft_model_path, model)
-            most = self.medusa.num_heads + 1
+            most = self.medusa.num_heads * self.width + 1  # (a tree: each path all the heads)
             if self.num_draft_tokens is None:  # every head drafts
                 self.num_draft_tokens = most
             elif self.num_draft_tokens > most:
                 raise ValueError(
                     f"speculative_num_draft_tokens={self.num_draft_tokens}: the Medusa heads "
-                    f"draft {most - 1} tokens, so a verify step computes at most {most} "
-                    f"positions; use at most {most} (or leave it unset)"
+                    f"draft {most - 1} tokens (their count times speculative_eagle_topk), so a "
+                    f"verify step computes at most {most} positions; use at most {most} (or "
+                    "leave it unset)"
                 )
         self.totals = SpecTotals()
         # tokens a verify step gave, per step: 1 (the bonus only) .. num_draft_tokens
@@ -118,17 +127,24 @@ class SpeculativeWorker:
         room = min(self.num_draft_tokens - 1, req.max_output_len - len(req.output_ids) - 1)
         if room <= 0 or not speculates(req):
             return []
-        if self.medusa is not None:  # the chain the heads made for this context, if still its
+        # a tree for a greedy request without a grammar (the others verify chains)
+        width = self.width if req.params.is_greedy and req.grammar is None else 1
+        if self.medusa is not None:  # the chains the heads made for this context, if still its
             made = req.draft_index
             if made is None or made[0] != len(req.input_ids) + len(req.output_ids):
                 return []
-            draft = list(made[1][:room])
+            chains = made[1][:width]
         else:
             index = req.draft_index
             if index is None:
                 index = req.draft_index = NgramIndex(self.min_window, self.max_window)
             index.update(req.input_ids, req.output_ids)
-            draft = index.propose(room)
+            chains = index.propose_many(room, width)
+        if not chains:
+            return []
+        if len(chains) > 1:
+            return tree_of(chains, room)
+        draft = list(chains[0][:room])
         if req.grammar is not None and draft:
             draft = _grammar_prefix(req.grammar, draft)
         return draft
@@ -153,10 +169,11 @@ class SpeculativeWorker:
             return
         if len(keep) < len(reqs):
             hidden = hidden[torch.tensor(keep, device=hidden.device)]
-        chains = self.medusa.draft(hidden, self.num_draft_tokens - 1)
-        for i, chain in zip(keep, chains):
+        num = min(self.num_draft_tokens - 1, self.medusa.num_heads)
+        candidates = self.medusa.draft_candidates(hidden, num, self.width)
+        for i, chains in zip(keep, candidates):
             req = reqs[i]
-            req.draft_index = (len(req.input_ids) + len(req.output_ids) + taken[i], chain)
+            req.draft_index = (len(req.input_ids) + len(req.output_ids) + taken[i], chains)
 
     # ---- verification (the model runner asks) --------------------------------------------------
 
@@ -184,6 +201,7 @@ class SpeculativeWorker:
         for i, m in masked.items():
             if reqs[i].params.is_greedy:
                 out[i] = greedy_accept(m.argmax(dim=-1).tolist(), drafts[i])
+        trees = [i for i in greedy if isinstance(drafts[i], DraftTree)]
         if greedy:
             at = [rows[i] + j for i in greedy for j in range(len(drafts[i]) + 1)]
             if argmax is not None:  # (one copy of the step's few rows, then picked on the host)
@@ -194,7 +212,10 @@ class SpeculativeWorker:
             offset = 0
             for i in greedy:
                 k = len(drafts[i])
-                out[i] = greedy_accept(targets[offset : offset + k + 1], drafts[i])
+                if i in trees:
+                    out[i] = Accepted(*accept_greedy(targets[offset : offset + k + 1], drafts[i]))
+                else:
+                    out[i] = greedy_accept(targets[offset : offset + k + 1], drafts[i])
                 offset += k + 1
         for i, req in enumerate(reqs):
             if out[i] is None:
@@ -203,7 +224,12 @@ class SpeculativeWorker:
                 probs = target_probs(own, req.params)
                 out[i] = rejection_sample(probs, drafts[i], req.seed, len(req.output_ids))
         if hidden is not None and self.medusa is not None:
-            at = [rows[i] + len(t) - 1 for i, t in enumerate(out)]  # type: ignore[arg-type]
+            at = [  # the row of the last accepted position (a tree's: its node's)
+                rows[i] + (t.nodes[-1] + 1 if t.nodes else 0)
+                if isinstance(t, Accepted)
+                else rows[i] + len(t) - 1  # type: ignore[arg-type]
+                for i, t in enumerate(out)
+            ]
             taken = [len(t) for t in out]  # type: ignore[arg-type]
             self._draft(hidden[torch.tensor(at, device=hidden.device)], reqs, taken)
         return out  # type: ignore[return-value]
@@ -235,6 +261,15 @@ class SpeculativeWorker:
             "spec_accept_rate": t.accepted_tokens / t.draft_tokens if t.draft_tokens else 0.0,
             "spec_accept_length_histogram": self.accept_lengths.snapshot(),
         }
+
+
+def tree_of(chains: list[list[int]], room: int) -> tuple[int, ...]:
+    """Several candidate chains as one draft of at most `room` tokens: the first (the drafter's
+    best) keeps most of the room, each other chain gets room / (2 (paths - 1)) tokens; chains
+    that begin alike share their nodes (merge_chains)."""
+    share = max(1, room // (2 * (len(chains) - 1)))
+    first = max(1, room - share * (len(chains) - 1))
+    return merge_chains([chains[0][:first], *(c[:share] for c in chains[1:])], room)
 
 
 def _grammar_prefix(grammar, draft: list[int]) -> list[int]:
