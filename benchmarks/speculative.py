@@ -122,6 +122,10 @@ def main() -> None:
     )
     ap.add_argument("--draft-model-path", default=None, help="MEDUSA: the heads' folder")
     ap.add_argument(
+        "--eagle-topk", type=int, default=1,
+        help="speculative_eagle_topk: candidate paths of a draft (above 1: a tree)",
+    )  # fmt: skip
+    ap.add_argument(
         "--no-adaptive", action="store_true",
         help="draft at every step (speculative_adaptive off): the verify path alone",
     )  # fmt: skip
@@ -140,6 +144,8 @@ def main() -> None:
         spec["speculative_draft_model_path"] = args.draft_model_path
     if args.no_adaptive:
         spec["speculative_adaptive"] = False
+    if args.eagle_topk > 1:
+        spec["speculative_eagle_topk"] = args.eagle_topk
     spec_rate, spec_ids, accepted = run(
         args.device, args.new_tokens, algorithm, args.dtype, args.profile, **spec
     )
@@ -151,7 +157,8 @@ def main() -> None:
     )
     print(f"plain:        {plain_rate:7.1f} tok/s")
     print(
-        f"{algorithm} (k={k or 'heads + 1'}): {spec_rate:7.1f} tok/s, mean accepted length "
+        f"{algorithm} (k={k or 'heads + 1'}, topk {args.eagle_topk}): {spec_rate:7.1f} tok/s, "
+        "mean accepted length "
         f"{sum(accepted) / len(accepted):.2f} ({', '.join(f'{a:.2f}' for a in accepted)})"
     )
     print(f"speed-up: {spec_rate / plain_rate:.2f}x; outputs equal: {spec_ids == plain_ids}")
