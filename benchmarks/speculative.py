@@ -1,4 +1,5 @@
-"""Speculative decoding against plain decoding, batch 1, in one run, greedy, each request alone.
+"""Speculative decoding against plain decoding in one run, greedy, each request alone (batch 1),
+or with `--batch N` the prompts repeated to N requests submitted at once.
 NGRAM runs extraction prompts whose answers copy from their input; MEDUSA (the heads shipped for
 the default model, or --draft-model-path) runs chat prompts unlike any the heads trained on (the
 built-in set of `radixlm train-draft` is instruction templates over a list of subjects). Prints
@@ -7,7 +8,8 @@ draft tokens and the bonus token), the speed-up, and whether the outputs are tok
 (they must be).
 
     python -m benchmarks.speculative [--algorithm NGRAM|MEDUSA] [--device cpu] [--new-tokens 64]
-        [--num-draft-tokens 8] [--draft-model-path DIR] [--dtype float32]
+        [--num-draft-tokens 8] [--draft-model-path DIR] [--dtype float32] [--batch 32]
+        [--eagle-topk 2] [--no-adaptive]
 """
 
 from __future__ import annotations
@@ -60,15 +62,28 @@ def prompts(algorithm: str = "NGRAM") -> list[str]:
 
 
 def run(
-    device: str, new_tokens: int, algorithm: str, dtype: str = "float32", profile: int = 0, **spec
+    device: str,
+    new_tokens: int,
+    algorithm: str,
+    dtype: str = "float32",
+    profile: int = 0,
+    batch: int = 1,
+    **spec,
 ) -> tuple[float, list[list[int]], list[float]]:
     """(tokens/s over all prompts one at a time, each output, each accepted length); with
-    `profile`, then all the prompts again under cProfile, whose top functions it prints."""
+    `profile`, then all the prompts again under cProfile, whose top functions it prints. With
+    `batch` above 1, the prompts repeated to that many requests, submitted at once."""
     params = {"max_new_tokens": new_tokens, "temperature": 0}
     with radixlm.Engine(device=device, dtype=dtype, **spec) as eng:
         eng.generate(prompts(algorithm)[0], {"max_new_tokens": 4, "temperature": 0})  # warm-up
         outs, tokens, seconds = [], 0, 0.0
-        for prompt in prompts(algorithm):
+        if batch > 1:
+            many = [prompts(algorithm)[i % len(prompts(algorithm))] for i in range(batch)]
+            t = time.perf_counter()
+            outs = eng.generate(many, params)
+            seconds = time.perf_counter() - t
+            tokens = sum(len(o["output_ids"]) for o in outs)
+        for prompt in prompts(algorithm) if batch == 1 else ():
             t = time.perf_counter()
             out = eng.generate(prompt, params)
             seconds += time.perf_counter() - t
@@ -122,6 +137,11 @@ def main() -> None:
     )
     ap.add_argument("--draft-model-path", default=None, help="MEDUSA: the heads' folder")
     ap.add_argument(
+        "--batch", type=int, default=1,
+        help="the prompts repeated to this many requests, submitted at once (default: one at "
+        "a time)",
+    )  # fmt: skip
+    ap.add_argument(
         "--eagle-topk", type=int, default=1,
         help="speculative_eagle_topk: candidate paths of a draft (above 1: a tree)",
     )  # fmt: skip
@@ -135,7 +155,9 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     algorithm = args.algorithm
-    plain_rate, plain_ids, _ = run(args.device, args.new_tokens, algorithm, args.dtype)
+    plain_rate, plain_ids, _ = run(
+        args.device, args.new_tokens, algorithm, args.dtype, batch=args.batch
+    )
     spec = {"speculative_algorithm": algorithm}
     k = args.num_draft_tokens or (8 if algorithm == "NGRAM" else None)
     if k is not None:
@@ -147,12 +169,13 @@ def main() -> None:
     if args.eagle_topk > 1:
         spec["speculative_eagle_topk"] = args.eagle_topk
     spec_rate, spec_ids, accepted = run(
-        args.device, args.new_tokens, algorithm, args.dtype, args.profile, **spec
+        args.device, args.new_tokens, algorithm, args.dtype, args.profile, args.batch, **spec
     )
     kind = "extraction" if algorithm == "NGRAM" else "chat"
     print(f"device: {device_line()}; commit {commit()}")
     print(
-        f"{len(plain_ids)} {kind} prompts, batch 1, greedy, {args.new_tokens} new tokens, "
+        f"{len(plain_ids)} {kind} prompts, batch {args.batch}, greedy, {args.new_tokens} new "
+        "tokens, "
         f"{args.dtype}"
     )
     print(f"plain:        {plain_rate:7.1f} tok/s")
