@@ -178,21 +178,23 @@ def test_the_gate_drafts_until_both_ways_are_measured_then_where_tokens_come_fas
     from radixlm.runtime.speculative.gate import SpeculationGate
 
     gate = SpeculationGate(explore=4)
-    # a bucket starts drafting; its first plain step is its 4th
-    assert [gate.drafting(1) for _ in range(4)] == [True, True, True, False]
+    # a bucket's first step drafts; until that is measured it keeps drafting
+    assert [gate.drafting(1) for _ in range(2)] == [True, True]
     gate.observe(1, True, 30, 0.01)  # 3,000 tokens/s verifying
+    assert gate.drafting(1) is False  # then plain, to measure it
     gate.observe(1, False, 1, 0.001)  # 1,000 plain
-    assert [gate.drafting(1) for _ in range(4)] == [True, True, True, False]  # (4th: explores)
+    assert [gate.drafting(1) for _ in range(4)] == [False, True, True, True]  # (8th: explores)
+    assert [gate.drafting(1) for _ in range(4)] == [False, True, True, True]  # (12th)
     # a bucket of its own for 2-3 requests: plain measured faster there
     gate.observe(3, True, 6, 0.01)
     gate.observe(2, False, 3, 0.001)
     assert [gate.drafting(2) for _ in range(8)] == [False, False, False, True] * 2
-    assert gate.plain_steps == 1 + 1 + 6
+    assert gate.plain_steps == 1 + 2 + 6
     # the averages follow new measurements: verifying turned slow at batch 1
     for _ in range(20):
         gate.observe(1, True, 4, 0.01)
     assert gate.rates()[(1, True)] < gate.rates()[(1, False)]
-    assert gate.drafting(1) is False
+    assert [gate.drafting(1) for _ in range(2)] == [True, False]  # (12th: explores)
     # nothing measured from a step that gave nothing
     before = gate.rates()
     gate.observe(1, True, 0, 0.01)
