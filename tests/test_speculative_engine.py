@@ -274,3 +274,27 @@ def test_draft_trees_give_the_plain_tokens(
     assert stats["spec_verify_ct"] > 0 and stats["spec_num_correct_drafts"] > 0
     assert kv_whole(stats), stats
     assert spare == expected_spare
+
+
+def test_sampled_requests_verify_draft_trees_and_seeded_ones_repeat(tiny_model_folder):
+    """A sampled request's draft is a tree too (rejection sampling tries a node's children in
+    turn): a seeded request gives the same tokens twice, and the pool is whole afterwards."""
+    from radixlm.runtime import scheduler
+
+    prompt = [300 + (j % 5) for j in range(24)] + [400 + (j % 3) for j in range(24)]
+    params = {"max_new_tokens": 32, "temperature": 0.7, "top_k": 2, "seed": 11, "ignore_eos": True}
+    spec = {**SPEC, "speculative_eagle_topk": 3}
+    outs, trees = [], []
+    real = scheduler.lay_out
+    try:
+        scheduler.lay_out = lambda tree, *a: trees.append(len(tree.paths())) or real(tree, *a)
+        for _ in range(2):
+            with radixlm.Engine(tiny_model_folder, **spec) as eng:
+                outs.append(eng.generate(input_ids=prompt, sampling_params=params))
+                stats = eng.get_stats()
+            assert kv_whole(stats), stats
+    finally:
+        scheduler.lay_out = real
+    assert outs[0]["output_ids"] == outs[1]["output_ids"]
+    assert outs[0]["meta_info"]["spec_verify_ct"] > 0
+    assert any(paths > 1 for paths in trees), trees

@@ -124,6 +124,42 @@ def test_a_seeded_rejection_sample_repeats_and_a_certain_draft_is_always_accepte
         assert rejection_sample(certain, [0, 2], seed, 3) == [1]  # p(0) = 0: never accepted
 
 
+def test_tree_rejection_sampling_draws_each_token_from_the_target():
+    """A tree whose root has children 2 (with child 3) and 4: over many seeds the first token is
+    distributed as the root's row, and the second as the row of the node the first reached (2 or
+    4), whatever the tree proposes; seeded draws repeat."""
+    from radixlm.runtime.speculative.tree import DraftTree
+    from radixlm.runtime.speculative.verify import rejection_sample_tree
+
+    tree = DraftTree([2, 3, 4], [-1, 0, -1])  # rows: root, node 0 (2), node 1 (3), node 2 (4)
+    probs = torch.tensor(
+        [
+            [0.10, 0.20, 0.30, 0.15, 0.25],
+            [0.30, 0.10, 0.20, 0.05, 0.35],
+            [0.20, 0.20, 0.20, 0.20, 0.20],
+            [0.05, 0.45, 0.10, 0.30, 0.10],
+        ]
+    )
+    trials = 8000
+    first, after2, after4 = torch.zeros(5), torch.zeros(5), torch.zeros(5)
+    for seed in range(trials):
+        out, path = rejection_sample_tree(probs, tree, seed, step=3)
+        assert [tree[j] for j in path] == out[: len(path)] and len(out) == len(path) + 1
+        first[out[0]] += 1
+        if path[:1] == [0]:  # (a first token 2 or 4 is always its node's: refused, it is
+            after2[out[1]] += 1  # out of the residual)
+        elif path[:1] == [2]:
+            after4[out[1]] += 1
+    for counts, p in ((first, probs[0]), (after2, probs[1]), (after4, probs[3])):
+        n = counts.sum()
+        chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+        assert chi2 < 18.5, (counts / n, p)  # chi-square, 4 degrees of freedom, p < 0.001
+    # the second candidate is tried only after the first was refused: accepted with probability
+    # (1 - 0.30) * 0.25 / (1 - 0.30)
+    assert abs(float(after4.sum()) / trials - 0.25) < 0.03
+    assert rejection_sample_tree(probs, tree, 9, 3) == rejection_sample_tree(probs, tree, 9, 3)
+
+
 # ---- options ----------------------------------------------------------------------------------
 
 

@@ -57,6 +57,49 @@ def rejection_sample(probs: torch.Tensor, draft: Sequence[int], seed: int, step:
     return [*draft[:accepted], int((dist / noise).argmax())]
 
 
+def rejection_sample_tree(
+    probs: torch.Tensor, tree, seed: int, step: int
+) -> tuple[list[int], list[int]]:
+    """Sampled verification of a draft tree (runtime/speculative/tree.py DraftTree). probs:
+    (N + 1, V) row-normalized target distributions, the root's row first, then each node's.
+    At a node its children (distinct tokens) are tried in order: each is accepted with the
+    probability the residual distribution gives its token, and when refused the residual loses
+    that token (renormalized), as `rejection_sample` does for a chain's one candidate (SpecInfer's
+    multi-candidate rejection with one-hot proposals). The first accepted child is moved to and
+    the same is done there; where every child was refused, or at a leaf, the token is drawn from
+    the residual. Each output token is then distributed as plain sampling draws it. Returns the
+    output tokens and the path's nodes."""
+    children: dict[int, list[int]] = {}
+    for j, p in enumerate(tree.parents):
+        children.setdefault(p, []).append(j)
+    node, path = -1, []
+    while True:
+        depth = len(path)
+        dist = probs[node + 1]
+        moved = False
+        for rank, child in enumerate(children.get(node, ())):
+            token = tree[child]
+            if _tree_uniform(seed, step + depth, rank) < float(dist[token] / dist.sum()):
+                path.append(child)
+                node, moved = child, True
+                break
+            dist = dist.clone()
+            dist[token] = 0.0
+        if not moved:
+            break
+    seeds = torch.tensor([row_seed(seed, step + len(path))], device=probs.device)
+    noise = exponential_noise(seeds, dist.shape[-1])[0]
+    return [*(tree[j] for j in path), int((dist / noise).argmax())], path
+
+
+def _tree_uniform(seed: int, step: int, rank: int) -> float:
+    """The uniform for the `rank`-th candidate at output position `step` (rank 0: a chain's)."""
+    if rank == 0:
+        return acceptance_uniform(seed, step)
+    z = row_seed(row_seed(row_seed(seed, step), _ACCEPT_STREAM), rank)
+    return ((z >> 39) + 0.5) / (1 << 24)
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(k + 1, V) logits -> the distributions plain sampling draws from (temperature, min-p,
     top-k, top-p), row-normalized."""

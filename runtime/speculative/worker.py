@@ -16,10 +16,11 @@ gave the request's newest token. The model runner hands that state over after ea
 chain waits in `req.draft_index` with the context length it follows, so a context that changed
 since (jump-forward, a rewritten output) is not drafted for from a stale state.
 
-With speculative_eagle_topk above 1 a greedy request's draft is a tree of that many candidate
-paths (tree.py: NGRAM's matches of different lengths, MEDUSA's first-head top-k), laid out on
-lent request-table rows so that its step runs as decode rows and each node sees only its
-ancestors; greedy acceptance follows the argmax down any branch (`accept_greedy`).
+With speculative_eagle_topk above 1 a request's draft (without a grammar) is a tree of that
+many candidate paths (tree.py: NGRAM's matches of different lengths, MEDUSA's first-head top-k),
+laid out on lent request-table rows so that its step runs as decode rows and each node sees only
+its ancestors; greedy acceptance follows the argmax down any branch (`accept_greedy`), sampled
+acceptance tries a node's children in turn (verify.py `rejection_sample_tree`).
 
 A request with a grammar is drafted for too: its draft is cut at the first token its grammar
 does not allow from where it stands (`_grammar_prefix`: the matcher advanced over the draft and
@@ -42,7 +43,12 @@ from radixlm.runtime.request import Req
 from radixlm.runtime.speculative.gate import SpeculationGate
 from radixlm.runtime.speculative.ngram import NgramIndex
 from radixlm.runtime.speculative.tree import Accepted, DraftTree, accept_greedy, merge_chains
-from radixlm.runtime.speculative.verify import greedy_accept, rejection_sample, target_probs
+from radixlm.runtime.speculative.verify import (
+    greedy_accept,
+    rejection_sample,
+    rejection_sample_tree,
+    target_probs,
+)
 
 # a grammar's matcher must be able to undo this many tokens to check a draft (speculative drafts
 # are at most speculative_num_draft_tokens - 1 long; the matchers undo 64)
@@ -80,7 +86,7 @@ class SpeculativeWorker:
         self.min_window = config.speculative_ngram_min_match_window_size
         self.max_window = config.speculative_ngram_max_match_window_size
         self.medusa = None
-        # candidate paths a greedy request's draft holds (speculative_eagle_topk: 1, a chain)
+        # candidate paths a draft holds (a constrained request's: one) (speculative_eagle_topk: 1, a chain)
         self.width = config.speculative_eagle_topk
         if self.algorithm == "MEDUSA":
             from radixlm.runtime.speculative.medusa import MedusaDrafter
@@ -127,8 +133,8 @@ class SpeculativeWorker:
         room = min(self.num_draft_tokens - 1, req.max_output_len - len(req.output_ids) - 1)
         if room <= 0 or not speculates(req):
             return []
-        # a tree for a greedy request without a grammar (the others verify chains)
-        width = self.width if req.params.is_greedy and req.grammar is None else 1
+        # a tree for a request without a grammar (a constrained one verifies a chain)
+        width = self.width if req.grammar is None else 1
         if self.medusa is not None:  # the chains the heads made for this context, if still its
             made = req.draft_index
             if made is None or made[0] != len(req.input_ids) + len(req.output_ids):
@@ -222,7 +228,12 @@ class SpeculativeWorker:
                 k = len(drafts[i])
                 own = masked.get(i, logits[rows[i] : rows[i] + k + 1])
                 probs = target_probs(own, req.params)
-                out[i] = rejection_sample(probs, drafts[i], req.seed, len(req.output_ids))
+                if isinstance(drafts[i], DraftTree):
+                    out[i] = Accepted(
+                        *rejection_sample_tree(probs, drafts[i], req.seed, len(req.output_ids))
+                    )
+                else:
+                    out[i] = rejection_sample(probs, drafts[i], req.seed, len(req.output_ids))
         if hidden is not None and self.medusa is not None:
             at = [  # the row of the last accepted position (a tree's: its node's)
                 rows[i] + (t.nodes[-1] + 1 if t.nodes else 0)
