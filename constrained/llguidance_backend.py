@@ -15,6 +15,7 @@ nouns that the DFA backend has too:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import re
@@ -203,13 +204,16 @@ class LLGuidanceBackend:
     def _structural_tag_grammar(self, spec: str, lenient: bool) -> str:
         """Free text in which each trigger opens a section: the rest of its `begin`, JSON held to
         its schema (prepared as a json_schema request's is), then its `end` (llguidance's
-        StructTag: a trigger is a lazy lexeme, so the text runs until the trigger appears)."""
+        StructTag: a trigger is a lazy lexeme, so the text runs until the trigger appears). With
+        `thinking` (see `structural_tag_thinking`), the thinking comes first, free, and the
+        triggers open sections only after it."""
         from radixlm.protocol.sampling_params import structural_tag_parts
 
         try:
             structures, triggers = structural_tag_parts(spec)
         except ValueError as e:
             raise GrammarError(str(e)) from None
+        thinking = structural_tag_thinking(spec)
         tags = []
         for i, item in enumerate(structures):
             try:
@@ -225,7 +229,9 @@ class LLGuidanceBackend:
                     trigger=trigger, begin=item["begin"], grammar=schema, end=item["end"]
                 )
             )
-        return self._ll.LLMatcher.grammar_from_lark(self._ll.StructTag.to_grammar(tags))
+        if thinking is None:
+            return self._ll.LLMatcher.grammar_from_lark(self._ll.StructTag.to_grammar(tags))
+        return self._ll.LLMatcher.grammar_from_lark(_struct_tags_after_thinking(tags, thinking))
 
     def _refuse_structure(self, spec: str, lenient: bool) -> None:
         """A structural tag llguidance refused: the first structure whose schema it refuses as a
@@ -768,6 +774,90 @@ def _lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def structural_tag_thinking(spec: str) -> Thinking | None:
+    """The thinking a structural tag lets come first (its `thinking`: `begin` and `end`, the
+    markers around it, and `forced`, whether the output starts inside it without `begin`), or
+    None. The server sets it for a reasoning model (`--reasoning-parser`); GrammarError saying
+    what to fix where it is malformed."""
+    try:
+        tag = json.loads(spec)
+    except ValueError:
+        return None  # (not a structural tag: `structural_tag_parts` says why)
+    thinking = tag.get("thinking") if isinstance(tag, dict) else None
+    if thinking is None:
+        return None
+    if (
+        not isinstance(thinking, dict)
+        or not all(isinstance(thinking.get(k), str) and thinking[k] for k in ("begin", "end"))
+        or not isinstance(thinking.get("forced", False), bool)
+    ):
+        raise GrammarError(
+            "structural_tag.thinking must be an object with non-empty strings 'begin' and 'end' "
+            "and a boolean 'forced'"
+        )
+    return Thinking(thinking["begin"], thinking["end"], thinking.get("forced", False))
+
+
+@dataclasses.dataclass(frozen=True)
+class Thinking:
+    """A reasoning model's thinking, between `begin` and `end`; `forced`: the output starts
+    inside it, `begin` written or not (else there is thinking only where the output opens with
+    `begin`, after whitespace, as `ReasoningStream` reads it)."""
+
+    begin: str
+    end: str
+    forced: bool
+
+
+def _struct_tags_after_thinking(tags: list[Any], thinking: Thinking) -> str:
+    """The Lark grammar of `StructTag.to_grammar(tags)` (sections opened by triggers in free
+    text) after the thinking: up to its first `end`, a lazy lexeme, in which no trigger opens a
+    section. Where the thinking is optional, an output that does not open with its `begin` is
+    the tagged text at once: its first stretch of text may not start with `begin` (else a
+    trigger inside the thinking would open a section of that reading)."""
+    begin, end = _lark_string(thinking.begin), _lark_string(thinking.end)
+    any_text = r"/(.|\n)*/"
+    lark = ["%llguidance {}"]
+    if thinking.forced:
+        lark += ["start: thinking tags", f"thinking[lazy]: {any_text} {end}"]
+    else:
+        lark += [
+            "start: thinking tags | bare",
+            rf"thinking[lazy]: /\s*/ {begin} {any_text} {end}",
+            f"bare: ({_alternatives('first', tags)}) tags | BARE_TEXT",
+            rf"BARE_TEXT: {any_text} & ~(/\s*/ {begin} {any_text})",
+        ]
+    lark += [f"tags: ({_alternatives('tag', tags)})* tag_end", "tag_end: TAG_TEXT"]
+    lark += [f"TAG_TEXT: {any_text}"]
+    for i, tag in enumerate(tags):
+        lark += _struct_tag_rules(f"tag_{i}", "TAG_TEXT", tag)
+        if not thinking.forced:
+            lark += _struct_tag_rules(f"first_{i}", "BARE_TEXT", tag)
+    return "\n".join(lark) + "\n"
+
+
+def _alternatives(prefix: str, tags: list[Any]) -> str:
+    return " | ".join(f"{prefix}_{i}" for i in range(len(tags)))
+
+
+def _struct_tag_rules(rule: str, text: str, tag: Any) -> list[str]:
+    """The rules of one section, `text` before its trigger, as `StructTag.to_grammar` writes
+    them (a trigger written `<...>` is taken for a special token, as there)."""
+    rest = tag.begin[len(tag.trigger) :]
+    body = " ".join(
+        part
+        for part in (
+            _lark_string(rest) if rest else "",
+            "%json " + json.dumps(tag.grammar),
+            _lark_string(tag.end) if tag.end else "",
+        )
+        if part
+    )
+    if tag.trigger.startswith("<") and tag.trigger.endswith(">"):
+        return [f"{rule}: {text} {tag.trigger} {body}"]
+    return [f"{rule}_trig[lazy]: {text} {_lark_string(tag.trigger)}", f"{rule}: {rule}_trig {body}"]
+
+
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[.*?\])")
 _LARK_CONTEXT = re.compile(r"\n\s*\d+ \|.*", re.DOTALL)  # the Lark text we made: not the user's
 
@@ -869,4 +959,5 @@ __all__ = [
     "LLGuidanceMatcher",
     "fill_bitmasks",
     "keyword_locations",
+    "structural_tag_thinking",
 ]

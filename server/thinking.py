@@ -9,7 +9,7 @@ rewrites a request's one constraint into the thinking, free, then the constraint
 | `json_schema` (a response_format, a demanded call in the default format) | a regex: the thinking's, then the schema's, where a regex holds the schema whole |
 | `regex` | the thinking's regex, then the user's regex (read as the engine reads it) |
 | `ebnf` | the grammar with a new `root`: the thinking, then the grammar's own start rule |
-| `structural_tag` | itself: its free text holds the thinking already (a trigger in the thinking still opens its section) |
+| `structural_tag` | itself with a `thinking` (its markers): the thinking, in which no trigger opens a section, then the tag's free text and sections (the llguidance backend) |
 
 Where it cannot (a schema no regex holds whole, a regex the engine would refuse), the constraint
 holds from the first token and the output is all answer, as before.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import re
 from typing import Any
 
@@ -34,7 +35,7 @@ def hold_after_thinking(
     the server built itself (`user_regex` false: a forced call's, the tools') is in the
     engine's dialect already."""
     if "structural_tag" in params:
-        return True
+        return _structural_tag_after_thinking(params, parser)
     if "json_schema" in params:
         with contextlib.suppress(ValueError):
             params["regex"] = answer_after_thinking_regex(parser, params["json_schema"], whitespace)
@@ -52,6 +53,21 @@ def hold_after_thinking(
         params["ebnf"] = ebnf_after_thinking(params["ebnf"], parser)
         return True
     return False
+
+
+def _structural_tag_after_thinking(params: dict[str, Any], parser: ReasoningParser) -> bool:
+    """The structural tag with the thinking before it, as the llguidance backend reads it
+    (`structural_tag_thinking`); False for one that is not a JSON object (the engine refuses
+    it, saying why)."""
+    try:
+        tag = json.loads(params["structural_tag"])
+    except (TypeError, ValueError):
+        return False
+    if not isinstance(tag, dict):
+        return False
+    tag["thinking"] = {"begin": parser.start, "end": parser.end, "forced": parser.forced}
+    params["structural_tag"] = json.dumps(tag)
+    return True
 
 
 @functools.lru_cache(maxsize=64)

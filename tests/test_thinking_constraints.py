@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from radixlm.constrained import GrammarCompiler
+from radixlm.constrained import GrammarCompiler, GrammarError
 from radixlm.constrained.compiler import GRAMMAR_BACKENDS
 from radixlm.constrained.ebnf import ebnf_to_regex
+from radixlm.errors import GrammarRefused
 from radixlm.protocol.reasoning import reasoning_parser
 from radixlm.server.app import create_app
 from radixlm.server.thinking import ebnf_after_thinking, hold_after_thinking
@@ -44,7 +45,7 @@ def compiler(request) -> GrammarCompiler:
 
 
 def admits(compiler: GrammarCompiler, params: dict[str, Any], text: str) -> bool:
-    (kind,) = [k for k in ("regex", "json_schema", "ebnf") if k in params]
+    (kind,) = [k for k in ("regex", "json_schema", "ebnf", "structural_tag") if k in params]
     matcher = compiler.compile(kind, params[kind]).matcher()
     return matcher.accept_string(text) and matcher.is_accepting()
 
@@ -102,8 +103,55 @@ def test_what_cannot_come_after_the_thinking_says_so():
     for params in ({"regex": "(?i)yes"}, {"json_schema": json.dumps({"uniqueItems": True})}):
         before = dict(params)
         assert not hold_after_thinking(params, parser, "compact") and params == before
-    tag = {"structural_tag": json.dumps({"structures": [], "triggers": []})}
-    assert hold_after_thinking(dict(tag), parser, "compact")  # (its free text holds thinking)
+    tag = {"structural_tag": "[1, 2]"}  # (not a structural tag: the engine says why)
+    assert not hold_after_thinking(tag, parser, "compact") and tag == {"structural_tag": "[1, 2]"}
+
+
+N = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+TAG = {
+    "structures": [
+        {"begin": "<f=a>", "schema": N, "end": "</f>"},
+        {"begin": "<f=b>", "schema": N, "end": "</f>"},
+    ],
+    "triggers": ["<f="],
+}
+# a trigger written inside the thinking, followed by what no section admits
+TAG_THOUGHT = "Call <f=a> or <f=b>? Say <f=c (no such one)."
+TAG_ANSWERS = [
+    # (the tagged text after the thinking, whether the tag admits it)
+    ("No call needed.", True),
+    ('Calling <f=a>{"n":1}</f> then <f=b>{"n":2}</f>.', True),
+    ('<f=a>{"n":"1"}</f>', False),  # (the section holds its schema)
+    ("Calling <f=a> now.", False),  # (a trigger after the thinking opens its section)
+]
+
+
+@pytest.mark.parametrize("answer,held", TAG_ANSWERS)
+@pytest.mark.parametrize("name", ["qwen3", "deepseek-r1"])
+def test_a_structural_tag_opens_sections_only_after_the_thinking(compiler, answer, held, name):
+    parser = reasoning_parser(name)
+    params = {"structural_tag": json.dumps(TAG)}
+    assert hold_after_thinking(params, parser, "compact")
+    if compiler.backend != "llguidance":  # (structural tags are llguidance's only: refused)
+        with pytest.raises(GrammarError, match="grammar_backend='llguidance'"):
+            admits(compiler, params, answer)
+        return
+    assert admits(compiler, params, f"<think>\n{TAG_THOUGHT}\n</think>\n\n{answer}") == held
+    assert not admits(compiler, params, f"<think>{TAG_THOUGHT}")  # (thinking never ended)
+    # qwen3 may answer without thinking; deepseek-r1's template opened <think>: it always thinks
+    assert admits(compiler, params, answer) == (held and name == "qwen3")
+    assert admits(compiler, params, f"{TAG_THOUGHT}</think>{answer}") == (
+        held and name == "deepseek-r1"
+    )
+    # without the thinking's markers, its triggers open sections (the text it holds then fails)
+    assert not admits(compiler, params, f"{TAG_THOUGHT} {answer}")
+
+
+def test_a_malformed_thinking_in_a_structural_tag_says_what_to_fix(compiler):
+    tag = json.dumps({**TAG, "thinking": {"begin": "<think>", "end": ""}})
+    message = "grammar_backend" if compiler.backend != "llguidance" else "thinking must be"
+    with pytest.raises(GrammarError, match=message):
+        compiler.compile("structural_tag", tag)
 
 
 # ---- through the server --------------------------------------------------------------------
@@ -169,19 +217,68 @@ def test_the_server_splits_the_thinking_and_holds_the_answer(asks, answer, reply
     assert held.fullmatch(script) and not held.fullmatch(f"{script} and more")
 
 
-def test_a_structural_tag_keeps_the_thinking_apart():
-    tag = {
-        "type": "structural_tag",
-        "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}],
-        "triggers": ["<f>"],
+class CompilingBackend(ScriptedBackend):
+    """A ScriptedBackend whose engine compiles the constraint it is sent over a vocabulary of
+    single characters (its own tokens, as `ScriptedBackend.tokenize` spells them), refusing one
+    its grammar backend refuses as the engine does, and keeps the grammar."""
+
+    def __init__(self, script: str, backend: str) -> None:
+        super().__init__(script)
+        self.compiler = GrammarCompiler(
+            CharTokenizer(), vocab_size=len(TOKENS), compile_timeout=30, backend=backend
+        )
+        self.grammars: list[Any] = []
+
+    async def stream(self, input_ids, sampling_params, **logprob_options):
+        try:
+            grammar = self.compiler.compile("structural_tag", sampling_params["structural_tag"])
+        except GrammarError as e:
+            raise GrammarRefused(str(e)) from e
+        self.grammars.append(grammar)
+        return await super().stream(input_ids, sampling_params, **logprob_options)
+
+
+RESPONSE_TAG = {"type": "structural_tag", **TAG}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_structural_tag_holds_the_answer_after_the_thinking(stream):
+    answer = 'See <f=a>{"n":1}</f>'
+    script = f"<think>\n{TAG_THOUGHT}\n</think>\n\n{answer}"
+    backend = CompilingBackend(script, "llguidance")
+    body = {
+        "messages": [{"role": "user", "content": "Go"}],
+        "response_format": RESPONSE_TAG,
+        "stream": stream,
     }
-    script = "<think>\nPlan.\n</think>\n\nSee <f>{}</f>"
-    backend = ScriptedBackend(script)
-    body = {"messages": [{"role": "user", "content": "Go"}], "response_format": tag}
     with TestClient(create_app(backend, reasoning_parser="qwen3")) as client:
-        thinking, content, _, _ = _chat(client, body)
-    assert (thinking, content) == ("Plan.", "See <f>{}</f>")
-    assert json.loads(backend.calls[0]["structural_tag"])["triggers"] == ["<f>"]
+        thinking, content, calls, reason = _chat(client, body)
+    assert (thinking, content, calls, reason) == (TAG_THOUGHT, answer, [], "stop")
+    sent = json.loads(backend.calls[0]["structural_tag"])
+    assert sent["thinking"] == {"begin": "<think>", "end": "</think>", "forced": False}
+    # the grammar the engine compiled: the thinking's triggers open nothing, the answer's do
+    (grammar,) = backend.grammars
+    for text, held in [
+        (script, True),
+        (f"<think>\n{TAG_THOUGHT}\n</think>\n\nSee <f=a> and more", False),
+        (f"{TAG_THOUGHT} {answer}", False),
+    ]:
+        matcher = grammar.matcher()
+        assert (matcher.accept_string(text) and matcher.is_accepting()) == held, text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_structural_tag_after_the_thinking_on_a_backend_without_it_is_a_400(stream):
+    backend = CompilingBackend("<think>\nPlan.\n</think>\n\nDone.", "outlines")
+    body = {
+        "messages": [{"role": "user", "content": "Go"}],
+        "response_format": RESPONSE_TAG,
+        "stream": stream,
+    }
+    with TestClient(create_app(backend, reasoning_parser="qwen3")) as client:
+        out = client.post("/v1/chat/completions", json=body)
+    assert out.status_code == 400, out.text
+    assert "grammar_backend='llguidance'" in out.json()["error"]["message"]
 
 
 PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
