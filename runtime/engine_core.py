@@ -452,6 +452,8 @@ class EngineCore:
         if time.perf_counter() - self._last_step_at >= 0.5:
             self._trimmed_at_step = self.num_steps
             trim_free_heap()
+            # (the KV pool's slots that a burst used and freed above those still in use)
+            self.kv_pool.release_slots(*self.allocator.reclaim_free_tail())
 
     def _add(self, req: Req, sink: Sink, progress: bool) -> None:
         """A request from the inbox: to the scheduler, or to the grammar queue while its grammar

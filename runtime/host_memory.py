@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 
 
@@ -26,6 +27,41 @@ def _malloc_trim():
         return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
         return None
+
+
+@functools.cache
+def _madvise():
+    """The C library's madvise and the page size, or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn, os.sysconf("SC_PAGE_SIZE")
+
+
+_MADV_DONTNEED = 4
+
+
+def release_pages(address: int, length: int) -> int:
+    """Give the whole pages inside [address, address + length) of an anonymous mapping back to
+    the system (MADV_DONTNEED: read again, they are zero); returns the bytes released (0 where
+    the platform cannot)."""
+    found = _madvise()
+    if found is None:
+        return 0
+    madvise, page = found
+    start = -(-address // page) * page
+    end = (address + length) // page * page
+    if end <= start:
+        return 0
+    if madvise(start, end - start, _MADV_DONTNEED) != 0:
+        return 0
+    return end - start
 
 
 def trim_free_heap() -> bool:

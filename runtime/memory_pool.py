@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from radixlm.runtime.host_memory import release_pages
 from radixlm.runtime.tensors import int64_tensor, to_device
 
 _MAX_PENDING_PIECES = 256  # freed pieces kept apart before they are joined
@@ -79,6 +80,19 @@ class KVPool:
     @property
     def quantized(self) -> bool:
         return self.dtype != self.compute_dtype
+
+    def release_slots(self, first: int, end: int) -> int:
+        """On a CPU, give the memory of slots [first, end) back to the system (their pages are
+        mapped again, zero, when next written): after a burst of load an idle engine holds only
+        the slots in use (SlotAllocator.reclaim_free_tail says which are free above them).
+        Returns the bytes released; 0 on a GPU, whose pool stays allocated whole."""
+        if self._buffer.device.type != "cpu" or end <= first:
+            return 0
+        row = self._buffer[0, 0, 0].nbytes  # one slot of one layer's K (or V)
+        released = 0
+        for part in self._buffer.flatten(0, 1):  # every layer's K, then V: (slots, heads, dim)
+            released += release_pages(part.data_ptr() + first * row, (end - first) * row)
+        return released
 
     @property
     def nbytes(self) -> int:
@@ -152,6 +166,28 @@ class SlotAllocator:
             taken.append(self._free[:need])
             self._free = self._free[need:]
         return taken[0] if len(taken) == 1 else torch.cat(taken)
+
+    def reclaim_free_tail(self) -> tuple[int, int]:
+        """Take back the freed slots above the highest slot in use into the never-used ones, so
+        that they are handed out last again; returns the slot range [first, end) that was used
+        before and is free now (empty when there is none), whose memory the pool may release
+        (KVPool.release_slots). For an idle engine: it costs a pass over the slots used so far."""
+        top = self.num_slots - len(self._free)  # slots below this were handed out at some time
+        if not self._num_pending or top <= 1:
+            return (top, top)
+        pending = torch.cat(self._pending) if len(self._pending) > 1 else self._pending[0]
+        free = torch.zeros(top, dtype=torch.bool)
+        free[pending] = True
+        free[0] = False  # (slot 0: padding, never handed out)
+        used = torch.nonzero(~free[1:])
+        first = int(used[-1]) + 2 if used.numel() else 1  # above the highest slot in use
+        if first >= top:
+            return (top, top)
+        kept = pending[pending < first]
+        self._pending = [kept] if kept.numel() else []
+        self._num_pending = kept.numel()
+        self._free = torch.arange(first, self.num_slots, dtype=torch.int64)
+        return (first, top)
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():

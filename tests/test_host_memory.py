@@ -75,3 +75,63 @@ def test_sequential_requests_reuse_the_same_kv_slots(tiny_model_folder):
             eng.generate(input_ids=[100 + k + i for i in range(60)], sampling_params=params)
         untouched = len(eng._core.allocator._free)
     assert untouched >= 4096 - 2 * 70  # (30 requests of 70 tokens would have taken 2,100)
+
+
+# ---- the KV pool's slots a burst used: released when idle -------------------------------------
+
+
+def test_the_allocator_reclaims_the_free_slots_above_the_highest_in_use():
+    from radixlm.runtime.memory_pool import SlotAllocator
+
+    alloc = SlotAllocator(1_000)
+    assert alloc.reclaim_free_tail()[0] == alloc.reclaim_free_tail()[1]  # nothing used yet
+    burst = alloc.allocate(300)  # slots 1..300
+    keep = burst[:40]
+    alloc.free(burst[200:])
+    alloc.free(burst[40:200])
+    free_before = alloc.num_free
+    assert alloc.reclaim_free_tail() == (41, 301)  # above slot 40 (in use), up to the burst's top
+    assert alloc.num_free == free_before
+    assert alloc.allocate(5).tolist() == [41, 42, 43, 44, 45]  # handed out from the bottom again
+    alloc.free(keep[:20])  # slots 1..20 free, 21..40 and 41..45 in use: nothing above to reclaim
+    assert alloc.reclaim_free_tail() == (46, 46)
+    every = alloc.allocate(alloc.num_free)  # the whole pool, each slot once
+    assert sorted(every.tolist()) == sorted(set(range(1, 1_000)) - set(range(21, 46)))
+
+
+def test_the_kv_pool_releases_the_memory_of_free_slots_once_idle(tiny_model_folder):
+    """After a burst that used many KV slots (every prompt computed, none cached), the engine,
+    once idle, gives those slots' pages back: they read zero again, and the resident set shrinks
+    by about their size, where before it kept every page the burst touched."""
+    import torch
+
+    from radixlm.runtime.memory_pool import KVPool
+
+    pool = KVPool(40_001, 2, 4, 64, torch.float32, torch.device("cpu"))
+    pool._buffer[:, :, 1:].fill_(1.0)  # every slot touched: 40,000 x 2 KiB = 78 MiB resident
+    before = _rss()
+    released = pool.release_slots(1_000, 40_001)
+    assert released > 0.9 * 39_001 * pool.bytes_per_slot(2, 4, 64, torch.float32)
+    assert before - _rss() > 0.8 * released
+    assert float(pool.k[1][5_000:39_000].abs().sum()) == 0.0  # (released: zero when read)
+    assert float(pool.k[0][1:1_000].sum()) == 999 * 4 * 64  # below `first`: untouched
+
+    with radixlm.Engine(
+        tiny_model_folder, max_total_tokens=20_000, disable_radix_cache=True
+    ) as eng:  # fmt: skip
+        core = eng._core
+        prompts = [[10 + (k * 7 + j) % 900 for j in range(400)] for k in range(32)]
+        eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 2})
+        assert len(core.allocator._free) < core.allocator.capacity - 2_000  # (the burst's)
+        deadline = time.monotonic() + 10
+        while len(core.allocator._free) != core.allocator.capacity and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # idle: every slot the burst used is free and back among the never-used ones
+        assert len(core.allocator._free) == core.allocator.capacity == core.allocator.num_free
+
+
+def _rss() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
