@@ -452,8 +452,13 @@ class EngineCore:
         if time.perf_counter() - self._last_step_at >= 0.5:
             self._trimmed_at_step = self.num_steps
             trim_free_heap()
-            # (the KV pool's slots that a burst used and freed above those still in use)
-            self.kv_pool.release_slots(*self.allocator.reclaim_free_tail())
+            # the KV pool's memory of the slots a burst used and freed: those above the slots
+            # still in use, then the runs between them long enough to hold whole pages
+            pool = self.kv_pool
+            pool.release_slots(*self.allocator.reclaim_free_tail())
+            if pool.k[0].device.type == "cpu":
+                for start, end in self.allocator.free_runs(-(-8192 // pool.slot_bytes)):
+                    pool.release_slots(start, end)
 
     def _add(self, req: Req, sink: Sink, progress: bool) -> None:
         """A request from the inbox: to the scheduler, or to the grammar queue while its grammar

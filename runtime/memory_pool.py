@@ -81,6 +81,11 @@ class KVPool:
     def quantized(self) -> bool:
         return self.dtype != self.compute_dtype
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot in one layer's K (or V)."""
+        return self._buffer[0, 0, 0].nbytes
+
     def release_slots(self, first: int, end: int) -> int:
         """On a CPU, give the memory of slots [first, end) back to the system (their pages are
         mapped again, zero, when next written): after a burst of load an idle engine holds only
@@ -88,7 +93,7 @@ class KVPool:
         Returns the bytes released; 0 on a GPU, whose pool stays allocated whole."""
         if self._buffer.device.type != "cpu" or end <= first:
             return 0
-        row = self._buffer[0, 0, 0].nbytes  # one slot of one layer's K (or V)
+        row = self.slot_bytes  # one slot of one layer's K (or V)
         released = 0
         for part in self._buffer.flatten(0, 1):  # every layer's K, then V: (slots, heads, dim)
             released += release_pages(part.data_ptr() + first * row, (end - first) * row)
@@ -188,6 +193,20 @@ class SlotAllocator:
         self._num_pending = kept.numel()
         self._free = torch.arange(first, self.num_slots, dtype=torch.int64)
         return (first, top)
+
+    def free_runs(self, min_len: int) -> list[tuple[int, int]]:
+        """The runs [start, end) of at least `min_len` consecutive free slots among those handed
+        out so far (below the never-used ones): where a burst's freed slots lie between slots
+        still in use (the prefix cache's, as a rule), the pool can release the pages wholly
+        inside them. For an idle engine: a pass over the slots used so far."""
+        top = self.num_slots - len(self._free)
+        if not self._num_pending or top <= 1:
+            return []
+        free = torch.zeros(top + 2, dtype=torch.bool)  # (a used slot each side: runs close)
+        free[torch.cat(self._pending) + 1] = True
+        edges = torch.nonzero(free[1:].int() - free[:-1].int()).flatten().tolist()
+        # edges alternate: a run's first slot, then the slot after its last
+        return [(a, b) for a, b in zip(edges[::2], edges[1::2]) if b - a >= min_len]
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():

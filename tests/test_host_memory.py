@@ -95,8 +95,14 @@ def test_the_allocator_reclaims_the_free_slots_above_the_highest_in_use():
     assert alloc.allocate(5).tolist() == [41, 42, 43, 44, 45]  # handed out from the bottom again
     alloc.free(keep[:20])  # slots 1..20 free, 21..40 and 41..45 in use: nothing above to reclaim
     assert alloc.reclaim_free_tail() == (46, 46)
+    # the runs of free slots between those in use (the pool releases the pages inside them)
+    assert alloc.free_runs(1) == [(1, 21)]
+    middle = alloc.allocate(50)  # 20 freed ones (1..20), then fresh 46..75
+    alloc.free(middle[25:40])  # slots 51..65 free again, between 46..50 and 66..75 in use
+    assert alloc.free_runs(1) == [(51, 66)] and alloc.free_runs(16) == []
     every = alloc.allocate(alloc.num_free)  # the whole pool, each slot once
-    assert sorted(every.tolist()) == sorted(set(range(1, 1_000)) - set(range(21, 46)))
+    in_use = {*range(1, 51), *range(66, 76)} - set(middle[25:40].tolist())
+    assert sorted(every.tolist()) == sorted(set(range(1, 1_000)) - in_use)
 
 
 def test_the_kv_pool_releases_the_memory_of_free_slots_once_idle(tiny_model_folder):
