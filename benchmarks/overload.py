@@ -94,6 +94,14 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def flushed_rss(url: str, sampler, engine_pid: int | None = None) -> float:
+    """POST /flush_cache (the prefix cache emptied, its memory given back), then the engine
+    process's RSS (MiB) a moment later: what it holds with nothing cached."""
+    httpx.post(url + "/flush_cache", timeout=60).raise_for_status()
+    time.sleep(1.0)
+    return sampler.now()["engine"] if sampler is not None else rss_mib(engine_pid)
+
+
 def engine_stats(url: str) -> dict:
     return httpx.get(url + "/server_info", timeout=30).json()["internal_states"][0]
 
@@ -270,6 +278,7 @@ def main() -> None:
                 stats_after = wait_idle(url)
                 time.sleep(1.0)
                 rss_after = rss.now()
+                rss_flushed = flushed_rss(url, rss)
         finally:
             stop_server(proc)
 
@@ -317,6 +326,7 @@ def main() -> None:
                     failures.append(f"storm {k + 1}: the control requests' outputs changed")
                 if not kv_whole(storm_stats):
                     failures.append(f"storm {k + 1}: KV not whole afterwards: {storm_stats}")
+            storm_flushed = flushed_rss(url, None, engine_pid)
         finally:
             stop_server(proc)
 
@@ -356,6 +366,10 @@ def main() -> None:
             f"| {name} RSS idle; highest by each quarter of the overload; idle after "
             f"| {rss_idle[name]:.0f}; {quarters(rss.samples[name])}; {rss_after[name]:.0f} MiB |"
         )
+    print(
+        f"| engine RSS idle after, then with the prefix cache flushed | "
+        f"{rss_after['engine']:.0f}, {rss_flushed:.0f} MiB |"
+    )
     print(f"| KV after the overload | {kv_line(stats_after)} |")
     for k, (loud, reads, storm_wall, drain, stats) in enumerate(rounds, 1):
         print(
@@ -370,6 +384,7 @@ def main() -> None:
     for name in ("server", "engine"):
         values = " / ".join(f"{r[name]:.0f}" for r in storm_rss)
         print(f"| storm: {name} RSS before, after each round | {values} MiB |")
+    print(f"| storm: engine RSS with the prefix cache flushed | {storm_flushed:.0f} MiB |")
     print(json.dumps({"failures": failures}))
     if failures:
         raise SystemExit("FAILED: " + "; ".join(failures))

@@ -280,9 +280,10 @@ class Engine:
         """Empty the prefix cache. False (nothing flushed) while any request is running."""
 
         def flush() -> bool:
-            if self._core.scheduler.has_work():
+            if self._core.scheduler.has_work() or not self._core.cache.flush():
                 return False
-            return self._core.cache.flush()
+            self._core.release_free_kv()  # (the cached prefixes' memory, on a CPU)
+            return True
 
         return self._core.call(flush)
 

@@ -452,13 +452,18 @@ class EngineCore:
         if time.perf_counter() - self._last_step_at >= 0.5:
             self._trimmed_at_step = self.num_steps
             trim_free_heap()
-            # the KV pool's memory of the slots a burst used and freed: those above the slots
-            # still in use, then the runs between them long enough to hold whole pages
-            pool = self.kv_pool
-            pool.release_slots(*self.allocator.reclaim_free_tail())
-            if pool.k[0].device.type == "cpu":
-                for start, end in self.allocator.free_runs(-(-8192 // pool.slot_bytes)):
-                    pool.release_slots(start, end)
+            self.release_free_kv()
+
+    def release_free_kv(self) -> None:
+        """Give back the KV pool's memory of the slots used and freed since: those above the
+        slots still in use, then the runs between them long enough to hold whole pages (on a
+        CPU; the pool's pages become resident when written). When idle, and after the prefix
+        cache is flushed (core thread)."""
+        pool = self.kv_pool
+        pool.release_slots(*self.allocator.reclaim_free_tail())
+        if pool.k[0].device.type == "cpu":
+            for start, end in self.allocator.free_runs(-(-8192 // pool.slot_bytes)):
+                pool.release_slots(start, end)
 
     def _add(self, req: Req, sink: Sink, progress: bool) -> None:
         """A request from the inbox: to the scheduler, or to the grammar queue while its grammar

@@ -134,6 +134,13 @@ def test_the_kv_pool_releases_the_memory_of_free_slots_once_idle(tiny_model_fold
             time.sleep(0.1)
         # idle: every slot the burst used is free and back among the never-used ones
         assert len(core.allocator._free) == core.allocator.capacity == core.allocator.num_free
+    # with the prefix cache on, what it holds stays until it is flushed; then all comes back
+    with radixlm.Engine(tiny_model_folder, max_total_tokens=20_000) as eng:
+        core = eng._core
+        eng.generate(input_ids=prompts[:8], sampling_params={"max_new_tokens": 2})
+        assert eng.get_stats()["radix_cache_tokens"] > 3_000
+        assert eng.flush_cache()
+        assert len(core.allocator._free) == core.allocator.capacity == core.allocator.num_free
 
 
 def _rss() -> int:
