@@ -248,7 +248,6 @@ class RowGraphs(_BucketGraphs):
         self.hidden: torch.Tensor | None = None  # (rows, H) of the last run, if kept
         self._inputs = torch.zeros((4, n), dtype=torch.int64, device=self.device)
         self._init_staging(4 * n, pinned=capture)
-        self._ones = torch.ones(n, dtype=torch.int64, device=self.device)
         self._all_rows = torch.arange(n, dtype=torch.int64, device=self.device)
         self._capturing = capture
         if capture:  # (the outputs: logits, argmax, and the hidden states if kept)
@@ -303,22 +302,12 @@ class RowGraphs(_BucketGraphs):
         padding = rows == self.padding_row
         slots = torch.where(padding, 0, self.req_to_token[rows, positions].long())
         seq_lens = torch.where(padding, 0, positions + 1)
-        batch = ForwardBatch(
-            input_ids=ids,
-            positions=positions,
-            out_cache_loc=slots,
-            req_pool_indices=rows,
-            prefix_lens=positions,
-            extend_lens=self._ones[:n],
-            seq_lens=seq_lens,
-            logits_indices=None,  # every row
-            extend_lens_cpu=[1] * n,
+        batch = ForwardBatch.decode_rows(
+            ids, positions, rows, slots, seq_lens,
             # (read by the CPU's torch backend only, which runs uncaptured)
-            prefix_lens_cpu=[0] * n if self._capturing else positions.tolist(),
-            num_multi=0,
+            [0] * n if self._capturing else positions.tolist(),
             hidden_indices=self._all_rows[:n] if self.keeps_hidden else None,
-            store_kv_first=True,
-        )
+        )  # fmt: skip
         logits = self.model(batch, self.backend)
         return logits, greedy_ids(logits), batch.hidden_states
 

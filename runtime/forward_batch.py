@@ -46,6 +46,39 @@ class ForwardBatch:
     # row attends, so a backend must not fold the store into its decode kernel
     store_kv_first: bool = False
 
+    @classmethod
+    def decode_rows(
+        cls,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+        positions_cpu: list[int],
+        logits_indices: torch.Tensor | None = None,
+        hidden_indices: torch.Tensor | None = None,
+    ) -> ForwardBatch:
+        """A step of decode rows, every token a row of its own (`store_kv_first`): a verify step
+        or a draft tree's (runtime/cuda_graph.py RowGraphs, ModelRunner's eager twin). Row i is
+        token input_ids[i] at positions[i] on request-table row rows[i], its K/V into slots[i],
+        attending to seq_lens[i] keys; `positions_cpu` is read by the torch backend only."""
+        n = len(input_ids)
+        return cls(
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=slots,
+            req_pool_indices=rows,
+            prefix_lens=positions,
+            extend_lens=torch.ones_like(positions),
+            seq_lens=seq_lens,
+            logits_indices=logits_indices,
+            extend_lens_cpu=[1] * n,
+            prefix_lens_cpu=positions_cpu,
+            num_multi=0,
+            hidden_indices=hidden_indices,
+            store_kv_first=True,
+        )
+
     @property
     def batch_size(self) -> int:
         return len(self.extend_lens_cpu)

@@ -568,22 +568,10 @@ class ModelRunner:
             flat = [x for pair in lists.pending for x in pair]
             at, pool_rows = to_device(int64_tensor(flat), self.device).view(-1, 2).unbind(1)
             ids_t[at] = self.token_buf[pool_rows]
-        n = len(lists.input_ids)
-        return ForwardBatch(
-            input_ids=ids_t,
-            positions=pos_t,
-            out_cache_loc=self.req_to_token[rows_t, pos_t].long(),
-            req_pool_indices=rows_t,
-            prefix_lens=pos_t,
-            extend_lens=torch.ones_like(pos_t),
-            seq_lens=pos_t + 1,
-            logits_indices=logits_t,
-            hidden_indices=logits_t if lists.keep_hidden else None,
-            extend_lens_cpu=[1] * n,
-            prefix_lens_cpu=lists.positions,
-            num_multi=0,
-            store_kv_first=True,
-        )
+        return ForwardBatch.decode_rows(
+            ids_t, pos_t, rows_t, self.req_to_token[rows_t, pos_t].long(), pos_t + 1,
+            lists.positions, logits_t, logits_t if lists.keep_hidden else None,
+        )  # fmt: skip
 
     @staticmethod
     def _input_logprob_positions(it: ScheduledReq) -> list[tuple[int, int]]:

@@ -32,9 +32,12 @@ def greedy_accept(targets: Sequence[int], draft: Sequence[int]) -> list[int]:
     return [*draft[:m], targets[m]]
 
 
-def acceptance_uniform(seed: int, step: int) -> float:
-    """A uniform in (0, 1) for accepting the draft token at output position `step`."""
+def acceptance_uniform(seed: int, step: int, rank: int = 0) -> float:
+    """A uniform in (0, 1) for accepting the draft token at output position `step`; `rank`: of
+    a draft tree's candidates there, the how-manieth (0: a chain's one)."""
     z = row_seed(row_seed(seed, step), _ACCEPT_STREAM)
+    if rank:
+        z = row_seed(z, rank)
     return ((z >> 39) + 0.5) / (1 << 24)
 
 
@@ -79,7 +82,7 @@ def rejection_sample_tree(
         moved = False
         for rank, child in enumerate(children.get(node, ())):
             token = tree[child]
-            if _tree_uniform(seed, step + depth, rank) < float(dist[token] / dist.sum()):
+            if acceptance_uniform(seed, step + depth, rank) < float(dist[token] / dist.sum()):
                 path.append(child)
                 node, moved = child, True
                 break
@@ -90,14 +93,6 @@ def rejection_sample_tree(
     seeds = torch.tensor([row_seed(seed, step + len(path))], device=probs.device)
     noise = exponential_noise(seeds, dist.shape[-1])[0]
     return [*(tree[j] for j in path), int((dist / noise).argmax())], path
-
-
-def _tree_uniform(seed: int, step: int, rank: int) -> float:
-    """The uniform for the `rank`-th candidate at output position `step` (rank 0: a chain's)."""
-    if rank == 0:
-        return acceptance_uniform(seed, step)
-    z = row_seed(row_seed(row_seed(seed, step), _ACCEPT_STREAM), rank)
-    return ((z >> 39) + 0.5) / (1 << 24)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
