@@ -199,12 +199,19 @@ def test_the_cli_takes_the_speculative_options():
     p = cli._build_parser()
     args = p.parse_args(
         ["serve", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6",
-         "--speculative-ngram-max-match-window-size", "4"]
+         "--speculative-ngram-max-match-window-size", "4", "--speculative-eagle-topk", "3",
+         "--no-speculative-adaptive"]
     )  # fmt: skip
     config = EngineConfig(**cli._engine_kwargs(args))
     assert config.speculative_algorithm == "NGRAM"
     assert config.speculative_num_draft_tokens == 6
     assert config.speculative_ngram_max_match_window_size == 4
+    assert config.speculative_eagle_topk == 3 and config.speculative_adaptive is False
+    assert EngineConfig(speculative_algorithm="NGRAM").speculative_adaptive is True
+    with pytest.raises(ValueError, match="speculative_eagle_topk"):
+        EngineConfig(speculative_algorithm="NGRAM", speculative_eagle_topk=0)
+    with pytest.raises(ValueError, match="pp_size"):
+        EngineConfig(speculative_algorithm="NGRAM", speculative_eagle_topk=2, pp_size=2)
 
 
 # ---- the gate: drafting where it measured faster ------------------------------------------------
