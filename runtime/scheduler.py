@@ -150,6 +150,9 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Plan the next step; reserves the KV slots it needs. Empty when there is nothing to run."""
+        for row in self._lent:  # (rows lent to draft trees; speculation runs in lockstep: the
+            self.cache.rows.give_back(row)  # step that used them is done)
+        self._lent = []
         plan = StepPlan()
         made_room = self.priority_scheduling and bool(self.waiting) and self._make_room()
         prefilling = self._schedule_decodes(plan)
@@ -217,13 +220,12 @@ class Scheduler:
         total = sum(counts)
         drafts: list[tuple[int, ...]] = []
         rows = self.cache.rows
-        for row in self._lent:  # (speculation runs in lockstep: that step is done)
-            rows.give_back(row)
-        self._lent = []
         if self.drafter is not None and (self.drafting is None or self.drafting(len(decoding))):
             drafts = _drafts(self.drafter, decoding, counts)
-            spare = rows.num_spare
-            for i, d in enumerate(drafts):  # a tree's further paths borrow rows of the table
+            # a tree's further paths borrow rows of the table; a step that may take a prompt
+            # chunk verifies chains (a tree's step runs as decode rows, a chunk among them too)
+            spare = 0 if prefilling or self.waiting else rows.num_spare
+            for i, d in enumerate(drafts):
                 if isinstance(d, DraftTree):
                     need = len(d.paths()) - 1
                     if need > spare:

@@ -221,23 +221,25 @@ def test_the_gate_drafts_until_both_ways_are_measured_then_where_tokens_come_fas
     from radixlm.runtime.speculative.gate import SpeculationGate
 
     gate = SpeculationGate(explore=4)
-    # a bucket's first step drafts; until that is measured it keeps drafting
+    # a bucket's first step drafts, and it keeps drafting until that is measured
     assert [gate.drafting(1) for _ in range(2)] == [True, True]
     gate.observe(1, True, 30, 0.01)  # 3,000 tokens/s verifying
-    assert gate.drafting(1) is False  # then plain, to measure it
+    # then plain and drafting in turn until plain is measured (a step with a prompt chunk
+    # measures neither, so the turn goes on)
+    assert [gate.drafting(1) for _ in range(2)] == [True, False]
     gate.observe(1, False, 1, 0.001)  # 1,000 plain
-    assert [gate.drafting(1) for _ in range(4)] == [False, True, True, True]  # (8th: explores)
-    assert [gate.drafting(1) for _ in range(4)] == [False, True, True, True]  # (12th)
+    assert [gate.drafting(1) for _ in range(4)] == [True, True, True, False]  # (8th: explores)
+    assert [gate.drafting(1) for _ in range(4)] == [True, True, True, False]  # (12th)
     # a bucket of its own for 2-3 requests: plain measured faster there
     gate.observe(3, True, 6, 0.01)
     gate.observe(2, False, 3, 0.001)
     assert [gate.drafting(2) for _ in range(8)] == [False, False, False, True] * 2
-    assert gate.plain_steps == 1 + 2 + 6
+    assert gate.plain_steps == 3 + 6
     # the averages follow new measurements: verifying turned slow at batch 1
     for _ in range(20):
         gate.observe(1, True, 4, 0.01)
     assert gate.rates()[(1, True)] < gate.rates()[(1, False)]
-    assert [gate.drafting(1) for _ in range(2)] == [True, False]  # (12th: explores)
+    assert gate.drafting(1) is False
     # nothing measured from a step that gave nothing
     before = gate.rates()
     gate.observe(1, True, 0, 0.01)
@@ -348,3 +350,33 @@ def test_a_tree_is_laid_out_on_lent_rows_and_its_accepted_path_kept():
     for r in lent:
         rows.give_back(r)
     assert rows.num_spare == 2
+
+
+def test_a_constrained_draft_is_cut_to_what_its_matcher_can_undo():
+    """A grammar allowing every token of a long draft: the draft is cut to the matcher's
+    max_rollback (undoing more would raise in the scheduler), and the matcher is left where it
+    was."""
+    from radixlm.runtime.speculative.worker import _grammar_prefix
+
+    class Matcher:
+        max_rollback = 3
+
+        def __init__(self) -> None:
+            self.taken: list[int] = []
+
+        def is_terminated(self) -> bool:
+            return False
+
+        def accept_token(self, token: int) -> bool:
+            if token == 99:
+                return False
+            self.taken.append(token)
+            return True
+
+        def rollback(self, n: int) -> None:
+            assert n <= self.max_rollback
+            del self.taken[len(self.taken) - n :]
+
+    m = Matcher()
+    assert _grammar_prefix(m, list(range(10))) == [0, 1, 2] and m.taken == []
+    assert _grammar_prefix(m, [5, 99, 6]) == [5] and m.taken == []

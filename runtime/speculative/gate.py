@@ -14,9 +14,8 @@ measured at once: a large batch, where a wrong choice costs most, runs few steps
 the gate measured early). From then on each step goes the way the averages point, and every
 `explore`-th step the other way, so that a change (longer contexts, drafts that stopped
 matching) is seen; a first measurement that paid for compiling new kernel shapes is corrected
-when its way is explored again. A step that also
-computes a prompt chunk measures neither, nor does one whose requests were all left without a
-draft.
+when its way is explored again. A step that also computes a prompt chunk measures neither; one
+whose requests were all left without a draft counts as a plain step (it decoded plainly).
 """
 
 from __future__ import annotations
@@ -42,8 +41,10 @@ class SpeculationGate:
         b = self.bucket(batch)
         n = self._steps[b] = self._steps.get(b, 0) + 1
         spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
-        if spec is None or plain is None:  # (until both are measured: draft, then plain)
-            draft = spec is None or (plain is not None and n % self.explore == 0)
+        if spec is None:  # (until both are measured: draft, then plain, in turn)
+            draft = True
+        elif plain is None:
+            draft = n % 2 == 1
         else:
             best = spec >= plain
             draft = best if n % self.explore else not best

@@ -109,9 +109,11 @@ class SpeculativeWorker:
         )
         # where drafting pays, by measurement (None: draft at every step)
         self.gate = SpeculationGate() if config.speculative_adaptive else None
+        self._gate_batch = 0  # decoding requests of the step the gate last decided for
 
     def drafting(self, batch: int) -> bool:
         """Whether a step of `batch` decoding requests drafts (the scheduler asks first)."""
+        self._gate_batch = batch  # (the step is measured under the batch it was decided for)
         return self.gate is None or self.gate.drafting(batch)
 
     def observe_step(self, plan, results, seconds: float) -> None:
@@ -123,7 +125,7 @@ class SpeculativeWorker:
         verified = bool(results.verified)
         if verified:
             tokens += sum(map(len, results.verified.values()))
-        self.gate.observe(len(plan), verified, tokens, seconds)
+        self.gate.observe(self._gate_batch or len(plan), verified, tokens, seconds)
 
     # ---- drafting (the scheduler asks) -------------------------------------------------------
 
@@ -284,10 +286,10 @@ def tree_of(chains: list[list[int]], room: int) -> tuple[int, ...]:
 
 
 def _grammar_prefix(grammar, draft: list[int]) -> list[int]:
-    """The longest prefix of `draft` that `grammar` allows from where it stands; the matcher is
-    left where it was."""
+    """The longest prefix of `draft` that `grammar` allows from where it stands, and that its
+    matcher can undo at once (max_rollback); the matcher is left where it was."""
     n = 0
-    for token in draft:
+    for token in draft[: grammar.max_rollback]:
         if grammar.is_terminated() or not grammar.accept_token(token):
             break
         n += 1
