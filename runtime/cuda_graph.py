@@ -94,6 +94,43 @@ class _BucketGraphs:
             self._graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
 
+    def _replay(self, bucket: int):
+        """The bucket's graph replayed (or, not captured, its forward run): its outputs."""
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            return self._forward(bucket)
+        graph.replay()
+        return self._outputs[bucket]
+
+    def _token_lists(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        token_rows: list[int],
+        pending: list[tuple[int, int]],
+        bucket: int,
+    ) -> list[int]:
+        """The four token lists of a step of tokens (RowGraphs, PrefillGraphs), padded to
+        `bucket`: ids, positions, request rows (padding: the padding row) and, per token, the
+        request row whose `token_buf` entry is its input (-1: its id is given)."""
+        pad = bucket - len(input_ids)
+        from_buf = [-1] * bucket
+        for i, row in pending:
+            from_buf[i] = row
+        return (
+            input_ids + [0] * pad
+            + positions + [0] * pad
+            + token_rows + [self.padding_row] * pad
+            + from_buf
+        )  # fmt: skip
+
+    def _token_inputs(self, ids, positions, rows, from_buf) -> tuple[torch.Tensor, torch.Tensor]:
+        """In a graph: the tokens' ids (those pending read from `token_buf`) and their KV slots
+        from the request table (a padding token's: the padding slot 0)."""
+        ids = torch.where(from_buf >= 0, self.token_buf[from_buf.clamp(min=0)], ids)
+        slots = self.req_to_token[rows, positions].long()
+        return ids, torch.where(rows == self.padding_row, 0, slots)
+
     def _init_staging(self, size: int, pinned: bool) -> None:
         self._staging = [torch.zeros(size, dtype=torch.int64) for _ in range(2)]
         if pinned:
@@ -163,12 +200,7 @@ class DecodeGraphs(_BucketGraphs):
         staging[2, bs:] = 0
         self._inputs[:, :bucket].copy_(staging, non_blocking=True)
         self._copied()
-        graph = self._graphs.get(bucket)
-        if graph is None:  # not captured
-            logits, tokens = self._forward(bucket)
-        else:
-            graph.replay()
-            logits, tokens = self._outputs[bucket]
+        logits, tokens = self._replay(bucket)
         return logits[:bs], tokens[:bs]
 
     def rows_on_device(self, bs: int) -> torch.Tensor:
@@ -270,27 +302,13 @@ class RowGraphs(_BucketGraphs):
         of the graph's outputs, to be read before the next call."""
         n = len(input_ids)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
-        pad = bucket - n
-        from_buf = [-1] * bucket
-        for i, row in pending:
-            from_buf[i] = row
         staging = self._staging_buffer()[: 4 * bucket]
         staging.copy_(
-            int64_tensor(
-                input_ids + [0] * pad
-                + positions + [0] * pad
-                + token_rows + [self.padding_row] * pad
-                + from_buf
-            )
-        )  # fmt: skip
+            int64_tensor(self._token_lists(input_ids, positions, token_rows, pending, bucket))
+        )
         self._inputs[:, :bucket].copy_(staging.view(4, bucket), non_blocking=True)
         self._copied()
-        graph = self._graphs.get(bucket)
-        if graph is None:  # not captured
-            logits, tokens, hidden = self._forward(bucket)
-        else:
-            graph.replay()
-            logits, tokens, hidden = self._outputs[bucket]
+        logits, tokens, hidden = self._replay(bucket)
         self.hidden = None if hidden is None else hidden[:n]
         return logits[:n], tokens[:n]
 
@@ -298,10 +316,8 @@ class RowGraphs(_BucketGraphs):
 
     def _forward(self, n: int):
         ids, positions, rows, from_buf = self._inputs[:, :n]
-        ids = torch.where(from_buf >= 0, self.token_buf[from_buf.clamp(min=0)], ids)
-        padding = rows == self.padding_row
-        slots = torch.where(padding, 0, self.req_to_token[rows, positions].long())
-        seq_lens = torch.where(padding, 0, positions + 1)
+        ids, slots = self._token_inputs(ids, positions, rows, from_buf)
+        seq_lens = torch.where(rows == self.padding_row, 0, positions + 1)
         batch = ForwardBatch.decode_rows(
             ids, positions, rows, slots, seq_lens,
             # (read by the CPU's torch backend only, which runs uncaptured)
@@ -415,19 +431,13 @@ class PrefillGraphs(_BucketGraphs):
         n, r = len(input_ids), len(rows)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
         reqs, tiles, size = self._layout(bucket)
-        pad, pad_reqs = bucket - n, reqs - r
-        from_buf = [-1] * bucket
-        for i, row in pending:
-            from_buf[i] = row
+        pad_reqs = reqs - r
         tile_reqs, tile_starts = extend_blocks(extend_lens, self.tokens_per_block)
         pad_tiles = tiles - len(tile_reqs)
         staging = self._staging_buffer()[:size]
         staging.copy_(
             int64_tensor(
-                input_ids + [0] * pad
-                + positions + [0] * pad
-                + token_rows + [self.padding_row] * pad
-                + from_buf
+                self._token_lists(input_ids, positions, token_rows, pending, bucket)
                 + rows + [self.padding_row] * pad_reqs
                 + prefix_lens + [0] * pad_reqs
                 + extend_lens + [0] * pad_reqs
@@ -438,12 +448,7 @@ class PrefillGraphs(_BucketGraphs):
         )  # fmt: skip
         self._inputs[:size].copy_(staging, non_blocking=True)
         self._copied()
-        graph = self._graphs.get(bucket)
-        if graph is None:  # not captured
-            logits, hidden = self._forward(bucket)
-        else:
-            graph.replay()
-            logits, hidden = self._outputs[bucket]
+        logits, hidden = self._replay(bucket)
         self.hidden = None if hidden is None else hidden[: len(logits_rows)]
         return logits[: len(logits_rows)]
 
@@ -457,9 +462,7 @@ class PrefillGraphs(_BucketGraphs):
             4, reqs
         )
         blocks = flat[4 * (tokens + reqs) :].view(2, tiles)
-        ids = torch.where(from_buf >= 0, self.token_buf[from_buf.clamp(min=0)], ids)
-        out_cache_loc = self.req_to_token[token_rows, positions].long()
-        out_cache_loc = torch.where(token_rows == self.padding_row, 0, out_cache_loc)
+        ids, out_cache_loc = self._token_inputs(ids, positions, token_rows, from_buf)
         batch = ForwardBatch(
             input_ids=ids,
             positions=positions,

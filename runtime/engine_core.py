@@ -23,7 +23,7 @@ from radixlm.protocol.stats import EngineStats
 from radixlm.radix_cache.base import NoPrefixCache
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.cache_manager import CacheManager
-from radixlm.runtime.host_memory import trim_free_heap
+from radixlm.runtime.host_memory import page_size, trim_free_heap
 from radixlm.runtime.memory_pool import (
     KVPool,
     ReqToTokenPool,
@@ -462,7 +462,8 @@ class EngineCore:
         pool = self.kv_pool
         pool.release_slots(*self.allocator.reclaim_free_tail())
         if pool.k[0].device.type == "cpu":
-            for start, end in self.allocator.free_runs(-(-8192 // pool.slot_bytes)):
+            # (a run of two pages' worth of slots holds a whole page in each layer's K and V)
+            for start, end in self.allocator.free_runs(-(-2 * page_size() // pool.slot_bytes)):
                 pool.release_slots(start, end)
 
     def _add(self, req: Req, sink: Sink, progress: bool) -> None:

@@ -47,6 +47,12 @@ def _madvise():
 _MADV_DONTNEED = 4
 
 
+def page_size() -> int:
+    """The system's memory page size (4 KiB where it cannot be read)."""
+    found = _madvise()
+    return found[1] if found is not None else 4096
+
+
 def release_pages(address: int, length: int) -> int:
     """Give the whole pages inside [address, address + length) of an anonymous mapping back to
     the system (MADV_DONTNEED: read again, they are zero); returns the bytes released (0 where

@@ -343,6 +343,20 @@ _SHOWN = {
 }
 
 
+# engine statistics that are histogram snapshots (protocol/histogram.py): metric name and help
+_ENGINE_HISTOGRAMS = {
+    "grammar_compile_seconds": (
+        "grammar_compile_seconds",
+        "Time a constrained request waited for its grammar (a compile, or a cache hit).",
+    ),
+    "spec_accept_length_histogram": (
+        "spec_accept_length",
+        "Tokens each speculative verify step gave (accepted draft tokens and the target's own "
+        "next token).",
+    ),
+}
+
+
 class EngineCollector:
     """The engine's levels and totals, read from the stats of the scrape that is being answered
     (`stats`, set by `Metrics.render`; None: the engine did not answer)."""
@@ -388,24 +402,11 @@ class EngineCollector:
         for key, (name, help) in _ENGINE_COUNTERS.items():
             if _is_number(value := getattr(stats, key)):  # (None: speculation is off)
                 yield CounterMetricFamily(PREFIX + name, help, value=float(value))
-        grammar = stats.grammar_compile_seconds
-        if isinstance(grammar, dict):
-            with contextlib.suppress(ValueError, TypeError, KeyError):  # malformed: left out
-                yield _histogram(
-                    "grammar_compile_seconds",
-                    "Time a constrained request waited for its grammar (a compile, or a cache "
-                    "hit).",
-                    EngineHistogram.from_snapshot(grammar),
-                )
-        accepted = stats.spec_accept_length_histogram
-        if isinstance(accepted, dict):
-            with contextlib.suppress(ValueError, TypeError, KeyError):  # malformed: left out
-                yield _histogram(
-                    "spec_accept_length",
-                    "Tokens each speculative verify step gave (accepted draft tokens and the "
-                    "target's own next token).",
-                    EngineHistogram.from_snapshot(accepted),
-                )
+        for key, (name, help) in _ENGINE_HISTOGRAMS.items():
+            snapshot = getattr(stats, key)
+            if isinstance(snapshot, dict):  # (None: not kept; malformed: left out)
+                with contextlib.suppress(ValueError, TypeError, KeyError):
+                    yield _histogram(name, help, EngineHistogram.from_snapshot(snapshot))
         # any other number the engine reports, as a gauge (a running total belongs above)
         for key, value in sorted(stats.as_dict().items()):
             if key not in _SHOWN and _is_number(value):

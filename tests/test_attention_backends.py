@@ -31,6 +31,24 @@ def install_prefill_graphs(eng, max_tokens: int, max_reqs: int, keep_hidden: boo
     return runner.prefill_graphs
 
 
+def write_random_medusa_heads(model_folder, out) -> int:
+    """Three MEDUSA heads of random weights (large enough that their top tokens differ) for
+    the tiny model, written to `out`; the model's hidden size."""
+    from transformers import AutoModelForCausalLM
+
+    from radixlm.runtime.speculative import medusa
+
+    target = AutoModelForCausalLM.from_pretrained(model_folder)
+    hidden, vocab = target.config.hidden_size, target.config.vocab_size
+    torch.manual_seed(3)
+    heads = medusa.MedusaHeads(hidden, 3)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    config = medusa.MedusaConfig(3, 1, hidden, vocab, "tiny")
+    medusa.save_heads(out, heads, config, medusa.lm_head_sample(target.lm_head.weight))
+    return hidden
+
+
 def assert_same_outputs(want: list[dict], got: list[dict]) -> None:
     """The same tokens, and their log-probabilities within 1e-4 (where they were asked for)."""
     assert len(want) == len(got)
@@ -369,18 +387,7 @@ def test_medusa_steps_through_prefill_graphs_keep_the_hidden_states(tiny_model_f
     """MEDUSA drafts from the final hidden states of each step's logits rows: prompt-step graphs
     built with keep_hidden give them (replayed on a GPU, run eagerly here), so its verify steps
     need not run eagerly, and the tokens are those of the eager steps."""
-    from transformers import AutoModelForCausalLM
-
-    from radixlm.runtime.speculative import medusa
-
-    target = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
-    hidden, vocab = target.config.hidden_size, target.config.vocab_size
-    torch.manual_seed(3)
-    heads = medusa.MedusaHeads(hidden, 3)
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    config = medusa.MedusaConfig(3, 1, hidden, vocab, "tiny")
-    medusa.save_heads(tmp_path, heads, config, medusa.lm_head_sample(target.lm_head.weight))
+    hidden = write_random_medusa_heads(tiny_model_folder, tmp_path)
     prompts = [[300 + (j % (4 + i)) for j in range(20 + 5 * i)] for i in range(2)]
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     outs, kept = [], []
@@ -471,18 +478,7 @@ def test_medusa_steps_as_decode_rows_keep_the_hidden_states(tiny_model_folder, t
     from) run as decode rows with the rows' final hidden states kept: the tokens are those of
     the eager steps; with speculative_eagle_topk 2 its drafts are trees (their nodes on lent
     request-table rows), through the graphs and eagerly as decode rows alike."""
-    from transformers import AutoModelForCausalLM
-
-    from radixlm.runtime.speculative import medusa
-
-    target = AutoModelForCausalLM.from_pretrained(tiny_model_folder)
-    hidden, vocab = target.config.hidden_size, target.config.vocab_size
-    torch.manual_seed(3)
-    heads = medusa.MedusaHeads(hidden, 3)
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    config = medusa.MedusaConfig(3, 1, hidden, vocab, "tiny")
-    medusa.save_heads(tmp_path, heads, config, medusa.lm_head_sample(target.lm_head.weight))
+    hidden = write_random_medusa_heads(tiny_model_folder, tmp_path)
     prompts = [[300 + (j % (4 + i)) for j in range(20 + 5 * i)] for i in range(2)]
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     outs, notes = [], []

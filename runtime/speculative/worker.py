@@ -50,10 +50,6 @@ from radixlm.runtime.speculative.verify import (
     target_probs,
 )
 
-# a grammar's matcher must be able to undo this many tokens to check a draft (speculative drafts
-# are at most speculative_num_draft_tokens - 1 long; the matchers undo 64)
-_MOST_DRAFT = 32
-
 
 @dataclass(slots=True)
 class SpecTotals:
@@ -70,7 +66,7 @@ def speculates(req: Req) -> bool:
     p = req.params
     grammar = req.grammar
     return (
-        (grammar is None or (grammar.max_rollback >= _MOST_DRAFT and not grammar.is_terminated()))
+        (grammar is None or not grammar.is_terminated())
         and not req.logprob.return_logprob
         and not p.has_penalties
         and not p.has_logit_bias
