@@ -139,24 +139,57 @@ def _accumulate(
 
 
 @triton.jit
-def _weight_tile(
-    w_ptr, ws_ptr, wz_ptr, rows_n, k, k_end, N, stride_wn, stride_sn,
-    W_INT4: tl.constexpr, GROUP: tl.constexpr,
-):  # fmt: skip
-    """The weight's (BLOCK_N, BLOCK_K) tile at columns k, as stored; with W_INT4 unpacked from its
-    bytes (column k in byte k // 2, low four bits for even k) and dequantized to float32 with its
-    group's scale and zero point: (q - zero) * scale."""
+def _weight_tile(w_ptr, rows_n, k, k_end, N, stride_wn):
+    """The weight's (BLOCK_N, BLOCK_K) tile at columns k, as stored."""
     mask = (rows_n[:, None] < N) & (k[None, :] < k_end)
-    if W_INT4:
-        packed = tl.load(w_ptr + rows_n[:, None] * stride_wn + k[None, :] // 2, mask=mask, other=0)
-        q = (packed.to(tl.int32) >> ((k[None, :] % 2) * 4)) & 0xF
-        at = rows_n[:, None] * stride_sn + k[None, :] // GROUP
-        scale = tl.load(ws_ptr + at, mask=mask, other=0.0)
-        zero = tl.load(wz_ptr + at, mask=mask, other=0.0)
-        tile = (q.to(tl.float32) - zero) * scale
-    else:
-        tile = tl.load(w_ptr + rows_n[:, None] * stride_wn + k[None, :], mask=mask, other=0.0)
-    return tile
+    return tl.load(w_ptr + rows_n[:, None] * stride_wn + k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _int4_tile(
+    w_ptr, ws_ptr, wz_ptr, rows_n, k0, k_end, N, stride_wn, stride_sn,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr,
+):  # fmt: skip
+    """A packed INT4 weight's tile at columns k0 .. k0 + BLOCK_K, read as stored (column k in
+    byte k // 2, low four bits for even k): its low and high nibbles, the even and the odd
+    columns, (BLOCK_N, TILE_GROUPS, GROUP_COLS // 2) int32 each, and its groups' scales and zero
+    points (BLOCK_N, TILE_GROUPS) float32, one load per group (a tile holds TILE_GROUPS whole
+    groups, or GROUP_COLS columns of one)."""
+    at = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    mask = (rows_n[:, None] < N) & (at[None, :] < k_end // 2)
+    packed = tl.load(w_ptr + rows_n[:, None] * stride_wn + at[None, :], mask=mask, other=0)
+    packed = tl.reshape(packed.to(tl.int32), (BLOCK_N, TILE_GROUPS, GROUP_COLS // 2))
+    groups = k0 // GROUP + tl.arange(0, TILE_GROUPS)
+    g_mask = (rows_n[:, None] < N) & (groups[None, :] * GROUP < k_end)
+    g_at = rows_n[:, None] * stride_sn + groups[None, :]
+    scale = tl.load(ws_ptr + g_at, mask=g_mask, other=0.0)
+    zero = tl.load(wz_ptr + g_at, mask=g_mask, other=0.0)
+    return packed & 0xF, packed >> 4, scale, zero
+
+
+@triton.jit
+def _int4_dequantized(lo, hi, scale, zero, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """An `_int4_tile`'s weights in float32, (BLOCK_N, BLOCK_K): (q - zero) * scale."""
+    q = tl.interleave(lo, hi).to(tl.float32)  # the columns back in order
+    return tl.reshape((q - zero[:, :, None]) * scale[:, :, None], (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _int4_accumulate(
+    acc, a, lo, hi, scale, zero,
+    BLOCK_M: tl.constexpr, TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr,
+):  # fmt: skip
+    """acc (BLOCK_M, BLOCK_N) plus x's tile `a` (BLOCK_M, BLOCK_K) times an `_int4_tile`, group
+    by group as scale * (sum q x - zero * sum x): the stored integers multiply x as they are,
+    and each group's scale and zero point are applied once per output instead of once per
+    weight."""
+    pairs = tl.reshape(a.to(tl.float32), (BLOCK_M, TILE_GROUPS, GROUP_COLS // 2, 2))
+    even, odd = tl.split(pairs)  # (BLOCK_M, TILE_GROUPS, GROUP_COLS // 2)
+    qx = even[:, None] * lo.to(tl.float32)[None] + odd[:, None] * hi.to(tl.float32)[None]
+    dots = tl.sum(qx, axis=3)  # (BLOCK_M, BLOCK_N, TILE_GROUPS)
+    x_sums = tl.sum(even + odd, axis=2)  # (BLOCK_M, TILE_GROUPS)
+    return acc + tl.sum(scale[None] * (dots - zero[None] * x_sums[:, None, :]), axis=2)
 
 
 @triton.jit
@@ -166,7 +199,7 @@ def _gemv_kernel(
     stride_xm, stride_rm, stride_wn, stride_sn, stride_ym,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     W_SCALED: tl.constexpr, W_INT4: tl.constexpr, GROUP: tl.constexpr, W_CONVERT: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, LATE_SUM: tl.constexpr, PREFETCH: tl.constexpr,
     DOT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -177,8 +210,10 @@ def _gemv_kernel(
     (weights do not change during a step). With W_SCALED the weights are float8 with a float32
     scale per row (ws_ptr), by which each output's sum (each split's partial sum) is multiplied:
     the weights are read as stored and dequantized in registers. With W_INT4 they are packed INT4
-    with a float32 scale and zero point per GROUP columns of a row (ws_ptr, wz_ptr: `_weight_tile`).
-    W_CONVERT: a weight tile is turned into x's type for tl.dot (float8 and INT4 weights)."""
+    with a float32 scale and zero point per GROUP columns of a row (ws_ptr, wz_ptr: `_int4_tile`),
+    dequantized for tl.dot, else multiplied group by group (`_int4_accumulate`; no prefetch or
+    late sum). W_CONVERT: a weight tile is turned into x's type for tl.dot (float8 and INT4
+    weights)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -189,10 +224,7 @@ def _gemv_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if PREFETCH:  # the first tile on its way before the wait and the prologue's pass over x
-        w_next = _weight_tile(
-            w_ptr, ws_ptr, wz_ptr, rows_n, k_start + cols, k_end, N, stride_wn, stride_sn,
-            W_INT4, GROUP,
-        )  # fmt: skip
+        w_next = _weight_tile(w_ptr, rows_n, k_start + cols, k_end, N, stride_wn)
     if PDL:
         tl.extra.cuda.gdc_wait()
     rstd = 0.0
@@ -211,21 +243,27 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + cols
-        if PREFETCH:
-            w_tile = w_next
-            w_next = _weight_tile(
-                w_ptr, ws_ptr, wz_ptr, rows_n, k + BLOCK_K, k_end, N, stride_wn, stride_sn,
-                W_INT4, GROUP,
+        if W_INT4:
+            lo, hi, scale, zero = _int4_tile(
+                w_ptr, ws_ptr, wz_ptr, rows_n, k0, k_end, N, stride_wn, stride_sn,
+                GROUP, BLOCK_N, BLOCK_K, TILE_GROUPS, GROUP_COLS,
             )  # fmt: skip
+        elif PREFETCH:
+            w_tile = w_next
+            w_next = _weight_tile(w_ptr, rows_n, k + BLOCK_K, k_end, N, stride_wn)
         else:
-            w_tile = _weight_tile(
-                w_ptr, ws_ptr, wz_ptr, rows_n, k, k_end, N, stride_wn, stride_sn, W_INT4, GROUP
-            )
+            w_tile = _weight_tile(w_ptr, rows_n, k, k_end, N, stride_wn)
         a = _tile_operand(
             x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, k, k_end, M, K, stride_xm, stride_rm,
             PROLOGUE, HAS_RESIDUAL,
         )  # fmt: skip
-        acc = _accumulate(acc, a, w_tile, DOT, LATE_SUM, W_CONVERT)
+        if W_INT4 and not DOT:
+            acc = _int4_accumulate(acc, a, lo, hi, scale, zero, BLOCK_M, TILE_GROUPS, GROUP_COLS)
+        elif W_INT4:
+            w_tile = _int4_dequantized(lo, hi, scale, zero, BLOCK_N, BLOCK_K)
+            acc = _accumulate(acc, a, w_tile, DOT, False, True)
+        else:
+            acc = _accumulate(acc, a, w_tile, DOT, LATE_SUM, W_CONVERT)
     if LATE_SUM:
         acc = tl.sum(acc, axis=2)
     if W_SCALED:
@@ -318,10 +356,11 @@ def _launch(
         w_scale.stride(0) if int4 else 0, y.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         W_SCALED=w_scale is not None and not int4, W_INT4=int4, GROUP=group,
-        W_CONVERT=w_scale is not None,
+        W_CONVERT=w_scale is not None, **_int4_tiling(group, config.block_k),
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        NORM_BLOCK=_norm_block(k, rows, config), LATE_SUM=config.late_sum and not config.dot,
-        PREFETCH=config.prefetch and not config.dot, DOT=config.dot, ROWS=rows,
+        NORM_BLOCK=_norm_block(k, rows, config),
+        LATE_SUM=config.late_sum and not (config.dot or int4),
+        PREFETCH=config.prefetch and not (config.dot or int4), DOT=config.dot, ROWS=rows,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )  # fmt: skip
     if splits > 1:
@@ -331,6 +370,18 @@ def _launch(
             **launch,
         )  # fmt: skip
     return y
+
+
+def _int4_tiling(group: int, block_k: int) -> dict[str, int]:
+    """How a tile of `block_k` columns holds an INT4 weight's groups: TILE_GROUPS whole groups,
+    or GROUP_COLS columns of one (the kernel's constants; 1 and block_k for other weights)."""
+    if not group:
+        return {"TILE_GROUPS": 1, "GROUP_COLS": block_k}
+    if block_k % group and group % block_k:
+        raise ValueError(
+            f"an INT4 tile of {block_k} columns must split or fit in groups of {group}"
+        )
+    return {"TILE_GROUPS": max(block_k // group, 1), "GROUP_COLS": min(group, block_k)}
 
 
 def _check_w_scale(

@@ -1,6 +1,6 @@
 """A matmul over packed INT4 weights for more rows than the GEMV takes (kernels/gemv.py, batch
 1-4): y = x @ dequantize(W).T (+ b), the weight's tiles unpacked and dequantized in registers
-(`gemv._weight_tile`, the GEMV's own) and fed to tl.dot in x's type, so the weight is read once
+(`gemv._int4_tile` and `_int4_dequantized`, the GEMV's own) and fed to tl.dot in x's type, so the weight is read once
 per row block instead of being written out dequantized first. Its oracle is kernels/quant_ref.py
 `int4_linear_ref` (runtime/quantization/int4.py calls this on CUDA).
 """
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.kernels.gemv import _weight_tile
+from radixlm.kernels.gemv import _int4_dequantized, _int4_tile, _int4_tiling
 
 
 @triton.jit
@@ -20,6 +20,7 @@ def _int4_gemm_kernel(
     M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr,
 ):  # fmt: skip
     rows_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -29,9 +30,11 @@ def _int4_gemm_kernel(
         k = k0 + cols
         mask = (rows_m[:, None] < M) & (k[None, :] < K)
         a = tl.load(x_ptr + rows_m[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
-        w = _weight_tile(
-            w_ptr, ws_ptr, wz_ptr, rows_n, k, K, N, stride_wn, stride_sn, True, GROUP
-        )  # (BLOCK_N, BLOCK_K) float32
+        lo, hi, scale, zero = _int4_tile(
+            w_ptr, ws_ptr, wz_ptr, rows_n, k0, K, N, stride_wn, stride_sn,
+            GROUP, BLOCK_N, BLOCK_K, TILE_GROUPS, GROUP_COLS,
+        )  # fmt: skip
+        w = _int4_dequantized(lo, hi, scale, zero, BLOCK_N, BLOCK_K)  # float32
         acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision="ieee")
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows_n, mask=rows_n < N, other=0.0).to(tl.float32)[None, :]
@@ -78,6 +81,6 @@ def int4_gemm(
         x, packed, scale, zero, bias if bias is not None else scale, y,
         m, n, k, x.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
         GROUP=k // groups, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=4, num_stages=3,
+        **_int4_tiling(k // groups, bk), num_warps=4, num_stages=3,
     )  # fmt: skip
     return y
