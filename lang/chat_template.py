@@ -214,9 +214,10 @@ def _default_system(
 # ---- rendering a template without transformers ----------------------------------------------
 
 
-def jinja_renderer(template: str, special_tokens: dict[str, str] | None = None) -> Renderer:
+def jinja_renderer(template: str, special_tokens: dict[str, Any] | None = None) -> Renderer:
     """A renderer for a Hugging Face chat template, with the environment transformers uses
-    (sandboxed, trim_blocks, lstrip_blocks, `raise_exception`, `tojson`)."""
+    (sandboxed, trim_blocks, lstrip_blocks, `raise_exception`, `tojson`); `special_tokens` and
+    any other variables in that mapping (`tools`) are given to every rendering."""
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -1222,10 +1222,68 @@ def tool_call_parser(name: str) -> ToolCallParser:
 
 
 def detect_tool_call_parser(chat_template: str | None) -> str | None:
-    """The parser a chat template's own text points to (None: no tool-call markers in it)."""
+    """The parser a chat template points to: by the markers in its text, else by the format it
+    writes an earlier call in (None: neither shows one)."""
     template = chat_template or ""
     for cls in _DETECTION_ORDER:
         if any(marker in template for marker in cls.markers):
+            return cls.names[0]
+    return _format_of_written_call(template) if template else None
+
+
+# the conversation "auto" renders to see how a template writes a call (a format without marker
+# tokens, such as Llama 3.2's JSON or pythonic calls, shows only in the calls themselves)
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+_PROBE_ARGUMENTS = {"city": "Paris"}
+_PROBE_QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
+_PROBE_CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": _PROBE_ARGUMENTS},
+        }
+    ],
+}
+
+
+def _format_of_written_call(template: str) -> str | None:
+    """The parser that reads back the call the template writes for an assistant's turn that
+    made one (None: none does, or the template cannot render such a turn)."""
+    from radixlm.lang.chat_template import jinja_renderer
+
+    try:
+        # (the special tokens are the tokenizer's, not known here: empty)
+        render = jinja_renderer(
+            template, {"bos_token": "", "eos_token": "", "tools": [_PROBE_TOOL]}
+        )
+        asked = render([_PROBE_QUESTION], True)
+        answered = render([_PROBE_QUESTION, _PROBE_CALL], False)
+    except Exception:  # (a template's own errors, whatever they are: no format shown)
+        return None
+    # the assistant's turn as the model would have generated it, where the template renders the
+    # earlier turn as it prompts for a new one; else everything after the question
+    if answered.startswith(asked):
+        written = answered[len(asked) :]
+    else:
+        written = answered[answered.find(_PROBE_QUESTION["content"]) :]
+    name = _PROBE_TOOL["function"]["name"]
+    for cls in _DETECTION_ORDER:
+        calls = tool_call_parser(cls.names[0]).parse(written, {name}).calls
+        if [(c.name, _loads(c.arguments)) for c in calls] == [(name, _PROBE_ARGUMENTS)]:
             return cls.names[0]
     return None
 

@@ -600,6 +600,40 @@ def test_auto_reads_the_format_from_the_chat_template(template, expected):
     assert detect_tool_call_parser(template) == expected
 
 
+# templates with no marker of their format in their text: Llama 3.2's JSON calls (no
+# <|python_tag|>) and its pythonic ones; "auto" reads the format from the call they write
+_LLAMA_HEADER = "'<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n'"
+_JSON_CALLS = (
+    "{% for m in messages %}{{ " + _LLAMA_HEADER + " }}{% if m.tool_calls %}"
+    '{% for c in m.tool_calls %}{{ \'{"name": "\' + c.function.name + \'", "parameters": \' '
+    "+ c.function.arguments | tojson + '}' }}{% endfor %}"
+    "{% else %}{{ m.content }}{% endif %}{{ '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}"
+)
+_PYTHONIC_CALLS = (
+    "{% for m in messages %}{{ m.role + ': ' }}{% if m.tool_calls %}{{ '[' }}"
+    "{% for c in m.tool_calls %}{{ c.function.name + '(' }}"
+    "{% for k, v in c.function.arguments.items() %}{{ k + '=' + v | tojson }}{% endfor %}"
+    "{{ ')' }}{% endfor %}{{ ']' }}{% else %}{{ m.content }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template,expected",
+    [
+        (_JSON_CALLS, "llama3"),
+        (_PYTHONIC_CALLS, "pythonic"),
+        # a call written in no family's format, and a template that cannot render a call
+        (_PYTHONIC_CALLS.replace("'('", "' with '"), None),
+        ("{{ raise_exception('no tools here') }}", None),
+    ],
+)
+def test_auto_reads_the_format_from_the_call_a_template_writes(template, expected):
+    assert detect_tool_call_parser(template) == expected
+
+
 def test_auto_says_which_format_it_chose(caplog):
     with caplog.at_level("INFO", logger="radixlm.server"):
         parser = resolve_tool_call_parser("auto", "x [TOOL_CALLS] y")
