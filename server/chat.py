@@ -104,6 +104,7 @@ def chat_messages(
                     {
                         "role": "assistant",
                         "content": content,
+                        **_reasoning(m),
                         "tool_calls": [
                             {
                                 "id": c.id,
@@ -128,9 +129,8 @@ def chat_messages(
                     calls = [
                         call_as_text(c.function.name, c.function.arguments) for c in m.tool_calls
                     ]
-                out.append(
-                    {"role": "assistant", "content": "\n".join(filter(None, [content, *calls]))}
-                )
+                text = "\n".join(filter(None, [content, *calls]))
+                out.append({"role": "assistant", "content": text, **_reasoning(m)})
             continue
         if role == "tool":
             name = m.name or call_names.get(m.tool_call_id or "")
@@ -146,10 +146,18 @@ def chat_messages(
                     {"role": "user", "content": result_as_text(content), "_tool_results": True}
                 )
             continue
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **_reasoning(m)})
     for entry in out:
         entry.pop("_tool_results", None)
     return out
+
+
+def _reasoning(message: ChatMessage) -> dict[str, str]:
+    """An assistant's earlier thinking, for a template that writes it back (as Qwen3's does, in
+    `<think>` before the answer); nothing for other messages, or without any."""
+    if message.role == "assistant" and message.reasoning_content:
+        return {"reasoning_content": message.reasoning_content}
+    return {}
 
 
 def _text(content: Any, index: int) -> str:
