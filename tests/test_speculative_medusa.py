@@ -98,17 +98,58 @@ def test_a_chain_is_proposed_only_for_the_context_it_was_made_for(tmp_path):
         logprob=SimpleNamespace(return_logprob=False), draft_index=None,
     )  # fmt: skip
     assert worker.propose(req) == []  # nothing drafted yet
-    worker.draft_from_hidden(torch.randn(1, H), [req])  # the chain after the token sampled now
-    chains = req.draft_index[1]  # (one: speculative_eagle_topk 1)
-    assert req.draft_index[0] == 5 and len(chains) == 1 and len(chains[0]) == 3
-    chain = chains[0]
+    worker.draft_from_hidden(torch.randn(1, H), [req])  # the state after the token sampled now
+    assert req.draft_index[0] == 5 and isinstance(req.draft_index[1], torch.Tensor)
     assert worker.propose(req) == []  # that token has not been taken yet
     req.output_ids.append(7)
+    chain = worker.propose(req)
+    chains = req.draft_index[1]  # the heads ran (one chain: speculative_eagle_topk 1)
+    assert len(chains) == 1 and len(chains[0]) == 3 and chain == chains[0]
     assert worker.propose(req) == chain
     req.max_output_len = 4  # room for one draft token and the bonus token
     assert worker.propose(req) == chain[:1]
     req.output_ids.append(8)  # the context moved on (jump-forward, say): the chain is stale
     assert worker.propose(req) == []
+
+
+def test_the_heads_run_once_for_all_waiting_states_and_only_when_a_draft_is_asked_for(tmp_path):
+    """Steps the gate keeps plain hand states over without running the heads; the first draft
+    asked for runs them over every request's latest state in one batch."""
+    from radixlm.runtime.speculative.worker import SpeculativeWorker
+
+    model = fake_model()
+    write_heads(tmp_path, model, num_heads=3)
+    config = EngineConfig(
+        speculative_algorithm="MEDUSA", speculative_draft_model_path=str(tmp_path)
+    )
+    worker = SpeculativeWorker(config, model)
+    params = SimpleNamespace(
+        has_penalties=False, has_logit_bias=False, min_new_tokens=0, is_greedy=True
+    )
+    reqs = [
+        SimpleNamespace(
+            input_ids=[1, 2, 3], output_ids=[4 + i], params=params, grammar=None,
+            max_output_len=100, logprob=SimpleNamespace(return_logprob=False), draft_index=None,
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    batches = []
+    real = worker.medusa.draft_candidates
+
+    def counted(hidden, num, width):
+        batches.append(hidden.clone())
+        return real(hidden, num, width)
+
+    worker.medusa.draft_candidates = counted
+    states = [torch.randn(2, H) for _ in range(3)]
+    for step, hidden in enumerate(states):  # three plain steps: no heads
+        worker.draft_from_hidden(hidden, reqs)
+        for r in reqs:  # (the token each state follows, taken)
+            r.output_ids.append(10 + step)
+    assert batches == []
+    drafts = [worker.propose(r) for r in reqs]
+    assert len(batches) == 1 and torch.equal(batches[0], states[-1])  # the latest, both at once
+    assert drafts == [chains[0] for chains in real(states[-1], 3, 1)]
 
 
 # ---- loading ----------------------------------------------------------------------------------

@@ -12,9 +12,11 @@ accepted tokens are taken, so they never reach the prefix cache.
 Drafters: NGRAM copies what followed the latest earlier occurrence of the context's ending
 (ngram.py); MEDUSA runs its heads (medusa.py) over the final hidden state of the position that
 gave the request's newest token. The model runner hands that state over after each forward
-(`wants_hidden`, `draft_from_hidden`, and `verify` for the accepted position of a draft), and the
-chain waits in `req.draft_index` with the context length it follows, so a context that changed
-since (jump-forward, a rewritten output) is not drafted for from a stale state.
+(`wants_hidden`, `draft_from_hidden`, and `verify` for the accepted position of a draft); the
+state waits in `req.draft_index` with the context length it follows, so a context that changed
+since (jump-forward, a rewritten output) is not drafted for from a stale state. The heads run
+over the waiting states of all requests at once when the scheduler first asks for a draft, so
+steps the gate keeps plain run no heads.
 
 With speculative_eagle_topk above 1 a request's draft (without a grammar) is a tree of that
 many candidate paths (tree.py: NGRAM's matches of different lengths, MEDUSA's first-head top-k),
@@ -105,6 +107,9 @@ class SpeculativeWorker:
         )
         # where drafting pays, by measurement (None: draft at every step)
         self.gate = SpeculationGate() if config.speculative_adaptive else None
+        # MEDUSA: the requests whose kept state the heads have not run over yet (by id: a
+        # request kept again replaces itself; the heads' next run empties it)
+        self._unheaded: dict[int, Req] = {}
         self._gate_batch = 0  # decoding requests of the step the gate last decided for
 
     def drafting(self, batch: int) -> bool:
@@ -133,11 +138,13 @@ class SpeculativeWorker:
             return []
         # a tree for a request without a grammar (a constrained one verifies a chain)
         width = self.width if req.grammar is None else 1
-        if self.medusa is not None:  # the chains the heads made for this context, if still its
+        if self.medusa is not None:  # the chains the heads make for this context, if still its
             made = req.draft_index
             if made is None or made[0] != len(req.input_ids) + len(req.output_ids):
                 return []
-            chains = made[1][:width]
+            if isinstance(made[1], torch.Tensor):  # its state, not run through the heads yet
+                self._run_heads()
+            chains = req.draft_index[1][:width]
         else:
             index = req.draft_index
             if index is None:
@@ -168,16 +175,32 @@ class SpeculativeWorker:
         self._draft(hidden, reqs, [1] * len(reqs))
 
     def _draft(self, hidden: torch.Tensor, reqs: list[Req], taken: list[int]) -> None:
-        keep = [i for i, r in enumerate(reqs) if speculates(r)]
-        if not keep or self.medusa is None:
+        """Keep each drafted-for request's row of `hidden` (a tensor of this step's own, not a
+        graph's buffer) with the context length it follows; the heads run over the rows when a
+        draft is first asked for (`_run_heads`), so a step the gate keeps plain pays no heads."""
+        if self.medusa is None:
             return
-        if len(keep) < len(reqs):
-            hidden = hidden[torch.tensor(keep, device=hidden.device)]
+        for i, req in enumerate(reqs):
+            if speculates(req):
+                at = len(req.input_ids) + len(req.output_ids) + taken[i]
+                req.draft_index = (at, hidden[i])
+                self._unheaded[id(req)] = req
+
+    def _run_heads(self) -> None:
+        """The heads over every kept state not run through them yet, in one batch: each such
+        request's chains (`draft_candidates`) replace its state."""
+        reqs = [
+            r
+            for r in self._unheaded.values()
+            if r.draft_index is not None and isinstance(r.draft_index[1], torch.Tensor)
+        ]
+        self._unheaded.clear()
+        if not reqs:
+            return
+        hidden = torch.stack([r.draft_index[1] for r in reqs])
         num = min(self.num_draft_tokens - 1, self.medusa.num_heads)
-        candidates = self.medusa.draft_candidates(hidden, num, self.width)
-        for i, chains in zip(keep, candidates):
-            req = reqs[i]
-            req.draft_index = (len(req.input_ids) + len(req.output_ids) + taken[i], chains)
+        for req, chains in zip(reqs, self.medusa.draft_candidates(hidden, num, self.width)):
+            req.draft_index = (req.draft_index[0], chains)
 
     # ---- verification (the model runner asks) --------------------------------------------------
 
