@@ -204,9 +204,10 @@ class LLGuidanceBackend:
     def _structural_tag_grammar(self, spec: str, lenient: bool) -> str:
         """Free text in which each trigger opens a section: the rest of its `begin`, JSON held to
         its schema (prepared as a json_schema request's is), then its `end` (llguidance's
-        StructTag: a trigger is a lazy lexeme, so the text runs until the trigger appears). With
-        `thinking` (see `structural_tag_thinking`), the thinking comes first, free, and the
-        triggers open sections only after it."""
+        StructTag: a trigger is a lazy lexeme, so the text runs until the trigger appears; one
+        that is a special token of the tokenizer, that token). With `thinking` (see
+        `structural_tag_thinking`), the thinking comes first, free, and the triggers open
+        sections only after it."""
         from radixlm.protocol.sampling_params import structural_tag_parts
 
         try:
@@ -229,9 +230,22 @@ class LLGuidanceBackend:
                     trigger=trigger, begin=item["begin"], grammar=schema, end=item["end"]
                 )
             )
+        special = {t: i for t in triggers if (i := self._special_token(t)) is not None}
         if thinking is None:
-            return self._ll.LLMatcher.grammar_from_lark(self._ll.StructTag.to_grammar(tags))
-        return self._ll.LLMatcher.grammar_from_lark(_struct_tags_after_thinking(tags, thinking))
+            return self._ll.LLMatcher.grammar_from_lark(_struct_tags(tags, special))
+        return self._ll.LLMatcher.grammar_from_lark(
+            _struct_tags_after_thinking(tags, thinking, special)
+        )
+
+    def _special_token(self, text: str) -> int | None:
+        """The id of the special token `text` is, if it is one. (llguidance's StructTag takes a
+        trigger written `<...>` for one; `<tool_call>` is one in Qwen's vocabulary, but text the
+        model writes in several tokens in most others.)"""
+        try:
+            ids = self.tokenizer.tokenize_str(text, parse_special=True)
+        except Exception:  # (a tokenizer that cannot parse special tokens out of text has none)
+            return None
+        return ids[0] if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]) else None
 
     def _refuse_structure(self, spec: str, lenient: bool) -> None:
         """A structural tag llguidance refused: the first structure whose schema it refuses as a
@@ -809,7 +823,19 @@ class Thinking:
     forced: bool
 
 
-def _struct_tags_after_thinking(tags: list[Any], thinking: Thinking) -> str:
+def _struct_tags(tags: list[Any], special: dict[str, int]) -> str:
+    """The Lark grammar `StructTag.to_grammar(tags)` writes (sections opened by triggers in free
+    text), a trigger a special token only where `special` has its id."""
+    lark = ["%llguidance {}", f"start: ({_alternatives('tag', tags)})* tag_end"]
+    lark += ["tag_end: TAG_TEXT", r"TAG_TEXT: /(.|\n)*/"]
+    for i, tag in enumerate(tags):
+        lark += _struct_tag_rules(f"tag_{i}", "TAG_TEXT", tag, special)
+    return "\n".join(lark) + "\n"
+
+
+def _struct_tags_after_thinking(
+    tags: list[Any], thinking: Thinking, special: dict[str, int]
+) -> str:
     """The Lark grammar of `StructTag.to_grammar(tags)` (sections opened by triggers in free
     text) after the thinking: up to its first `end`, a lazy lexeme, in which no trigger opens a
     section. Where the thinking is optional, an output that does not open with its `begin` is
@@ -830,9 +856,9 @@ def _struct_tags_after_thinking(tags: list[Any], thinking: Thinking) -> str:
     lark += [f"tags: ({_alternatives('tag', tags)})* tag_end", "tag_end: TAG_TEXT"]
     lark += [f"TAG_TEXT: {any_text}"]
     for i, tag in enumerate(tags):
-        lark += _struct_tag_rules(f"tag_{i}", "TAG_TEXT", tag)
+        lark += _struct_tag_rules(f"tag_{i}", "TAG_TEXT", tag, special)
         if not thinking.forced:
-            lark += _struct_tag_rules(f"first_{i}", "BARE_TEXT", tag)
+            lark += _struct_tag_rules(f"first_{i}", "BARE_TEXT", tag, special)
     return "\n".join(lark) + "\n"
 
 
@@ -840,9 +866,10 @@ def _alternatives(prefix: str, tags: list[Any]) -> str:
     return " | ".join(f"{prefix}_{i}" for i in range(len(tags)))
 
 
-def _struct_tag_rules(rule: str, text: str, tag: Any) -> list[str]:
+def _struct_tag_rules(rule: str, text: str, tag: Any, special: dict[str, int]) -> list[str]:
     """The rules of one section, `text` before its trigger, as `StructTag.to_grammar` writes
-    them (a trigger written `<...>` is taken for a special token, as there)."""
+    them: a trigger `special` has the id of is that special token, any other a lazy lexeme of
+    its text."""
     rest = tag.begin[len(tag.trigger) :]
     body = " ".join(
         part
@@ -853,8 +880,8 @@ def _struct_tag_rules(rule: str, text: str, tag: Any) -> list[str]:
         )
         if part
     )
-    if tag.trigger.startswith("<") and tag.trigger.endswith(">"):
-        return [f"{rule}: {text} {tag.trigger} {body}"]
+    if tag.trigger in special:
+        return [f"{rule}: {text} <[{special[tag.trigger]}]> {body}"]
     return [f"{rule}_trig[lazy]: {text} {_lark_string(tag.trigger)}", f"{rule}: {rule}_trig {body}"]
 
 
