@@ -1279,7 +1279,7 @@ def _format_of_written_call(template: str) -> str | None:
     if answered.startswith(asked):
         written = answered[len(asked) :]
     else:
-        written = answered[answered.find(_PROBE_QUESTION["content"]) :]
+        written = answered[max(answered.find(_PROBE_QUESTION["content"]), 0) :]
     name = _PROBE_TOOL["function"]["name"]
     for cls in _DETECTION_ORDER:
         calls = tool_call_parser(cls.names[0]).parse(written, {name}).calls
