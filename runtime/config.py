@@ -45,8 +45,9 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as SGLang reads them
 # KV cache dtypes (runtime/memory_pool.py KV_CACHE_DTYPES), and SGLang's others not offered yet
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _KV_CACHE_LATER = ("fp8_e5m2", "fp4_e2m1", "bf16", "bfloat16")
-_QUANTIZATION = ("fp8", "w4a16")  # runtime/quantization/plan.py QUANTIZATION_METHODS
-_QUANTIZATION_LATER = ("awq", "gptq", "gguf", "awq_marlin", "gptq_marlin")
+# runtime/quantization/plan.py QUANTIZATION_METHODS
+_QUANTIZATION = ("fp8", "w4a16", "gguf", "none")
+_QUANTIZATION_LATER = ("awq", "gptq", "awq_marlin", "gptq_marlin")
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ class EngineConfig:
     # layers at load (float8 weights with a scale per output channel, activations scaled per token
     # as they run: W8A8); w4a16 to INT4 in groups of 128 (activations as they are). A quantized
     # checkpoint (compressed-tensors FP8) is detected from its config.json and run as stored,
-    # unset (runtime/quantization/)
+    # unset (runtime/quantization/). gguf runs a GGUF file's blocks as stored (Q4_0, Q4_1, Q8_0,
+    # Q4_K, Q6_K; runtime/quantization/gguf.py); none (or unset) dequantizes a GGUF to float
     quantization: str | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     # CUDA graphs replay decode steps of up to this many requests (default: max_running_requests,

@@ -52,6 +52,13 @@ def default_model_path() -> str:
     return str(path)
 
 
+def gguf_file(model_path: str | None) -> Path | None:
+    """The GGUF file a model path names (None: the embedded default, a GGUF), or None for a
+    folder."""
+    path = Path(default_model_path() if model_path is None else model_path).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def default_tokenizer():
     """The embedded model's tokenizer alone (no weights converted), read from the GGUF once and
     cached as a Hugging Face tokenizer folder in the temp directory. For tools that need only the

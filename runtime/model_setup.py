@@ -38,8 +38,12 @@ def build_model(
     from radixlm.runtime.models.llama import LlamaForCausalLM
     from radixlm.runtime.quantization import plan as quant
 
-    plan = quant.plan_for(config.quantization, mc.quantization)
-    if plan is not None and device.type != "cuda":
+    plan = quant.plan_for(
+        config.quantization, mc.quantization, model_loader.gguf_file(config.model_path)
+    )
+    if plan is not None and plan.gguf is not None:
+        startup.say(f"{plan.description}: {_gguf_path_line(device)}")
+    elif plan is not None and device.type != "cuda":
         startup.say(
             f"{plan.description}: on the {device.type} the quantized layers run their "
             "dequantizing torch twins, correct but slower than unquantized weights"
@@ -63,11 +67,25 @@ def build_model(
         total = model_loader.count_safetensors(folder)
         if plan is not None:
             weights = quant.readable(weights, plan)
+        if plan is not None and plan.gguf is not None:  # the linear layers' blocks from the GGUF
+            weights = plan.gguf.weights(weights)
         model.load_weights(startup.progress(weights, total, "loading weights", "tensors"))
+        if plan is not None and plan.gguf is not None:
+            plan.gguf.load_head(model)
     if plan is not None:
         quant.finish(model, plan)
     model.rope.build_tables(device)
     return model.eval()
+
+
+def _gguf_path_line(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "on the GPU each layer is dequantized and multiplied at every step (correct, slow)"
+    from radixlm.kernels import gguf_cpu
+
+    if gguf_cpu.load() is None:
+        return "no CPU kernels (they could not be built): dequantized at every step, slow"
+    return "the CPU kernels read the blocks"
 
 
 def rank_kv_tokens(

@@ -228,6 +228,8 @@ class RowParallelLinear(nn.Linear):
         self.part, self.comm = part, comm
 
     def shard(self, tensor: torch.Tensor, index: int = 0) -> torch.Tensor:
+        if self.part.length == self.part.size:  # all of it (a GGUF's rows are bytes, not columns)
+            return tensor
         return tensor[:, self.part.start : self.part.end]
 
     def part_size(self, index: int = 0) -> int:

@@ -28,6 +28,7 @@ from radixlm.runtime.parallel import (
     VocabParallelEmbedding,
     shard_for,
 )
+from radixlm.runtime.quantization.base import scheme_of
 
 
 class FusableMatmul(NamedTuple):
@@ -227,7 +228,9 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def tie_weights_if_needed(self) -> None:
-        if self.cfg.tie_word_embeddings:  # moving off the meta device unties them
+        # (a quantized head keeps its own weight: a GGUF's blocks of the embedding)
+        if self.cfg.tie_word_embeddings and not scheme_of(self.lm_head).quantized:
+            # moving off the meta device unties them
             self.lm_head.weight = self.embed_tokens.weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +23,9 @@ from radixlm.runtime.quantization.int4 import Int4Linear
 QUANTIZATION_METHODS = (
     "fp8",
     "w4a16",
-)  # EngineConfig.quantization's values (None: none; config.py)
+    "gguf",
+    "none",
+)  # EngineConfig.quantization's values (None: the checkpoint's own; config.py)
 
 
 @dataclass(frozen=True)
@@ -30,11 +34,25 @@ class QuantPlan:
     description: str  # for the start-up line
     unread_suffixes: tuple[str, ...] = ()  # checkpoint tensors not read (StoredQuantization)
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint name endings -> the layer's names
+    # a scheme of each layer's own (by module name), where layers differ (a GGUF's block types)
+    schemes: dict[str, LinearScheme] | None = None
+    gguf: Any = None  # quantization="gguf": the file's blocks (gguf.GgufWeights)
 
 
-def plan_for(option: str | None, stored: StoredQuantization | None) -> QuantPlan | None:
+def plan_for(
+    option: str | None, stored: StoredQuantization | None, gguf_file: str | Path | None = None
+) -> QuantPlan | None:
     """The plan for `quantization=option` over a checkpoint that stores `stored` (None: plain
-    weights); None: no quantization."""
+    weights), converted from the GGUF file `gguf_file` if one; None: no quantization."""
+    if option == "gguf":
+        return gguf_plan(gguf_file)
+    if option == "none":
+        if stored is not None:
+            raise ValueError(
+                f"quantization='none', but the checkpoint is quantized ({stored.description}): "
+                "leave quantization unset to run it as stored"
+            )
+        return None
     if stored is not None:
         if option is not None and option != stored.scheme:
             raise ValueError(
@@ -52,6 +70,25 @@ def plan_for(option: str | None, stored: StoredQuantization | None) -> QuantPlan
     raise ValueError(f"quantization={option!r}; use one of {', '.join(QUANTIZATION_METHODS)}")
 
 
+def gguf_plan(gguf_file: str | Path | None) -> QuantPlan:
+    """GGUF blocks as stored (runtime/quantization/gguf.py): each layer's scheme of its parts'
+    block types; the LM head's too, where its tensor is of a supported type."""
+    from radixlm.runtime.quantization.gguf import GgufLinear, GgufWeights, type_name
+
+    if gguf_file is None:
+        raise ValueError(
+            "quantization='gguf' runs a GGUF file's blocks as stored, but the model is not a "
+            ".gguf file: pass one, or leave quantization unset"
+        )
+    weights = GgufWeights(gguf_file)
+    types = sorted({type_name(t.gtype) for t in weights.tensors.values()})
+    head = ""
+    if weights.head_supported():
+        head = f", the LM head {type_name(weights.head.gtype)}"
+    description = f"GGUF blocks as stored ({', '.join(types)}{head})"
+    return QuantPlan(GgufLinear((0,)), description, schemes={}, gguf=weights)
+
+
 def quantized_linears(model: nn.Module) -> list[nn.Linear]:
     """The linear layers a scheme applies to: all but the LM head."""
     return [
@@ -63,17 +100,43 @@ def quantized_linears(model: nn.Module) -> list[nn.Linear]:
 
 def prepare(model: nn.Module, plan: QuantPlan) -> None:
     """Before loading (on the meta device): give each layer its scheme and what it loads."""
-    for layer in quantized_linears(model):
-        layer.quant_scheme = plan.scheme
-        plan.scheme.create_weights(layer)
+    if plan.gguf is not None:
+        _gguf_schemes(model, plan)
+    for name, layer in _named_linears(model, plan):
+        scheme = plan.schemes[name] if plan.schemes is not None else plan.scheme
+        layer.quant_scheme = scheme
+        scheme.create_weights(layer)
+
+
+def _named_linears(model: nn.Module, plan: QuantPlan) -> list[tuple[str, nn.Linear]]:
+    """The layers the plan quantizes: all but the LM head, and the head where it has a scheme."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+        and (name.rpartition(".")[2] != "lm_head" or (plan.schemes or {}).get(name) is not None)
+    ]
+
+
+def _gguf_schemes(model: nn.Module, plan: QuantPlan) -> None:
+    from radixlm.runtime.quantization.gguf import GgufLinear
+
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        if name.rpartition(".")[2] == "lm_head":
+            if plan.gguf.head_supported():
+                plan.schemes[name] = GgufLinear((plan.gguf.head.gtype,))
+        else:
+            plan.schemes[name] = GgufLinear(plan.gguf.layer_types(name))
 
 
 @torch.no_grad()
 def finish(model: nn.Module, plan: QuantPlan) -> None:
     """After loading: each layer turns what it loaded into what it computes with. (The weights
     it replaced go back to the GPU, so that the KV pool, sized from free memory next, gets them.)"""
-    for layer in quantized_linears(model):
-        plan.scheme.process_after_loading(layer)
+    for _, layer in _named_linears(model, plan):
+        layer.quant_scheme.process_after_loading(layer)
     if any(p.is_cuda for p in model.parameters()):
         torch.cuda.empty_cache()
 

@@ -1,0 +1,277 @@
+"""GGUF weights run as stored (`quantization="gguf"` on a GGUF file): each linear layer keeps the
+file's raw blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; kernels/gguf_ref.py describes them), a quarter
+to a seventh of float32's bytes, and multiplies by them.
+
+- On the CPU: the C++ kernels of kernels/gguf_cpu.cpp (built at first use), which read the blocks
+  once a step at a few rows of x and dequantize the layer for a matmul past that; float32
+  arithmetic throughout, so the result is the dequantized weight's F.linear up to the order of the
+  sums. Without a compiler: the torch dequantization below at every call (correct, slow).
+- On a GPU: for now the layer is dequantized to float32 at every call and multiplied
+  (kernels/gguf_ref.py `dequantize`, then F.linear): correct and slow, a stand-in until a GPU
+  kernel reads the blocks.
+
+The oracle (`reference`) is the gguf package's own dequantization and F.linear.
+
+Where the weights come from: the model's config, tokenizer, embedding and norms are read from the
+folder the GGUF is converted to as before (runtime/model_loader.py); the decoder's linear layers,
+and the LM head (the output tensor, or the token embedding it shares), from the GGUF file itself
+(`GgufWeights`). llama.cpp stores a Llama GGUF's q and k rows permuted for its rotary layout;
+they are put back in Hugging Face's order here, as transformers does for the converted folder
+(whole rows move: the blocks of a row stay as they are).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.kernels import gguf_ref
+from radixlm.kernels.gguf_ref import BLOCK_TYPES, row_bytes
+from radixlm.runtime.quantization.base import LinearScheme, replace_parameter
+
+SUPPORTED_TYPES = ", ".join(name for name, _, _ in BLOCK_TYPES.values())
+_TYPE_IDS = {name: gtype for gtype, (name, _, _) in BLOCK_TYPES.items()}
+
+# GGUF tensor name (within blk.N) -> Hugging Face's (within model.layers.N)
+_LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# our fused layers' parts, in order (runtime/models/llama.py _STACKED)
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+class GgufLinear(LinearScheme):
+    """One linear layer over GGUF blocks: `types` the block type of each part of the layer (q, k,
+    v of a fused projection; one for a plain layer). The weight is (N, bytes a row) uint8, the
+    parts' rows one after the other; parts of different types (a Q4_K_M file's Q6_K v among Q4_K
+    q and k) are multiplied apart, each row padded to the widest part's bytes."""
+
+    name = "gguf"
+    quantized = True
+
+    def __init__(self, types: tuple[int, ...]) -> None:
+        self.types = types
+        self.k = 0
+        self.bounds: list[tuple[int, int, int]] = []  # (first row, end row, type) runs
+        self.runs: list[torch.Tensor] = []  # each run's rows (process_after_loading)
+
+    def create_weights(self, layer: nn.Linear) -> None:
+        comm = getattr(layer, "comm", None)
+        if comm is not None and comm.size > 1:
+            raise ValueError("quantization='gguf' runs with tp_size=1 only for now")
+        n, k = layer.weight.shape
+        rows = (
+            [layer.part_rows(i) for i in range(len(self.types))]
+            if len(self.types) > 1
+            else [(0, n)]
+        )
+        self.k, self.bounds = k, []
+        for (start, end), gtype in zip(rows, self.types):
+            if k % BLOCK_TYPES[gtype][1]:
+                raise ValueError(
+                    f"a layer's {k} input columns are not whole {BLOCK_TYPES[gtype][0]} blocks"
+                )
+            if self.bounds and self.bounds[-1][2] == gtype and self.bounds[-1][1] == start:
+                self.bounds[-1] = (self.bounds[-1][0], end, gtype)
+            else:
+                self.bounds.append((start, end, gtype))
+        width = max(row_bytes(gtype, k) for gtype in self.types)
+        device = layer.weight.device
+        replace_parameter(layer, "weight", torch.empty(n, width, dtype=torch.uint8, device=device))
+
+    def checkpoint_tensor(self, layer, leaf, tensor, index):
+        if leaf != "weight":
+            return tensor
+        if tensor.dtype != torch.uint8:
+            raise ValueError(
+                "quantization='gguf' reads a GGUF file's blocks; this layer was given "
+                f"{str(tensor.dtype).removeprefix('torch.')} weights"
+            )
+        width = layer.weight.shape[1]
+        if tensor.shape[1] < width:  # a narrower part of a layer of mixed types
+            tensor = F.pad(tensor, (0, width - tensor.shape[1]))
+        return tensor
+
+    def process_after_loading(self, layer: nn.Linear) -> None:
+        # each run of rows of one type as a tensor of its own (contiguous: what the kernels read)
+        self.runs = [
+            layer.weight.data[start:end, : row_bytes(gtype, self.k)].contiguous()
+            if len(self.bounds) > 1
+            else layer.weight.data
+            for start, end, gtype in self.bounds
+        ]
+
+    def apply(self, layer, x, out_dtype=None):
+        kernels = _cpu_kernels() if not x.is_cuda else None
+        if kernels is not None and len(self.runs) == 1 and layer.bias is None:  # (the usual)
+            y = kernels.matmul(x, self.runs[0], self.bounds[0][2], self.k)
+            return y if (out_dtype or x.dtype) == torch.float32 else y.to(out_dtype or x.dtype)
+        ys = []
+        for part, (_, _, gtype) in zip(self.runs, self.bounds):
+            if kernels is not None:
+                ys.append(kernels.matmul(x, part, gtype, self.k))
+            else:  # a GPU, or no compiler: dequantize, then multiply (correct, slow)
+                ys.append(F.linear(x.float(), gguf_ref.dequantize(part, gtype, self.k)))
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        if layer.bias is not None:
+            y = y + layer.bias.float()
+        return y.to(out_dtype or x.dtype)
+
+    def reference(self, layer, x):
+        return F.linear(x.float(), self.dequantized_weight(layer).to(x.device), _bias(layer))
+
+    def gemv_operands(self, layer):
+        raise NotImplementedError("GGUF layers have no Triton GEMV yet")
+
+    def dequantized_weight(self, layer: nn.Linear) -> torch.Tensor:
+        """The float32 weight (N, K) the layer stands for, by the gguf package (the oracle)."""
+        parts = [
+            gguf_ref.gguf_package_dequantize(layer.weight[start:end], gtype, self.k)
+            for start, end, gtype in self.bounds
+        ]
+        return torch.cat(parts)
+
+
+def _bias(layer: nn.Linear) -> torch.Tensor | None:
+    return None if layer.bias is None else layer.bias.float()
+
+
+def _cpu_kernels():
+    from radixlm.kernels import gguf_cpu
+
+    return gguf_cpu.load()
+
+
+@dataclass
+class GgufTensor:
+    name: str  # Hugging Face's
+    gtype: int
+    shape: tuple[int, int]  # (N, K)
+    data: np.ndarray  # (N, row bytes) uint8, a view of the file's memory map
+
+
+class GgufWeights:
+    """The GGUF file's linear-layer tensors, under Hugging Face's names, as raw blocks."""
+
+    def __init__(self, path: str | Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        try:
+            reader = GGUFReader(str(path))
+        except Exception as e:  # corrupt or not a GGUF file
+            raise ValueError(f"cannot read GGUF file {str(path)!r}: {e}") from e
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        self.arch = arch
+
+        def value(key: str):
+            field = reader.fields.get(f"{arch}.{key}")
+            return None if field is None else int(field.parts[-1][0])
+
+        self.num_heads = value("attention.head_count")
+        self.num_kv_heads = value("attention.head_count_kv") or self.num_heads
+        self.tensors: dict[str, GgufTensor] = {}
+        self.head: GgufTensor | None = None
+        tied_head = None
+        for t in reader.tensors:
+            hf = _hf_name(t.name)
+            if hf is None and t.name not in ("token_embd.weight", "output.weight"):
+                continue
+            gtype = int(t.tensor_type)
+            n, k = int(t.shape[1]), int(t.shape[0])  # GGUF lists the fastest dimension first
+            tensor = GgufTensor(hf or t.name, gtype, (n, k), t.data)
+            if t.name == "output.weight":
+                self.head = tensor
+            elif t.name == "token_embd.weight":
+                tied_head = tensor
+            else:
+                if gtype not in BLOCK_TYPES:
+                    raise ValueError(
+                        f"quantization='gguf': GGUF tensor {t.name} is of type "
+                        f"{t.tensor_type.name}; supported: {SUPPORTED_TYPES} (or "
+                        "quantization='none' to run the GGUF dequantized to float)"
+                    )
+                self.tensors[hf] = tensor
+        self.head_tied = self.head is None  # the LM head is the token embedding
+        if self.head is None:
+            self.head = tied_head
+        if not self.tensors:
+            raise ValueError(f"GGUF file {str(path)!r} has no decoder linear layers")
+
+    def layer_types(self, layer_name: str) -> tuple[int, ...]:
+        """Our layer's (e.g. "layers.0.self_attn.qkv_proj") parts' block types."""
+        prefix, _, rest = layer_name.partition(".self_attn.")
+        if not rest:
+            prefix, _, rest = layer_name.partition(".mlp.")
+            rest = "mlp." + rest
+        else:
+            rest = "self_attn." + rest
+        parts = _FUSED.get(rest, (rest,))
+        return tuple(self.tensors[f"model.{prefix}.{p}.weight"].gtype for p in parts)
+
+    def head_supported(self) -> bool:
+        return self.head is not None and self.head.gtype in BLOCK_TYPES
+
+    def raw(self, tensor: GgufTensor) -> torch.Tensor:
+        """The tensor's blocks (N, row bytes) uint8; a Llama GGUF's q and k rows in Hugging
+        Face's order again."""
+        data = torch.from_numpy(np.array(tensor.data)).reshape(tensor.shape[0], -1)  # (a copy)
+        if self.arch == "llama" and tensor.name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self.num_heads if tensor.name.endswith("q_proj.weight") else self.num_kv_heads
+            n = data.shape[0]
+            data = data.reshape(heads, n // heads // 2, 2, -1).transpose(1, 2).reshape(n, -1)
+        return data.contiguous()
+
+    def weights(
+        self, others: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's checkpoint: `others` (the converted folder's tensors) for all but the linear
+        layers, whose blocks come from the GGUF."""
+        head = self.head_supported()
+        for name, tensor in others:
+            if name not in self.tensors and not (head and name == "lm_head.weight"):
+                yield name, tensor
+        for name, tensor in self.tensors.items():
+            yield name, self.raw(tensor)
+        if head and not self.head_tied:
+            yield "lm_head.weight", self.raw(self.head)
+
+    @torch.no_grad()
+    def load_head(self, model: nn.Module) -> None:
+        """After loading: a tied LM head's blocks (the token embedding's), which the model's own
+        loading skips (a tied head shares the embedding's tensor: here it has its own)."""
+        head = model.lm_head
+        if self.head_supported() and self.head_tied:
+            raw = self.raw(self.head)
+            if tuple(head.weight.shape) != tuple(raw.shape):
+                raise ValueError(
+                    f"GGUF token_embd has {tuple(raw.shape)} bytes, the LM head expects "
+                    f"{tuple(head.weight.shape)}"
+                )
+            head.weight.copy_(raw)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LINEARS:
+        return f"model.layers.{parts[1]}.{_LINEARS[parts[2]]}.weight"
+    return None
+
+
+def type_name(gtype: int) -> str:
+    return BLOCK_TYPES[gtype][0] if gtype in BLOCK_TYPES else str(gtype)

@@ -1,0 +1,221 @@
+"""GGUF blocks run as stored (`quantization="gguf"`, runtime/quantization/gguf.py): each block
+type's dequantization (plain torch, kernels/gguf_ref.py, and the CPU kernels, kernels/gguf_cpu.cpp)
+against the gguf package's own, bit for bit; the CPU matmul against its oracle (the gguf package's
+dequantization and F.linear) at decode and prompt sizes; a fused layer of parts of different block
+types; a tiny Llama GGUF of Q4_0, Q4_1 and Q8_0 tensors and the default model (Q4_1, its LM head
+the Q8_0 embedding) greedy-equal to their float32 dequantization (`quantization="none"`); and the
+refusals. The CPU kernels are compiled on first use (about 30 s once per machine; torch caches the
+build)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import radixlm
+from radixlm.kernels import gguf_cpu, gguf_ref
+from radixlm.kernels.gguf_ref import BLOCK_TYPES
+from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.parallel import ColumnParallelLinear, Part
+from radixlm.runtime.quantization.gguf import GgufLinear, GgufWeights
+from radixlm.runtime.quantization.plan import plan_for
+from tests.test_gguf_conversion import TINY, permute_for_llama_cpp, tokenizer_fields, weights  # noqa: F401
+
+Q = gguf.GGMLQuantizationType
+# where each block type keeps its float16 scales (bytes): made finite in the random blocks
+HALF_AT = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
+
+
+def random_blocks(gtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """n rows of K values of random blocks (every bit pattern of the integers and 6-bit scales;
+    finite float16 scales): (n, row bytes) uint8."""
+    _, qk, nbytes = BLOCK_TYPES[gtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // qk, nbytes), dtype=np.uint8)
+    for at in HALF_AT[Q(gtype)]:
+        halves = rng.normal(0, 0.02, size=(n, k // qk)).astype(np.float16)
+        raw[..., at : at + 2] = halves.view(np.uint8).reshape(n, k // qk, 2)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def kernels():
+    module = gguf_cpu.load()
+    if module is None:
+        pytest.skip("the GGUF CPU kernels could not be built here (no C++ compiler)")
+    return module
+
+
+@pytest.mark.parametrize("gtype", sorted(BLOCK_TYPES), ids=lambda t: BLOCK_TYPES[t][0])
+def test_dequantize_is_the_gguf_packages(gtype):
+    k = 512
+    w = random_blocks(gtype, 6, k)
+    want = gguf_ref.gguf_package_dequantize(w, gtype, k)
+    assert torch.equal(gguf_ref.dequantize(w, gtype, k), want)
+    assert torch.equal(kernels().dequantize(w, gtype, k), want)
+
+
+@pytest.mark.parametrize("gtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: Q(t).name)
+def test_dequantize_blocks_the_gguf_package_quantized(gtype):
+    """Blocks as llama.cpp's quantizer writes them (the gguf package's port of it)."""
+    src = np.random.default_rng(1).normal(size=(8, 256)).astype(np.float32)
+    w = torch.from_numpy(gguf.quants.quantize(src, Q(gtype)))
+    want = torch.from_numpy(gguf.quants.dequantize(w.numpy(), Q(gtype)))
+    assert torch.equal(kernels().dequantize(w, int(gtype), 256), want)
+    assert (want - torch.from_numpy(src)).abs().max() < 0.5  # (they are its blocks)
+
+
+@pytest.mark.parametrize("gtype", sorted(BLOCK_TYPES), ids=lambda t: BLOCK_TYPES[t][0])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])  # 9: past the dot products, dequantize + matmul
+def test_cpu_matmul_against_oracle(gtype, rows):
+    k, n = 512, 37  # 37: rows that are not whole groups of four
+    w = random_blocks(gtype, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    want = gguf_ref.gguf_linear_ref(x, w, gtype, k)
+    got = kernels().matmul(x, w, gtype, k)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    scale = (x.abs() @ gguf_ref.gguf_package_dequantize(w, gtype, k).abs().T).max()
+    assert (got - want).abs().max() <= 1e-5 * scale  # float32 sums in another order
+    # any leading shape, any float dtype of x
+    got3 = kernels().matmul(x.double().view(1, rows, k), w, gtype, k)
+    assert got3.shape == (1, rows, n)
+
+
+def test_fused_layer_of_mixed_block_types():
+    """A Q4_K_M file's fused q/k/v: parts of different block types, each multiplied by its own."""
+    k, sizes, types = 256, [64, 32, 32], (int(Q.Q4_K), int(Q.Q4_K), int(Q.Q6_K))
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(Part(size, 0, size))
+        start += size
+    with torch.device("meta"):
+        layer = ColumnParallelLinear(k, parts, bias=False)
+    scheme = GgufLinear(types)
+    layer.quant_scheme = scheme
+    scheme.create_weights(layer)
+    layer = layer.to_empty(device="cpu")
+    blocks = [random_blocks(t, size, k, seed=i) for i, (t, size) in enumerate(zip(types, sizes))]
+    with torch.no_grad():
+        for i, b in enumerate(blocks):
+            lo, hi = layer.part_rows(i)
+            layer.weight[lo:hi].copy_(scheme.checkpoint_tensor(layer, "weight", b, i))
+    scheme.process_after_loading(layer)
+    assert [(lo, hi) for lo, hi, _ in scheme.bounds] == [(0, 96), (96, 128)]
+    x = torch.randn(2, k)
+    want = torch.cat([gguf_ref.gguf_linear_ref(x, b, t, k) for b, t in zip(blocks, types)], -1)
+    torch.testing.assert_close(scheme.apply(layer, x), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(scheme.reference(layer, x), want, rtol=1e-5, atol=1e-4)
+
+
+# ---- whole models --------------------------------------------------------------------------
+
+TINY_TYPES = {  # a block type per decoder linear layer: q, k, v of three types (one fused layer)
+    "q_proj": Q.Q4_0, "k_proj": Q.Q8_0, "v_proj": Q.Q4_1, "o_proj": Q.Q4_1,
+    "gate_proj": Q.Q4_1, "up_proj": Q.Q4_1, "down_proj": Q.Q8_0, "lm_head": Q.Q8_0,
+}  # fmt: skip
+
+
+def write_quantized_tiny(path: Path, weights, tokenizer_fields) -> Path:  # noqa: F811
+    """The tests' tiny random Llama (tests/test_gguf_conversion.py) as llama.cpp would write it
+    quantized: its linear layers and LM head in TINY_TYPES, q and k rows permuted first."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(TINY["num_hidden_layers"])
+    writer.add_context_length(TINY["max_position_embeddings"])
+    writer.add_embedding_length(TINY["hidden_size"])
+    writer.add_feed_forward_length(TINY["intermediate_size"])
+    writer.add_head_count(TINY["num_attention_heads"])
+    writer.add_head_count_kv(TINY["num_key_value_heads"])
+    writer.add_rope_freq_base(TINY["rope_theta"])
+    writer.add_rope_dimension_count(TINY["hidden_size"] // TINY["num_attention_heads"])
+    writer.add_layer_norm_rms_eps(TINY["rms_norm_eps"])
+    writer.add_vocab_size(TINY["vocab_size"])
+    for key, value, vtype, sub_type in tokenizer_fields:
+        writer.add_key_value(key, value, vtype, sub_type)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, TINY["num_hidden_layers"])
+    for hf_name, w in weights.items():
+        base, suffix = hf_name.rsplit(".", 1)
+        if base.endswith("q_proj"):
+            w = permute_for_llama_cpp(w, TINY["num_attention_heads"])
+        elif base.endswith("k_proj"):
+            w = permute_for_llama_cpp(w, TINY["num_key_value_heads"])
+        gtype = TINY_TYPES.get(base.rpartition(".")[2])
+        name = f"{names.get_name(base)}.{suffix}"
+        if gtype is None:
+            writer.add_tensor(name, w.float().numpy())
+        else:
+            blocks = gguf.quants.quantize(w.float().numpy(), gtype)
+            writer.add_tensor(name, blocks, raw_dtype=gtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about tea."]
+
+
+def greedy(eng, tokens: int, prompts=None, input_ids=None):
+    params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    return eng.generate(prompts, params, input_ids=input_ids, return_logprob=True)
+
+
+def logprobs(out) -> list[float]:
+    return [t[0] for t in out["meta_info"]["output_token_logprobs"]]
+
+
+def test_tiny_gguf_as_stored_equals_dequantized(tmp_path, weights, tokenizer_fields):  # noqa: F811
+    """Untied LM head (an output tensor), q and k permuted by llama.cpp, a fused q/k/v of three
+    block types: the same tokens as the float32 dequantization, log-probabilities within 1e-4."""
+    kernels()
+    path = write_quantized_tiny(tmp_path / "tiny-q.gguf", weights, tokenizer_fields)
+    kw = {"model_path": str(path), "cache_dir": str(tmp_path / "cache"), "max_total_tokens": 512}
+    ids = [[1, 5, 9, 300, 17], [2, 700, 44, 8]]
+    with radixlm.Engine(quantization="none", **kw) as eng:
+        want = greedy(eng, 12, input_ids=ids)
+    with radixlm.Engine(quantization="gguf", **kw) as eng:
+        assert eng.model.lm_head.weight.dtype == torch.uint8  # the output tensor's Q8_0 blocks
+        assert eng.model.layers[0].self_attn.qkv_proj.quant_scheme.types == (2, 8, 3)
+        got = greedy(eng, 12, input_ids=ids)
+    for a, b in zip(want, got):
+        assert a["output_ids"] == b["output_ids"]
+        np.testing.assert_allclose(logprobs(a), logprobs(b), atol=1e-4)
+
+
+def test_default_model_as_stored_equals_dequantized():
+    """The default model (Q4_1 layers, its LM head the Q8_0 embedding): greedy text equal to its
+    float32 dequantization's, and a quarter of the float32 weight bytes or less in its linear
+    layers."""
+    kernels()
+    kw = {"max_total_tokens": 2048}
+    with radixlm.Engine(quantization="none", **kw) as eng:
+        want = [o["output_ids"] for o in greedy(eng, 16, PROMPTS)]
+        float_bytes = sum(p.numel() * p.element_size() for p in eng.model.layers.parameters())
+    with radixlm.Engine(quantization="gguf", **kw) as eng:
+        got = [o["output_ids"] for o in greedy(eng, 16, PROMPTS)]
+        ours = sum(p.numel() * p.element_size() for p in eng.model.layers.parameters())
+        assert eng.model.lm_head.weight.dtype == torch.uint8
+        assert eng.model.embed_tokens.weight.dtype == torch.float32  # (looked up as before)
+    assert got == want
+    assert ours < float_bytes / 4
+
+
+def test_refusals(tmp_path):
+    assert EngineConfig(quantization="gguf").quantization == "gguf"
+    assert EngineConfig(quantization="none").quantization == "none"
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        plan_for("gguf", None, None)
+    # a GGUF whose linear layer is of a block type without a kernel
+    path = tmp_path / "q5.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    blocks = gguf.quants.quantize(np.ones((4, 64), np.float32), Q.Q5_0)
+    writer.add_tensor("blk.0.attn_q.weight", blocks, raw_dtype=Q.Q5_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="Q5_0; supported: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K"):
+        GgufWeights(path)
