@@ -70,20 +70,25 @@ def tune_small_matmuls(model, verify_rows: tuple[int, ...] = ()) -> None:
     graph capture, so graphs record the choice."""
     from radixlm.kernels.gemv import MAX_ROWS, fused_gemv_enabled
     from radixlm.runtime.matmul_dispatch import LinearDispatch, choice_key
+    from radixlm.runtime.quantization.base import scheme_of
 
     dispatch = LinearDispatch()
     seen = {}
     head = getattr(model, "lm_head", None)  # its output is float32 (the logits)
-    for linear in model.linears():
+    # (layers whose weights the GEMV cannot read, GGUF blocks, keep their scheme's matmul)
+    gemv_linears = [m for m in model.linears() if scheme_of(m).has_gemv]
+    for linear in gemv_linears:
         key = choice_key("linear", 1, linear)
         if key not in seen:
             seen[key] = dispatch.tune(linear, rows=1, float32=linear is head)
     for op, linear, norm in model.fusable_matmuls() if fused_gemv_enabled() else []:
+        if not scheme_of(linear).has_gemv:
+            continue
         key = choice_key(op, 1, linear)
         if key not in seen:
             seen[key] = dispatch.tune(linear, rows=1, op=op, norm=norm, float32=linear is head)
     for rows in sorted({r for r in verify_rows if 1 < r <= MAX_ROWS}):
-        for linear in model.linears():
+        for linear in gemv_linears:
             key = choice_key("linear", rows, linear)
             if key not in seen:
                 seen[key] = dispatch.tune(linear, rows, float32=linear is head, dot_only=True)

@@ -22,6 +22,7 @@ class LinearScheme:
 
     name = "none"
     quantized = False
+    has_gemv = True  # kernels/gemv.py reads its weights (`gemv_operands`)
 
     def create_weights(self, layer: nn.Linear) -> None:
         """Before loading (on the meta device): replace the layer's parameters by what the

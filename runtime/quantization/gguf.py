@@ -63,6 +63,7 @@ class GgufLinear(LinearScheme):
 
     name = "gguf"
     quantized = True
+    has_gemv = False  # (the Triton GEMV does not read GGUF blocks yet: layers run `apply`)
 
     def __init__(self, types: tuple[int, ...]) -> None:
         self.types = types
