@@ -12,10 +12,11 @@ to a seventh of float32's bytes, and multiplies by them.
 
 The oracle (`reference`) is the gguf package's own dequantization and F.linear.
 
-Where the weights come from: the model's config, tokenizer, embedding and norms are read from the
-folder the GGUF is converted to as before (runtime/model_loader.py); the decoder's linear layers,
-and the LM head (the output tensor, or the token embedding it shares), from the GGUF file itself
-(`GgufWeights`). llama.cpp stores a Llama GGUF's q and k rows permuted for its rotary layout;
+Where the weights come from: the model's config, tokenizer and norms are read from the folder the
+GGUF is converted to as before (runtime/model_loader.py); the decoder's linear layers, and the LM
+head (the output tensor, or the token embedding it shares), from the GGUF file itself
+(`GgufWeights`). A tied head's blocks serve the embedding too (`GgufEmbedding`: rows dequantized
+as they are looked up); an untied model's embedding is the converted folder's, in float. llama.cpp stores a Llama GGUF's q and k rows permuted for its rotary layout;
 they are put back in Hugging Face's order here, as transformers does for the converted folder
 (whole rows move: the blocks of a row stay as they are).
 """
@@ -148,6 +149,30 @@ class GgufLinear(LinearScheme):
         return torch.cat(parts)
 
 
+class GgufEmbedding(nn.Module):
+    """The token embedding of a GGUF whose LM head is the embedding (a tied head: token_embd):
+    its rows looked up in the head's blocks and dequantized as they are read, so that one copy of
+    the blocks serves both (the float conversion kept a float32 embedding of its own). The values
+    are the float conversion's: float32 products of the same scales and integers."""
+
+    def __init__(self, head: nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._head = [head]  # (not a submodule: the head's parameter is the LM head's alone)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self._head[0]
+        scheme = head.quant_scheme
+        _, _, gtype = scheme.bounds[0]
+        rows = head.weight[ids.reshape(-1)]  # (T, bytes): a copy, contiguous
+        kernels = _cpu_kernels() if not rows.is_cuda else None
+        if kernels is not None:
+            x = kernels.dequantize(rows, gtype, scheme.k)
+        else:
+            x = gguf_ref.dequantize(rows, gtype, scheme.k)
+        return x.view(*ids.shape, scheme.k).to(self.dtype)
+
+
 def _bias(layer: nn.Linear) -> torch.Tensor | None:
     return None if layer.bias is None else layer.bias.float()
 
@@ -225,6 +250,20 @@ class GgufWeights:
         parts = _FUSED.get(rest, (rest,))
         return tuple(self.tensors[f"model.{prefix}.{p}.weight"].gtype for p in parts)
 
+    def embedding_in_head(self) -> bool:
+        """Whether the embedding is looked up in the LM head's blocks (a tied head whose blocks
+        are of a supported type: `GgufEmbedding`)."""
+        return self.head_tied and self.head_supported()
+
+    def share_embedding(self, model: nn.Module) -> None:
+        """Before loading: the model's embedding looked up in its LM head's blocks, where it can
+        be (`embedding_in_head`)."""
+        if self.embedding_in_head() and hasattr(model, "embed_tokens"):
+            comm = getattr(model.embed_tokens, "comm", None)
+            if comm is not None and comm.size > 1:
+                raise ValueError("quantization='gguf' runs with tp_size=1 only for now")
+            model.embed_tokens = GgufEmbedding(model.lm_head, model.embed_tokens.weight.dtype)
+
     def head_supported(self) -> bool:
         return self.head is not None and self.head.gtype in BLOCK_TYPES
 
@@ -244,8 +283,11 @@ class GgufWeights:
         """The model's checkpoint: `others` (the converted folder's tensors) for all but the linear
         layers, whose blocks come from the GGUF."""
         head = self.head_supported()
+        skip = {"lm_head.weight"} if head else set()
+        if self.embedding_in_head():
+            skip.add("model.embed_tokens.weight")
         for name, tensor in others:
-            if name not in self.tensors and not (head and name == "lm_head.weight"):
+            if name not in self.tensors and name not in skip:
                 yield name, tensor
         for name, tensor in self.tensors.items():
             yield name, self.raw(tensor)

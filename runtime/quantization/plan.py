@@ -106,6 +106,8 @@ def prepare(model: nn.Module, plan: QuantPlan) -> None:
         scheme = plan.schemes[name] if plan.schemes is not None else plan.scheme
         layer.quant_scheme = scheme
         scheme.create_weights(layer)
+    if plan.gguf is not None:
+        plan.gguf.share_embedding(model)
 
 
 def _named_linears(model: nn.Module, plan: QuantPlan) -> list[tuple[str, nn.Linear]]:
