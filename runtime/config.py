@@ -37,8 +37,8 @@ def _is_kind(value: Any, kind: str) -> bool:
 
 
 # SGLang's speculative algorithms that radixlm does not have yet
-_SPECULATIVE_LATER = ("EAGLE", "EAGLE3", "STANDALONE", "NEXTN")
-_SPECULATIVE = ("NGRAM", "MEDUSA")
+_SPECULATIVE_LATER = ("EAGLE", "EAGLE3", "NEXTN")
+_SPECULATIVE = ("NGRAM", "MEDUSA", "STANDALONE")
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as SGLang reads them
 
@@ -128,14 +128,17 @@ class EngineConfig:
     load_format: str = "auto"
     # speculative decoding, with SGLang's option names: None (off), NGRAM (drafts from earlier
     # occurrences of the context's own ending, runtime/speculative/) or MEDUSA (heads over the
-    # model's last hidden state, runtime/speculative/medusa.py); EAGLE, EAGLE3 and
-    # STANDALONE are SGLang's names for algorithms not available here yet
+    # model's last hidden state, runtime/speculative/medusa.py) or STANDALONE (a smaller model
+    # of the same tokenizer drafts, runtime/speculative/standalone.py); EAGLE and EAGLE3 are
+    # SGLang's names for algorithms not available here yet
     speculative_algorithm: str | None = None
     # positions a verify step computes: the newest token and up to this many - 1 draft tokens
-    # (default: 12 with NGRAM, as in SGLang; with MEDUSA one more than its heads)
+    # (default: 12 with NGRAM, as in SGLang; with MEDUSA one more than its heads; 5 with
+    # STANDALONE: four draft model steps)
     speculative_num_draft_tokens: int | None = None
     # MEDUSA: the folder of the heads (`radixlm train-draft` writes one); default: the heads that
-    # ship for the embedded default model
+    # ship for the embedded default model. STANDALONE: the draft model (a folder or a GGUF
+    # file), required
     speculative_draft_model_path: str | None = None
     # NGRAM: the context's last n tokens are matched, n from the max down to the min window (the
     # names SGLang used before its n-gram trie took max_trie_depth)
@@ -289,6 +292,11 @@ class EngineConfig:
                 "speculative_eagle_topk above 1 (draft trees) is not available with pp_size > 1 "
                 "yet (a tree's step runs as decode rows, which the stages do not take); use 1"
             )
+        if self.speculative_algorithm == "STANDALONE" and self.world_size > 1:
+            bad(
+                "speculative_algorithm STANDALONE is not available with tp_size or pp_size above "
+                "1 yet (the draft model runs on rank 0 alone); use NGRAM"
+            )
         if self.pp_size > 1 and self.speculative_algorithm == "MEDUSA":
             bad(
                 "speculative_algorithm MEDUSA is not available with pp_size > 1 yet (its heads "
@@ -302,25 +310,40 @@ class EngineConfig:
             if algorithm in _SPECULATIVE_LATER:
                 bad(
                     f"speculative_algorithm={self.speculative_algorithm!r} is not available yet; "
-                    "use NGRAM or MEDUSA (or leave it unset)"
+                    "use NGRAM, MEDUSA or STANDALONE (or leave it unset)"
                 )
             if algorithm not in _SPECULATIVE:
                 bad(
-                    f"speculative_algorithm={self.speculative_algorithm!r} is unknown; use NGRAM "
-                    "or MEDUSA (or leave it unset)"
+                    f"speculative_algorithm={self.speculative_algorithm!r} is unknown; use NGRAM, "
+                    "MEDUSA or STANDALONE (or leave it unset)"
                 )
             object.__setattr__(self, "speculative_algorithm", algorithm)
-            if self.speculative_num_draft_tokens is None and algorithm == "NGRAM":
-                object.__setattr__(self, "speculative_num_draft_tokens", 12)
+            if self.speculative_num_draft_tokens is None and algorithm in ("NGRAM", "STANDALONE"):
+                object.__setattr__(
+                    self, "speculative_num_draft_tokens", 12 if algorithm == "NGRAM" else 5
+                )
+            if algorithm == "STANDALONE" and self.speculative_draft_model_path is None:
+                bad(
+                    "speculative_algorithm=STANDALONE needs speculative_draft_model_path: the "
+                    "draft model (a folder or a GGUF file, of the target's tokenizer)"
+                )
+            if algorithm == "STANDALONE" and self.speculative_eagle_topk > 1:
+                bad(
+                    "speculative_eagle_topk above 1 is not available with STANDALONE yet (its "
+                    "draft model writes one chain); use 1"
+                )
             if self.speculative_draft_model_path is not None and algorithm == "NGRAM":
                 bad(
                     "speculative_draft_model_path is for MEDUSA's heads; NGRAM drafts from the "
                     "context itself and takes none"
                 )
         elif self.speculative_num_draft_tokens is not None:
-            bad("speculative_num_draft_tokens needs speculative_algorithm (NGRAM or MEDUSA)")
+            bad(
+                "speculative_num_draft_tokens needs speculative_algorithm (NGRAM, MEDUSA or "
+                "STANDALONE)"
+            )
         elif self.speculative_draft_model_path is not None:
-            bad("speculative_draft_model_path needs speculative_algorithm=MEDUSA")
+            bad("speculative_draft_model_path needs speculative_algorithm MEDUSA or STANDALONE")
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             bad(
                 f"speculative_num_draft_tokens={self.speculative_num_draft_tokens}; it counts the "

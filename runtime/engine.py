@@ -161,6 +161,14 @@ class Engine:
             if tp is not None:
                 num_slots = tp.agree_kv_slots(num_slots)
             kv_pool = build_kv_pool(config, local, num_slots, self.dtype, self.device)
+            draft_model = None
+            if config.speculative_algorithm == "STANDALONE":
+                from radixlm.runtime.speculative.standalone import DraftModel
+
+                # (its KV pool holds as many tokens as the target's; its layers are fewer)
+                draft_model = DraftModel.load(
+                    config, self.tokenizer, self.dtype, self.device, self.context_len, num_slots
+                )
         except BaseException:
             if tp is not None:
                 tp.shutdown()
@@ -173,7 +181,7 @@ class Engine:
         startup.say(f"starting the engine core (KV pool: {num_slots} tokens, {_kv_name(kv_pool)})")
         try:
             self._core = EngineCore(
-                config, local, model, kv_pool, self.context_len, self.device, tp
+                config, local, model, kv_pool, self.context_len, self.device, tp, draft_model
             )
         except BaseException:
             if tp is not None:
@@ -283,6 +291,9 @@ class Engine:
             if self._core.scheduler.has_work() or not self._core.cache.flush():
                 return False
             self._core.release_free_kv()  # (the cached prefixes' memory, on a CPU)
+            spec = self._core.speculative
+            if spec is not None and spec.standalone is not None:
+                spec.standalone.release_all()
             return True
 
         return self._core.call(flush)

@@ -144,10 +144,19 @@ def capture_graphs(
 
 class EngineCore:
     def __init__(
-        self, config, model_config, model, kv_pool: KVPool, context_len: int, device, tp=None
+        self,
+        config,
+        model_config,
+        model,
+        kv_pool: KVPool,
+        context_len: int,
+        device,
+        tp=None,
+        draft_model=None,
     ) -> None:
         """`model_config` is this rank's (its own heads); `tp`, under tensor parallelism, is rank
-        0's runtime.tp_worker.TensorParallelGroup, whose other ranks run each step's plan too."""
+        0's runtime.tp_worker.TensorParallelGroup, whose other ranks run each step's plan too;
+        `draft_model`: STANDALONE speculative decoding's (runtime/speculative/standalone.py)."""
         self.config = config
         self.context_len = context_len
         self.kv_pool = kv_pool
@@ -174,7 +183,7 @@ class EngineCore:
         if config.speculative_algorithm is not None:
             from radixlm.runtime.speculative.worker import SpeculativeWorker
 
-            self.speculative = SpeculativeWorker(config, model)
+            self.speculative = SpeculativeWorker(config, model, draft_model)
         self.scheduler = Scheduler(
             self.cache,
             max_running_requests=config.max_running_requests,
@@ -186,6 +195,7 @@ class EngineCore:
             priority_scheduling_preemption_threshold=config.priority_scheduling_preemption_threshold,
             drafter=self.speculative.propose if self.speculative is not None else None,
             drafting=self.speculative.drafting if self.speculative is not None else None,
+            prepare_drafts=self.speculative.prepare if self.speculative is not None else None,
         )
         graphs = prefill_graphs = row_graphs = None
         token_buf = torch.zeros(self.rows.max_requests, dtype=torch.int64, device=device)

@@ -105,6 +105,7 @@ class Scheduler:
         max_admission_delay: int = 0,
         drafter: Callable[[Req], list[int]] | None = None,
         drafting: Callable[[int], bool] | None = None,
+        prepare_drafts: Callable[[list[Req]], None] | None = None,
         enable_priority_scheduling: bool = False,
         schedule_low_priority_values_first: bool = False,
         priority_scheduling_preemption_threshold: int = 10,
@@ -119,6 +120,9 @@ class Scheduler:
         self.drafter = drafter
         # whether a step of so many decoding requests drafts at all (None: always)
         self.drafting = drafting
+        # called with the decoding requests before a drafting step's `drafter` calls: a drafter
+        # that drafts for them all at once (a draft model) does it there
+        self.prepare_drafts = prepare_drafts
         self.max_running = max_running_requests
         self.chunk_budget = chunked_prefill_size
         self.policy = schedule_policy
@@ -221,6 +225,8 @@ class Scheduler:
         drafts: list[tuple[int, ...]] = []
         rows = self.cache.rows
         if self.drafter is not None and (self.drafting is None or self.drafting(len(decoding))):
+            if self.prepare_drafts is not None:
+                self.prepare_drafts(decoding)
             drafts = _drafts(self.drafter, decoding, counts)
             # a tree's further paths borrow rows of the table; a step that may take a prompt
             # chunk verifies chains (a tree's step runs as decode rows, a chunk among them too)

@@ -36,6 +36,7 @@ earlier occurrence of its ending decodes plainly that step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,8 @@ from radixlm.runtime.speculative.verify import (
     rejection_sample_tree,
     target_probs,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -77,9 +80,13 @@ def speculates(req: Req) -> bool:
 
 
 class SpeculativeWorker:
-    def __init__(self, config, model=None) -> None:
-        """`model`: the target (MEDUSA's heads read its LM head and are checked against it)."""
-        self.algorithm = config.speculative_algorithm  # NGRAM or MEDUSA
+    def __init__(self, config, model=None, draft_model=None) -> None:
+        """`model`: the target (MEDUSA's heads read its LM head and are checked against it);
+        `draft_model`: STANDALONE's (standalone.py `DraftModel`)."""
+        self.algorithm = config.speculative_algorithm  # NGRAM, MEDUSA or STANDALONE
+        self.standalone = draft_model
+        if self.algorithm == "STANDALONE" and draft_model is None:
+            raise ValueError("speculative_algorithm=STANDALONE needs its draft model")
         self.num_draft_tokens = config.speculative_num_draft_tokens
         self.min_window = config.speculative_ngram_min_match_window_size
         self.max_window = config.speculative_ngram_max_match_window_size
@@ -130,15 +137,41 @@ class SpeculativeWorker:
 
     # ---- drafting (the scheduler asks) -------------------------------------------------------
 
+    def prepare(self, decoding: list[Req]) -> None:
+        """Before a drafting step's `propose` calls: STANDALONE runs its draft model over the
+        requests that may be drafted for, all at once (the others draft on their own)."""
+        if self.standalone is None:
+            return
+        reqs = [r for r in decoding if not r.num_pending and speculates(r) and self._room(r) > 0]
+        if not reqs:
+            return
+        num = max(self._room(r) for r in reqs)
+        try:
+            chains = self.standalone.draft(reqs, num)
+        except Exception:  # (out of memory, say): the requests decode on, without drafts
+            logger.exception("the draft model failed; STANDALONE drafting is off from now on")
+            self.standalone.release_all()
+            self.standalone = None  # (`propose` then drafts nothing)
+            return
+        for req, chain in zip(reqs, chains):
+            req.draft_index = (len(req.input_ids) + len(req.output_ids), [chain])
+
+    def _draft_model_lost(self) -> bool:
+        return self.algorithm == "STANDALONE" and self.standalone is None
+
+    def _room(self, req: Req) -> int:
+        return min(self.num_draft_tokens - 1, req.max_output_len - len(req.output_ids) - 1)
+
     def propose(self, req: Req) -> list[int]:
         """A draft to verify after `req`'s newest token: at most num_draft_tokens - 1 tokens, and
         no more than its output may still take after the bonus token."""
-        room = min(self.num_draft_tokens - 1, req.max_output_len - len(req.output_ids) - 1)
-        if room <= 0 or not speculates(req):
+        room = self._room(req)
+        if room <= 0 or not speculates(req) or self._draft_model_lost():
             return []
         # a tree for a request without a grammar (a constrained one verifies a chain)
         width = self.width if req.grammar is None else 1
-        if self.medusa is not None:  # the chains the heads make for this context, if still its
+        if self.medusa is not None or self.standalone is not None:
+            # the chains the heads (the draft model) made for this context, if still its
             made = req.draft_index
             if made is None or made[0] != len(req.input_ids) + len(req.output_ids):
                 return []

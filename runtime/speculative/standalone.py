@@ -1,0 +1,216 @@
+"""STANDALONE speculative decoding: a smaller model of the same tokenizer drafts, the classic
+draft-model method (SGLang's `speculative_algorithm="STANDALONE"` with
+`speculative_draft_model_path`).
+
+Before a step that drafts, `DraftModel.draft` runs the draft model greedily over the requests to
+be drafted for, in one batch: first the tokens of each request's context it has not seen (its
+whole prompt the first time; afterwards the tokens the last verify step took), then one decode
+step per further draft token. The target verifies the chain as it verifies any other
+(worker.py), so outputs are the target's whatever the draft model says: greedy ones token for
+token, sampled ones by rejection sampling, which preserves the target's distribution for a
+deterministic draft.
+
+The draft model keeps a KV cache of its own (its own pool, request table, slot allocator and
+attention backend; no prefix cache), holding per request the KV of the tokens it has seen: the
+context, then the draft tokens it ran over. Which of those the target kept is found at the next
+draft, by comparing them with the request's tokens then: the KV of the others is freed and
+computed again from the request's own tokens. A finished request's KV is freed at the next draft;
+when the pool is short, requests not drafted for in this step lose theirs (they catch up later).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.memory_pool import ReqToTokenPool, SlotAllocator
+from radixlm.runtime.request import Req
+from radixlm.runtime.tensors import int64_tensor, to_device
+
+
+@dataclass
+class _Seen:
+    """What the draft model's cache holds for one request: the slots of `tokens` (positions 0 ..
+    len - 1) in row `row`; the first `known` of them are the request's own tokens."""
+
+    req: Req
+    row: int
+    tokens: list[int] = field(default_factory=list)
+    known: int = 0
+
+
+class DraftModel:
+    """A draft model with its KV cache, drafting greedy chains for a batch of requests."""
+
+    def __init__(self, model, kv_pool, rows: ReqToTokenPool, backend, vocab: int) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.rows = rows
+        self.backend = backend
+        self.allocator = SlotAllocator(kv_pool.num_slots)
+        self.vocab = vocab  # the ids both models' logits share
+        self.device = rows.table.device
+        self._seen: dict[int, _Seen] = {}  # by id(req)
+
+    @classmethod
+    def load(
+        cls, config, target_tokenizer, dtype, device, context_len: int, num_slots: int
+    ) -> DraftModel:
+        """The model at `config.speculative_draft_model_path` (a Hugging Face folder or a GGUF
+        file), in the target's dtype on its device, with a KV pool of `num_slots` tokens;
+        ValueError when its tokenizer is not the target's."""
+        from radixlm.runtime import model_loader, startup
+        from radixlm.runtime.attention import create_backend
+        from radixlm.runtime.model_config import ModelConfig
+        from radixlm.runtime.model_setup import build_kv_pool, build_model
+
+        path = config.speculative_draft_model_path
+        folder = model_loader.resolve_model_folder(
+            path, config.cache_dir, need_weights=config.load_format != "dummy"
+        )
+        tokenizer = model_loader.load_tokenizer(folder)
+        if tokenizer.get_vocab() != target_tokenizer.get_vocab():
+            raise ValueError(
+                f"speculative_draft_model_path={path!r}: its tokenizer is not the target "
+                "model's (STANDALONE drafts token ids the target reads as they are); use a "
+                "draft model of the same tokenizer"
+            )
+        mc = ModelConfig.from_hf(model_loader.load_hf_config(folder))
+        own = dataclasses.replace(config, model_path=str(path), quantization=None)
+        vocab = min(len(tokenizer), mc.vocab_size)
+        startup.say(f"building the draft model {folder.name} on {device}")
+        model = build_model(own, folder, mc, dtype, device, context_len, vocab)
+        kv_pool = build_kv_pool(own, mc, num_slots, dtype, device)
+        rows = ReqToTokenPool(config.max_running_requests + 1, context_len + 1, device)
+        backend = create_backend(
+            config.attention_backend, kv_pool, rows.table, device, num_q_heads=mc.num_heads
+        )
+        return cls(model, kv_pool, rows, backend, vocab)
+
+    # ---- drafting ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def draft(self, reqs: list[Req], num: int) -> list[list[int]]:
+        """Each request's greedy chain of `num` tokens after its newest one ([] for a request
+        the cache has no room for this step)."""
+        self._forget_finished()
+        seen = [self._catch_up_to(r) for r in reqs]
+        new = [list(r.input_ids) + list(r.output_ids) for r in reqs]
+        new = [ids[s.known :] if s is not None else [] for ids, s in zip(new, seen)]
+        fits = self._make_room([len(n) + num - 1 for n, s in zip(new, seen) if s is not None], reqs)
+        chosen = [i for i, s in enumerate(seen) if s is not None and fits]
+        chains: list[list[int]] = [[] for _ in reqs]
+        if not chosen or num <= 0:
+            return chains
+        # the unseen tokens of each, the longer first (a prompt step: ForwardBatch's order)
+        chosen.sort(key=lambda i: len(new[i]) == 1)
+        last = self._forward([seen[i] for i in chosen], [new[i] for i in chosen])
+        for _ in range(num):
+            for i, token in zip(chosen, last):
+                chains[i].append(token)
+            if len(chains[chosen[0]]) == num:
+                break
+            last = self._forward([seen[i] for i in chosen], [[t] for t in last])
+        return chains
+
+    def _forward(self, seen: list[_Seen], tokens: list[list[int]]) -> list[int]:
+        """Run the draft model over `tokens[i]` after what seen[i] holds (slots allocated, the
+        request table written), and return each request's argmax after its last token."""
+        rows, prefix, extend, ids, positions, logits_rows = [], [], [], [], [], []
+        for s, toks in zip(seen, tokens):
+            start = len(s.tokens)
+            slots = self.allocator.allocate(len(toks))
+            self.rows.write(s.row, start, slots)
+            s.tokens.extend(toks)
+            rows.append(s.row)
+            prefix.append(start)
+            extend.append(len(toks))
+            ids.extend(toks)
+            positions.extend(range(start, start + len(toks)))
+            logits_rows.append(len(ids) - 1)
+        ids_t, pos_t, rows_t, prefix_t, extend_t, logits_t = (
+            to_device(int64_tensor(x), self.device)
+            for x in (ids, positions, rows, prefix, extend, logits_rows)
+        )
+        token_rows = to_device(
+            int64_tensor([r for r, n in zip(rows, extend) for _ in range(n)]), self.device
+        )
+        batch = ForwardBatch(
+            input_ids=ids_t,
+            positions=pos_t,
+            out_cache_loc=self.rows.table[token_rows, pos_t].long(),
+            req_pool_indices=rows_t,
+            prefix_lens=prefix_t,
+            extend_lens=extend_t,
+            seq_lens=prefix_t + extend_t,
+            logits_indices=logits_t,
+            extend_lens_cpu=extend,
+            prefix_lens_cpu=prefix,
+            num_multi=sum(n > 1 for n in extend),
+        )
+        logits = self.model(batch, self.backend)
+        return logits[:, : self.vocab].argmax(dim=-1).tolist()
+
+    # ---- the cache ---------------------------------------------------------------------------
+
+    def _catch_up_to(self, req: Req) -> _Seen | None:
+        """`req`'s entry, holding only the KV of its own tokens (the draft tokens the target did
+        not take freed) and at least one token short of its context (the newest token's logits
+        are what the first draft token comes from); None when no request row is free."""
+        s = self._seen.get(id(req))
+        if s is None:
+            if not self.rows.num_free:
+                return None
+            s = self._seen[id(req)] = _Seen(req, self.rows.allocate())
+        ids = req.input_ids
+        out = req.output_ids
+        n = len(ids) + len(out)
+
+        def token(i: int) -> int:
+            return ids[i] if i < len(ids) else out[i - len(ids)]
+
+        keep = min(len(s.tokens), n - 1)
+        if s.known and (s.known > n or s.tokens[s.known - 1] != token(s.known - 1)):
+            s.known = 0  # (the context was rewritten: compared from the start)
+        at = s.known
+        while at < keep and s.tokens[at] == token(at):
+            at += 1
+        self._truncate(s, at)
+        s.known = at
+        return s
+
+    def _truncate(self, s: _Seen, length: int) -> None:
+        if length < len(s.tokens):
+            held = self.rows.read(s.row, len(s.tokens))
+            self.allocator.free(held[length:])
+            del s.tokens[length:]
+
+    def _drop(self, key: int) -> None:
+        s = self._seen.pop(key)
+        self._truncate(s, 0)
+        self.rows.free(s.row)
+
+    def _forget_finished(self) -> None:
+        for key in [k for k, s in self._seen.items() if s.req.is_finished]:
+            self._drop(key)
+
+    def _make_room(self, need: list[int], keep: list[Req]) -> bool:
+        """Whether `sum(need)` slots are free, after dropping the caches of requests outside
+        `keep` if they are not."""
+        total = sum(need)
+        if self.allocator.can_allocate(total):
+            return True
+        kept = {id(r) for r in keep}
+        for key in [k for k in self._seen if k not in kept]:
+            self._drop(key)
+            if self.allocator.can_allocate(total):
+                return True
+        return self.allocator.can_allocate(total)
+
+    def release_all(self) -> None:
+        """Forget every request (the engine's cache flush)."""
+        for key in list(self._seen):
+            self._drop(key)

@@ -1,0 +1,146 @@
+"""STANDALONE speculative decoding (runtime/speculative/standalone.py): a draft model of the same
+tokenizer drafts, the target verifies. On the CPU in float32: greedy outputs are plain decoding's
+token for token whether the draft model is the target itself (nearly every draft token accepted)
+or a tiny random model (nearly none); a grammar still holds; seeded samples repeat; the draft
+model's own KV cache is whole again after a flush; a draft model of another tokenizer is refused
+up front, and one that fails at run time turns drafting off without failing a request."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import radixlm
+from tests.test_speculative_engine import _CODE, _NUMBERS, kv_whole, results, start, workload
+
+DRAFTING = {"speculative_algorithm": "STANDALONE", "speculative_adaptive": False}
+
+
+def draft_of(engine):
+    return engine._core.speculative.standalone
+
+
+@pytest.fixture(scope="module")
+def reference(engine, tokenizer):
+    """The workload's plain greedy outputs (the shared default engine)."""
+    prompts, params = workload(tokenizer)
+    return prompts, params, engine.generate(prompts, params)
+
+
+@pytest.fixture(scope="module")
+def self_drafted(default_model_folder):
+    with start(
+        default_model_folder, speculative_draft_model_path=default_model_folder,
+        speculative_num_draft_tokens=4, **DRAFTING,
+    ) as eng:  # fmt: skip
+        yield eng
+
+
+def test_the_target_drafting_for_itself_gives_its_own_tokens_and_accepts_them(
+    self_drafted, reference
+):
+    prompts, params, plain = reference
+    outs = self_drafted.generate(prompts, params)
+    assert results(outs) == results(plain)
+    stats = self_drafted.get_stats()
+    assert kv_whole(stats), stats
+    assert stats["spec_verify_ct"] > 0
+    # the same model on both sides: its drafts are what the target computes, but for rounding
+    # where the draft's decode steps and the target's verify step differ at a near-tie
+    assert stats["spec_accept_rate"] > 0.9, stats
+    assert stats["spec_accept_length"] > 3.0, stats
+
+
+def test_a_grammar_holds_and_seeded_samples_repeat_with_a_draft_model(
+    self_drafted, default_model_folder
+):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    constrained = {"temperature": 0, "max_new_tokens": 40, "json_schema": json.dumps(schema)}
+    prompt = "<|im_start|>user\nA person as JSON.<|im_end|>\n<|im_start|>assistant\n"
+    got = self_drafted.generate(prompt, constrained)
+    # (against the loop without overlap, as every speculative step runs: with overlap, text that
+    # jump-forward appends after a token already in flight is tokenized at another boundary)
+    with start(default_model_folder, disable_overlap_schedule=True) as plain:
+        assert results([got]) == results([plain.generate(prompt, constrained)])
+    value = json.loads(got["text"])
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    assert got["meta_info"]["spec_verify_ct"] > 0
+    sampled = {"temperature": 0.8, "max_new_tokens": 12, "seed": 3}
+    first = self_drafted.generate([_NUMBERS, _CODE], sampled)
+    again = self_drafted.generate([_CODE, _NUMBERS], sampled)
+    assert results(first) == results(again[::-1])
+    assert first[0]["meta_info"]["spec_verify_ct"] > 0
+
+
+def test_a_random_draft_model_changes_nothing_but_speed_and_its_cache_empties(
+    tiny_model_folder, default_model_folder, reference
+):
+    prompts, params, plain = reference
+    with start(
+        default_model_folder, speculative_draft_model_path=tiny_model_folder, **DRAFTING
+    ) as eng:
+        outs = eng.generate(prompts, params)
+        stats = eng.get_stats()
+        draft = draft_of(eng)
+        assert draft.allocator.num_free < draft.allocator.capacity  # (finished requests' KV
+        assert eng.flush_cache()  # waits for their next draft, or a flush)
+        assert draft.allocator.num_free == draft.allocator.capacity
+        assert draft.rows.num_free == eng.config.max_running_requests
+    assert results(outs) == results(plain)
+    assert kv_whole(stats), stats
+    assert stats["spec_verify_ct"] > 0 and stats["spec_num_proposed_drafts"] > 0
+
+
+def test_a_draft_model_of_another_tokenizer_is_refused(
+    tiny_model_folder, default_model_folder, tmp_path
+):
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(tiny_model_folder, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[1000:1002]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: another tokenizer
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="its tokenizer is not the target model's"):
+        start(default_model_folder, speculative_draft_model_path=str(other), **DRAFTING)
+
+
+def test_a_failing_draft_model_turns_drafting_off_and_fails_no_request(
+    tiny_model_folder, default_model_folder, reference
+):
+    prompts, params, plain = reference
+    with start(
+        default_model_folder, speculative_draft_model_path=tiny_model_folder, **DRAFTING
+    ) as eng:
+        worker = eng._core.speculative
+
+        def broken(reqs, num):
+            raise RuntimeError("the draft model ran out of memory")
+
+        draft_of(eng).draft = broken
+        outs = eng.generate(prompts[:3], params[:3])
+        assert worker.standalone is None  # drafting is off
+        assert eng.generate(prompts[3], params[3])["output_ids"] == plain[3]["output_ids"]
+        assert eng.get_stats()["spec_verify_ct"] == 0
+    assert results(outs) == results(plain[:3])
+
+
+def test_the_option_reaches_the_engine_from_the_cli():
+    from radixlm import cli
+
+    args = cli._build_parser().parse_args(
+        ["serve", "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "x"]
+    )
+    assert args.speculative_algorithm == "STANDALONE" and args.speculative_draft_model_path == "x"
+    assert (
+        radixlm.EngineConfig(
+            speculative_algorithm="standalone", speculative_draft_model_path="x"
+        ).speculative_num_draft_tokens
+        == 5
+    )  # four draft model steps
