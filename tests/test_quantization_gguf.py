@@ -20,8 +20,9 @@ import radixlm
 from radixlm.kernels import gguf_cpu, gguf_ref
 from radixlm.kernels.gguf_ref import BLOCK_TYPES
 from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.model_loader import default_model_path
 from radixlm.runtime.parallel import ColumnParallelLinear, Part
-from radixlm.runtime.quantization.gguf import GgufLinear, GgufWeights
+from radixlm.runtime.quantization.gguf import GgufLinear, GgufWeights, read_tensor_table
 from radixlm.runtime.quantization.plan import plan_for
 from tests.test_gguf_conversion import TINY, permute_for_llama_cpp, tokenizer_fields, weights  # noqa: F401
 
@@ -210,6 +211,22 @@ def test_default_model_as_stored_equals_dequantized():
     assert got == want
     assert ours < float_bytes / 4
     assert all_ours < all_float / 4
+
+
+def test_tensor_table_is_the_gguf_readers(tmp_path, weights, tokenizer_fields):  # noqa: F811
+    """The header walk that finds the tensors (without building the vocabulary's arrays) finds
+    what the gguf package's GGUFReader finds: names, types, dimensions and bytes."""
+    tiny = write_quantized_tiny(tmp_path / "tiny-q.gguf", weights, tokenizer_fields)
+    for path in (tiny, default_model_path()):
+        fields, infos = read_tensor_table(path)
+        reader = gguf.GGUFReader(str(path))
+        assert fields["general.architecture"] == "llama"
+        assert len(infos) == len(reader.tensors)
+        for info, t in zip(infos, reader.tensors):
+            assert (info.name, info.gtype) == (t.name, int(t.tensor_type))
+            assert info.dims == tuple(int(d) for d in t.shape)
+            ours = np.asarray(reader.data[info.offset : info.offset + info.nbytes])
+            assert np.array_equal(ours, np.asarray(t.data).reshape(-1).view(np.uint8))
 
 
 def test_refusals(tmp_path):

@@ -191,45 +191,144 @@ class GgufTensor:
     data: np.ndarray  # (N, row bytes) uint8, a view of the file's memory map
 
 
+# GGUF metadata value types (gguf.GGUFValueType) -> struct format; 8 is a string, 9 an array
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass
+class TensorInfo:
+    name: str  # the GGUF's
+    gtype: int  # ggml's type id
+    dims: tuple[int, ...]  # fastest-varying first, as GGUF lists them
+    offset: int  # bytes from the start of the file
+    nbytes: int
+
+
+def read_tensor_table(path: str | Path) -> tuple[dict[str, object], list[TensorInfo]]:
+    """A GGUF file's scalar metadata (arrays left out) and its tensors, read from its header
+    alone: the gguf package's GGUFReader also builds every array (the vocabulary's 49,152
+    tokens and their merges), seconds for the default model on a small CPU; this walks past them.
+    The layout (GGUF v2 and v3, little-endian): magic, version, tensor and key counts; each key,
+    its value type and value; each tensor's name, dimensions, type and offset; the data, aligned
+    to `general.alignment` (32 unless given)."""
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as f:
+        buf = f.read(1 << 20)
+        pos = 0
+
+        def need(n: int) -> None:
+            nonlocal buf
+            while pos + n > len(buf):
+                more = f.read(max(n, 1 << 20))
+                if not more:
+                    raise ValueError("the file ends inside its header")
+                buf += more
+
+        def take(fmt: str):
+            nonlocal pos
+            size = struct.calcsize("<" + fmt)
+            need(size)
+            value = struct.unpack_from("<" + fmt, buf, pos)
+            pos += size
+            return value[0] if len(value) == 1 else value
+
+        def string() -> str:
+            nonlocal pos
+            n = take("Q")
+            need(n)
+            text = bytes(buf[pos : pos + n]).decode("utf-8", errors="replace")
+            pos += n
+            return text
+
+        def skip(vtype: int, count: int) -> None:
+            nonlocal pos
+            if vtype == _STRING:
+                for _ in range(count):
+                    n = take("Q")
+                    need(n)
+                    pos += n
+            elif vtype == _ARRAY:
+                for _ in range(count):
+                    item, n = take("I"), take("Q")
+                    skip(item, n)
+            else:
+                size = struct.calcsize("<" + _SCALARS[vtype]) * count
+                need(size)
+                pos += size
+
+        if take("4s") != b"GGUF":
+            raise ValueError("not a GGUF file (no GGUF magic)")
+        version = take("I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (2 and 3 are read)")
+        n_tensors, n_kv = take("Q"), take("Q")
+        fields: dict[str, object] = {}
+        for _ in range(n_kv):
+            key, vtype = string(), take("I")
+            if vtype == _STRING:
+                fields[key] = string()
+            elif vtype == _ARRAY:
+                item, count = take("I"), take("Q")
+                skip(item, count)
+            else:
+                fields[key] = take(_SCALARS[vtype])
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = tuple(take("Q") for _ in range(take("I")))
+            gtype, offset = take("I"), take("Q")
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(gtype)]
+            count = int(np.prod(dims))
+            infos.append(TensorInfo(name, gtype, dims, offset, count // block * size))
+    align = int(fields.get("general.alignment", 32))
+    start = (pos + align - 1) // align * align
+    for info in infos:
+        info.offset += start
+    return fields, infos
+
+
 class GgufWeights:
     """The GGUF file's linear-layer tensors, under Hugging Face's names, as raw blocks."""
 
     def __init__(self, path: str | Path) -> None:
-        from gguf import GGUFReader
+        from gguf import GGMLQuantizationType
 
         self.path = Path(path)
         try:
-            reader = GGUFReader(str(path))
+            fields, infos = read_tensor_table(path)
+            data = np.memmap(path, dtype=np.uint8, mode="r")
         except Exception as e:  # corrupt or not a GGUF file
             raise ValueError(f"cannot read GGUF file {str(path)!r}: {e}") from e
-        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        arch = str(fields.get("general.architecture"))
         self.arch = arch
-
-        def value(key: str):
-            field = reader.fields.get(f"{arch}.{key}")
-            return None if field is None else int(field.parts[-1][0])
-
-        self.num_heads = value("attention.head_count")
-        self.num_kv_heads = value("attention.head_count_kv") or self.num_heads
+        self.num_heads = fields.get(f"{arch}.attention.head_count")
+        self.num_kv_heads = fields.get(f"{arch}.attention.head_count_kv") or self.num_heads
         self.tensors: dict[str, GgufTensor] = {}
         self.head: GgufTensor | None = None
         tied_head = None
-        for t in reader.tensors:
+        for t in infos:
             hf = _hf_name(t.name)
             if hf is None and t.name not in ("token_embd.weight", "output.weight"):
                 continue
-            gtype = int(t.tensor_type)
-            n, k = int(t.shape[1]), int(t.shape[0])  # GGUF lists the fastest dimension first
-            tensor = GgufTensor(hf or t.name, gtype, (n, k), t.data)
+            if len(t.dims) != 2:
+                raise ValueError(f"GGUF tensor {t.name} has {len(t.dims)} dimensions, not 2")
+            n, k = t.dims[1], t.dims[0]  # GGUF lists the fastest dimension first
+            raw = data[t.offset : t.offset + t.nbytes].reshape(n, -1)
+            tensor = GgufTensor(hf or t.name, t.gtype, (n, k), raw)
             if t.name == "output.weight":
                 self.head = tensor
             elif t.name == "token_embd.weight":
                 tied_head = tensor
             else:
-                if gtype not in BLOCK_TYPES:
+                if t.gtype not in BLOCK_TYPES:
                     raise ValueError(
                         f"quantization='gguf': GGUF tensor {t.name} is of type "
-                        f"{t.tensor_type.name}; supported: {SUPPORTED_TYPES} (or "
+                        f"{GGMLQuantizationType(t.gtype).name}; supported: {SUPPORTED_TYPES} (or "
                         "quantization='none' to run the GGUF dequantized to float)"
                     )
                 self.tensors[hf] = tensor
