@@ -144,3 +144,53 @@ def test_the_option_reaches_the_engine_from_the_cli():
         ).speculative_num_draft_tokens
         == 5
     )  # four draft model steps
+
+
+def test_the_decode_step_path_drafts_what_the_eager_path_drafts(tiny_model_folder):
+    """The GPU's path (decode steps replayed from graphs; here the same padded steps run eagerly)
+    against the eager forwards, over rounds in which the target takes some of the draft (or all
+    of it, and a token more), for a new prompt, a long catch-up and requests of several lengths;
+    the caches hold the same tokens and end empty."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from radixlm.runtime.config import EngineConfig
+    from radixlm.runtime.model_loader import load_tokenizer
+    from radixlm.runtime.speculative.standalone import DraftModel
+
+    config = EngineConfig(
+        model_path=tiny_model_folder, device="cpu", dtype="float32",
+        speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny_model_folder,
+    )  # fmt: skip
+    tok = load_tokenizer(tiny_model_folder)
+    made = [
+        DraftModel.load(config, tok, torch.float32, torch.device("cpu"), 256, 2048)
+        for _ in range(2)
+    ]
+    eager, stepped = made
+    stepped.use_graphs(8, capture=False)
+
+    def reqs():
+        return [
+            SimpleNamespace(input_ids=list(range(100, 100 + n)), output_ids=[], is_finished=False)
+            for n in (3, 9, 1)
+        ]
+
+    pairs = list(zip(reqs(), reqs()))
+    taken = [2, 5, 0, 1]  # draft tokens the target takes each round (5: all, and the bonus)
+    for round_, take in enumerate(taken):
+        got = [m.draft(list(side), 4) for m, side in zip(made, zip(*pairs))]
+        assert got[0] == got[1] and all(len(c) == 4 for c in got[0])
+        for k, (a, b) in enumerate(pairs):
+            more = got[0][k][:take] + [7 + round_ + k]  # (+ the target's own token)
+            if k == 1 and round_ == 2:
+                more += list(range(300, 310))  # (jump-forward text: a long catch-up)
+            a.output_ids += more
+            b.output_ids += more
+    held = [[s.tokens for s in m._seen.values()] for m in made]
+    assert held[0] == held[1] and len(held[0]) == 3
+    for m in made:
+        m.release_all()
+        assert m.allocator.num_free == m.allocator.capacity
+        assert m.rows.num_free == config.max_running_requests

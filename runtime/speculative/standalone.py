@@ -10,6 +10,10 @@ step per further draft token. The target verifies the chain as it verifies any o
 token, sampled ones by rejection sampling, which preserves the target's distribution for a
 deterministic draft.
 
+On a GPU the draft model's steps replay CUDA graphs of its decode forward (one token per
+request a step: the few tokens it catches up on, then the draft tokens, each argmax left as the
+next step's input on the device), and only a long catch-up (a new request's prompt) runs eagerly.
+
 The draft model keeps a KV cache of its own (its own pool, request table, slot allocator and
 attention backend; no prefix cache), holding per request the KV of the tokens it has seen: the
 context, then the draft tokens it ran over. Which of those the target kept is found at the next
@@ -29,6 +33,9 @@ from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.memory_pool import ReqToTokenPool, SlotAllocator
 from radixlm.runtime.request import Req
 from radixlm.runtime.tensors import int64_tensor, to_device
+
+# a request with more unseen tokens than this catches up in one eager forward, not in decode steps
+_STEPPED_CATCH_UP = 4
 
 
 @dataclass
@@ -54,6 +61,24 @@ class DraftModel:
         self.vocab = vocab  # the ids both models' logits share
         self.device = rows.table.device
         self._seen: dict[int, _Seen] = {}  # by id(req)
+        self.graphs = None  # its decode steps' graphs (`use_graphs`)
+        self.token_buf: torch.Tensor | None = None
+
+    def use_graphs(self, max_batch: int, capture: bool = True) -> None:
+        """Run the decode steps through runtime/cuda_graph.py DecodeGraphs of up to `max_batch`
+        requests, after tuning the model's batch-1 matmuls (as the target's are); capture=False
+        runs the same padded steps eagerly (a CPU test of this path)."""
+        from radixlm.runtime.cuda_graph import DecodeGraphs
+
+        if capture:
+            from radixlm.runtime.engine_core import tune_small_matmuls
+
+            tune_small_matmuls(self.model)
+        self.token_buf = torch.zeros(self.rows.max_requests, dtype=torch.int64, device=self.device)
+        self.graphs = DecodeGraphs(
+            self.model, self.backend, self.rows.table, self.token_buf, max_batch,
+            capture=capture, padding_row=self.rows.padding_row,
+        )  # fmt: skip
 
     @classmethod
     def load(
@@ -88,7 +113,10 @@ class DraftModel:
         backend = create_backend(
             config.attention_backend, kv_pool, rows.table, device, num_q_heads=mc.num_heads
         )
-        return cls(model, kv_pool, rows, backend, vocab)
+        draft = cls(model, kv_pool, rows, backend, vocab)
+        if device.type == "cuda" and not config.disable_cuda_graph:
+            draft.use_graphs(config.cuda_graph_max_bs or min(config.max_running_requests, 256))
+        return draft
 
     # ---- drafting ----------------------------------------------------------------------------
 
@@ -105,6 +133,12 @@ class DraftModel:
         chains: list[list[int]] = [[] for _ in reqs]
         if not chosen or num <= 0:
             return chains
+        if self.graphs is not None and self.graphs.can_run(len(chosen)):
+            for i, chain in zip(
+                chosen, self._stepped([seen[i] for i in chosen], [new[i] for i in chosen], num)
+            ):
+                chains[i] = chain
+            return chains
         # the unseen tokens of each, the longer first (a prompt step: ForwardBatch's order)
         chosen.sort(key=lambda i: len(new[i]) == 1)
         last = self._forward([seen[i] for i in chosen], [new[i] for i in chosen])
@@ -115,6 +149,43 @@ class DraftModel:
                 break
             last = self._forward([seen[i] for i in chosen], [[t] for t in last])
         return chains
+
+    def _stepped(self, seen: list[_Seen], new: list[list[int]], num: int) -> list[list[int]]:
+        """`draft` through the decode graphs: a long catch-up eagerly first (all but its last
+        token), the rest of the catch-up a decode step per token, then `num` steps whose inputs
+        are the argmaxes before them, left in `token_buf`; one copy to the host at the end."""
+        long = [k for k, toks in enumerate(new) if len(toks) > _STEPPED_CATCH_UP]
+        if long:
+            self._forward([seen[k] for k in long], [new[k][:-1] for k in long])
+            for k in long:
+                new[k] = new[k][-1:]
+        for c in range(max(map(len, new)) - 1):  # the catch-up's tokens but the last
+            some = [k for k, toks in enumerate(new) if len(toks) - 1 > c]
+            self._graph_step([seen[k] for k in some], [new[k][c] for k in some])
+        drafted = [self._graph_step(seen, [toks[-1] for toks in new]).clone()]
+        for _ in range(num - 1):
+            drafted.append(self._graph_step(seen, None).clone())
+        chains = torch.stack(drafted, dim=1).tolist()
+        for s, chain in zip(seen, chains):  # the draft tokens run over, known now
+            s.tokens[len(s.tokens) - num + 1 :] = chain[:-1]
+        return chains
+
+    def _graph_step(self, seen: list[_Seen], tokens: list[int] | None) -> torch.Tensor:
+        """One decode step of the graphs over seen's requests, each computing `tokens[i]` (None:
+        the token the step before left in `token_buf`) after what it holds; their argmaxes, on
+        the device (a view of the graph's output)."""
+        rows = [s.row for s in seen]
+        if tokens is not None:
+            at = to_device(int64_tensor(rows), self.device)
+            self.token_buf[at] = to_device(int64_tensor(tokens), self.device)
+        slots = self.allocator.allocate(len(seen))
+        seq_lens = []
+        for s, token in zip(seen, tokens or [-1] * len(seen)):
+            s.tokens.append(token)  # (-1: a draft token, written in by `_stepped`)
+            seq_lens.append(len(s.tokens))
+        self.rows.write_next_host(rows, seq_lens, slots)  # (the step writes the device's)
+        _, argmax = self.graphs.run(rows, seq_lens, slots)
+        return argmax
 
     def _forward(self, seen: list[_Seen], tokens: list[list[int]]) -> list[int]:
         """Run the draft model over `tokens[i]` after what seen[i] holds (slots allocated, the
