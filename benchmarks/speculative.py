@@ -2,12 +2,14 @@
 or with `--batch N` the prompts repeated to N requests submitted at once.
 NGRAM runs extraction prompts whose answers copy from their input; MEDUSA (the heads shipped for
 the default model, or --draft-model-path) runs chat prompts unlike any the heads trained on (the
-built-in set of `radixlm train-draft` is instruction templates over a list of subjects). Prints
+built-in set of `radixlm train-draft` is instruction templates over a list of subjects), and so
+does STANDALONE (--draft-model-path; by default the default model drafting for itself, which
+shows what a drafting round costs: no smaller model of its tokenizer ships). Prints
 tokens/s with speculation off and on, the mean accepted length (tokens per verify step: accepted
 draft tokens and the bonus token), the speed-up, and whether the outputs are token-for-token equal
 (they must be).
 
-    python -m benchmarks.speculative [--algorithm NGRAM|MEDUSA] [--device cpu] [--new-tokens 64]
+    python -m benchmarks.speculative [--algorithm NGRAM|MEDUSA|STANDALONE] [--device cpu] [--new-tokens 64]
         [--num-draft-tokens 8] [--draft-model-path DIR] [--dtype float32] [--batch 32]
         [--eagle-topk 2] [--no-adaptive]
 """
@@ -56,7 +58,7 @@ def chat(text: str) -> str:
 
 
 def prompts(algorithm: str = "NGRAM") -> list[str]:
-    if algorithm == "MEDUSA":
+    if algorithm in ("MEDUSA", "STANDALONE"):
         return [chat(text) for text in _CHATS]
     return [chat(f"{ask}\n{record}") for ask, record in zip(_ASKS, _RECORDS)]
 
@@ -128,7 +130,7 @@ def _profiled(engine, work, top: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--algorithm", default="NGRAM", choices=["NGRAM", "MEDUSA"])
+    ap.add_argument("--algorithm", default="NGRAM", choices=["NGRAM", "MEDUSA", "STANDALONE"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", help="float32: exact; bfloat16 on a GPU")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -164,6 +166,11 @@ def main() -> None:
         spec["speculative_num_draft_tokens"] = k
     if args.draft_model_path:
         spec["speculative_draft_model_path"] = args.draft_model_path
+    elif algorithm == "STANDALONE":  # (no smaller model of its tokenizer ships: the model itself)
+        from radixlm.runtime.config import default_cache_dir
+        from radixlm.runtime.model_loader import resolve_model_folder
+
+        spec["speculative_draft_model_path"] = str(resolve_model_folder(None, default_cache_dir()))
     if args.no_adaptive:
         spec["speculative_adaptive"] = False
     if args.eagle_topk > 1:
@@ -180,7 +187,7 @@ def main() -> None:
     )
     print(f"plain:        {plain_rate:7.1f} tok/s")
     print(
-        f"{algorithm} (k={k or 'heads + 1'}, topk {args.eagle_topk}): {spec_rate:7.1f} tok/s, "
+        f"{algorithm} (k={k or ('heads + 1' if algorithm == 'MEDUSA' else 5)}, topk {args.eagle_topk}): {spec_rate:7.1f} tok/s, "
         "mean accepted length "
         f"{sum(accepted) / len(accepted):.2f} ({', '.join(f'{a:.2f}' for a in accepted)})"
     )
