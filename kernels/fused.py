@@ -13,6 +13,8 @@ rounds), which are the CPU path and the oracle.
   write the rotated k and v into the KV pool at slots `loc`, in place of `rope_` and the two
   `index_copy_` of the store (a float8 pool: quantized with its scales, `kv_store_value`).
 - `silu_and_mul(gate_up)`: silu(gate) * up over the two halves of the last dimension.
+- `fp8_quantize_rows(x)`: each row rounded to float8 e4m3 at a scale of its own (FP8 W8A8's
+  activations; its twin is kernels/quant_ref.py `quantize_fp8_rows`).
 
 The rounding recipes are small @triton.jit helpers (`add_rounded`, `norm_then_weight`,
 `silu_mul_rounded`) that kernels/gemv.py's prologues call too, so the two cannot drift apart.
@@ -324,6 +326,41 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             num_warps=4, **pdl_options(gate_up),
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def _fp8_rows_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr
+):  # fmt: skip
+    pdl_start(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    for k0 in range(0, K, BLOCK):  # (the row again, from L2)
+        mask = k0 + cols < K
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+        q = fp8_e4m3_round(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0))
+        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (T, K) -> (float8_e4m3fn values (T, K), float32 scales (T, 1)), a scale per row (a
+    token's): kernels/quant_ref.py `quantize_fp8_rows` in one kernel instead of seven (the
+    activations of an FP8 W8A8 matmul), with its results bit for bit."""
+    rows, k = x.shape
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        _fp8_rows_kernel[(rows,)](
+            x, q, scale, k, x.stride(0), q.stride(0), BLOCK=min(2048, triton.next_power_of_2(k)),
+            num_warps=4, **pdl_options(x),
+        )  # fmt: skip
+    return q, scale
 
 
 @triton.jit

@@ -97,6 +97,21 @@ def test_w8a8_oracle_rounds_each_token_at_its_own_scale():
     torch.testing.assert_close(weight_only, x @ dequantize_fp8_rows(values, scale).t())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_activation_kernel_rounds_each_token_as_the_oracle_does_bit_for_bit(dtype):
+    from radixlm.kernels.fused import fp8_quantize_rows
+
+    gen = torch.Generator().manual_seed(3)
+    k = 4096 if ON_GPU else 300  # (wider than a tile on the GPU: two passes over the row)
+    x = torch.randn(6, k + 5, generator=gen) * torch.logspace(-4, 4, k + 5)  # wide magnitudes
+    x[1] = 0.0  # an all-zero token keeps its finite scale
+    x = x.to(DEVICE, dtype)[:, :k]  # (a row stride beyond K)
+    got, got_scale = fp8_quantize_rows(x)
+    want, want_scale = quantize_fp8_rows(x)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 # ---- the GEMV over float8 weights -----------------------------------------------------------
 
 

@@ -2,7 +2,8 @@
 float8 at a scale per token as each matmul runs.
 
 - The plain path (`apply`): on a CUDA GPU that has it, `torch._scaled_mm` with row-wise scales
-  (float8 products summed in float32; Hopper's FP8 tensor cores); elsewhere its plain-torch twin
+  (float8 products summed in float32; Hopper's FP8 tensor cores), the activations rounded by one
+  Triton kernel (kernels/fused.py `fp8_quantize_rows`); elsewhere its plain-torch twin
   (kernels/quant_ref.py `fp8_linear_ref`), which computes the same W8A8 numerics.
 - At batch 1-4, where a step's time is reading the weights, the Triton GEMV (kernels/gemv.py with
   `w_scale`) reads the float8 weights once and dequantizes them in registers; it multiplies by x
@@ -80,7 +81,7 @@ class Fp8Linear(LinearScheme):
         out = out_dtype or x.dtype
         if x.is_cuda and out in _HALF and _scaled_mm_fits(x, w):
             x2 = x.reshape(-1, x.shape[-1])
-            xq, x_scale = quantize_fp8_rows(x2)  # (T, K) float8, (T, 1) float32
+            xq, x_scale = _activation_rows(x2)  # (T, K) float8, (T, 1) float32
             # (row-wise scales write bfloat16: a float16 model's output is rounded once more)
             y = torch._scaled_mm(
                 xq, w.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16
@@ -105,6 +106,16 @@ class Fp8Linear(LinearScheme):
 
 
 _HALF = (torch.bfloat16, torch.float16)
+
+
+def _activation_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's tokens rounded to float8 at a scale each: the one-kernel Triton twin of
+    `quantize_fp8_rows` (bit for bit), unless the fused kernels are switched off."""
+    from radixlm.kernels import fused
+
+    if fused.switched_off() or x.stride(-1) != 1:
+        return quantize_fp8_rows(x)
+    return fused.fp8_quantize_rows(x)
 
 
 def _scaled_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
