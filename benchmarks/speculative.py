@@ -198,6 +198,32 @@ def main() -> None:
             "first differing token per prompt (None: equal): "
             + ", ".join(f"{f} of {len(a)}" for f, a in zip(firsts, plain_ids))
         )
+        if args.dtype != "float32" and args.batch == 1:
+            _near_ties(args.device, algorithm, plain_ids, spec_ids, firsts)
+
+
+def _near_ties(device: str, algorithm: str, plain_ids, spec_ids, firsts) -> None:
+    """Where bf16 outputs first differ, the float32 model's log-probabilities of the two tokens
+    after the common prefix: a divergence the exactness rule allows sits at a near-tie of the
+    float32 logits (the two tokens its top two, close together)."""
+    params = {"max_new_tokens": 1, "temperature": 0}
+    rows = []
+    with radixlm.Engine(device=device, dtype="float32") as eng:
+        for i, at in enumerate(firsts):
+            if at is None:
+                continue
+            ids = eng.tokenizer.encode(prompts(algorithm)[i], add_special_tokens=False)
+            out = eng.generate(
+                input_ids=ids + plain_ids[i][:at], sampling_params=params, return_logprob=True,
+                top_logprobs_num=2,
+            )  # fmt: skip
+            top = out["meta_info"]["output_top_logprobs"][0]  # [(logprob, id, text), ...]
+            pair = {plain_ids[i][at], spec_ids[i][at]}
+            gap = top[0][0] - top[1][0]
+            rows.append((i, at, gap, {t[1] for t in top} == pair))
+    print("float32 at each first difference (prompt, token, top-2 log-prob gap, the two tokens "
+          "are float32's top two): " + "; ".join(f"{i}, {at}, {gap:.4f}, {both}"
+                                                for i, at, gap, both in rows))  # fmt: skip
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
