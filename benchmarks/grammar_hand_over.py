@@ -1,0 +1,91 @@
+"""Grammar compiles beside a busy engine core: how long 96 distinct schemas take to compile in the
+compiler's threads while another thread runs Python for `--busy-ms` at a time (the engine's core
+thread when the host is the bound), at several switch intervals (how long a thread waiting for
+the GIL waits before its holder is asked to let go), in one run; and how many "steps" the busy
+thread made meanwhile. constrained/compiler.py lowers the interval to COMPILE_SWITCH_INTERVAL while
+builds run (this script sets it for the whole run instead, and turns the compiler's own off).
+
+    python -m benchmarks.grammar_hand_over [--intervals 5,1,0.2] [--busy-ms 5] [--sleep-ms 0,0.1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.common import commit
+from radixlm.constrained import GrammarCompiler
+from radixlm.constrained import compiler as compiler_module
+from radixlm.runtime.model_loader import default_tokenizer
+
+SCHEMAS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "schemas"
+
+
+def schemas(count: int) -> list[str]:
+    names = sorted(SCHEMAS.glob("*.json"))
+    import json
+
+    return [
+        json.dumps(json.loads(names[(i * len(names)) // count].read_text())["schema"])
+        for i in range(count)
+    ]
+
+
+def core(stop: list, steps: list, busy_ms: float, sleep_ms: float) -> None:
+    while not stop:
+        t = time.perf_counter()
+        while time.perf_counter() - t < busy_ms / 1000:
+            pass
+        if sleep_ms:
+            time.sleep(sleep_ms / 1000)
+        steps.append(1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--intervals", default="5,1,0.2", help="switch intervals, ms")
+    ap.add_argument("--busy-ms", type=float, default=5.0)
+    ap.add_argument("--sleep-ms", default="0,0.1", help="the core's pause after each busy spell")
+    ap.add_argument("--count", type=int, default=96)
+    args = ap.parse_args()
+    print(f"commit: {commit()}")
+    specs = schemas(args.count)
+    compiler_module.COMPILE_SWITCH_INTERVAL = None  # (set for the whole run below)
+    own = sys.getswitchinterval()
+    tokenizer = default_tokenizer()
+    print(
+        "\n| switch interval ms | core pause ms | compiles ms | core steps/s |\n|---|---|---|---|"
+    )
+    for interval in (float(v) for v in args.intervals.split(",")):
+        for pause in (float(v) for v in args.sleep_ms.split(",")):
+            compiler = GrammarCompiler(tokenizer, max_workers=8, cache_size=0)
+            compiler.compile("json_schema", {"type": "string"})  # (its threads started)
+            sys.setswitchinterval(interval / 1000)
+            stop: list = []
+            steps: list = []
+            thread = threading.Thread(target=core, args=(stop, steps, args.busy_ms, pause))
+            thread.start()
+            time.sleep(0.05)
+            before = len(steps)
+            t0 = time.perf_counter()
+            futures = [compiler.compile_async("json_schema", s) for s in specs]
+            for f in futures:
+                f.exception()  # (a refused schema counts as compiled: its refusal is the result)
+            wall = time.perf_counter() - t0
+            made = len(steps) - before
+            stop.append(1)
+            thread.join()
+            sys.setswitchinterval(own)
+            compiler.close()
+            print(
+                f"| {interval:g} | {pause:g} | {wall * 1e3:.0f} | {made / wall:.0f} |", flush=True
+            )
+
+
+if __name__ == "__main__":
+    main()
