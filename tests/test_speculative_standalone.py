@@ -78,9 +78,11 @@ def test_a_grammar_holds_and_seeded_samples_repeat_with_a_draft_model(
     assert first[0]["meta_info"]["spec_verify_ct"] > 0
 
 
-def test_a_random_draft_model_changes_nothing_but_speed_and_its_cache_empties(
+def test_a_random_draft_model_changes_nothing_but_speed_and_a_failing_one_fails_nothing(
     tiny_model_folder, default_model_folder, reference
 ):
+    """A tiny random draft model: plain outputs, its cache empty after a flush; then, made to
+    raise, it turns drafting off and no request fails."""
     prompts, params, plain = reference
     with start(
         default_model_folder, speculative_draft_model_path=tiny_model_folder, **DRAFTING
@@ -92,7 +94,18 @@ def test_a_random_draft_model_changes_nothing_but_speed_and_its_cache_empties(
         assert eng.flush_cache()  # waits for their next draft, or a flush)
         assert draft.allocator.num_free == draft.allocator.capacity
         assert draft.rows.num_free == eng.config.max_running_requests
+
+        def broken(reqs, num):
+            raise RuntimeError("the draft model ran out of memory")
+
+        draft.draft = broken
+        worker = eng._core.speculative
+        again = eng.generate(prompts[:3], params[:3])
+        assert worker.standalone is None  # drafting is off
+        assert eng.generate(prompts[3], params[3])["output_ids"] == plain[3]["output_ids"]
+        assert eng.get_stats()["spec_verify_ct"] == stats["spec_verify_ct"]
     assert results(outs) == results(plain)
+    assert results(again) == results(plain[:3])
     assert kv_whole(stats), stats
     assert stats["spec_verify_ct"] > 0 and stats["spec_num_proposed_drafts"] > 0
 
@@ -109,26 +122,6 @@ def test_a_draft_model_of_another_tokenizer_is_refused(
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="its tokenizer is not the target model's"):
         start(default_model_folder, speculative_draft_model_path=str(other), **DRAFTING)
-
-
-def test_a_failing_draft_model_turns_drafting_off_and_fails_no_request(
-    tiny_model_folder, default_model_folder, reference
-):
-    prompts, params, plain = reference
-    with start(
-        default_model_folder, speculative_draft_model_path=tiny_model_folder, **DRAFTING
-    ) as eng:
-        worker = eng._core.speculative
-
-        def broken(reqs, num):
-            raise RuntimeError("the draft model ran out of memory")
-
-        draft_of(eng).draft = broken
-        outs = eng.generate(prompts[:3], params[:3])
-        assert worker.standalone is None  # drafting is off
-        assert eng.generate(prompts[3], params[3])["output_ids"] == plain[3]["output_ids"]
-        assert eng.get_stats()["spec_verify_ct"] == 0
-    assert results(outs) == results(plain[:3])
 
 
 def test_the_option_reaches_the_engine_from_the_cli():
