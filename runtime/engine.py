@@ -34,7 +34,7 @@ from radixlm.runtime import startup
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.engine_core import EngineCore
-from radixlm.runtime.memory_pool import KVPool
+from radixlm.runtime.memory_pool import KVPool, kv_cache_storage_dtype
 from radixlm.runtime.model_config import ModelConfig, generation_eos_ids
 from radixlm.runtime.model_setup import build_kv_pool, build_model, rank_kv_tokens
 from radixlm.runtime.request import LogprobRequest, Req
@@ -157,18 +157,27 @@ class Engine:
                     model, stage, tp.comm, self.dtype, self.device,
                     config.pp_micro_batch_min_tokens,
                 )  # fmt: skip
+            draft_model = None
+            if config.speculative_algorithm == "STANDALONE":  # (its weights before the KV pools)
+                from radixlm.runtime.speculative.standalone import DraftModel
+
+                draft_model = DraftModel.load(
+                    config, self.tokenizer, self.dtype, self.device, self.context_len
+                )
             num_slots = rank_kv_tokens(config, local, self.dtype, self.device, self.context_len)
+            if draft_model is not None:  # (its pool holds as many tokens: the room split)
+                store = kv_cache_storage_dtype(config.kv_cache_dtype, self.dtype)
+                num_slots = draft_model.kv_share(
+                    num_slots,
+                    KVPool.bytes_per_slot(
+                        local.num_layers, local.num_kv_heads, local.head_dim, store
+                    ),
+                )
             if tp is not None:
                 num_slots = tp.agree_kv_slots(num_slots)
             kv_pool = build_kv_pool(config, local, num_slots, self.dtype, self.device)
-            draft_model = None
-            if config.speculative_algorithm == "STANDALONE":
-                from radixlm.runtime.speculative.standalone import DraftModel
-
-                # (its KV pool holds as many tokens as the target's; its layers are fewer)
-                draft_model = DraftModel.load(
-                    config, self.tokenizer, self.dtype, self.device, self.context_len, num_slots
-                )
+            if draft_model is not None:
+                draft_model.make_cache(num_slots)
         except BaseException:
             if tp is not None:
                 tp.shutdown()

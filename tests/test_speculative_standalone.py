@@ -124,6 +124,21 @@ def test_a_draft_model_of_another_tokenizer_is_refused(
         start(default_model_folder, speculative_draft_model_path=str(other), **DRAFTING)
 
 
+def test_the_two_pools_split_the_room_the_target_alone_would_take(default_model_folder):
+    """Every token a request holds needs a slot in both pools: with the draft model as large as
+    the target, each pool gets half the slots the target alone would have, so that both fit."""
+    with start(
+        default_model_folder, speculative_draft_model_path=default_model_folder,
+        mem_fraction_static=0.01, **DRAFTING,
+    ) as eng, start(default_model_folder, mem_fraction_static=0.01) as alone:  # fmt: skip
+        draft = draft_of(eng)
+        both = eng.get_stats()["kv_pool_capacity_tokens"]
+        assert draft.allocator.capacity == both
+        assert both == pytest.approx(
+            alone.get_stats()["kv_pool_capacity_tokens"] / 2, rel=0.25
+        )  # (free memory moves)
+
+
 def test_the_option_reaches_the_engine_from_the_cli():
     from radixlm import cli
 
@@ -157,10 +172,9 @@ def test_the_decode_step_path_drafts_what_the_eager_path_drafts(tiny_model_folde
         speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny_model_folder,
     )  # fmt: skip
     tok = load_tokenizer(tiny_model_folder)
-    made = [
-        DraftModel.load(config, tok, torch.float32, torch.device("cpu"), 256, 2048)
-        for _ in range(2)
-    ]
+    made = [DraftModel.load(config, tok, torch.float32, torch.device("cpu"), 256) for _ in range(2)]
+    for m in made:
+        m.make_cache(2048)
     eager, stepped = made
     stepped.use_graphs(8, capture=False)
 

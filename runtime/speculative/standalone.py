@@ -50,47 +50,30 @@ class _Seen:
 
 
 class DraftModel:
-    """A draft model with its KV cache, drafting greedy chains for a batch of requests."""
+    """A draft model with its KV cache, drafting greedy chains for a batch of requests. `load`
+    builds the model (before the target's KV pool is sized: `kv_share` splits the room between
+    the two pools), `make_cache` its KV cache."""
 
-    def __init__(self, model, kv_pool, rows: ReqToTokenPool, backend, vocab: int) -> None:
+    def __init__(
+        self, model, model_config, config, vocab: int, device, dtype, context_len: int
+    ) -> None:
         self.model = model
-        self.kv_pool = kv_pool
-        self.rows = rows
-        self.backend = backend
-        self.allocator = SlotAllocator(kv_pool.num_slots)
+        self.model_config = model_config
+        self.config = config  # (the engine's, with the draft model's path)
         self.vocab = vocab  # the ids both models' logits share
-        self.device = rows.table.device
+        self.device, self.dtype, self.context_len = device, dtype, context_len
         self._seen: dict[int, _Seen] = {}  # by id(req)
         self.graphs = None  # its decode steps' graphs (`use_graphs`)
         self.token_buf: torch.Tensor | None = None
 
-    def use_graphs(self, max_batch: int, capture: bool = True) -> None:
-        """Run the decode steps through runtime/cuda_graph.py DecodeGraphs of up to `max_batch`
-        requests, after tuning the model's batch-1 matmuls (as the target's are); capture=False
-        runs the same padded steps eagerly (a CPU test of this path)."""
-        from radixlm.runtime.cuda_graph import DecodeGraphs
-
-        if capture:
-            from radixlm.runtime.engine_core import tune_small_matmuls
-
-            tune_small_matmuls(self.model)
-        self.token_buf = torch.zeros(self.rows.max_requests, dtype=torch.int64, device=self.device)
-        self.graphs = DecodeGraphs(
-            self.model, self.backend, self.rows.table, self.token_buf, max_batch,
-            capture=capture, padding_row=self.rows.padding_row,
-        )  # fmt: skip
-
     @classmethod
-    def load(
-        cls, config, target_tokenizer, dtype, device, context_len: int, num_slots: int
-    ) -> DraftModel:
+    def load(cls, config, target_tokenizer, dtype, device, context_len: int) -> DraftModel:
         """The model at `config.speculative_draft_model_path` (a Hugging Face folder or a GGUF
-        file), in the target's dtype on its device, with a KV pool of `num_slots` tokens;
-        ValueError when its tokenizer is not the target's."""
+        file), in the target's dtype on its device (no cache yet: `make_cache`); ValueError when
+        its tokenizer is not the target's."""
         from radixlm.runtime import model_loader, startup
-        from radixlm.runtime.attention import create_backend
         from radixlm.runtime.model_config import ModelConfig
-        from radixlm.runtime.model_setup import build_kv_pool, build_model
+        from radixlm.runtime.model_setup import build_model
 
         path = config.speculative_draft_model_path
         folder = model_loader.resolve_model_folder(
@@ -108,15 +91,58 @@ class DraftModel:
         vocab = min(len(tokenizer), mc.vocab_size)
         startup.say(f"building the draft model {folder.name} on {device}")
         model = build_model(own, folder, mc, dtype, device, context_len, vocab)
-        kv_pool = build_kv_pool(own, mc, num_slots, dtype, device)
-        rows = ReqToTokenPool(config.max_running_requests + 1, context_len + 1, device)
-        backend = create_backend(
-            config.attention_backend, kv_pool, rows.table, device, num_q_heads=mc.num_heads
-        )
-        draft = cls(model, kv_pool, rows, backend, vocab)
+        return cls(model, mc, own, vocab, device, dtype, context_len)
+
+    def kv_share(self, num_slots: int, target_bytes_per_slot: int) -> int:
+        """The slots each of the two pools gets when the target alone would have `num_slots`:
+        every token a request holds needs a slot in both, so the room the target's pool would
+        take is split in the ratio of their bytes per slot."""
+        if self.config.max_total_tokens is not None:
+            return num_slots  # (asked for: both pools hold that many)
+        own = self._bytes_per_slot()
+        return max(16, num_slots * target_bytes_per_slot // (target_bytes_per_slot + own))
+
+    def _bytes_per_slot(self) -> int:
+        from radixlm.runtime.memory_pool import KVPool, kv_cache_storage_dtype
+
+        mc = self.model_config
+        return KVPool.bytes_per_slot(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim,
+            kv_cache_storage_dtype(self.config.kv_cache_dtype, self.dtype),
+        )  # fmt: skip
+
+    def make_cache(self, num_slots: int) -> None:
+        """Its KV pool of `num_slots` tokens, request table, slot allocator and attention
+        backend; on a GPU, the graphs of its decode steps."""
+        from radixlm.runtime.attention import create_backend
+        from radixlm.runtime.model_setup import build_kv_pool
+
+        config, device = self.config, self.device
+        self.kv_pool = build_kv_pool(config, self.model_config, num_slots, self.dtype, device)
+        self.rows = ReqToTokenPool(config.max_running_requests + 1, self.context_len + 1, device)
+        self.backend = create_backend(
+            config.attention_backend, self.kv_pool, self.rows.table, device,
+            num_q_heads=self.model_config.num_heads,
+        )  # fmt: skip
+        self.allocator = SlotAllocator(self.kv_pool.num_slots)
         if device.type == "cuda" and not config.disable_cuda_graph:
-            draft.use_graphs(config.cuda_graph_max_bs or min(config.max_running_requests, 256))
-        return draft
+            self.use_graphs(config.cuda_graph_max_bs or min(config.max_running_requests, 256))
+
+    def use_graphs(self, max_batch: int, capture: bool = True) -> None:
+        """Run the decode steps through runtime/cuda_graph.py DecodeGraphs of up to `max_batch`
+        requests, after tuning the model's batch-1 matmuls (as the target's are); capture=False
+        runs the same padded steps eagerly (a CPU test of this path)."""
+        from radixlm.runtime.cuda_graph import DecodeGraphs
+
+        if capture:
+            from radixlm.runtime.engine_core import tune_small_matmuls
+
+            tune_small_matmuls(self.model)
+        self.token_buf = torch.zeros(self.rows.max_requests, dtype=torch.int64, device=self.device)
+        self.graphs = DecodeGraphs(
+            self.model, self.backend, self.rows.table, self.token_buf, max_batch,
+            capture=capture, padding_row=self.rows.padding_row,
+        )  # fmt: skip
 
     # ---- drafting ----------------------------------------------------------------------------
 
