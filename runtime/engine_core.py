@@ -207,6 +207,8 @@ class EngineCore:
                     keep_hidden=spec is not None and spec.medusa is not None,
                     verify_tokens=None if spec is None else spec.num_draft_tokens,
                 )  # fmt: skip
+        if row_graphs is not None:
+            self.scheduler.max_verify_rows = row_graphs.max_rows
         self.runner = ModelRunner(
             model, backend, self.rows.table, device, graphs, token_buf, prefill_graphs,
             verifier=self.speculative, mirror=None if tp is None else tp.mirror(self.rows),

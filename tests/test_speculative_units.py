@@ -178,13 +178,19 @@ def test_ngram_takes_sglangs_defaults_and_any_case():
         ({"speculative_algorithm": "EAGLE3"}, "not available yet"),
         ({"speculative_algorithm": "STANDALONE"}, "needs speculative_draft_model_path"),
         (
-            {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "x",
-             "speculative_eagle_topk": 2},
+            {
+                "speculative_algorithm": "STANDALONE",
+                "speculative_draft_model_path": "x",
+                "speculative_eagle_topk": 2,
+            },
             "not available with STANDALONE",
         ),  # fmt: skip
         (
-            {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "x",
-             "tp_size": 2},
+            {
+                "speculative_algorithm": "STANDALONE",
+                "speculative_draft_model_path": "x",
+                "tp_size": 2,
+            },
             "STANDALONE is not available with tp_size",
         ),  # fmt: skip
         ({"speculative_algorithm": "LOOKAHEAD"}, "unknown"),
@@ -390,3 +396,17 @@ def test_a_constrained_draft_is_cut_to_what_its_matcher_can_undo():
     m = Matcher()
     assert _grammar_prefix(m, list(range(10))) == [0, 1, 2] and m.taken == []
     assert _grammar_prefix(m, [5, 99, 6]) == [5] and m.taken == []
+
+
+def test_drafts_are_cut_to_the_rows_a_verify_graph_holds():
+    from radixlm.runtime.scheduler import _fit_rows
+    from radixlm.runtime.speculative.tree import merge_chains
+
+    chains = [(1, 2, 3, 4), (5, 6), (), (7, 8, 9)]
+    assert _fit_rows(chains, 13) is chains  # 4 newest tokens + 9 draft tokens: they fit
+    assert _fit_rows(chains, 12) == [(1, 2), (5, 6), (), (7, 8)]  # 12 // 4 - 1 = 2 each
+    assert _fit_rows(chains, 7) == [(), (), (), ()]  # no room for one draft token each
+    tree = merge_chains([[1, 2, 3], [4, 5]], 5)  # two paths: cut, it is its first path
+    assert _fit_rows([tree, (6, 7, 8)], 6) == [(1, 2), (6, 7)]
+    rows = [len(d) + 1 for d in _fit_rows([(1,) * 7] * 128, 256)]
+    assert sum(rows) <= 256 and set(rows) == {2}
