@@ -184,6 +184,37 @@ def _int4_dequantized(lo, hi, scale, zero, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
+def _int4_mma_operand(q, dtype: tl.constexpr):
+    """int32 values 0..15 -> (c + q in `dtype`, c) by one OR into the bits of c: bfloat16 c =
+    128, float16 1024 (where their step is 1); in float32 q itself, c = 0."""
+    if dtype == tl.bfloat16:
+        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True), 128.0
+    elif dtype == tl.float16:
+        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True), 1024.0
+    else:
+        return _nibble_float(q).to(dtype), 0.0
+
+
+@triton.jit
+def _int4_dot_accumulate(
+    acc, a_even, a_odd, lo, hi, scale, zero, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):  # fmt: skip
+    """acc (BLOCK_M, BLOCK_N) plus x's tile times an `_int4_tile` of one group (TILE_GROUPS 1)
+    through tl.dot, x's even columns `a_even` against the low nibbles and its odd ones against
+    the high (BLOCK_M, BLOCK_K // 2 each: no reordering of the weights), the stored integers the
+    MMA's operand as c + q (`_int4_mma_operand`), and the group's scale and zero point (and c)
+    applied to the sums, scale * (sum (c + q) x - (c + zero) sum x), not to each weight."""
+    w_lo, c = _int4_mma_operand(tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)), a_even.dtype)
+    w_hi, _ = _int4_mma_operand(tl.reshape(hi, (BLOCK_N, BLOCK_K // 2)), a_even.dtype)
+    sums = tl.dot(a_even, tl.trans(w_lo), input_precision="ieee")  # (BLOCK_M, BLOCK_N) float32
+    sums = tl.dot(a_odd, tl.trans(w_hi), sums, input_precision="ieee")
+    x_sums = tl.sum(a_even.to(tl.float32), axis=1) + tl.sum(a_odd.to(tl.float32), axis=1)
+    s = tl.reshape(scale, (BLOCK_N,))
+    z = tl.reshape(zero, (BLOCK_N,))
+    return acc + s[None, :] * (sums - (c + z)[None, :] * x_sums[:, None])
+
+
+@triton.jit
 def _int4_accumulate(
     acc, a, lo, hi, scale, zero,
     BLOCK_M: tl.constexpr, TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr,
@@ -219,7 +250,8 @@ def _gemv_kernel(
     scale per row (ws_ptr), by which each output's sum (each split's partial sum) is multiplied:
     the weights are read as stored and dequantized in registers. With W_INT4 they are packed INT4
     with a float32 scale and zero point per GROUP columns of a row (ws_ptr, wz_ptr: `_int4_tile`),
-    dequantized for tl.dot, else multiplied group by group (`_int4_accumulate`; no prefetch or
+    through tl.dot as stored where a tile is one group (`_int4_dot_accumulate`), dequantized
+    where it holds several, else multiplied group by group (`_int4_accumulate`; no prefetch or
     late sum). W_CONVERT: a weight tile is turned into x's type for tl.dot (float8 and INT4
     weights)."""
     if PDL:
@@ -261,17 +293,33 @@ def _gemv_kernel(
             w_next = _weight_tile(w_ptr, rows_n, k + BLOCK_K, k_end, N, stride_wn)
         else:
             w_tile = _weight_tile(w_ptr, rows_n, k, k_end, N, stride_wn)
-        a = _tile_operand(
-            x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, k, k_end, M, K, stride_xm, stride_rm,
-            PROLOGUE, HAS_RESIDUAL,
-        )  # fmt: skip
-        if W_INT4 and not DOT:
-            acc = _int4_accumulate(acc, a, lo, hi, scale, zero, BLOCK_M, TILE_GROUPS, GROUP_COLS)
-        elif W_INT4:
-            w_tile = _int4_dequantized(lo, hi, scale, zero, BLOCK_N, BLOCK_K)
-            acc = _accumulate(acc, a, w_tile, DOT, False, True)
+        if W_INT4 and DOT and TILE_GROUPS == 1:  # x's even and odd columns, for the nibbles
+            even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            a_even = _tile_operand(
+                x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, even, k_end, M, K, stride_xm,
+                stride_rm, PROLOGUE, HAS_RESIDUAL,
+            )  # fmt: skip
+            a_odd = _tile_operand(
+                x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, even + 1, k_end, M, K, stride_xm,
+                stride_rm, PROLOGUE, HAS_RESIDUAL,
+            )  # fmt: skip
+            acc = _int4_dot_accumulate(
+                acc, a_even, a_odd, lo, hi, scale, zero, BLOCK_N, BLOCK_K
+            )  # fmt: skip
         else:
-            acc = _accumulate(acc, a, w_tile, DOT, LATE_SUM, W_CONVERT)
+            a = _tile_operand(
+                x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, k, k_end, M, K, stride_xm, stride_rm,
+                PROLOGUE, HAS_RESIDUAL,
+            )  # fmt: skip
+            if W_INT4 and not DOT:
+                acc = _int4_accumulate(
+                    acc, a, lo, hi, scale, zero, BLOCK_M, TILE_GROUPS, GROUP_COLS
+                )  # fmt: skip
+            elif W_INT4:
+                w_tile = _int4_dequantized(lo, hi, scale, zero, BLOCK_N, BLOCK_K)
+                acc = _accumulate(acc, a, w_tile, DOT, False, True)
+            else:
+                acc = _accumulate(acc, a, w_tile, DOT, LATE_SUM, W_CONVERT)
     if LATE_SUM:
         acc = tl.sum(acc, axis=2)
     if W_SCALED:
@@ -517,7 +565,8 @@ def gemv_silu_and_mul(
 # Candidate tiles (block_n, block_k, num_warps, num_stages, split_k[, late_sum, prefetch, dot]):
 # short tiles for many programs on short weights, split-K for long K over few output rows
 # (down_proj); the late-sum, prefetching ones hold two weight tiles and a float32 product a weight
-# element; the dot ones pipeline `num_stages` weight tiles through shared memory.
+# element; the dot ones pipeline `num_stages` weight tiles through shared memory (128 columns:
+# one INT4 group a tile, whose integers go into the MMA as stored).
 _T, _F = True, False
 CONFIGS = [
     GemvConfig(*c)
@@ -533,6 +582,7 @@ CONFIGS = [
         (64, 128, 4, 4, 1, _F, _F, _T), (64, 128, 4, 6, 1, _F, _F, _T),
         (16, 256, 4, 4, 1, _F, _F, _T), (32, 128, 4, 4, 2, _F, _F, _T),
         (32, 256, 4, 3, 4, _F, _F, _T), (64, 128, 4, 4, 4, _F, _F, _T),
+        (16, 128, 4, 4, 4, _F, _F, _T), (128, 128, 8, 4, 1, _F, _F, _T),
     ]
 ]  # fmt: skip
 # The fused kernels try the fastest two tiles of the plain kernel for the shape, and these: more

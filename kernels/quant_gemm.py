@@ -11,7 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.kernels.gemv import _int4_dequantized, _int4_tile, _int4_tiling
+from radixlm.kernels.gemv import (
+    _int4_dequantized,
+    _int4_dot_accumulate,
+    _int4_tile,
+    _int4_tiling,
+)
 
 
 @triton.jit
@@ -27,15 +32,25 @@ def _int4_gemm_kernel(
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + cols
-        mask = (rows_m[:, None] < M) & (k[None, :] < K)
-        a = tl.load(x_ptr + rows_m[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
         lo, hi, scale, zero = _int4_tile(
             w_ptr, ws_ptr, wz_ptr, rows_n, k0, K, N, stride_wn, stride_sn,
             GROUP, BLOCK_N, BLOCK_K, TILE_GROUPS, GROUP_COLS,
         )  # fmt: skip
-        w = _int4_dequantized(lo, hi, scale, zero, BLOCK_N, BLOCK_K)  # float32
-        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision="ieee")
+        if TILE_GROUPS == 1:  # the stored integers into the MMA, scaled after (as the GEMV)
+            even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            mask = (rows_m[:, None] < M) & (even[None, :] < K)
+            at = x_ptr + rows_m[:, None] * stride_xm + even[None, :]
+            a_even = tl.load(at, mask=mask, other=0.0)
+            a_odd = tl.load(at + 1, mask=mask, other=0.0)
+            acc = _int4_dot_accumulate(
+                acc, a_even, a_odd, lo, hi, scale, zero, BLOCK_N, BLOCK_K
+            )  # fmt: skip
+        else:
+            k = k0 + cols
+            mask = (rows_m[:, None] < M) & (k[None, :] < K)
+            a = tl.load(x_ptr + rows_m[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
+            w = _int4_dequantized(lo, hi, scale, zero, BLOCK_N, BLOCK_K)  # float32
+            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision="ieee")
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows_n, mask=rows_n < N, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + rows_m[:, None] * stride_ym + rows_n[None, :]

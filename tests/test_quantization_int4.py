@@ -117,6 +117,30 @@ def test_gemv_reads_packed_int4_weights_as_the_oracle_does(size, rows, torch_pat
         torch.testing.assert_close(y.float(), want_silu, atol=TOL, rtol=TOL)
 
 
+# (the CPU interpreter computes bfloat16 wrongly: bfloat16 on a GPU only)
+HALF = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_int4_tiles_of_one_group_go_into_the_mma_as_stored(dtype):
+    """A tl.dot tile of one group (or part of one) takes the stored integers as c + q in x's
+    half type and applies scale and zero point to the sums; a tile of several groups dequantizes.
+    Both against the oracle, in the GEMV and in the matmul for more rows."""
+    n, k, group = (4096, 4096, 128) if ON_GPU else (20, 256, 128)
+    _, packed, scale, zero = int4_weight(n, k, group, seed=9)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(6, k, generator=gen).to(DEVICE, dtype)
+    want = int4_linear_ref(x, packed, scale, zero, out_dtype=torch.float32)
+    size = want.abs().amax()
+    tiles = [(16, 128, 1), (16, 64, 3), (16, 256, 1)] if not ON_GPU else [(32, 128, 1), (32, 64, 4), (32, 256, 1)]  # fmt: skip
+    for block_n, block_k, split in tiles:
+        tile = GemvConfig(block_n, block_k, 4, 2, split, dot=True)
+        got = gemv(x[:3], packed, None, tile, torch.float32, w_scale=scale, w_zero=zero)
+        torch.testing.assert_close(got / size, want[:3] / size, atol=1e-3, rtol=0)
+    got = int4_gemm(x, packed, scale, zero, None, (16, 16, 64) if not ON_GPU else (64, 64, 64))
+    torch.testing.assert_close(got.float() / size, want / size, atol=2e-3, rtol=0)
+
+
 @pytest.mark.parametrize("rows", [5, SLOW(33)])
 @pytest.mark.parametrize("size", SIZES)
 def test_int4_gemm_for_larger_batches_matches_the_oracle(size, rows):
