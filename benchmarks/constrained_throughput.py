@@ -29,7 +29,6 @@ from pathlib import Path
 
 import radixlm
 from benchmarks.common import commit, device_line
-from radixlm.constrained import compiler as compiler_module
 
 DEFAULT_SCHEMAS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "schemas"
 
@@ -107,9 +106,6 @@ async def _stream_all(engine, prompts, params_list):
     return [r[0] for r in results], time.perf_counter() - t, [r[1] for r in results]
 
 
-SLOW_HAND_OVER = "cold, switch interval 5 ms"
-
-
 def run_distinct(
     model_path,
     folder: Path,
@@ -119,7 +115,6 @@ def run_distinct(
     profile: int = 0,
     stub_model: bool = False,
     cold_runs: int = 1,
-    ablate_hand_over: bool = False,
     **engine_args,
 ) -> None:
     import jsonschema
@@ -148,19 +143,11 @@ def run_distinct(
         ]
         rows, hosts = [], []
         labels = ["cold (compiles)"] * cold_runs + ["warm (cached)"]
-        if ablate_hand_over:  # the same cold run with Python's own 5 ms GIL hand-over
-            labels.insert(cold_runs, SLOW_HAND_OVER)
         for k, label in enumerate(labels):
             if k and label.startswith("cold"):
                 eng.grammar_compiler().clear_cache()  # (cold again: every grammar compiles)
             before = eng.get_stats()
-            quick = compiler_module.COMPILE_SWITCH_INTERVAL
-            if label == SLOW_HAND_OVER:
-                compiler_module.COMPILE_SWITCH_INTERVAL = None
-            try:
-                outs, wall, ttft = asyncio.run(_stream_all(eng, prompts, cons))
-            finally:
-                compiler_module.COMPILE_SWITCH_INTERVAL = quick
+            outs, wall, ttft = asyncio.run(_stream_all(eng, prompts, cons))
             host = _host_per_step(before, eng.get_stats())
             ok = [
                 i for i, o in enumerate(outs) if o["meta_info"]["finish_reason"]["type"] != "abort"
@@ -316,11 +303,6 @@ def main() -> None:
         "real tokenizer), so that both sides measure the host's work alone, on any machine",
     )  # fmt: skip
     ap.add_argument(
-        "--ablate-hand-over", action="store_true",
-        help="with --distinct: one more cold run with Python's own 5 ms switch interval while "
-        "grammars compile (constrained/compiler.py COMPILE_SWITCH_INTERVAL off)",
-    )  # fmt: skip
-    ap.add_argument(
         "--engine-arg", action="append", default=[], metavar="NAME=VALUE",
         help="an engine option for the --distinct run (VALUE read as JSON, else as text)",
     )  # fmt: skip
@@ -330,7 +312,7 @@ def main() -> None:
         run_distinct(
             args.model_path, args.schemas_dir, args.distinct, args.max_new_tokens,
             args.grammar_backend, args.profile, args.stub_model, args.cold_runs,
-            args.ablate_hand_over, **dict(_engine_arg(a) for a in args.engine_arg),
+            **dict(_engine_arg(a) for a in args.engine_arg),
         )  # fmt: skip
         return
 

@@ -2,8 +2,8 @@
 compiler's threads while another thread runs Python for `--busy-ms` at a time (the engine's core
 thread when the host is the bound), at several switch intervals (how long a thread waiting for
 the GIL waits before its holder is asked to let go), in one run; and how many "steps" the busy
-thread made meanwhile. constrained/compiler.py lowers the interval to COMPILE_SWITCH_INTERVAL while
-builds run (this script sets it for the whole run instead, and turns the compiler's own off).
+thread made meanwhile. (A shorter interval while compiles ran measured faster here, and no faster
+in the engine on an H100's host: benchmarks/RESULTS.md; the compiler leaves the interval alone.)
 
     python -m benchmarks.grammar_hand_over [--intervals 5,1,0.2] [--busy-ms 5] [--sleep-ms 0,0.1]
 """
@@ -18,7 +18,6 @@ from pathlib import Path
 
 from benchmarks.common import commit
 from radixlm.constrained import GrammarCompiler
-from radixlm.constrained import compiler as compiler_module
 from radixlm.runtime.model_loader import default_tokenizer
 
 SCHEMAS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "schemas"
@@ -55,7 +54,6 @@ def main() -> None:
     args = ap.parse_args()
     print(f"commit: {commit()}")
     specs = schemas(args.count)
-    compiler_module.COMPILE_SWITCH_INTERVAL = None  # (set for the whole run below)
     own = sys.getswitchinterval()
     tokenizer = default_tokenizer()
     print(

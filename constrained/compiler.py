@@ -7,7 +7,6 @@ import copy
 import dataclasses
 import json
 import os
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -46,44 +45,6 @@ _Key = tuple[str, str, bool]
 # `[ab]*a[ab]{n}`, needs 2**(n+1) states: n = 19 is refused once built (about 5 s), and n = 30,
 # which would build for hours, is stopped at the deadline instead.
 DEFAULT_MAX_STATES = 1_000_000
-
-
-# While grammars compile, a thread waiting for the GIL waits this long (seconds) before its holder
-# is asked to let go (Python's switch interval, 5 ms by default; None: left as it is). A compile
-# enters llguidance's native code, which lets the GIL go, several times, and must take it back
-# each time from the engine's core thread, which runs Python for milliseconds on end: at 5 ms a
-# hand-over, 96 compiles in 8 threads beside a busy core took 159 ms on the 2-core machine, at
-# 0.2 ms 99 ms (the rest is their CPU time there). With no compile running, nothing else waits
-# for the GIL often enough for the interval to matter, and the process's own is put back.
-COMPILE_SWITCH_INTERVAL: float | None = 2e-4
-
-
-class _QuickHandOver:
-    """Counts the builds running in this process (of every compiler): the first lowers the switch
-    interval to COMPILE_SWITCH_INTERVAL, the last puts the process's own back."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running = 0
-        self._saved: float | None = None
-
-    def __enter__(self) -> None:
-        with self._lock:
-            self._running += 1
-            quick = COMPILE_SWITCH_INTERVAL
-            if self._running == 1 and quick is not None and sys.getswitchinterval() > quick:
-                self._saved = sys.getswitchinterval()
-                sys.setswitchinterval(quick)
-
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._running -= 1
-            if self._running == 0 and self._saved is not None:
-                sys.setswitchinterval(self._saved)
-                self._saved = None
-
-
-_HAND_OVER = _QuickHandOver()
 
 
 class _CompileStopped(GrammarError):
@@ -337,10 +298,6 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
 
     def _build(self, kind: str, spec: str, lenient: bool, deadline: Deadline) -> Any:
-        with _HAND_OVER:
-            return self._build_now(kind, spec, lenient, deadline)
-
-    def _build_now(self, kind: str, spec: str, lenient: bool, deadline: Deadline) -> Any:
         try:
             if deadline.remaining() <= 0:  # it waited in the queue past its callers' patience
                 raise self._too_slow(kind)

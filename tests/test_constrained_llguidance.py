@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import threading
 import time
 
@@ -389,35 +388,6 @@ def test_eight_threads_compiling_one_spec_build_it_once(compiler, monkeypatch):
     assert compiler.compile("json_schema", spec) is grammars[0]  # a cache hit
     assert compiler.compile_async("json_schema", spec).result(timeout=5) is grammars[0]
     assert len(builds) == 1
-
-
-def test_compiles_run_with_a_short_switch_interval_and_put_the_process_s_back(
-    compiler, monkeypatch
-):
-    """While a build runs, a thread waiting for the GIL (a compile coming back from llguidance's
-    native code) is handed it within COMPILE_SWITCH_INTERVAL, not Python's 5 ms; after the last
-    build, the process's own interval is back, whatever it was."""
-    from radixlm.constrained import compiler as compiler_module
-
-    seen = []
-    real_build = LLGuidanceBackend.build
-
-    def watched(self, kind, spec, lenient):
-        seen.append(sys.getswitchinterval())
-        return real_build(self, kind, spec, lenient)
-
-    monkeypatch.setattr(LLGuidanceBackend, "build", watched)
-    own = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(0.003)
-        compiler.compile("json_schema", {"type": "object", "properties": {"a": {"const": 3}}})
-        assert seen == [pytest.approx(compiler_module.COMPILE_SWITCH_INTERVAL)]
-        assert sys.getswitchinterval() == pytest.approx(0.003)
-        monkeypatch.setattr(compiler_module, "COMPILE_SWITCH_INTERVAL", None)  # left alone
-        compiler.compile("json_schema", {"type": "object", "properties": {"b": {"const": 4}}})
-        assert seen[1] == pytest.approx(0.003) and sys.getswitchinterval() == pytest.approx(0.003)
-    finally:
-        sys.setswitchinterval(own)
 
 
 def test_a_tokenizer_llguidance_cannot_read_is_a_clear_error():
