@@ -13,9 +13,20 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#if defined(__F16C__) || defined(__AVX512F__)
+#include <functional>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <vector>
+
+#include <pthread.h>
+#if defined(__x86_64__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -25,6 +36,126 @@ namespace {
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
 constexpr int kLanes = 16;
 constexpr int64_t kMaxRows = 8;  // rows of x the dot-product path takes at once
+
+// The kernels' own threads. torch's OpenMP threads serve every thread that runs torch ops (the
+// engine's: its main thread loads the model, another runs the steps), and libgomp, with more
+// threads than cores, lets its idle workers sleep at once: each parallel region then waits for a
+// wake-up, a few hundred a decode step. These workers spin a while for the next matmul (~0.2 ms:
+// a decode step's matmuls come every few tens of microseconds), then sleep.
+class Pool {
+ public:
+  void resize(int threads) {
+    stop();
+    std::lock_guard<std::mutex> lock(mu_);
+    quit_ = false;
+    const uint64_t now = generation_.load();  // (read here: a run may come before a worker starts)
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i, now] { work(i, now); });
+    size_ = std::max(1, threads);
+  }
+  int size() const { return size_; }
+
+  // in a child forked from this process: its workers are not there (made again at the next run)
+  void forget_threads() { forked_ = true; }
+
+  // f(begin, end) over [0, n) split in size() parts (fewer for small n), the caller doing one
+  void run(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
+    if (forked_) {
+      forked_ = false;
+      new std::vector<std::thread>(std::move(workers_));  // (kept: not joinable here)
+      workers_.clear();
+      new (&mu_) std::mutex();
+      new (&cv_) std::condition_variable();
+      resize(size_);
+    }
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(size_, (n + grain - 1) / grain));
+    if (parts == 1) {
+      f(0, n);
+      return;
+    }
+    task_ = &f;
+    n_ = n;
+    parts_ = parts;
+    pending_.store(parts - 1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    chunk(0);
+    while (pending_.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  }
+
+  ~Pool() { stop(); }
+
+ private:
+  void chunk(int64_t part) {
+    const int64_t per = (n_ + parts_ - 1) / parts_;
+    const int64_t begin = part * per, end = std::min(n_, begin + per);
+    if (begin < end) (*task_)(begin, end);
+  }
+
+  void work(int index, uint64_t seen) {
+    while (true) {
+      const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+      while (generation_.load(std::memory_order_acquire) == seen && !quit_.load() &&
+             std::chrono::steady_clock::now() < spin_until) {
+#if defined(__x86_64__)
+        _mm_pause();
+#endif
+      }
+      if (generation_.load(std::memory_order_acquire) == seen && !quit_.load()) {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return generation_.load() != seen || quit_.load(); });
+      }
+      if (quit_.load()) return;
+      seen = generation_.load(std::memory_order_acquire);
+      if (index < parts_) {
+        chunk(index);
+        pending_.fetch_sub(1, std::memory_order_acq_rel);
+      }
+    }
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      quit_ = true;
+    }
+    cv_.notify_all();
+    for (auto& w : workers_) w.join();
+    workers_.clear();
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int64_t> pending_{0};
+  std::atomic<bool> quit_{false};
+  const std::function<void(int64_t, int64_t)>* task_ = nullptr;
+  int64_t n_ = 0, parts_ = 1;
+  int size_ = 1;
+  bool forked_ = false;
+};
+
+Pool* g_pool = nullptr;
+
+Pool& pool() {
+  static Pool* p = [] {
+    auto* made = new Pool();  // (never destroyed: its threads may outlive static destructors)
+    made->resize(at::get_num_threads());
+    g_pool = made;
+    pthread_atfork(nullptr, nullptr, [] { g_pool->forget_threads(); });
+    return made;
+  }();
+  return *p;
+}
+
+template <class F>
+void parallel_rows(int64_t n, int64_t grain, const F& f) {
+  const std::function<void(int64_t, int64_t)> fn = f;
+  pool().run(n, grain, fn);
+}
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -199,7 +330,7 @@ void dot_fused(const uint8_t* w, int64_t n_rows, int64_t k, const float* x, int6
   for (int64_t i = 0; i < static_cast<int64_t>(xs.size()); ++i)
     xs[i] = x[(i / kLanes) * 32 + i % kLanes] + x[(i / kLanes) * 32 + i % kLanes + 16];
   constexpr int64_t R = 4;
-  at::parallel_for(0, (n_rows + R - 1) / R, 4, [&](int64_t g0, int64_t g1) {
+  parallel_rows((n_rows + R - 1) / R, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t t = 0; t < t_rows; ++t) {
       const float* xt = x + t * k;
       const float* xst = xs.data() + t * nb * kLanes;
@@ -244,7 +375,7 @@ template <class B>
 void dot_generic(const uint8_t* w, int64_t n_rows, int64_t k, const float* x, int64_t t_rows,
                  float* y) {
   const int64_t nb = k / B::QK, row_bytes = nb * B::BYTES;
-  at::parallel_for(0, n_rows, 16, [&](int64_t n0, int64_t n1) {
+  parallel_rows(n_rows, 16, [&](int64_t n0, int64_t n1) {
     alignas(64) float buf[B::QK];
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = w + n * row_bytes;
@@ -269,7 +400,7 @@ void dot_generic(const uint8_t* w, int64_t n_rows, int64_t k, const float* x, in
 template <class B>
 void dequant_rows(const uint8_t* w, int64_t n_rows, int64_t k, float* out) {
   const int64_t nb = k / B::QK, row_bytes = nb * B::BYTES;
-  at::parallel_for(0, n_rows, 16, [&](int64_t n0, int64_t n1) {
+  parallel_rows(n_rows, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t b = 0; b < nb; ++b)
         B::dequant(w + n * row_bytes + b * B::BYTES, out + n * k + b * B::QK);
@@ -349,4 +480,7 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "x (T, K) float32 times a GGUF weight's transpose");
   m.def("dequantize", &dequantize, "a GGUF weight's float32 values (N, K)");
+  m.def("set_threads", [](int64_t n) { pool().resize(static_cast<int>(n)); },
+        "the kernels' threads (at first: torch's, at::get_num_threads())");
+  m.def("threads", [] { return pool().size(); }, "the kernels' threads");
 }

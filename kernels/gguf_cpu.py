@@ -5,6 +5,13 @@
 with `matmul(x, w, type, k)` and `dequantize(w, type, k)`; None where it cannot be built (no
 compiler), with one warning: the callers then run the plain-torch dequantization
 (kernels/gguf_ref.py), correct and much slower.
+
+The kernels run on threads of their own (`set_threads`; at first torch's count in the thread
+that loads them), not torch's OpenMP threads: those serve every thread that runs torch ops (an
+engine's main thread loads the model, its core thread runs the steps), and with more threads than
+cores libgomp lets idle workers sleep at once, so that every parallel region of a decode step, a
+few hundred, waits for a wake-up. Measured on the 2-core machine: 13.8 ms a decode step in the
+matmuls on these threads against 18.9 ms on torch's.
 """
 
 from __future__ import annotations
@@ -28,15 +35,17 @@ def load() -> Any | None:
     if os.environ.get(DISABLE_ENV) == "1":
         return None
     try:
+        import torch
         from torch.utils.cpp_extension import load as build
 
-        return build(
+        module = build(
             name="radixlm_gguf_cpu",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=["-O3", "-march=native"],
             verbose=False,
         )
+        module.set_threads(torch.get_num_threads())  # (this thread's: the engine's setting)
+        return module
     except Exception as e:  # no compiler, no ninja, a failed build
         logger.warning(
             "the GGUF CPU kernels could not be built (%s: %s): GGUF layers dequantize in plain "

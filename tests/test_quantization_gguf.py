@@ -85,6 +85,27 @@ def test_cpu_matmul_against_oracle(gtype, rows):
     assert got3.shape == (1, rows, n)
 
 
+def test_kernels_run_in_a_forked_child():
+    """The kernels' threads are not inherited by a forked child: it makes its own."""
+    import os
+
+    k = kernels()
+    w = random_blocks(int(Q.Q4_1), 64, 256)
+    x = torch.randn(1, 256)
+    want = k.matmul(x, w, int(Q.Q4_1), 256)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the same product, or exit 1
+        os.close(read)
+        ok = torch.equal(k.matmul(x, w, int(Q.Q4_1), 256), want)
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    got = os.read(read, 1)
+    os.waitpid(pid, 0)
+    assert got == b"1"
+
+
 def test_fused_layer_of_mixed_block_types():
     """A Q4_K_M file's fused q/k/v: parts of different block types, each multiplied by its own."""
     k, sizes, types = 256, [64, 32, 32], (int(Q.Q4_K), int(Q.Q4_K), int(Q.Q6_K))

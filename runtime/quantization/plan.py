@@ -139,8 +139,19 @@ def finish(model: nn.Module, plan: QuantPlan) -> None:
     it replaced go back to the GPU, so that the KV pool, sized from free memory next, gets them.)"""
     for _, layer in _named_linears(model, plan):
         layer.quant_scheme.process_after_loading(layer)
+    if plan.gguf is not None and not any(p.is_cuda for p in model.parameters()):
+        from radixlm.runtime.quantization.gguf import run_small_steps_single_threaded
+
+        if _cpu_kernels_built():
+            run_small_steps_single_threaded(model)
     if any(p.is_cuda for p in model.parameters()):
         torch.cuda.empty_cache()
+
+
+def _cpu_kernels_built() -> bool:
+    from radixlm.kernels import gguf_cpu
+
+    return gguf_cpu.load() is not None
 
 
 def readable(
