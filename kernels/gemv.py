@@ -185,11 +185,11 @@ def _int4_dequantized(lo, hi, scale, zero, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 
 @triton.jit
 def _int4_mma_operand(q, dtype: tl.constexpr):
-    """int32 values 0..15 -> (c + q in `dtype`, c) by one OR into the bits of c: bfloat16 c =
-    128, float16 1024 (where their step is 1); in float32 q itself, c = 0."""
-    if dtype == tl.bfloat16:
-        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True), 128.0
-    elif dtype == tl.float16:
+    """int32 values 0..15 -> (c + q in `dtype`, c): float16 1024 + q by one OR into the bits of
+    1024 (where float16's step is 1); in float32 q itself, c = 0. (bfloat16's 128 + q, the same
+    trick, failed its check against the oracle on an H100: bfloat16 x takes the dequantizing
+    tiles, `int4_mma`.)"""
+    if dtype == tl.float16:
         return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True), 1024.0
     else:
         return _nibble_float(q).to(dtype), 0.0
@@ -202,7 +202,8 @@ def _int4_dot_accumulate(
     """acc (BLOCK_M, BLOCK_N) plus x's tile times an `_int4_tile` of one group (TILE_GROUPS 1)
     through tl.dot, x's even columns `a_even` against the low nibbles and its odd ones against
     the high (BLOCK_M, BLOCK_K // 2 each: no reordering of the weights), the stored integers the
-    MMA's operand as c + q (`_int4_mma_operand`), and the group's scale and zero point (and c)
+    MMA's operand as c + q (`_int4_mma_operand`; float16 and float32 x), and the group's scale
+    and zero point (and c)
     applied to the sums, scale * (sum (c + q) x - (c + zero) sum x), not to each weight."""
     w_lo, c = _int4_mma_operand(tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)), a_even.dtype)
     w_hi, _ = _int4_mma_operand(tl.reshape(hi, (BLOCK_N, BLOCK_K // 2)), a_even.dtype)
@@ -238,7 +239,8 @@ def _gemv_kernel(
     stride_xm, stride_rm, stride_wn, stride_sn, stride_ym,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     W_SCALED: tl.constexpr, W_INT4: tl.constexpr, GROUP: tl.constexpr, W_CONVERT: tl.constexpr,
-    TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr, INT4_MMA: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, LATE_SUM: tl.constexpr, PREFETCH: tl.constexpr,
     DOT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -250,8 +252,8 @@ def _gemv_kernel(
     scale per row (ws_ptr), by which each output's sum (each split's partial sum) is multiplied:
     the weights are read as stored and dequantized in registers. With W_INT4 they are packed INT4
     with a float32 scale and zero point per GROUP columns of a row (ws_ptr, wz_ptr: `_int4_tile`),
-    through tl.dot as stored where a tile is one group (`_int4_dot_accumulate`), dequantized
-    where it holds several, else multiplied group by group (`_int4_accumulate`; no prefetch or
+    through tl.dot as stored where a tile is one group and x is not bfloat16 (INT4_MMA,
+    `_int4_dot_accumulate`), dequantized otherwise, else multiplied group by group (`_int4_accumulate`; no prefetch or
     late sum). W_CONVERT: a weight tile is turned into x's type for tl.dot (float8 and INT4
     weights)."""
     if PDL:
@@ -293,7 +295,7 @@ def _gemv_kernel(
             w_next = _weight_tile(w_ptr, rows_n, k + BLOCK_K, k_end, N, stride_wn)
         else:
             w_tile = _weight_tile(w_ptr, rows_n, k, k_end, N, stride_wn)
-        if W_INT4 and DOT and TILE_GROUPS == 1:  # x's even and odd columns, for the nibbles
+        if INT4_MMA:  # x's even and odd columns, for the nibbles
             even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
             a_even = _tile_operand(
                 x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, even, k_end, M, K, stride_xm,
@@ -413,6 +415,7 @@ def _launch(
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         W_SCALED=w_scale is not None and not int4, W_INT4=int4, GROUP=group,
         W_CONVERT=w_scale is not None, **_int4_tiling(group, config.block_k),
+        INT4_MMA=int4 and config.dot and int4_mma(group, config.block_k, x.dtype),
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NORM_BLOCK=_norm_block(k, rows, config),
         LATE_SUM=config.late_sum and not (config.dot or int4),
@@ -426,6 +429,12 @@ def _launch(
             **launch,
         )  # fmt: skip
     return y
+
+
+def int4_mma(group: int, block_k: int, dtype: torch.dtype) -> bool:
+    """Whether an INT4 tl.dot tile of `block_k` columns takes the stored integers into the MMA
+    (`_int4_dot_accumulate`): a tile within one group, x not bfloat16."""
+    return block_k <= group and dtype != torch.bfloat16
 
 
 def _int4_tiling(group: int, block_k: int) -> dict[str, int]:
@@ -566,7 +575,7 @@ def gemv_silu_and_mul(
 # short tiles for many programs on short weights, split-K for long K over few output rows
 # (down_proj); the late-sum, prefetching ones hold two weight tiles and a float32 product a weight
 # element; the dot ones pipeline `num_stages` weight tiles through shared memory (128 columns:
-# one INT4 group a tile, whose integers go into the MMA as stored).
+# one INT4 group a tile, whose integers go into the MMA as stored for float16 x).
 _T, _F = True, False
 CONFIGS = [
     GemvConfig(*c)

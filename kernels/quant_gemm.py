@@ -16,6 +16,7 @@ from radixlm.kernels.gemv import (
     _int4_dot_accumulate,
     _int4_tile,
     _int4_tiling,
+    int4_mma,
 )
 
 
@@ -25,7 +26,7 @@ def _int4_gemm_kernel(
     M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr,
+    TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr, INT4_MMA: tl.constexpr,
 ):  # fmt: skip
     rows_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -36,7 +37,7 @@ def _int4_gemm_kernel(
             w_ptr, ws_ptr, wz_ptr, rows_n, k0, K, N, stride_wn, stride_sn,
             GROUP, BLOCK_N, BLOCK_K, TILE_GROUPS, GROUP_COLS,
         )  # fmt: skip
-        if TILE_GROUPS == 1:  # the stored integers into the MMA, scaled after (as the GEMV)
+        if INT4_MMA:  # the stored integers into the MMA, scaled after (as the GEMV)
             even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
             mask = (rows_m[:, None] < M) & (even[None, :] < K)
             at = x_ptr + rows_m[:, None] * stride_xm + even[None, :]
@@ -96,6 +97,7 @@ def int4_gemm(
         x, packed, scale, zero, bias if bias is not None else scale, y,
         m, n, k, x.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
         GROUP=k // groups, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        **_int4_tiling(k // groups, bk), num_warps=4, num_stages=3,
+        **_int4_tiling(k // groups, bk), INT4_MMA=int4_mma(k // groups, bk, x.dtype),
+        num_warps=4, num_stages=3,
     )  # fmt: skip
     return y

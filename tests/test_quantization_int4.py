@@ -123,9 +123,9 @@ HALF = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_int4_tiles_of_one_group_go_into_the_mma_as_stored(dtype):
-    """A tl.dot tile of one group (or part of one) takes the stored integers as c + q in x's
-    half type and applies scale and zero point to the sums; a tile of several groups dequantizes.
-    Both against the oracle, in the GEMV and in the matmul for more rows."""
+    """A tl.dot tile of one group (or part of one) takes the stored integers as 1024 + q in
+    float16 and applies scale and zero point to the sums; a tile of several groups, or bfloat16
+    x, dequantizes. Both against the oracle, in the GEMV and in the matmul for more rows."""
     n, k, group = (4096, 4096, 128) if ON_GPU else (20, 256, 128)
     _, packed, scale, zero = int4_weight(n, k, group, seed=9)
     gen = torch.Generator().manual_seed(9)
