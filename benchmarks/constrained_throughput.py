@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -254,7 +255,8 @@ def _profile_report(engine, prof, top: int) -> str:
 
     engine._core.call(prof.disable)
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats(os.environ.get("RADIXLM_PROFILE_SORT", "tottime")).print_stats(top)
     return out.getvalue()
 
 
