@@ -41,6 +41,8 @@ _LONGEST_FIRST = (
     "test_examples.py",
     "test_engine_api.py",
     "test_speculative_engine.py",
+    "test_chat_template_families.py",
+    "test_speculative_standalone.py",
     "test_lang.py",
     "test_constrained_engine.py",
     "test_data_parallel.py",
