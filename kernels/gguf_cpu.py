@@ -29,6 +29,19 @@ SOURCE = Path(__file__).with_name("gguf_cpu.cpp")
 DISABLE_ENV = "RADIXLM_DISABLE_GGUF_CPU_KERNELS"
 
 
+def _ninja_on_path() -> None:
+    """torch's build runs `ninja` from PATH: the `ninja` package's (a dependency) put there when
+    the machine has none of its own, as in a virtual environment that was not activated."""
+    import shutil
+
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.cache
 def load() -> Any | None:
     """The compiled module, or None (not built: see the module doc)."""
@@ -37,6 +50,8 @@ def load() -> Any | None:
     try:
         import torch
         from torch.utils.cpp_extension import load as build
+
+        _ninja_on_path()
 
         module = build(
             name="radixlm_gguf_cpu",
