@@ -136,6 +136,10 @@ class EngineConfig:
     # (default: 12 with NGRAM, as in SGLang; with MEDUSA one more than its heads; 5 with
     # STANDALONE: four draft model steps)
     speculative_num_draft_tokens: int | None = None
+    # draft steps a round runs (SGLang's name): STANDALONE's draft model steps, MEDUSA's heads
+    # used; a chain of this many steps verifies this many + 1 positions, the default of
+    # speculative_num_draft_tokens when that is unset
+    speculative_num_steps: int | None = None
     # MEDUSA: the folder of the heads (`radixlm train-draft` writes one); default: the heads that
     # ship for the embedded default model. STANDALONE: the draft model (a folder or a GGUF
     # file), required
@@ -318,6 +322,27 @@ class EngineConfig:
                     "MEDUSA or STANDALONE (or leave it unset)"
                 )
             object.__setattr__(self, "speculative_algorithm", algorithm)
+            steps = self.speculative_num_steps
+            if steps is not None and algorithm == "NGRAM":
+                bad(
+                    "speculative_num_steps counts a draft model's steps (STANDALONE) or the heads "
+                    "used (MEDUSA); NGRAM drafts from the context: set "
+                    "speculative_num_draft_tokens instead"
+                )
+            if steps is not None and steps < 1:
+                bad(f"speculative_num_steps={steps}; it must be at least 1")
+            if steps is not None and self.speculative_num_draft_tokens is None:
+                object.__setattr__(self, "speculative_num_draft_tokens", steps + 1)
+            if (
+                steps is not None
+                and self.speculative_eagle_topk == 1
+                and self.speculative_num_draft_tokens > steps + 1
+            ):
+                bad(
+                    f"speculative_num_draft_tokens={self.speculative_num_draft_tokens} with "
+                    f"speculative_num_steps={steps}: a chain of {steps} draft steps verifies at "
+                    f"most {steps + 1} positions; use at most {steps + 1}"
+                )
             if self.speculative_num_draft_tokens is None and algorithm in ("NGRAM", "STANDALONE"):
                 object.__setattr__(
                     self, "speculative_num_draft_tokens", 12 if algorithm == "NGRAM" else 5
@@ -337,6 +362,8 @@ class EngineConfig:
                     "speculative_draft_model_path is for MEDUSA's heads; NGRAM drafts from the "
                     "context itself and takes none"
                 )
+        elif self.speculative_num_steps is not None:
+            bad("speculative_num_steps needs speculative_algorithm (STANDALONE or MEDUSA)")
         elif self.speculative_num_draft_tokens is not None:
             bad(
                 "speculative_num_draft_tokens needs speculative_algorithm (NGRAM, MEDUSA or "

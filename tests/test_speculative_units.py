@@ -230,6 +230,32 @@ def test_the_cli_takes_the_speculative_options():
         EngineConfig(speculative_algorithm="NGRAM", speculative_eagle_topk=2, pp_size=2)
 
 
+def test_speculative_num_steps_sets_a_chain_s_positions_as_in_sglang():
+    args = cli._build_parser().parse_args(
+        ["serve", "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d",
+         "--speculative-num-steps", "3"]
+    )  # fmt: skip
+    config = EngineConfig(**cli._engine_kwargs(args))
+    assert config.speculative_num_steps == 3 and config.speculative_num_draft_tokens == 4
+    medusa = EngineConfig(speculative_algorithm="MEDUSA", speculative_num_steps=2)
+    assert medusa.speculative_num_draft_tokens == 3
+    for kw, says in [
+        ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 2}, "NGRAM drafts from"),
+        ({"speculative_num_steps": 2}, "needs speculative_algorithm"),
+        ({"speculative_algorithm": "MEDUSA", "speculative_num_steps": 0}, "at least 1"),
+        (
+            {
+                "speculative_algorithm": "MEDUSA",
+                "speculative_num_steps": 2,
+                "speculative_num_draft_tokens": 5,
+            },
+            "verifies at most 3 positions",
+        ),  # fmt: skip
+    ]:
+        with pytest.raises(ValueError, match=says):
+            EngineConfig(**kw)
+
+
 # ---- the gate: drafting where it measured faster ------------------------------------------------
 
 
