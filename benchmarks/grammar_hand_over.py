@@ -11,26 +11,15 @@ in the engine on an H100's host: benchmarks/RESULTS.md; the compiler leaves the 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import threading
 import time
-from pathlib import Path
 
 from benchmarks.common import commit
+from benchmarks.constrained_throughput import DEFAULT_SCHEMAS, distinct_schemas
 from radixlm.constrained import GrammarCompiler
 from radixlm.runtime.model_loader import default_tokenizer
-
-SCHEMAS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "schemas"
-
-
-def schemas(count: int) -> list[str]:
-    names = sorted(SCHEMAS.glob("*.json"))
-    import json
-
-    return [
-        json.dumps(json.loads(names[(i * len(names)) // count].read_text())["schema"])
-        for i in range(count)
-    ]
 
 
 def core(stop: list, steps: list, busy_ms: float, sleep_ms: float) -> None:
@@ -53,7 +42,7 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=96)
     args = ap.parse_args()
     print(f"commit: {commit()}")
-    specs = schemas(args.count)
+    specs = [json.dumps(schema) for _, schema in distinct_schemas(DEFAULT_SCHEMAS, args.count)]
     own = sys.getswitchinterval()
     tokenizer = default_tokenizer()
     print(

@@ -33,8 +33,8 @@ from radixlm.protocol.stats import EngineStats
 from radixlm.runtime import startup
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
-from radixlm.runtime.engine_core import EngineCore
-from radixlm.runtime.memory_pool import KVPool, kv_cache_storage_dtype
+from radixlm.runtime.engine_core import EngineCore, kv_bytes_per_slot
+from radixlm.runtime.memory_pool import KVPool
 from radixlm.runtime.model_config import ModelConfig, generation_eos_ids
 from radixlm.runtime.model_setup import build_kv_pool, build_model, rank_kv_tokens
 from radixlm.runtime.request import LogprobRequest, Req
@@ -166,12 +166,8 @@ class Engine:
                 )
             num_slots = rank_kv_tokens(config, local, self.dtype, self.device, self.context_len)
             if draft_model is not None:  # (its pool holds as many tokens: the room split)
-                store = kv_cache_storage_dtype(config.kv_cache_dtype, self.dtype)
                 num_slots = draft_model.kv_share(
-                    num_slots,
-                    KVPool.bytes_per_slot(
-                        local.num_layers, local.num_kv_heads, local.head_dim, store
-                    ),
+                    num_slots, kv_bytes_per_slot(config, local, self.dtype)
                 )
             if tp is not None:
                 num_slots = tp.agree_kv_slots(num_slots)

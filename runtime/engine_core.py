@@ -544,15 +544,21 @@ class EngineCore:
         )
 
 
+def kv_bytes_per_slot(config, model_config, dtype: torch.dtype) -> int:
+    """The bytes one token takes in a KV pool of `model_config`'s heads (all its layers), for a
+    model computing in `dtype` and a pool storing what `config.kv_cache_dtype` says."""
+    return KVPool.bytes_per_slot(
+        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+        kv_cache_storage_dtype(config.kv_cache_dtype, dtype),
+    )  # fmt: skip
+
+
 def kv_pool_tokens(
     config, model_config, dtype: torch.dtype, device: torch.device, context_len: int
 ) -> int:
     """Size the KV pool from free memory (or take `max_total_tokens`), for a model computing in
     `dtype` and a pool storing what `config.kv_cache_dtype` says."""
-    per_token = KVPool.bytes_per_slot(
-        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-        kv_cache_storage_dtype(config.kv_cache_dtype, dtype),
-    )  # fmt: skip
+    per_token = kv_bytes_per_slot(config, model_config, dtype)
     free = free_memory(device)
     if config.max_total_tokens is not None:
         if config.max_total_tokens * per_token > free:

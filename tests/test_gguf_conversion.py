@@ -80,9 +80,11 @@ def write_gguf(
     tokenizer_fields,
     scaling: tuple[gguf.RopeScalingType, float] | None = None,
     rope_freqs: np.ndarray | None = None,
+    block_types: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> Path:
     """The tiny Llama as llama.cpp's converter writes it: its tensor names, q and k rows permuted
-    for its rope layout, norms in float32."""
+    for its rope layout, norms in float32; with `block_types` (a layer's last name, `q_proj`, ->
+    a GGML block type) those layers quantized as llama.cpp's quantizer stores them."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(TINY["num_hidden_layers"])
     writer.add_context_length(TINY["max_position_embeddings"])
@@ -107,8 +109,12 @@ def write_gguf(
             w = permute_for_llama_cpp(w, TINY["num_attention_heads"])
         elif base.endswith("k_proj"):
             w = permute_for_llama_cpp(w, TINY["num_key_value_heads"])
-        array = w.numpy() if w.dim() > 1 else w.float().numpy()
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", array)
+        name = f"{names.get_name(base)}.{suffix}"
+        gtype = (block_types or {}).get(base.rpartition(".")[2])
+        if gtype is not None:
+            writer.add_tensor(name, gguf.quants.quantize(w.float().numpy(), gtype), raw_dtype=gtype)
+        else:
+            writer.add_tensor(name, w.numpy() if w.dim() > 1 else w.float().numpy())
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
     writer.write_header_to_file()

@@ -24,7 +24,7 @@ from radixlm.runtime.model_loader import default_model_path
 from radixlm.runtime.parallel import ColumnParallelLinear, Part
 from radixlm.runtime.quantization.gguf import GgufLinear, GgufWeights, read_tensor_table
 from radixlm.runtime.quantization.plan import plan_for
-from tests.test_gguf_conversion import TINY, permute_for_llama_cpp, tokenizer_fields, weights  # noqa: F401
+from tests.test_gguf_conversion import TINY, tokenizer_fields, weights, write_gguf  # noqa: F401
 
 Q = gguf.GGMLQuantizationType
 # where each block type keeps its float16 scales (bytes): made finite in the random blocks
@@ -141,40 +141,9 @@ TINY_TYPES = {  # a block type per decoder linear layer: q, k, v of three types 
 
 
 def write_quantized_tiny(path: Path, weights, tokenizer_fields) -> Path:  # noqa: F811
-    """The tests' tiny random Llama (tests/test_gguf_conversion.py) as llama.cpp would write it
-    quantized: its linear layers and LM head in TINY_TYPES, q and k rows permuted first."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(TINY["num_hidden_layers"])
-    writer.add_context_length(TINY["max_position_embeddings"])
-    writer.add_embedding_length(TINY["hidden_size"])
-    writer.add_feed_forward_length(TINY["intermediate_size"])
-    writer.add_head_count(TINY["num_attention_heads"])
-    writer.add_head_count_kv(TINY["num_key_value_heads"])
-    writer.add_rope_freq_base(TINY["rope_theta"])
-    writer.add_rope_dimension_count(TINY["hidden_size"] // TINY["num_attention_heads"])
-    writer.add_layer_norm_rms_eps(TINY["rms_norm_eps"])
-    writer.add_vocab_size(TINY["vocab_size"])
-    for key, value, vtype, sub_type in tokenizer_fields:
-        writer.add_key_value(key, value, vtype, sub_type)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, TINY["num_hidden_layers"])
-    for hf_name, w in weights.items():
-        base, suffix = hf_name.rsplit(".", 1)
-        if base.endswith("q_proj"):
-            w = permute_for_llama_cpp(w, TINY["num_attention_heads"])
-        elif base.endswith("k_proj"):
-            w = permute_for_llama_cpp(w, TINY["num_key_value_heads"])
-        gtype = TINY_TYPES.get(base.rpartition(".")[2])
-        name = f"{names.get_name(base)}.{suffix}"
-        if gtype is None:
-            writer.add_tensor(name, w.float().numpy())
-        else:
-            blocks = gguf.quants.quantize(w.float().numpy(), gtype)
-            writer.add_tensor(name, blocks, raw_dtype=gtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    """The tests' tiny random Llama as llama.cpp would write it quantized: its linear layers and
+    LM head in TINY_TYPES."""
+    return write_gguf(path, weights, tokenizer_fields, block_types=TINY_TYPES)
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about tea."]

@@ -107,17 +107,10 @@ class DraftModel:
         take is split in the ratio of their bytes per slot."""
         if self.config.max_total_tokens is not None:
             return num_slots  # (asked for: both pools hold that many)
-        own = self._bytes_per_slot()
+        from radixlm.runtime.engine_core import kv_bytes_per_slot
+
+        own = kv_bytes_per_slot(self.config, self.model_config, self.dtype)
         return max(16, num_slots * target_bytes_per_slot // (target_bytes_per_slot + own))
-
-    def _bytes_per_slot(self) -> int:
-        from radixlm.runtime.memory_pool import KVPool, kv_cache_storage_dtype
-
-        mc = self.model_config
-        return KVPool.bytes_per_slot(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim,
-            kv_cache_storage_dtype(self.config.kv_cache_dtype, self.dtype),
-        )  # fmt: skip
 
     def make_cache(self, num_slots: int) -> None:
         """Its KV pool of `num_slots` tokens, request table, slot allocator and attention
