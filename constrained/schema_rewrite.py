@@ -252,38 +252,72 @@ _NUMBER_KEYS = frozenset(
     {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
 )
 _BOUND_KEYS = _NUMBER_KEYS - {"type"}
-_ANNOTATION_KEYS = frozenset(
-    {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
-     "writeOnly"}
+# the keywords that assert or that change how others read; any other key of a schema is an
+# annotation (JSON Schema ignores unknown keywords), but for llguidance's own `x-` extensions
+_KEYWORDS = frozenset(
+    {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
+     "exclusiveMinimum", "maxLength", "minLength", "pattern", "format", "contentEncoding",
+     "contentMediaType", "contentSchema", "items", "prefixItems", "additionalItems", "contains",
+     "maxItems", "minItems", "uniqueItems", "maxContains", "minContains", "maxProperties",
+     "minProperties", "required", "properties", "patternProperties", "additionalProperties",
+     "dependentRequired", "dependentSchemas", "dependencies", "propertyNames", "allOf", "anyOf",
+     "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
+     "unevaluatedItems", "unevaluatedProperties", "$id", "id", "$schema", "$anchor",
+     "$dynamicAnchor", "$recursiveAnchor", "$defs", "definitions", "$vocabulary"}
 )  # fmt: skip
+
+
+def _is_annotation(key: str) -> bool:
+    return key not in _KEYWORDS and not key.startswith("x-")
+
+
+# what the other types of a type list may carry beside a number's keywords: string keywords
+# (`format` asserts on strings only: on a number it is an annotation)
+_STRING_KEYS = frozenset({"format", "minLength", "maxLength", "pattern"})
+_NUMERIC_TYPES = ("integer", "number")
 
 
 def share_numbers(schema: Any) -> Any:
     """`schema` with the integer or number subschemas that are a type and bounds only (what
     `bound_numbers` makes of most of them), where two or more are alike, replaced by a `$ref` to
     one copy in the root's `$defs`: the same schema (annotations aside), which llguidance
-    compiles faster, building each distinct bounded number once instead of once per place. Not
-    where a subschema below the root has an `$id` (a `$ref` there is read against another
-    base)."""
-    if not isinstance(schema, dict) or any(
-        "$id" in node or "id" in node for where, node in iter_subschemas(schema) if where != "#"
-    ):
+    compiles faster, building each distinct bounded number once instead of once per place.
+
+    A type list with one numeric type (`["integer", "null"]`, bounds, string keywords) shares
+    its number as one branch of an `anyOf`, the other types the other branch. Identifiers
+    below the root (`$id`, draft 4's `id`) change how a `$ref` inside them reads: where no
+    `$ref` sits under one and every `$ref` is a local pointer, they name nothing and are left
+    out; otherwise the schema is left as it is."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("$defs", {}), dict):
         return schema
+    nodes = [(where, node) for where, node in iter_subschemas(schema) if where != "#"]
+    if any("$id" in node or "id" in node for _, node in nodes):
+        if not _identifiers_name_nothing(nodes):
+            return schema
+        schema = map_subschemas(
+            schema,
+            lambda node, where: node
+            if where == ""
+            else {k: v for k, v in node.items() if k not in ("$id", "id")},
+        )
+        nodes = [(where, node) for where, node in iter_subschemas(schema) if where != "#"]
+    counts = Counter(_number_part(node)[0] for _, node in nodes)
     defs = schema.get("$defs", {})
-    if not isinstance(defs, dict):
-        return schema
-    counts = Counter(_number_text(node) for where, node in iter_subschemas(schema) if where != "#")
     names = (f"radixlm-number-{i}" for i in itertools.count())
     shared: dict[str, tuple[str, dict[str, Any]]] = {}  # keywords as text -> (name, keywords)
 
     def share(node: dict[str, Any], where: str) -> dict[str, Any]:
-        text = _number_text(node)
-        if where == "" or text is None or counts[text] < 2:
+        text, body, rest = _number_part(node)
+        # (a oneOf's branch keeps its type list: llguidance tells the branches apart by type)
+        if where == "" or text is None or counts[text] < 2 or (rest and where == "oneOf"):
             return node
         if text not in shared:
-            body = {k: v for k, v in node.items() if k in _NUMBER_KEYS}
             shared[text] = (next(n for n in names if n not in defs), body)
-        return {"$ref": f"#/$defs/{shared[text][0]}"}
+        ref = {"$ref": f"#/$defs/{shared[text][0]}"}
+        if rest is None:
+            return ref
+        notes = {k: v for k, v in node.items() if _is_annotation(k)}
+        return {"anyOf": [ref, rest], **notes}
 
     out = map_subschemas(schema, share)
     if not shared:
@@ -291,16 +325,52 @@ def share_numbers(schema: Any) -> Any:
     return {**out, "$defs": {**out.get("$defs", {}), **dict(shared.values())}}
 
 
-def _number_text(node: dict[str, Any]) -> str | None:
-    """The keywords of a bounded integer or number subschema with nothing else, as text."""
-    keys = set(node)
-    if (
-        node.get("type") not in ("integer", "number")
-        or not keys & _BOUND_KEYS
-        or not keys <= _NUMBER_KEYS | _ANNOTATION_KEYS
-    ):
-        return None
-    return json.dumps({k: v for k, v in node.items() if k in _NUMBER_KEYS}, sort_keys=True)
+def _number_part(
+    node: dict[str, Any],
+) -> tuple[str | None, dict[str, Any], dict[str, Any] | None]:
+    """(the keywords of the bounded number `node` is or holds, as text; those keywords; the
+    schema of its other types, None where it has none), or (None, {}, None) where `node` is more
+    than a bounded number (and, in a type list, string keywords)."""
+    types, keys = node.get("type"), {k for k in node if not _is_annotation(k)}
+    if not keys & _BOUND_KEYS or not keys <= _NUMBER_KEYS | _STRING_KEYS:
+        return None, {}, None
+    if isinstance(types, str) and types in _NUMERIC_TYPES:
+        others: list[str] = []
+    elif isinstance(types, list) and all(isinstance(t, str) for t in types):
+        numeric = [t for t in types if t in _NUMERIC_TYPES]
+        others = [t for t in types if t not in _NUMERIC_TYPES]
+        if len(numeric) != 1 or not others or len(set(types)) != len(types):
+            return None, {}, None
+        types = numeric[0]
+    else:
+        return None, {}, None
+    body = {k: v for k, v in node.items() if k in _BOUND_KEYS}
+    body["type"] = types
+    text = json.dumps(body, sort_keys=True)
+    if not others:
+        return text, body, None
+    rest: dict[str, Any] = {"type": others[0] if len(others) == 1 else others}
+    if "string" in others:
+        rest.update({k: v for k, v in node.items() if k in _STRING_KEYS})
+    return text, body, rest
+
+
+def _identifiers_name_nothing(nodes: list[tuple[str, dict[str, Any]]]) -> bool:
+    """Whether the `$id`s and `id`s of `nodes` (the subschemas below a root, with their
+    pointers) change nothing: every `$ref` a local pointer ("#", "#/..."), none under a node with
+    an identifier, and no anchors or dynamic references."""
+    scoped = [where for where, node in nodes if "$id" in node or "id" in node]
+    for where, node in nodes:
+        if node.keys() & {"$anchor", "$dynamicAnchor", "$dynamicRef", "$recursiveRef"}:
+            return False
+        if "$ref" not in node:
+            continue
+        ref = node["$ref"]
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            return False
+        if any(where == s or where.startswith(s + "/") for s in scoped):
+            return False
+    return True
 
 
 def close_objects(schema: Any) -> Any:

@@ -339,6 +339,74 @@ def test_alike_bounded_numbers_are_shared_and_each_keeps_its_bounds(compiler):
         assert accepts(compiler, schema, text) == reference, value
 
 
+def test_numbers_in_type_lists_and_under_ids_are_shared_too(compiler):
+    """A type list with one numeric type shares its number as an anyOf branch; identifiers below
+    the root that name nothing are left out so the shared `$ref`s read from the root; unknown
+    keys are annotations. jsonschema reads each rewrite as the schema it came from, and the
+    compiled grammar accepts what it accepts."""
+    from radixlm.constrained.schema_rewrite import NumberLimits, bound_numbers, share_numbers
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"id": "http://x.test/a", "type": ["integer", "null"], "_format": "int32"},
+            "b": {"type": ["null", "integer"], "description": "b"},
+            "c": {"type": ["number", "string"], "maxLength": 3},
+            "d": {"type": "number", "x-note": 1},
+            "e": {"type": ["number", "string"], "format": "date"},
+        },
+    }
+    bounded = bound_numbers(schema, NumberLimits())
+    shared = share_numbers(bounded)
+    props = shared["properties"]
+    assert props["a"]["anyOf"][0] == props["b"]["anyOf"][0] == {"$ref": "#/$defs/radixlm-number-0"}
+    assert props["a"]["anyOf"][1] == {"type": "null"} and "id" not in props["a"]
+    assert props["c"]["anyOf"][1] == {"type": "string", "maxLength": 3}
+    assert props["d"] == bounded["properties"]["d"]  # an `x-` key is not an annotation
+    assert props["e"]["anyOf"][1] == {"type": "string", "format": "date"}
+    big = 10**18
+    values = [
+        {"a": big, "b": None, "c": "abc", "d": 1.5, "e": 2},
+        {"a": big + 1},
+        {"b": -big - 1},
+        {"c": "abcd"},
+        {"c": 10**15 + 1},
+        {"a": "1"},
+        {"b": 1.5},
+        {"e": 10**16},
+    ]
+    references = [jsonschema.Draft7Validator(bounded).is_valid(v) for v in values]
+    assert references == [True] + [False] * 7
+    for value, reference in zip(values, references, strict=True):
+        assert jsonschema.Draft7Validator(shared).is_valid(value) == reference, value
+        text = json.dumps(value, separators=(",", ":"))
+        assert accepts(compiler, schema, text) == reference, value
+
+
+def test_identifiers_that_scope_a_ref_keep_numbers_unshared():
+    """A `$ref` under a subschema with an identifier reads against that identifier: there the
+    schema is left as it is (sharing would point its numbers elsewhere)."""
+    from radixlm.constrained.schema_rewrite import NumberLimits, bound_numbers, share_numbers
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"$id": "http://x.test/b", "type": "object",
+                  "properties": {"n": {"type": "integer"}, "m": {"$ref": "#/properties/n"}}},
+        },
+    }  # fmt: skip
+    bounded = bound_numbers(schema, NumberLimits())
+    assert share_numbers(bounded) == bounded
+    remote = {"type": "array", "items": [{"type": "integer"}, {"type": "integer"},
+              {"$ref": "other.json#/x"}]}  # fmt: skip
+    bounded = bound_numbers(remote, NumberLimits())
+    assert share_numbers(bounded)["items"][0] == {"$ref": "#/$defs/radixlm-number-0"}
+    with_id = {**remote, "items": [{"id": "i0", "type": "integer"}, *remote["items"][1:]]}
+    bounded = bound_numbers(with_id, NumberLimits())
+    assert share_numbers(bounded) == bounded  # (a reference to another document: ids may matter)
+
+
 def test_numbers_keep_their_fraction_digits_bounded(compiler):
     number = {"type": "number"}
     assert accepts(compiler, number, "0.1234567890")
