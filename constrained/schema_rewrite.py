@@ -296,9 +296,9 @@ def share_numbers(schema: Any) -> Any:
             return schema
         schema = map_subschemas(
             schema,
-            lambda node, where: node
-            if where == ""
-            else {k: v for k, v in node.items() if k not in ("$id", "id")},
+            lambda node, where: (
+                node if where == "" else {k: v for k, v in node.items() if k not in ("$id", "id")}
+            ),
         )
         nodes = [(where, node) for where, node in iter_subschemas(schema) if where != "#"]
     counts = Counter(_number_part(node)[0] for _, node in nodes)
