@@ -149,7 +149,7 @@ def run_distinct(
                 eng.grammar_compiler().clear_cache()  # (cold again: every grammar compiles)
             before = eng.get_stats()
             outs, wall, ttft = asyncio.run(_stream_all(eng, prompts, cons))
-            host = _host_per_step(before, eng.get_stats())
+            host = _host_per_step(before, eng.get_stats(), wall)
             ok = [
                 i for i, o in enumerate(outs) if o["meta_info"]["finish_reason"]["type"] != "abort"
             ]
@@ -168,7 +168,7 @@ def run_distinct(
             ]  # fmt: skip
             before = eng.get_stats()
             f_outs, f_wall, _ = asyncio.run(_stream_all(eng, [prompts[i] for i in ok], free))
-            f_host = _host_per_step(before, eng.get_stats())
+            f_host = _host_per_step(before, eng.get_stats(), f_wall)
             hosts.append((label, host, f_host))
             f_tokens = sum(len(o["output_ids"]) for o in f_outs)
             first = sorted(ttft[i] for i in ok if ttft[i] is not None)
@@ -260,7 +260,7 @@ def _profile_report(engine, prof, top: int) -> str:
     return out.getvalue()
 
 
-def _host_per_step(before: dict, after: dict) -> str:
+def _host_per_step(before: dict, after: dict, wall: float) -> str:
     """The engine core's time per step by phase between two stats snapshots, in ms."""
     steps = max(1, after["num_steps"] - before["num_steps"])
     phases = [k for k in after if k.startswith("host_seconds_")]
@@ -268,7 +268,14 @@ def _host_per_step(before: dict, after: dict) -> str:
         f"{k.removeprefix('host_seconds_')} {(after[k] - before[k]) / steps * 1e3:.2f}"
         for k in phases
     ]
-    return f"{steps} steps; ms/step: " + ", ".join(parts)
+    counts = {
+        k: after[k] - before[k]
+        for k in ("graph_steps", "prefill_graph_steps", "overlapped_steps", "jump_forward_tokens")
+    }
+    kinds = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in counts.items())
+    return (
+        f"{steps} steps ({kinds}); ms/step: wall {wall / steps * 1e3:.2f}, " + ", ".join(parts)
+    )
 
 
 def _engine_arg(text: str) -> tuple[str, object]:
