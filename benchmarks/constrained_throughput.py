@@ -228,14 +228,17 @@ def _compiles_alone(engine, specs: list[str]) -> str:
     def stamp(_):
         done_at.append(time.perf_counter() - t0)
 
-    futures = [compiler.compile_async("json_schema", spec) for spec in specs]
-    for f in futures:
-        f.add_done_callback(stamp)
+    futures = []
+    for spec in specs:
+        futures.append(compiler.compile_async("json_schema", spec))
+        futures[-1].add_done_callback(stamp)
+    submitted = time.perf_counter() - t0
     wait(futures)
     ms = sorted(1e3 * t for t in done_at)
     return (
-        f"{len(specs)} compiles, all done in {ms[-1]:.0f} ms; each done after p50 "
-        f"{statistics.median(ms):.0f} / p90 {ms[int(0.9 * (len(ms) - 1))]:.0f} ms"
+        f"{len(specs)} compiles submitted in {1e3 * submitted:.0f} ms, all done in {ms[-1]:.0f} "
+        f"ms; each done after p50 {statistics.median(ms):.0f} / p90 "
+        f"{ms[int(0.9 * (len(ms) - 1))]:.0f} ms"
     )
 
 
@@ -300,9 +303,7 @@ def _host_per_step(before: dict, after: dict, wall: float) -> str:
         for k in ("graph_steps", "prefill_graph_steps", "overlapped_steps", "jump_forward_tokens")
     }
     kinds = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in counts.items())
-    return (
-        f"{steps} steps ({kinds}); ms/step: wall {wall / steps * 1e3:.2f}, " + ", ".join(parts)
-    )
+    return f"{steps} steps ({kinds}); ms/step: wall {wall / steps * 1e3:.2f}, " + ", ".join(parts)
 
 
 def _engine_arg(text: str) -> tuple[str, object]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import heapq
+import itertools
 import json
 import os
 import threading
@@ -197,18 +199,15 @@ class GrammarCompiler:
         if inner.done():
             return inner
         outer: Future = Future()
-        timer = threading.Timer(self.compile_timeout, _fail, (outer, self._too_slow(kind)))
-        timer.daemon = True
+        _TIMEOUTS.add(time.monotonic() + self.compile_timeout, outer, self._too_slow(kind))
 
         def relay(f: Future) -> None:
-            timer.cancel()
             exc = f.exception()
             if exc is not None:
                 _fail(outer, exc)
             else:
                 _succeed(outer, f.result())
 
-        timer.start()
         inner.add_done_callback(relay)
         return outer
 
@@ -428,6 +427,53 @@ def _spec_key(kind: str, spec: Any) -> str:
     if not isinstance(spec, str):
         raise GrammarError(f"a {kind} grammar must be given as a string")
     return spec
+
+
+class _Timeouts:
+    """Futures failed with their error once their time passes (unless done before): one thread
+    for all of them, started on first use. (A timer thread per compile cost its caller a wait
+    for the GIL at each start: with the compile threads holding it, 96 compiles took 0.2 s only
+    to submit.)"""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, Future, BaseException]] = []  # a heap
+        self._count = itertools.count()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def add(self, at: float, f: Future, error: BaseException) -> None:
+        """Fail `f` with `error` at time.monotonic() `at`, if it is not done by then."""
+        with self._wake:
+            if len(self._due) >= 256:  # (the done ones would hold their results until due)
+                self._due = [entry for entry in self._due if not entry[2].done()]
+                heapq.heapify(self._due)
+            heapq.heappush(self._due, (at, next(self._count), f, error))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="grammar-timeouts", daemon=True
+                )
+                self._thread.start()
+            elif self._due[0][2] is f:  # (the earliest now: the thread sleeps too long)
+                self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while self._due and self._due[0][2].done():  # (done in time: forgotten)
+                    heapq.heappop(self._due)
+                if not self._due:
+                    self._wake.wait(timeout=5.0)  # (and looks again: futures end meanwhile)
+                    continue
+                at, _, f, error = self._due[0]
+                left = at - time.monotonic()
+                if left > 0:
+                    self._wake.wait(timeout=min(left, 5.0))
+                    continue
+                heapq.heappop(self._due)
+            _fail(f, error)
+
+
+_TIMEOUTS = _Timeouts()
 
 
 def _fail(f: Future, exc: BaseException) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -341,6 +342,33 @@ def test_compile_timeout_is_a_grammar_error():
     with pytest.raises(GrammarError, match="took longer than"):
         slow.compile("regex", runaway("a", 22))  # a DFA of 2**23 states
     assert time.perf_counter() - start < 5
+
+
+def test_compile_timeouts_fail_late_futures_in_their_order_and_leave_done_ones():
+    """One thread fails every waiting compile at its own deadline: a later-added, earlier
+    deadline is not held up behind a later one; a future done in time keeps its result; and
+    submitting many compiles starts no thread per compile."""
+    from concurrent.futures import Future
+
+    from radixlm.constrained.compiler import _TIMEOUTS
+
+    now = time.monotonic()
+    late, soon, done = Future(), Future(), Future()
+    _TIMEOUTS.add(now + 30, late, GrammarError("late"))
+    _TIMEOUTS.add(now + 0.05, soon, GrammarError("soon"))
+    _TIMEOUTS.add(now + 0.05, done, GrammarError("done"))
+    done.set_result("kept")
+    with pytest.raises(GrammarError, match="soon"):
+        soon.result(timeout=5)
+    assert time.monotonic() - now < 5 and not late.done() and done.result() == "kept"
+    late.set_result(None)
+    threads = threading.active_count()
+    many = [Future() for _ in range(300)]
+    for f in many:
+        _TIMEOUTS.add(time.monotonic() + 30, f, GrammarError("never"))
+        f.set_result(None)
+    assert threading.active_count() <= threads + 1
+    assert len(_TIMEOUTS._due) < 300  # (done ones dropped, not held until their time)
 
 
 def test_a_long_bounded_json_string_compiles_at_once_and_exactly(compiler):
