@@ -265,12 +265,17 @@ class Engine:
         priority: int | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """Like `generate`, from a coroutine; with stream=True it returns an async iterator."""
-        # tokenizing and compiling a grammar can take a while: keep them off the event loop
+        # tokenizing can take a while: off the event loop. A grammar compiles in the compiler's
+        # threads meanwhile; a single request waits for it here, without holding a thread (one
+        # per request held the default executor's few threads, and the requests behind them
+        # queued to start their compiles)
         reqs, single = await asyncio.to_thread(
             self._make_requests,
             prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-            priority,
+            priority, False,
         )  # fmt: skip
+        if single and reqs[0].grammar_future is not None:
+            await asyncio.wrap_future(reqs[0].grammar_future)  # (a refused grammar raises here)
         loop = asyncio.get_running_loop()
         if stream:
             self._check_streamable(reqs)
@@ -395,7 +400,10 @@ class Engine:
         logprob_start_len,
         top_logprobs_num,
         priority=None,
+        wait_for_grammar: bool = True,
     ):
+        """The requests of a call, their grammars compiling; with `wait_for_grammar`, a single
+        request's grammar compiled (or its refusal raised) before this returns."""
         if self._closed:
             raise EngineShutDown("the engine is shut down")
         check_priority(priority)
@@ -421,7 +429,7 @@ class Engine:
             logprob = self._logprob_request(lp_list[i], start_list[i], top_list[i], len(ids))
             self._check_fits(ids, params)
             grammar = self._grammar_future(params)
-            if grammar is not None and single:
+            if grammar is not None and single and wait_for_grammar:
                 # one request: a refused grammar is the caller's error, raised here (the compile
                 # runs in a worker thread; this thread only waits for it)
                 grammar.result()
@@ -482,7 +490,8 @@ class Engine:
             try:
                 compiled = setup.result().compile_async(*constraint, lenient=lenient)
             except BaseException as e:  # (a compiler that could not be built, a bad spec)
-                future.set_exception(e)
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(e)
             else:
                 compiled.add_done_callback(lambda done: _relay(done, future))
 
@@ -757,7 +766,9 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -
 
 
 def _relay(done: Future, to: Future) -> None:
-    """`done`'s outcome, result or exception, to `to`."""
+    """`done`'s outcome, result or exception, to `to` (unless its caller cancelled it)."""
+    if not to.set_running_or_notify_cancel():
+        return
     error = done.exception()
     if error is not None:
         to.set_exception(error)

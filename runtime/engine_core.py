@@ -540,6 +540,7 @@ class EngineCore:
             jump_forward_tokens=self.output.num_jump_forward_tokens,
             overlapped_steps=self.num_overlapped_steps,
             **{f"host_seconds_{k}": v for k, v in self.host_seconds.items()},
+            host_seconds_sample_masks=self.runner.sampler.mask_seconds if self.runner else 0.0,
             **(self.speculative.stats() if self.speculative is not None else {}),
         )
 

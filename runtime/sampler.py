@@ -16,6 +16,7 @@ CPU path and the oracle the kernel's tests compare against).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,7 @@ class Sampler:
         self._mask_buffers: list[torch.Tensor | None] = [None, None]
         self._mask_copied: list[torch.cuda.Event | None] = [None, None]  # its copy is done then
         self._mask_flip = 0
+        self.mask_seconds = 0.0  # waiting for masks begun in the background (begin_masks)
 
     def mask_buffer(self, rows: int, vocab: int, pinned: bool) -> torch.Tensor:
         """A (rows, ceil(vocab / 32)) int32 host tensor to fill masks into (contents stale)."""
@@ -150,7 +152,9 @@ class Sampler:
             logits[at[0], at[1]] = float("-inf")
         if constrained:
             if masks is not None:
+                t0 = time.perf_counter()
                 bitmask = masks.result()
+                self.mask_seconds += time.perf_counter() - t0
             else:
                 bitmask = self.mask_buffer(len(constrained), logits.shape[-1], logits.is_cuda)
             _apply_grammar_masks(logits, rows, constrained, bitmask, filled=masks is not None)

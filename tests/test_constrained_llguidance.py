@@ -238,6 +238,78 @@ def test_a_single_refused_schema_raises(engine):
     assert engine.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
 
 
+def test_a_single_refused_schema_raises_from_async_generate_too(engine):
+    params = {"max_new_tokens": 4, "json_schema": REFUSED}
+    with pytest.raises(ValueError, match="unsupported keyword 'not' at #/properties/a"):
+        asyncio.run(engine.async_generate("Hi", params))
+    with pytest.raises(ValueError, match="unsupported keyword 'not' at #/properties/a"):
+        asyncio.run(engine.async_generate("Hi", params, stream=True))
+
+
+def test_single_requests_waiting_for_their_grammars_hold_no_thread(engine, monkeypatch):
+    """Each async single request waits for its grammar on the event loop, not in a worker
+    thread: with one thread for all the blocking work, 8 requests whose compiles are held back
+    all reach the compiler before any compile is let go (a request holding the thread while its
+    grammar compiled would keep the next from submitting its compile)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    compiler = engine.grammar_compiler()
+    real = compiler.compile_async
+    submitted, gate = [], threading.Event()
+
+    def held(kind, spec, **kw):
+        submitted.append(spec)
+        inner = real(kind, spec, **kw)
+        return _after(gate, inner)
+
+    monkeypatch.setattr(compiler, "compile_async", held)
+    schemas = [
+        json.dumps({"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                    "required": [f"k{i}"]})
+        for i in range(8)
+    ]  # fmt: skip
+
+    async def main():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+        calls = [
+            engine.async_generate("Hi", {"max_new_tokens": 12, "json_schema": s, "temperature": 0})
+            for s in schemas
+        ]
+        tasks = [asyncio.ensure_future(c) for c in calls]
+        for _ in range(200):
+            if len(submitted) == len(schemas):
+                break
+            await asyncio.sleep(0.01)
+        seen = len(submitted)
+        gate.set()
+        return seen, await asyncio.gather(*tasks)
+
+    seen, outs = asyncio.run(main())
+    assert seen == len(schemas)
+    for i, out in enumerate(outs):
+        assert list(json.loads(out["text"])) == [f"k{i}"]
+
+
+def _after(gate, inner):
+    """A future with `inner`'s outcome, given only once `gate` is set."""
+    import threading
+    from concurrent.futures import Future
+
+    outer = Future()
+
+    def relay():
+        gate.wait(10)
+        exc = inner.exception()
+        if exc is not None:
+            outer.set_exception(exc)
+        else:
+            outer.set_result(inner.result())
+
+    threading.Thread(target=relay, daemon=True).start()
+    return outer
+
+
 def test_a_slow_compile_times_out_its_own_request_only():
     """llguidance builds a long counted repetition's lexer states in seconds (measured: ~2 s for
     SLOW_REGEX; found by trying, see the compile's first mask in llguidance_backend.build):
