@@ -31,7 +31,7 @@ from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.formats import FORMATS, UNSUPPORTED_FORMATS
 from radixlm.constrained.numeric import JSON_NUMBER, decimal_range, int_range
 from radixlm.constrained.pattern import PatternError, pattern_language, pattern_with_length
-from radixlm.constrained.schema_rewrite import iter_subschemas
+from radixlm.constrained.schema_rewrite import iter_subschemas, schema_nodes
 
 L = rt.lit
 
@@ -245,9 +245,9 @@ def one_of_exclusivity(schema: Any, narrowed: Any = None) -> dict[str, str | Non
     out: dict[str, str | None] = {}
     if not isinstance(schema, dict):
         return out
-    places = [where for where, node in iter_subschemas(schema) if "oneOf" in node]
-    if not places:
+    if not any("oneOf" in node for node in schema_nodes(schema)):  # (most: no pointers made)
         return out
+    places = [where for where, node in iter_subschemas(schema) if "oneOf" in node]
     if any("oneOf" in ref for ref in _refs(schema)):  # renaming it would move what they name
         return {where: "a $ref points inside a oneOf" for where in places}
     options = JsonSchemaOptions(allow_unlisted_properties=True)

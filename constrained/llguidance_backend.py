@@ -35,7 +35,6 @@ from radixlm.constrained.schema_rewrite import (
     NumberLimits,
     bound_numbers,
     close_objects,
-    fit_bounds,
     iter_subschemas,
     map_subschemas,
     one_of_as_any_of,
@@ -306,8 +305,7 @@ class LLGuidanceBackend:
                     raise GrammarError(_cannot_enforce(refused[:1]))
             exclusive = [where for where, why in exclusivity.items() if why is None]
             schema = one_of_as_any_of(narrowed, exclusive)
-            schema = bound_numbers(schema, self.numbers)
-            schema = fit_bounds(schema, _INTEGER_LIMIT, _NUMBER_LIMIT)
+            schema = bound_numbers(schema, self.numbers, fit=(_INTEGER_LIMIT, _NUMBER_LIMIT))
             # (the bounds make llguidance's lexer costlier to build: once per distinct bound)
             schema = share_numbers(schema)
         return schema, overlapping

@@ -61,6 +61,9 @@ class NumberLimits:
             )
 
 
+_ONE_KEYS, _LIST_KEYS, _MAP_KEYS = frozenset(_ONE), frozenset(_LIST), frozenset(_MAP)
+
+
 def map_subschemas(
     schema: Any, fn: Callable[[dict[str, Any], str], dict[str, Any]], where: str = ""
 ) -> Any:
@@ -69,16 +72,34 @@ def map_subschemas(
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key in _ONE:
-        if isinstance(out.get(key), dict):
-            out[key] = map_subschemas(out[key], fn, key)
-    for key in _LIST:
-        if isinstance(out.get(key), list):
-            out[key] = [map_subschemas(s, fn, key) for s in out[key]]
-    for key in _MAP:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: map_subschemas(s, fn, key) for name, s in out[key].items()}
+    for key, value in schema.items():  # (a node's own keys: fewer than the keywords)
+        if isinstance(value, dict):
+            if key in _ONE_KEYS:
+                out[key] = map_subschemas(value, fn, key)
+            elif key in _MAP_KEYS:
+                out[key] = {name: map_subschemas(s, fn, key) for name, s in value.items()}
+        elif isinstance(value, list) and key in _LIST_KEYS:
+            out[key] = [map_subschemas(s, fn, key) for s in value]
     return fn(out, where)
+
+
+def schema_nodes(schema: Any) -> list[dict[str, Any]]:
+    """Every (sub)schema object of `schema` that iter_subschemas yields, without pointers."""
+    out, todo = [], [schema]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        out.append(node)
+        for key, value in node.items():
+            if isinstance(value, dict):
+                if key in _ONE_KEYS:
+                    todo.append(value)
+                elif key in _MAP_KEYS or key == "dependencies":
+                    todo.extend(value.values())
+            elif isinstance(value, list) and key in _LIST_KEYS:
+                todo.extend(value)
+    return out
 
 
 def iter_subschemas(schema: Any, pointer: str = "#") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -154,8 +175,9 @@ def _pointer_token(key: str) -> str:
     return str(key).replace("~", "~0").replace("/", "~1")
 
 
-def bound_numbers(schema: Any, limits: NumberLimits) -> Any:
-    """`schema` with the limits put on each integer or number schema that lacks its own."""
+def bound_numbers(schema: Any, limits: NumberLimits, fit: tuple[int, int] | None = None) -> Any:
+    """`schema` with the limits put on each integer or number schema that lacks its own; with
+    `fit` (integer_limit, number_limit), what `fit_bounds` does too, in the same pass."""
 
     def bound(node: dict[str, Any], _where: str) -> dict[str, Any]:
         types = node.get("type")
@@ -164,8 +186,12 @@ def bound_numbers(schema: Any, limits: NumberLimits) -> Any:
             _add_bounds(node, limits.number_bound)
             if limits.fraction_digits >= 0 and "multipleOf" not in node and "integer" not in types:
                 node["multipleOf"] = float(f"1e-{limits.fraction_digits}")
+            if fit is not None:
+                _fit(node, fit[1])
         elif "integer" in types:
             _add_bounds(node, limits.integer_bound)
+            if fit is not None:
+                _fit(node, fit[0])
         return node
 
     return map_subschemas(schema, bound)
@@ -290,9 +316,10 @@ def share_numbers(schema: Any) -> Any:
     out; otherwise the schema is left as it is."""
     if not isinstance(schema, dict) or not isinstance(schema.get("$defs", {}), dict):
         return schema
-    nodes = [(where, node) for where, node in iter_subschemas(schema) if where != "#"]
-    if any("$id" in node or "id" in node for _, node in nodes):
-        if not _identifiers_name_nothing(nodes):
+    nodes = schema_nodes(schema)[1:]  # (the root first)
+    if any("$id" in node or "id" in node for node in nodes):
+        below = [(where, node) for where, node in iter_subschemas(schema) if where != "#"]
+        if not _identifiers_name_nothing(below):
             return schema
         schema = map_subschemas(
             schema,
@@ -300,8 +327,8 @@ def share_numbers(schema: Any) -> Any:
                 node if where == "" else {k: v for k, v in node.items() if k not in ("$id", "id")}
             ),
         )
-        nodes = [(where, node) for where, node in iter_subschemas(schema) if where != "#"]
-    counts = Counter(_number_part(node)[0] for _, node in nodes)
+        nodes = schema_nodes(schema)[1:]
+    counts = Counter(_number_part(node)[0] for node in nodes)
     defs = schema.get("$defs", {})
     names = (f"radixlm-number-{i}" for i in itertools.count())
     shared: dict[str, tuple[str, dict[str, Any]]] = {}  # keywords as text -> (name, keywords)
@@ -404,5 +431,6 @@ __all__ = [
     "map_subschemas",
     "one_of_as_any_of",
     "reachable_subschemas",
+    "schema_nodes",
     "share_numbers",
 ]

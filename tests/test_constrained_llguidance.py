@@ -265,7 +265,7 @@ def test_single_requests_waiting_for_their_grammars_hold_no_thread(engine, monke
 
     monkeypatch.setattr(compiler, "compile_async", held)
     schemas = [
-        json.dumps({"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+        json.dumps({"type": "object", "properties": {f"k{i}": {"type": "boolean"}},
                     "required": [f"k{i}"]})
         for i in range(8)
     ]  # fmt: skip
@@ -273,7 +273,7 @@ def test_single_requests_waiting_for_their_grammars_hold_no_thread(engine, monke
     async def main():
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
         calls = [
-            engine.async_generate("Hi", {"max_new_tokens": 12, "json_schema": s, "temperature": 0})
+            engine.async_generate("Hi", {"max_new_tokens": 24, "json_schema": s, "temperature": 0})
             for s in schemas
         ]
         tasks = [asyncio.ensure_future(c) for c in calls]
