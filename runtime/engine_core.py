@@ -339,14 +339,16 @@ class EngineCore:
         step N's tokens are applied, so the host's bookkeeping runs while the device computes; a
         request whose next input is N's token reads it on the device. A request N finishes has
         then computed one token too many in N+1: its result is dropped. Requests whose next step
-        needs N's tokens on the host (grammar masks, penalties, log-probabilities) and anything
-        arriving in the inbox make the loop apply N first."""
+        needs N's tokens on the host (log-probabilities) and anything arriving in the inbox but
+        new requests (an abort, a call) make the loop apply N first."""
         inflight: tuple | None = None  # (plan, handle) of the step launched last
         while not self._stop.is_set():
-            if inflight is not None and (not self._inbox.empty() or not self._can_overlap()):
+            if inflight is not None and not self._can_overlap():
                 self._complete(*inflight)
                 inflight = None
-            self._drain_inbox(block=inflight is None and not self.scheduler.has_work())
+            inflight = self._drain_inbox(
+                block=inflight is None and not self.scheduler.has_work(), inflight=inflight
+            )
             if self._stop.is_set():
                 break
             t0 = self._step_began = time.perf_counter()
@@ -428,15 +430,22 @@ class EngineCore:
         if self.speculative is not None:  # (in lockstep: the step's whole time)
             self.speculative.observe_step(plan, results, t2 - self._step_began)
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool, inflight: tuple | None = None) -> tuple | None:
+        """Take what the inbox holds. New requests (and those whose grammar is ready) join the
+        scheduler beside a step in flight, `inflight`: they are in none of its work. Anything
+        else (an abort, a call, a failure) first completes that step. Returns `inflight`, or
+        None once it is completed."""
         if block:
             self._give_back_idle_memory()
         try:
             msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return
+            return inflight
         while True:
             kind, payload = msg
+            if inflight is not None and kind not in ("add", "grammar"):
+                self._complete(*inflight)
+                inflight = None
             if kind == "add":
                 self._add(*payload)
             elif kind == "grammar":
@@ -459,7 +468,7 @@ class EngineCore:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return inflight
 
     def _give_back_idle_memory(self) -> None:
         """Idle for half a second after some steps: their freed host memory goes back to the

@@ -67,3 +67,36 @@ def test_requests_that_need_lockstep_share_the_batch(default_model_folder, token
     plain, _ = run(default_model_folder, tokenizer, False, extra)
     overlapped, _ = run(default_model_folder, tokenizer, True, extra)
     assert overlapped == plain
+
+
+def test_requests_arriving_mid_decode_keep_the_overlap(default_model_folder):
+    """A request arriving while others decode joins the next step beside the step in flight:
+    no step is applied early for it (each arrival used to complete the step in flight first,
+    launching the next with nothing in flight), and every output is what it is without the
+    staggering."""
+    import asyncio
+
+    prompts = varied_prompts()[:7]
+    long = {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
+    short = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with radixlm.Engine(default_model_folder, device="cpu", dtype="float32") as eng:
+        core, events = eng._core, []
+        launch, complete = core.runner.launch, core._complete
+        core.runner.launch = lambda *a, **k: (events.append("L"), launch(*a, **k))[1]
+        core._complete = lambda *a: (events.append("C"), complete(*a))[1]
+
+        async def staggered():
+            first = asyncio.ensure_future(eng.async_generate(prompts[0], long))
+            later = []
+            for prompt in prompts[1:]:
+                await asyncio.sleep(0.05)
+                later.append(asyncio.ensure_future(eng.async_generate(prompt, short)))
+            return await asyncio.gather(first, *later)
+
+        outs = asyncio.run(staggered())
+        core.runner.launch, core._complete = launch, complete
+        together = eng.generate(prompts, [long] + [short] * 6)
+    assert events.count("L") > 40
+    # a launch with nothing in flight is followed by the next launch, with no completion between
+    assert not [i for i in range(1, len(events) - 1) if events[i] == events[i + 1] == "L"]
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in together]
