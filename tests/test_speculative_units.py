@@ -259,25 +259,32 @@ def test_speculative_num_steps_sets_a_chain_s_positions_as_in_sglang():
 # ---- the gate: drafting where it measured faster ------------------------------------------------
 
 
-def test_the_gate_drafts_until_both_ways_are_measured_then_where_tokens_come_faster():
+def test_the_gate_measures_each_way_twice_then_drafts_where_tokens_come_faster():
     from radixlm.runtime.speculative.gate import SpeculationGate
 
     gate = SpeculationGate(explore=4)
-    # a bucket's first step drafts, and it keeps drafting until that is measured
-    assert [gate.drafting(1) for _ in range(2)] == [True, True]
+    # measuring: drafting and plain in turn, the way measured less first; of a way's first two
+    # measurements the faster counts (a first step that compiled kernels is slow once)
+    assert gate.drafting(1) is True
     gate.observe(1, True, 30, 0.01)  # 3,000 tokens/s verifying
-    # then plain and drafting in turn until plain is measured (a step with a prompt chunk
-    # measures neither, so the turn goes on)
-    assert [gate.drafting(1) for _ in range(2)] == [True, False]
-    gate.observe(1, False, 1, 0.001)  # 1,000 plain
-    assert [gate.drafting(1) for _ in range(4)] == [True, True, True, False]  # (8th: explores)
-    assert [gate.drafting(1) for _ in range(4)] == [True, True, True, False]  # (12th)
-    # a bucket of its own for 2-3 requests: plain measured faster there
-    gate.observe(3, True, 6, 0.01)
-    gate.observe(2, False, 3, 0.001)
-    assert [gate.drafting(2) for _ in range(8)] == [False, False, False, True] * 2
-    assert gate.plain_steps == 3 + 6
-    # the averages follow new measurements: verifying turned slow at batch 1
+    assert gate.drafting(1) is False
+    gate.observe(1, False, 1, 0.01)  # 100 plain: a slow first step
+    assert gate.drafting(1) is True
+    gate.observe(1, True, 20, 0.01)  # 2,000: the first 3,000 still counts
+    assert gate.drafting(1) is False
+    gate.observe(1, False, 10, 0.01)  # 1,000: counts over the slow 100
+    assert gate.rates() == {(1, True): 3000.0, (1, False): 1000.0}
+    # deciding: drafting, trying plain every explore x (3,000 / 1,000) = 12th step of the bucket
+    assert [gate.drafting(1) for _ in range(8)] == [True] * 7 + [False]  # steps 5-12
+    gate.observe(1, False, 9, 0.01)  # 900: plain lost again, so it is tried half as often
+    assert gate.rates()[(1, False)] == 975.0  # (moving by the weight, 0.25, from now on)
+    assert [gate.drafting(1) for _ in range(12)] == [True] * 11 + [False]  # step 24
+    # a bucket of its own for 2-3 requests
+    for verified, tokens in ((True, 2), (False, 3), (True, 2), (False, 3)):
+        assert gate.drafting(2) is verified
+        gate.observe(3, verified, tokens, 0.001)
+    assert gate.drafting(2) is False
+    # the estimates follow new measurements: verifying turned slow at batch 1
     for _ in range(20):
         gate.observe(1, True, 4, 0.01)
     assert gate.rates()[(1, True)] < gate.rates()[(1, False)]
@@ -287,6 +294,38 @@ def test_the_gate_drafts_until_both_ways_are_measured_then_where_tokens_come_fas
     gate.observe(1, True, 0, 0.01)
     gate.observe(1, False, 5, 0.0)
     assert gate.rates() == before
+
+
+def test_the_gate_at_a_large_batch_where_verifying_costs_many_plain_steps():
+    """A batch of 128 where a verify step gives 256 tokens at 9k tokens/s and a plain one 128 at
+    90k (what the H100 measured), its first plain step slow (5k, a first replay): the gate
+    drafts the two measuring steps and no more in 128 steps (it drafted 21 before: explored every
+    16th step, and judged plain by its slow first step for 16 steps), so the time stays within
+    1.5x of plain decoding's."""
+    from radixlm.runtime.speculative.gate import SpeculationGate
+
+    gate, seconds, drafted, seen_plain = SpeculationGate(), 0.0, 0, False
+    for _ in range(128):
+        draft = gate.drafting(128)
+        tokens, rate = (256, 9_000) if draft else (128, 90_000 if seen_plain else 5_000)
+        seen_plain = seen_plain or not draft
+        gate.observe(128, draft, tokens, tokens / rate)
+        seconds += tokens / rate
+        drafted += draft
+    assert drafted == 2
+    assert seconds < 1.5 * 128 * 128 / 90_000
+    # and where verifying pays (180k against 90k), nearly every step drafts
+    gate, drafted = SpeculationGate(), 0
+    for _ in range(128):
+        draft = gate.drafting(128)
+        gate.observe(
+            128,
+            draft,
+            256 if draft else 128,
+            (256 if draft else 128) / (180_000 if draft else 90_000),
+        )
+        drafted += draft
+    assert drafted >= 120
 
 
 def test_the_engine_drafts_only_where_the_gate_measured_it_pays(tiny_model_folder):

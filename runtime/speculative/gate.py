@@ -5,30 +5,43 @@ costs about what decoding one does; as the batch grows the verify step's rows gr
 becomes bound by compute, and a verify step costs up to k decode steps while it gives fewer than k
 tokens a request. Where that happens depends on the model, the GPU, the drafts' acceptance and
 the contexts' lengths, so it is measured, not guessed: per batch-size bucket (powers of two) the
-gate keeps a moving average of the output tokens per second of the steps that verified drafts and
-of the steps that did not, and lets the scheduler draft where the former is the higher.
+gate keeps an estimate of the output tokens per second of the steps that verified drafts and of
+the steps that did not, and lets the scheduler draft where the former is the higher.
 
-A bucket's first step drafts (speculation was asked for) and its second goes plain, so both are
-measured at once: a large batch, where a wrong choice costs most, runs few steps in each bucket
-(on the H100 a batch of 128 with drafting throughout ran at 0.10-0.35x of plain decoding before
-the gate measured early). From then on each step goes the way the averages point, and every
-`explore`-th step the other way, so that a change (longer contexts, drafts that stopped
-matching) is seen; a first measurement that paid for compiling new kernel shapes is corrected
-when its way is explored again. A step that also computes a prompt chunk measures neither; one
-whose requests were all left without a draft counts as a plain step (it decoded plainly).
+A bucket's first steps draft and go plain in turn until each way is measured twice, and each
+way's estimate starts from the faster of its two: a step that paid for compiling new kernel
+shapes, or for a first graph replay, is slow once, and a way judged by it alone could lose for
+long (on the H100 a batch of 128 drafted in 21 of 128 steps in this gate's simulation of that
+case before, and ran at 0.12x of plain decoding). From then on each step goes the way the
+estimates point, each new measurement moving its way's estimate by `weight`, and now and then
+a step goes the other way, so that a change (longer contexts, drafts that stopped matching) is
+seen. How often is `explore` steps times how many times faster the winner is (a step of the
+loser costs about that many of the winner's), and twice as long each time such a step confirms
+the loser, up to `explore` x `max_backoff`: where a verify step costs twenty plain ones, trying
+it every 16 steps alone more than doubled the time. A step that also computes a prompt chunk
+measures neither; one whose requests were all left without a draft counts as a plain step (it
+decoded plainly).
 """
 
 from __future__ import annotations
 
 
 class SpeculationGate:
-    def __init__(self, explore: int = 16, weight: float = 0.25) -> None:
-        """`explore`: every this many steps of a bucket try the other way; `weight`: of each new
-        measurement in the moving averages."""
+    def __init__(
+        self, explore: int = 16, weight: float = 0.25, first: int = 2, max_backoff: int = 64
+    ) -> None:
+        """`explore`: steps of a bucket between tries of the other way, at first; `weight`: of
+        each new measurement in an estimate; `first`: measurements of each way before the
+        estimates decide (the faster counts); `max_backoff`: the most the exploring interval
+        grows (a factor of `explore`)."""
         self.explore = explore
         self.weight = weight
+        self.first = first
+        self.max_backoff = max_backoff
         self._rate: dict[tuple[int, bool], float] = {}  # (bucket, verified) -> tokens per second
+        self._count: dict[tuple[int, bool], int] = {}  # (bucket, verified) -> measurements
         self._steps: dict[int, int] = {}  # bucket -> drafting decisions made
+        self._backoff: dict[int, int] = {}  # bucket -> the exploring interval's factor
         self.plain_steps = 0  # steps the gate kept from drafting
 
     @staticmethod
@@ -40,14 +53,16 @@ class SpeculationGate:
         """Whether the next step of `batch` decoding requests drafts."""
         b = self.bucket(batch)
         n = self._steps[b] = self._steps.get(b, 0) + 1
-        spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
-        if spec is None:  # (until both are measured: draft, then plain, in turn)
-            draft = True
-        elif plain is None:
-            draft = n % 2 == 1
+        spec_n, plain_n = self._count.get((b, True), 0), self._count.get((b, False), 0)
+        if min(spec_n, plain_n) < self.first:  # (measuring: the way measured less, drafting first)
+            draft = spec_n <= plain_n if spec_n != plain_n else n % 2 == 1
         else:
+            spec, plain = self._rate[(b, True)], self._rate[(b, False)]
             best = spec >= plain
-            draft = best if n % self.explore else not best
+            # a step of the losing way costs about (winner / loser) steps of the winning way
+            ratio = max(spec, plain) / max(min(spec, plain), 1e-9)
+            factor = min(self.max_backoff, self._backoff.get(b, 1) * max(1, int(ratio)))
+            draft = best if n % (self.explore * factor) else not best
         self.plain_steps += not draft
         return draft
 
@@ -56,11 +71,23 @@ class SpeculationGate:
         output tokens in `seconds` (scheduling to its tokens applied)."""
         if tokens <= 0 or seconds <= 0:
             return
-        key = (self.bucket(batch), verified)
+        b = self.bucket(batch)
+        key, other = (b, verified), (b, not verified)
         rate = tokens / seconds
-        old = self._rate.get(key)
-        self._rate[key] = rate if old is None else old + self.weight * (rate - old)
+        count = self._count[key] = self._count.get(key, 0) + 1
+        old, theirs = self._rate.get(key), self._rate.get(other)
+        # (both measured `first` times before this one: the estimates decide the steps now)
+        deciding = min(count - 1, self._count.get(other, 0)) >= self.first
+        if old is None or (count <= self.first and rate > old):
+            self._rate[key] = rate
+        elif count > self.first:
+            self._rate[key] = old + self.weight * (rate - old)
+        if deciding and theirs is not None and old is not None and old < theirs:
+            # an exploring step of the losing way: it lost again (backing off), or now leads
+            lost = self._rate[key] < theirs
+            factor = self._backoff.get(b, 1)
+            self._backoff[b] = min(self.max_backoff, factor * 2) if lost else 1
 
     def rates(self) -> dict[tuple[int, bool], float]:
-        """(bucket, verified) -> the moving average of tokens per second (for stats and tests)."""
+        """(bucket, verified) -> the estimate of tokens per second (for stats and tests)."""
         return dict(self._rate)
