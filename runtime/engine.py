@@ -19,6 +19,7 @@ import random
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -754,15 +755,72 @@ def _resolver(loop, fut):
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:
-    """Run `fn(*args)` on `loop`; False if the loop is closed (its caller has gone: an
-    `asyncio.run` that ended), with no one left to tell."""
+    """Run `fn(*args)` on `loop`, after what was posted there before; False if the loop is
+    closed (its caller has gone: an `asyncio.run` that ended), with no one left to tell.
+
+    Posts to one loop go together: the first wakes the loop, those made before it runs join
+    that wake-up. (A step of 96 streamed requests woke the loop 96 times, each a write to its
+    self-pipe: a syscall a request a step on the core thread.)"""
     try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        if not loop.is_closed():
-            raise
-        return False
-    return True
+        with _MAILBOXES_LOCK:
+            box = _MAILBOXES.get(loop)
+            if box is None:
+                box = _MAILBOXES[loop] = _Mailbox(loop)
+    except TypeError:  # (a loop without weak references: each post wakes it)
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            if not loop.is_closed():
+                raise
+            return False
+        return True
+    return box.post(fn, args)
+
+
+class _Mailbox:
+    """What the engine core posted to one event loop, run there in order at one wake-up."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)
+        self._items: list[tuple[Callable[..., Any], tuple]] = []
+        self._lock = threading.Lock()
+        self._woken = False  # a wake-up is on its way: posts join it
+
+    def post(self, fn: Callable[..., Any], args: tuple) -> bool:
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return False
+        with self._lock:
+            self._items.append((fn, args))
+            if self._woken:
+                return True
+            self._woken = True
+        try:
+            loop.call_soon_threadsafe(self._run)
+        except RuntimeError:
+            if not loop.is_closed():
+                raise
+            return False
+        return True
+
+    def _run(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._woken = False
+        for fn, args in items:
+            try:
+                fn(*args)
+            except Exception as e:  # as the loop itself reports a failed callback
+                loop = self._loop()
+                if loop is not None:
+                    loop.call_exception_handler(
+                        {"message": "an engine result could not be delivered", "exception": e}
+                    )
+
+
+# one mailbox per event loop the engine delivers to (a loop that goes takes its mailbox along)
+_MAILBOXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MAILBOXES_LOCK = threading.Lock()
 
 
 def _relay(done: Future, to: Future) -> None:

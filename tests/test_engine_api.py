@@ -486,3 +486,33 @@ def test_auto_dtype_keeps_a_float16_checkpoint_in_float16_on_a_gpu(monkeypatch):
     assert auto_dtype(gpu, SimpleNamespace()) == "bfloat16"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert auto_dtype(gpu, saved["bfloat16"]) == "float16"  # no bfloat16 before Ampere
+
+
+def test_results_posted_to_an_event_loop_arrive_in_order_at_few_wake_ups():
+    """The engine core's posts to one event loop go together: those made before the loop runs
+    join one wake-up (not a self-pipe write each), run in the order posted; a closed loop says
+    so (its consumer has gone)."""
+    import threading
+
+    from radixlm.runtime.engine import _post
+
+    loop = asyncio.new_event_loop()
+    got, wakes = [], []
+    real = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a, **k: (wakes.append(1), real(*a, **k))[1]
+
+    def core():
+        for i in range(200):
+            assert _post(loop, got.append, i)
+
+    thread = threading.Thread(target=core)
+    thread.start()
+    thread.join()
+    loop.run_until_complete(asyncio.sleep(0.01))
+    assert got == list(range(200))
+    assert len(wakes) == 1  # (the loop did not run while the thread posted)
+    assert _post(loop, got.append, 200)
+    loop.run_until_complete(asyncio.sleep(0.01))
+    assert got[-1] == 200 and len(wakes) == 2
+    loop.close()
+    assert _post(loop, got.append, 201) is False
