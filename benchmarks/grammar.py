@@ -250,8 +250,9 @@ class XGrammarEngine:
 
 class LLGuidanceEngine:
     """Plain llguidance (the reference for our default backend, which adds number bounds and
-    closed objects), compact JSON, not lenient. Building its matcher is the compile; each walk
-    starts from a copy of it."""
+    closed objects), compact JSON, not lenient. Building its matcher and its first mask is the
+    compile, as ours does it (the first mask builds the lexer states every request starts from:
+    a server makes it before the request's first step); each walk starts from a copy of it."""
 
     def __init__(self, tokenizer: Any) -> None:
         import llguidance.hf
@@ -268,6 +269,8 @@ class LLGuidanceEngine:
             schema_text, defaults={"whitespace_flexible": False}
         )
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()
         if matcher.is_error():
             raise ValueError(matcher.get_error())
         return matcher
