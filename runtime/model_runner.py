@@ -353,6 +353,18 @@ class ModelRunner:
         return torch.cat(tokens)
 
     @staticmethod
+    def _plain_decode(it: ScheduledReq) -> bool:
+        """One token that samples, no draft, no input log-probabilities: _step_lists' quick
+        case."""
+        return (
+            it.num_tokens == 1
+            and it.samples
+            and not it.draft
+            and it.node_rows is None
+            and not it.req.wants_input_logprobs
+        )
+
+    @staticmethod
     def _pending_input(it: ScheduledReq) -> bool:
         """Whether this item's last input token is still on the device only."""
         return it.start + it.num_tokens - len(it.draft) > it.req.num_tokens
@@ -460,9 +472,29 @@ class ModelRunner:
         """The index lists of an eager step (multi-token items first), before the device."""
         out = StepLists()
         input_ids, positions, token_rows = out.input_ids, out.positions, out.token_rows
+        rows, extend_lens, prefix_lens = out.rows, out.extend_lens, out.prefix_lens
+        which, sample_rows, logits_rows = out.which, out.sample_rows, out.logits_rows
         offset = 0
         for i, it in enumerate(items):
             req = it.req
+            if self._plain_decode(it):  # (most items at large batches) as the general path
+                start, row, prompt = it.start, req.pool_row, req.input_ids
+                if start >= len(prompt) + len(req.output_ids):  # (its token is on the device)
+                    out.pending.append((len(input_ids), row))
+                    input_ids.append(0)
+                else:
+                    n = len(prompt)
+                    input_ids.append(prompt[start] if start < n else req.output_ids[start - n])
+                positions.append(start)
+                token_rows.append(row)
+                rows.append(row)
+                extend_lens.append(1)
+                prefix_lens.append(start)
+                which.append(i)
+                sample_rows.append(len(logits_rows))
+                logits_rows.append(offset)
+                offset += 1
+                continue
             # (a draft's tokens come after the request's own)
             start, end, prompt = it.start, it.start + it.num_tokens - len(it.draft), req.input_ids
             if start >= len(prompt):  # (slicing here, not all_ids: that copies the whole list)

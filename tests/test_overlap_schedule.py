@@ -100,3 +100,40 @@ def test_requests_arriving_mid_decode_keep_the_overlap(default_model_folder):
     # a launch with nothing in flight is followed by the next launch, with no completion between
     assert not [i for i in range(1, len(events) - 1) if events[i] == events[i + 1] == "L"]
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in together]
+
+
+def test_the_quick_case_of_a_steps_lists_equals_the_general_one(default_model_folder):
+    """_step_lists builds a plain decode's entries in a quick case: every eager step of a mixed
+    workload (prompt chunks beside decodes, tokens still on the device under overlap, input
+    log-probabilities, a grammar) gives the lists the general path gives."""
+    import dataclasses
+
+    from radixlm.runtime.model_runner import ModelRunner
+
+    checked = []
+    quick = ModelRunner._step_lists
+
+    def both(self, items):
+        out = quick(self, items)
+        self._plain_decode = lambda it: False  # (the instance's: the general path only)
+        try:
+            general = quick(self, items)
+        finally:
+            del self._plain_decode
+        assert dataclasses.asdict(out) == dataclasses.asdict(general)
+        checked.append(sum(ModelRunner._plain_decode(it) for it in items))
+        return out
+
+    prompts = varied_prompts()[:10]
+    params = [{"max_new_tokens": 12 + 3 * i, "temperature": 0} for i in range(10)]
+    params[3]["json_schema"] = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    with radixlm.Engine(
+        default_model_folder, device="cpu", dtype="float32", chunked_prefill_size=16
+    ) as eng:
+        ModelRunner._step_lists = both
+        try:
+            eng.generate(prompts[:5], params[:5])
+            eng.generate(prompts[5:], params[5:], return_logprob=True, logprob_start_len=0)
+        finally:
+            ModelRunner._step_lists = quick
+    assert len(checked) > 10 and sum(checked) > 20  # (eager steps with plain decodes in them)
