@@ -40,62 +40,38 @@ def main() -> None:
     ap.add_argument("--busy-ms", type=float, default=5.0)
     ap.add_argument("--sleep-ms", default="0,0.1", help="the core's pause after each busy spell")
     ap.add_argument("--count", type=int, default=96)
-    ap.add_argument(
-        "--helpers", default="on,off",
-        help="on: schemas prepared in helper processes while others compile (the compiler's "
-        "way); off: in the compile threads",
-    )  # fmt: skip
-    ap.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the model's)")
     args = ap.parse_args()
     print(f"commit: {commit()}")
     specs = [json.dumps(schema) for _, schema in distinct_schemas(DEFAULT_SCHEMAS, args.count)]
     own = sys.getswitchinterval()
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    else:
-        tokenizer = default_tokenizer()
+    tokenizer = default_tokenizer()
     print(
-        "\n| helpers | switch interval ms | core pause ms | compiles ms | core steps/s |"
-        "\n|---|---|---|---|---|"
+        "\n| switch interval ms | core pause ms | compiles ms | core steps/s |\n|---|---|---|---|"
     )
-    runs = [
-        (helpers, float(interval), float(pause))
-        for helpers in args.helpers.split(",")
-        for interval in args.intervals.split(",")
-        for pause in args.sleep_ms.split(",")
-    ]
-    for helpers, interval, pause in runs:
-        compiler = GrammarCompiler(tokenizer, max_workers=8, cache_size=0)
-        compiler.compile("json_schema", {"type": "string"})  # (its threads started)
-        if helpers == "on":
-            compiler.prestart_helpers()
-        else:
-            compiler._prepare_apart = lambda backend, spec, lax, deadline: backend.prepare_schema(
-                spec, lax
+    for interval in (float(v) for v in args.intervals.split(",")):
+        for pause in (float(v) for v in args.sleep_ms.split(",")):
+            compiler = GrammarCompiler(tokenizer, max_workers=8, cache_size=0)
+            compiler.compile("json_schema", {"type": "string"})  # (its threads started)
+            sys.setswitchinterval(interval / 1000)
+            stop: list = []
+            steps: list = []
+            thread = threading.Thread(target=core, args=(stop, steps, args.busy_ms, pause))
+            thread.start()
+            time.sleep(0.05)
+            before = len(steps)
+            t0 = time.perf_counter()
+            futures = [compiler.compile_async("json_schema", s) for s in specs]
+            for f in futures:
+                f.exception()  # (a refused schema counts as compiled: its refusal is the result)
+            wall = time.perf_counter() - t0
+            made = len(steps) - before
+            stop.append(1)
+            thread.join()
+            sys.setswitchinterval(own)
+            compiler.close()
+            print(
+                f"| {interval:g} | {pause:g} | {wall * 1e3:.0f} | {made / wall:.0f} |", flush=True
             )
-        sys.setswitchinterval(interval / 1000)
-        stop: list = []
-        steps: list = []
-        thread = threading.Thread(target=core, args=(stop, steps, args.busy_ms, pause))
-        thread.start()
-        time.sleep(0.05)
-        before = len(steps)
-        t0 = time.perf_counter()
-        futures = [compiler.compile_async("json_schema", s) for s in specs]
-        for f in futures:
-            f.exception()  # (a refused schema counts as compiled: its refusal is the result)
-        wall = time.perf_counter() - t0
-        made = len(steps) - before
-        stop.append(1)
-        thread.join()
-        sys.setswitchinterval(own)
-        compiler.close()
-        print(
-            f"| {helpers} | {interval:g} | {pause:g} | {wall * 1e3:.0f} | {made / wall:.0f} |",
-            flush=True,
-        )
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import heapq
 import itertools
 import json
@@ -23,8 +22,8 @@ from radixlm.constrained.automaton import ByteAutomaton
 from radixlm.constrained.dfa_process import (
     BuildStopped,
     Deadline,
+    DfaBuilders,
     DfaRefused,
-    HelperProcesses,
     TooManyStates,
 )
 from radixlm.constrained.ebnf import ebnf_to_regex
@@ -130,7 +129,7 @@ class GrammarCompiler:
         self._max_workers = max_workers or max(2, min(8, (os.cpu_count() or 2) // 2))
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
-        self._builders = HelperProcesses()
+        self._builders = DfaBuilders()
         # read the tokenizer now: a bad one fails here, not at a compile
         if backend == "outlines":
             _ = self.vocab
@@ -233,7 +232,7 @@ class GrammarCompiler:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-        builders, self._builders = self._builders, HelperProcesses()
+        builders, self._builders = self._builders, DfaBuilders()
         builders.close()
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -241,7 +240,7 @@ class GrammarCompiler:
         # belong to the parent: it starts its own of both.
         if self._pool is None or self._pool_pid != os.getpid():
             if self._pool_pid not in (0, os.getpid()):
-                self._builders = HelperProcesses()
+                self._builders = DfaBuilders()
             self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="grammar-compile")
             self._pool_pid = os.getpid()
             self._inflight.clear()
@@ -302,11 +301,7 @@ class GrammarCompiler:
             if deadline.remaining() <= 0:  # it waited in the queue past its callers' patience
                 raise self._too_slow(kind)
             if self.backend == "llguidance":
-                backend = self._llguidance()
-                prepare = None
-                if kind == "json_schema" and len(self._inflight) > 1:  # (others compile too)
-                    prepare = functools.partial(self._prepare_apart, backend, deadline=deadline)
-                return backend.build(kind, spec, lenient, prepare)
+                return self._llguidance().build(kind, spec, lenient)
             if kind == "structural_tag":  # free text with tagged sections: no single regex
                 raise GrammarError(
                     "structural_tag needs the llguidance grammar backend "
@@ -356,25 +351,6 @@ class GrammarCompiler:
         if kind == "ebnf":
             return ebnf_to_regex(spec, self.ebnf_recursion_depth), ()
         raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
-
-    def _prepare_apart(
-        self, backend: Any, spec: str, lenient: bool, deadline: Deadline
-    ) -> tuple[str, dict[str, str]]:
-        """A JSON schema made ready for llguidance in a helper process, off this process's GIL
-        (which the engine and the other compiles need meanwhile); here where the helper failed."""
-        try:
-            return self._builders.prepare_schema(backend.prepare_args(spec, lenient), deadline)
-        except BuildStopped as e:
-            if deadline.remaining() <= 0:
-                raise self._too_slow("json_schema") from None
-            if self._builders.closed:
-                raise _CompileStopped(f"compiling the json_schema stopped: {e}") from None
-            return backend.prepare_schema(spec, lenient)
-
-    def prestart_helpers(self) -> None:
-        """Start the helper processes the compile threads use (a JSON schema's preparation, a
-        DFA's build) before the first compiles need them."""
-        self._builders.prestart(self._max_workers)
 
     def _index(
         self,

@@ -1,6 +1,4 @@
-"""Helper processes of a grammar compiler: outlines-core's byte DFA of a regex, built where a
-deadline can stop it, and a JSON schema made ready for llguidance (schema_prep.py), run where
-it holds no GIL of the engine's.
+"""outlines-core's byte DFA of a regex, built in helper processes that a deadline can stop.
 
 outlines-core determinizes a regex in one native call that checks no size limit and cannot be
 interrupted: `[ab]*a[ab]{30}` needs 2**31 states, so that call would run for hours with its memory
@@ -15,16 +13,9 @@ outlines-core shows the states only once its build is done, so this cap bounds w
 grammar holds (its transition table, and the memory renumbering that table takes), while the
 deadline bounds how long a build may run.
 
-Preparing a JSON schema for llguidance is pure Python (~0.3 ms a schema, tens for the largest),
-the one part of an llguidance compile that holds the GIL: 96 compiles at once queued for it on an
-H100's host (all done after 56-124 ms where their work, spread over the compile threads, takes a
-fraction of that), and the engine's core thread queued with them. With other compiles running, a
-compile worker sends the schema to a helper instead (`prepare_schema`).
-
 This module is also the helper's program (`python -I dfa_process.py`), so at the top level it imports
-only the standard library: a helper starts in ~40 ms and never loads numpy or torch (the schema
-modules it imports are standard-library Python too). `build_dfa` is the build itself, which the
-helper runs and which runs in-process too, as the plain twin.
+only the standard library: a helper starts in ~40 ms and never loads numpy or torch. `build_dfa` is
+the build itself, which the helper runs and which runs in-process too, as the plain twin.
 """
 
 from __future__ import annotations
@@ -146,12 +137,12 @@ def build_dfa(regex: str, max_states: int) -> RawDfa:
     )
 
 
-class HelperProcesses:
-    """The helper processes of one compiler: one per job running at a time, kept while idle.
+class DfaBuilders:
+    """The helper processes of one compiler: one per build running at a time, kept while idle.
 
-    `build` and `prepare_schema` are called from the compiler's worker threads. `close` ends
-    every helper, and a job waiting on one fails with BuildStopped; helpers left over when this
-    is garbage collected, or at exit, are ended too. A forked child must make its own: the
+    `build` is called from the compiler's worker threads. `close` ends every helper, and a build
+    waiting on one fails with BuildStopped; helpers left over when the builders are garbage
+    collected, or at exit, are ended too. A forked child must make its own DfaBuilders: the
     helpers belong to the process that started them.
     """
 
@@ -165,50 +156,9 @@ class HelperProcesses:
     def build(self, regex: str, max_states: int, deadline: Deadline) -> RawDfa:
         """The DFA of `regex` (see build_dfa), or BuildStopped once `deadline` passes; DfaRefused
         or TooManyStates as build_dfa raises them."""
-        status, value = self._run("dfa", (regex, max_states), deadline)
-        if status == "too_many_states":
-            raise TooManyStates(value)
-        if status == "refused":
-            raise DfaRefused(value)
-        return RawDfa(*value)
-
-    def prepare_schema(self, args: tuple, deadline: Deadline) -> tuple[str, dict[str, str]]:
-        """schema_prep.prepare_schema(*args) in a helper: GrammarError as it raises it,
-        BuildStopped once `deadline` passes or where the helper failed otherwise (the caller
-        then runs it itself, and meets what the helper met)."""
-        from radixlm.constrained.errors import GrammarError
-
-        status, value = self._run("schema", args, deadline)
-        if status == "refused":
-            raise GrammarError(value)
-        if status != "ok":
-            raise BuildStopped(f"the helper failed: {value}")
-        return value
-
-    def prestart(self, count: int) -> None:
-        """Start `count` helpers with the schema modules loaded, so that the first burst of
-        compiles does not wait for them (~0.1 s each)."""
-        deadline = Deadline(time.monotonic() + 30)
-        started = []
-        try:
-            for _ in range(count):
-                helper = self._take()
-                started.append(helper)
-                _send(helper.stdin, ("warm", None))  # type: ignore[arg-type]
-            for helper in started:
-                if _receive(helper.stdout.fileno(), deadline) is None:  # type: ignore[union-attr]
-                    raise BuildStopped("the deadline passed")
-        except (OSError, EOFError, BuildStopped):
-            for helper in started:
-                self._end(helper)
-            return
-        for helper in started:
-            self._give_back(helper)
-
-    def _run(self, kind: str, args: Any, deadline: Deadline) -> tuple[str, Any]:
         helper = self._take()
         try:
-            _send(helper.stdin, (kind, args))  # type: ignore[arg-type]
+            _send(helper.stdin, (regex, max_states))  # type: ignore[arg-type]
             reply = _receive(helper.stdout.fileno(), deadline)  # type: ignore[union-attr]
         except (OSError, EOFError):
             self._end(helper)
@@ -223,11 +173,11 @@ class HelperProcesses:
             self._end(helper)
         else:
             self._give_back(helper)
-        return status, value
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+        if status == "too_many_states":
+            raise TooManyStates(value)
+        if status == "refused":
+            raise DfaRefused(value)
+        return RawDfa(*value)
 
     def close(self) -> None:
         with self._lock:
@@ -337,10 +287,8 @@ def _send(pipe: IO[bytes], message: Any) -> None:
 
 
 def _serve(parent_path: str) -> None:
-    """The helper's loop: (kind, args) in, (status, value, retire) out, until the parent closes
-    the pipe, kills the helper or dies. "dfa" (regex, max_states): "ok" | "too_many_states" |
-    "refused"; "schema" (prepare_schema's arguments): "ok" | "refused" | "error"; "warm": the
-    schema modules loaded."""
+    """The helper's loop: (regex, max_states) in, ("ok" | "too_many_states" | "refused", value,
+    retire) out, until the parent closes the pipe, kills the helper or dies."""
     import resource
 
     sys.path.extend(p for p in parent_path.split(os.pathsep) if p not in sys.path)
@@ -355,54 +303,17 @@ def _serve(parent_path: str) -> None:
         head = source.read(_LENGTH.size)
         if len(head) < _LENGTH.size:
             return
-        kind, args = pickle.loads(source.read(_LENGTH.unpack(head)[0]))
-        reply: tuple[str, Any]
-        if kind == "dfa":
-            try:
-                reply = ("ok", tuple(build_dfa(*args)))
-            except TooManyStates as e:
-                reply = ("too_many_states", e.n_states)
-            except Exception as e:  # outlines-core's refusal, whatever its type
-                reply = ("refused", (str(e).splitlines() or [type(e).__name__])[0][:500])
-        else:
-            reply = _schema_job(args)
+        regex, max_states = pickle.loads(source.read(_LENGTH.unpack(head)[0]))
+        try:
+            reply: tuple[str, Any] = ("ok", tuple(build_dfa(regex, max_states)))
+        except TooManyStates as e:
+            reply = ("too_many_states", e.n_states)
+        except Exception as e:  # outlines-core's refusal, whatever its type
+            reply = ("refused", (str(e).splitlines() or [type(e).__name__])[0][:500])
         retire = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > _RETIRE_PEAK_KIB
         _send(out, (*reply, retire))
         if retire:
             return
-
-
-def _schema_job(args: Any) -> tuple[str, Any]:
-    """A "schema" or "warm" message's reply, in the helper."""
-    prepare_schema = _schema_modules()
-    if args is None:  # (warm)
-        return "ok", None
-    from radixlm.constrained.errors import GrammarError
-
-    try:
-        return "ok", prepare_schema(*args)
-    except GrammarError as e:
-        return "refused", str(e)
-    except Exception as e:  # (a bug, or a schema nested past the recursion limit: the parent
-        # runs it again itself and meets it there)
-        return "error", f"{type(e).__name__}: {e}"[:500]
-
-
-@cache
-def _schema_modules() -> Any:
-    """schema_prep.prepare_schema, imported in the helper without the packages' __init__ (which
-    load torch): `radixlm` and `radixlm.constrained` as bare packages of this file's folders."""
-    import types
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    for name, folder in (("radixlm", os.path.dirname(here)), ("radixlm.constrained", here)):
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = [folder]
-            sys.modules[name] = package
-    from radixlm.constrained.schema_prep import prepare_schema
-
-    return prepare_schema
 
 
 def _exit_with_parent() -> None:
@@ -420,7 +331,7 @@ def _exit_with_parent() -> None:
 __all__ = [
     "BuildStopped",
     "Deadline",
-    "HelperProcesses",
+    "DfaBuilders",
     "DfaRefused",
     "RawDfa",
     "TooManyStates",

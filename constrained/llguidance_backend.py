@@ -29,17 +29,25 @@ import numpy as np
 import torch
 
 from radixlm.constrained.bitmask import bitmask_words, ids_from_bitmask
-from radixlm.constrained.errors import GrammarError, cannot_enforce
-from radixlm.constrained.json_schema import FLEXIBLE_WHITESPACE, OutputCheck
-from radixlm.constrained.schema_prep import prepare_schema
+from radixlm.constrained.errors import GrammarError
+from radixlm.constrained.json_schema import FLEXIBLE_WHITESPACE, OutputCheck, one_of_exclusivity
 from radixlm.constrained.schema_rewrite import (
     NumberLimits,
+    bound_numbers,
+    close_objects,
     iter_subschemas,
     map_subschemas,
+    one_of_as_any_of,
+    reachable_subschemas,
+    share_numbers,
 )
 from radixlm.constrained.vocab import TokenVocabulary
 
 _MAX_JUMP_BYTES = 4096
+# The widest bounds llguidance reads (as doubles): an integer bound at 2**63 or past it, or a
+# number bound past 10**18, is refused or narrowed by llguidance itself
+_INTEGER_LIMIT = 9 * 10**18
+_NUMBER_LIMIT = 10**18
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 # what llguidance says of a oneOf whose branches it cannot tell apart (refused; lenient: anyOf)
 _ONE_OF = re.compile(r"oneOf constraints are not supported|oneOf not fully supported")
@@ -137,22 +145,12 @@ class LLGuidanceBackend:
         )
         return cls(lltok, words.size, words.eos_token_ids, **options)
 
-    def build(
-        self,
-        kind: str,
-        spec: str,
-        lenient: bool,
-        prepare: Callable[[str, bool], tuple[str, dict[str, str]]] | None = None,
-    ) -> LLGuidanceGrammar:
-        """Compile `spec`; GrammarError saying what to change if llguidance refuses it.
-        `prepare`: what makes a JSON schema ready (`prepare_schema`, else where it runs: a
-        helper process)."""
+    def build(self, kind: str, spec: str, lenient: bool) -> LLGuidanceGrammar:
+        """Compile `spec`; GrammarError saying what to change if llguidance refuses it."""
         overlapping: dict[str, str] = {}  # the oneOfs whose branches may overlap, and why
         if kind == "json_schema":
-            prepared, overlapping = (prepare or self.prepare_schema)(spec, lenient)
-            text = self._ll.LLMatcher.grammar_from_json_schema(
-                prepared, defaults=self._json_options(lenient)
-            )
+            schema, overlapping = self._prepared_schema(spec, lenient)
+            text = self._schema_grammar(schema, lenient)
         elif kind == "structural_tag":
             text = self._structural_tag_grammar(spec, lenient)
         else:
@@ -166,7 +164,7 @@ class LLGuidanceBackend:
             if found is None or found.group(1) in unknown:
                 break
             unknown.add(found.group(1))
-            text = self._schema_grammar(json.loads(prepared), lenient, drop_formats=unknown)
+            text = self._schema_grammar(schema, lenient, drop_formats=unknown)
             matcher = self._matcher(text)
         if not matcher.is_error():
             # The first mask builds the lexer states every request starts from (shared with the
@@ -280,17 +278,37 @@ class LLGuidanceBackend:
         raise GrammarError(f"unknown grammar kind {kind!r}")
 
     def _prepared_schema(self, spec: str, lenient: bool) -> tuple[Any, dict[str, str]]:
-        """schema_prep.prepare_schema, in this process, the schema as a dict."""
-        text, overlapping = self.prepare_schema(spec, lenient)
-        return json.loads(text), overlapping
-
-    def prepare_schema(self, spec: str, lenient: bool) -> tuple[str, dict[str, str]]:
-        """schema_prep.prepare_schema with this backend's options, in this process."""
-        return prepare_schema(spec, lenient, self.allow_unlisted_properties, self.numbers)
-
-    def prepare_args(self, spec: str, lenient: bool) -> tuple:
-        """prepare_schema's arguments, for a helper process to run it with (dfa_process.py)."""
-        return (spec, lenient, self.allow_unlisted_properties, self.numbers)
+        """The schema llguidance compiles, and the oneOfs left as they are (pointer -> why their
+        branches may overlap). Those a value is checked against are refused here, unless
+        `lenient` (llguidance then generates them as anyOf, and says so): llguidance would
+        otherwise judge them itself, on the objects this closed, which can make branches
+        exclusive whose values still match two of the branches as written."""
+        try:
+            schema = json.loads(spec)
+        except ValueError as e:
+            raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError("a JSON schema must be an object or a boolean")
+        overlapping: dict[str, str] = {}
+        if isinstance(schema, dict):
+            narrowed = schema if self.allow_unlisted_properties else close_objects(schema)
+            exclusivity = one_of_exclusivity(schema, None if narrowed is schema else narrowed)
+            overlapping = {where: why for where, why in exclusivity.items() if why is not None}
+            if overlapping and not lenient:
+                reachable = reachable_subschemas(schema)
+                refused = [
+                    f"unsupported keyword 'oneOf' at {where}: {why}"
+                    for where, why in overlapping.items()
+                    if reachable is None or where in reachable
+                ]
+                if refused:
+                    raise GrammarError(_cannot_enforce(refused[:1]))
+            exclusive = [where for where, why in exclusivity.items() if why is None]
+            schema = one_of_as_any_of(narrowed, exclusive)
+            schema = bound_numbers(schema, self.numbers, fit=(_INTEGER_LIMIT, _NUMBER_LIMIT))
+            # (the bounds make llguidance's lexer costlier to build: once per distinct bound)
+            schema = share_numbers(schema)
+        return schema, overlapping
 
     def _json_options(self, lenient: bool) -> dict[str, Any]:
         options: dict[str, Any] = {"lenient": bool(lenient)}
@@ -882,10 +900,18 @@ def _refusal(kind: str, error: str, spec: str, overlapping: dict[str, str] | Non
     if kind == "json_schema":
         unsupported = _located(error, spec, overlapping=overlapping)
         if unsupported:
-            return cannot_enforce(unsupported)
+            return _cannot_enforce(unsupported)
     if "too many" in error or "limit" in error:
         error += "; simplify it (smaller repetition counts, fewer alternatives)"
     return f"the {what} cannot be enforced exactly: {error}"
+
+
+def _cannot_enforce(unsupported: list[str]) -> str:
+    return (
+        f"the JSON schema cannot be enforced exactly: {'; '.join(unsupported)}; remove or "
+        "rewrite it, or set json_schema_lenient to generate without it and have the output "
+        "validated"
+    )
 
 
 def _located_notes(

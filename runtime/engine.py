@@ -372,9 +372,6 @@ class Engine:
         if not self._closed:
             self._closed = True
             self._core.shutdown()
-            setup = self._grammar_setup
-            if setup.done() and setup.exception() is None:
-                setup.result().close()  # (its helper processes)
             if self._tp is not None:
                 self._tp.shutdown()
             if self._core.release_device_memory():
@@ -457,8 +454,6 @@ class Engine:
             self._grammar_setup.set_exception(e)
         else:
             self._grammar_setup.set_result(compiler)
-            if not self._closed:
-                compiler.prestart_helpers()  # (after: a request need not wait for them)
 
     def _new_grammar_compiler(self):
         from radixlm.constrained import GrammarCompiler, NumberLimits

@@ -504,10 +504,10 @@ def test_eight_threads_compiling_one_spec_build_it_once(compiler, monkeypatch):
     builds = []
     real_build = LLGuidanceBackend.build
 
-    def counted(self, kind, spec, lenient, prepare=None):
+    def counted(self, kind, spec, lenient):
         builds.append(spec)
         time.sleep(0.2)  # long enough for every thread to ask while it runs
-        return real_build(self, kind, spec, lenient, prepare)
+        return real_build(self, kind, spec, lenient)
 
     monkeypatch.setattr(LLGuidanceBackend, "build", counted)
     spec = {"type": "object", "properties": {"threads": {"const": 8}}, "required": ["threads"]}

@@ -20,8 +20,8 @@ from radixlm.constrained import (
 )
 from radixlm.constrained.dfa_process import (
     Deadline,
+    DfaBuilders,
     DfaRefused,
-    HelperProcesses,
     RawDfa,
     TooManyStates,
     build_dfa,
@@ -444,7 +444,7 @@ def test_close_stops_a_running_build():
 
 
 def test_the_helper_process_builds_the_dfa_the_in_process_build_does():
-    builders = HelperProcesses()
+    builders = DfaBuilders()
 
     def in_helper(regex: str) -> RawDfa:
         return builders.build(regex, 1000, Deadline(time.monotonic() + 30))
