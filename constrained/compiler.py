@@ -437,6 +437,7 @@ class _Timeouts:
 
     def __init__(self) -> None:
         self._due: list[tuple[float, int, Future, BaseException]] = []  # a heap
+        self._purge_at = 256  # its size when the done futures are next dropped
         self._count = itertools.count()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -444,9 +445,10 @@ class _Timeouts:
     def add(self, at: float, f: Future, error: BaseException) -> None:
         """Fail `f` with `error` at time.monotonic() `at`, if it is not done by then."""
         with self._wake:
-            if len(self._due) >= 256:  # (the done ones would hold their results until due)
+            if len(self._due) >= self._purge_at:  # (the done would hold results until due)
                 self._due = [entry for entry in self._due if not entry[2].done()]
                 heapq.heapify(self._due)
+                self._purge_at = max(256, 2 * len(self._due))  # (a scan per doubling)
             heapq.heappush(self._due, (at, next(self._count), f, error))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(

@@ -293,8 +293,18 @@ _KEYWORDS = frozenset(
 )  # fmt: skip
 
 
-def _is_annotation(key: str) -> bool:
-    return key not in _KEYWORDS and not key.startswith("x-")
+def _is_annotation(key: str, value: Any = None) -> bool:
+    """An annotation: a key no keyword reads. An unknown key holding an object or a list is not
+    counted one (a `$ref` may point into it, to a schema kept there)."""
+    if key in _ANNOTATIONS:
+        return True
+    return key not in _KEYWORDS and not key.startswith("x-") and not isinstance(value, (dict, list))
+
+
+_ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+     "writeOnly"}
+)  # fmt: skip
 
 
 # what the other types of a type list may carry beside a number's keywords: string keywords
@@ -317,9 +327,11 @@ def share_numbers(schema: Any) -> Any:
     if not isinstance(schema, dict) or not isinstance(schema.get("$defs", {}), dict):
         return schema
     nodes = schema_nodes(schema)[1:]  # (the root first)
+    counts = Counter(_number_part(node)[0] for node in nodes)
+    if not any(text is not None and n >= 2 for text, n in counts.items()):
+        return schema  # (nothing to share: the schema as it came, identifiers and all)
     if any("$id" in node or "id" in node for node in nodes):
-        below = [(where, node) for where, node in iter_subschemas(schema) if where != "#"]
-        if not _identifiers_name_nothing(below):
+        if not _identifiers_name_nothing(list(iter_subschemas(schema))):
             return schema
         schema = map_subschemas(
             schema,
@@ -327,8 +339,7 @@ def share_numbers(schema: Any) -> Any:
                 node if where == "" else {k: v for k, v in node.items() if k not in ("$id", "id")}
             ),
         )
-        nodes = schema_nodes(schema)[1:]
-    counts = Counter(_number_part(node)[0] for node in nodes)
+        counts = Counter(_number_part(node)[0] for node in schema_nodes(schema)[1:])
     defs = schema.get("$defs", {})
     names = (f"radixlm-number-{i}" for i in itertools.count())
     shared: dict[str, tuple[str, dict[str, Any]]] = {}  # keywords as text -> (name, keywords)
@@ -343,7 +354,7 @@ def share_numbers(schema: Any) -> Any:
         ref = {"$ref": f"#/$defs/{shared[text][0]}"}
         if rest is None:
             return ref
-        notes = {k: v for k, v in node.items() if _is_annotation(k)}
+        notes = {k: v for k, v in node.items() if _is_annotation(k, v)}
         return {"anyOf": [ref, rest], **notes}
 
     out = map_subschemas(schema, share)
@@ -358,7 +369,7 @@ def _number_part(
     """(the keywords of the bounded number `node` is or holds, as text; those keywords; the
     schema of its other types, None where it has none), or (None, {}, None) where `node` is more
     than a bounded number (and, in a type list, string keywords)."""
-    types, keys = node.get("type"), {k for k in node if not _is_annotation(k)}
+    types, keys = node.get("type"), {k for k, v in node.items() if not _is_annotation(k, v)}
     if not keys & _BOUND_KEYS or not keys <= _NUMBER_KEYS | _STRING_KEYS:
         return None, {}, None
     if isinstance(types, str) and types in _NUMERIC_TYPES:
@@ -383,10 +394,11 @@ def _number_part(
 
 
 def _identifiers_name_nothing(nodes: list[tuple[str, dict[str, Any]]]) -> bool:
-    """Whether the `$id`s and `id`s of `nodes` (the subschemas below a root, with their
-    pointers) change nothing: every `$ref` a local pointer ("#", "#/..."), none under a node with
+    """Whether the `$id`s and `id`s below the root of `nodes` (a schema's subschemas with their
+    pointers, the root's "#" among them) change nothing: every `$ref` a local pointer ("#",
+    "#/..."; the root's too: `"$ref": "#item"` may name an `$id` below), none under a node with
     an identifier, and no anchors or dynamic references."""
-    scoped = [where for where, node in nodes if "$id" in node or "id" in node]
+    scoped = [where for where, node in nodes if where != "#" and ("$id" in node or "id" in node)]
     for where, node in nodes:
         if node.keys() & {"$anchor", "$dynamicAnchor", "$dynamicRef", "$recursiveRef"}:
             return False

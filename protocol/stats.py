@@ -43,8 +43,9 @@ class EngineStats(Mapping):
     host_seconds_sample: float = 0.0
     host_seconds_wait: float = 0.0  # for the device
     host_seconds_apply: float = 0.0
-    # of host_seconds_sample: waiting for the grammar masks (filled in the background) and
-    # filling again the rows of grammars that changed meanwhile (a jump forward)
+    # of host_seconds_sample: waiting for the grammar masks filled in the background, and
+    # filling those that were not (grammars that changed meanwhile, a jump forward; a backend
+    # without threads of its own, the DFA backend's)
     host_seconds_sample_masks: float = 0.0
     # speculative decoding (None while it is off), with SGLang's names
     spec_verify_ct: int | None = None

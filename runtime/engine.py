@@ -19,7 +19,6 @@ import random
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -497,7 +496,9 @@ class Engine:
                 compiled.add_done_callback(lambda done: _relay(done, future))
 
         self._grammar_setup.add_done_callback(start)
-        future.add_done_callback(lambda _: self._grammar_times.observe(time.perf_counter() - t0))
+        future.add_done_callback(
+            lambda f: f.cancelled() or self._grammar_times.observe(time.perf_counter() - t0)
+        )  # (a wait its caller gave up is no compile time)
         return future
 
     def _tokenize(self, item: Any) -> list[int]:
@@ -761,12 +762,17 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -
     Posts to one loop go together: the first wakes the loop, those made before it runs join
     that wake-up. (A step of 96 streamed requests woke the loop 96 times, each a write to its
     self-pipe: a syscall a request a step on the core thread.)"""
-    try:
-        with _MAILBOXES_LOCK:
-            box = _MAILBOXES.get(loop)
+    box = getattr(loop, "_radixlm_mailbox", None)
+    if box is None:
+        with _MAILBOX_LOCK:
+            box = getattr(loop, "_radixlm_mailbox", None)
             if box is None:
-                box = _MAILBOXES[loop] = _Mailbox(loop)
-    except TypeError:  # (a loop without weak references: each post wakes it)
+                box = _Mailbox(loop)
+                try:  # (kept on the loop: the two go together)
+                    loop._radixlm_mailbox = box  # type: ignore[attr-defined]
+                except AttributeError:  # (a loop that takes no attributes: each post wakes it)
+                    box = None
+    if box is None:
         try:
             loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:
@@ -781,16 +787,17 @@ class _Mailbox:
     """What the engine core posted to one event loop, run there in order at one wake-up."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = weakref.ref(loop)
+        self._loop = loop
         self._items: list[tuple[Callable[..., Any], tuple]] = []
         self._lock = threading.Lock()
         self._woken = False  # a wake-up is on its way: posts join it
 
     def post(self, fn: Callable[..., Any], args: tuple) -> bool:
-        loop = self._loop()
-        if loop is None or loop.is_closed():
-            return False
+        loop = self._loop
         with self._lock:
+            if loop.is_closed():  # (what a wake-up the loop never ran left here goes too)
+                self._items.clear()
+                return False
             self._items.append((fn, args))
             if self._woken:
                 return True
@@ -800,6 +807,8 @@ class _Mailbox:
         except RuntimeError:
             if not loop.is_closed():
                 raise
+            with self._lock:
+                self._items.clear()
             return False
         return True
 
@@ -810,17 +819,15 @@ class _Mailbox:
         for fn, args in items:
             try:
                 fn(*args)
-            except Exception as e:  # as the loop itself reports a failed callback
-                loop = self._loop()
-                if loop is not None:
-                    loop.call_exception_handler(
-                        {"message": "an engine result could not be delivered", "exception": e}
-                    )
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as e:  # as the loop itself reports a failed callback
+                self._loop.call_exception_handler(
+                    {"message": "an engine result could not be delivered", "exception": e}
+                )
 
 
-# one mailbox per event loop the engine delivers to (a loop that goes takes its mailbox along)
-_MAILBOXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_MAILBOXES_LOCK = threading.Lock()
+_MAILBOX_LOCK = threading.Lock()
 
 
 def _relay(done: Future, to: Future) -> None:

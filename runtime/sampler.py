@@ -74,7 +74,8 @@ class Sampler:
         self._mask_buffers: list[torch.Tensor | None] = [None, None]
         self._mask_copied: list[torch.cuda.Event | None] = [None, None]  # its copy is done then
         self._mask_flip = 0
-        self.mask_seconds = 0.0  # waiting for masks begun in the background (begin_masks)
+        # waiting for the masks begun in the background (begin_masks), and filling the rest
+        self.mask_seconds = 0.0
 
     def mask_buffer(self, rows: int, vocab: int, pinned: bool) -> torch.Tensor:
         """A (rows, ceil(vocab / 32)) int32 host tensor to fill masks into (contents stale)."""

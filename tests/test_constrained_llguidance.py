@@ -477,6 +477,27 @@ def test_identifiers_that_scope_a_ref_keep_numbers_unshared():
     with_id = {**remote, "items": [{"id": "i0", "type": "integer"}, *remote["items"][1:]]}
     bounded = bound_numbers(with_id, NumberLimits())
     assert share_numbers(bounded) == bounded  # (a reference to another document: ids may matter)
+    # the root's own $ref may name an identifier below it (draft 7's "#name")
+    named = {
+        "$ref": "#item",
+        "definitions": {"item": {"$id": "#item", "type": "object",
+                                 "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}},
+    }  # fmt: skip
+    bounded = bound_numbers(named, NumberLimits())
+    assert share_numbers(bounded) == bounded
+    # nothing to share: the schema as it came, its identifiers too
+    lone = bound_numbers({"properties": {"a": {"$id": "x", "type": "integer"}}}, NumberLimits())
+    assert share_numbers(lone) is lone
+    # an unknown key holding a schema (a $ref may point into it) is no annotation to drop
+    kept = {
+        "properties": {
+            "a": {"type": "integer", "minimum": 0, "myDefs": {"s": {"type": "string"}}},
+            "b": {"type": "integer", "minimum": 0},
+            "c": {"$ref": "#/properties/a/myDefs/s"},
+        }
+    }
+    shared = share_numbers(kept)
+    assert shared["properties"]["a"] == kept["properties"]["a"]
 
 
 def test_numbers_keep_their_fraction_digits_bounded(compiler):

@@ -514,5 +514,8 @@ def test_results_posted_to_an_event_loop_arrive_in_order_at_few_wake_ups():
     assert _post(loop, got.append, 200)
     loop.run_until_complete(asyncio.sleep(0.01))
     assert got[-1] == 200 and len(wakes) == 2
+    assert _post(loop, got.append, 201)  # (a wake-up the loop never runs: it closes first)
     loop.close()
-    assert _post(loop, got.append, 201) is False
+    assert _post(loop, got.append, 202) is False
+    assert loop._radixlm_mailbox._items == []  # (what waited is let go, not kept with the loop)
+    assert got[-1] == 200

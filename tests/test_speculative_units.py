@@ -274,11 +274,13 @@ def test_the_gate_measures_each_way_twice_then_drafts_where_tokens_come_faster()
     assert gate.drafting(1) is False
     gate.observe(1, False, 10, 0.01)  # 1,000: counts over the slow 100
     assert gate.rates() == {(1, True): 3000.0, (1, False): 1000.0}
-    # deciding: drafting, trying plain every explore x (3,000 / 1,000) = 12th step of the bucket
-    assert [gate.drafting(1) for _ in range(8)] == [True] * 7 + [False]  # steps 5-12
+    # deciding: drafting, trying plain explore x (3,000 / 1,000) = 12 steps after measuring
+    assert [gate.drafting(1) for _ in range(12)] == [True] * 11 + [False]  # steps 5-16
     gate.observe(1, False, 9, 0.01)  # 900: plain lost again, so it is tried half as often
     assert gate.rates()[(1, False)] == 975.0  # (moving by the weight, 0.25, from now on)
-    assert [gate.drafting(1) for _ in range(12)] == [True] * 11 + [False]  # step 24
+    assert [gate.drafting(1) for _ in range(24)] == [True] * 23 + [False]  # step 40
+    gate.observe(1, False, 9, 0.01)
+    assert [gate.drafting(1) for _ in range(48)] == [True] * 47 + [False]  # step 88
     # a bucket of its own for 2-3 requests
     for verified, tokens in ((True, 2), (False, 3), (True, 2), (False, 3)):
         assert gate.drafting(2) is verified
@@ -289,6 +291,8 @@ def test_the_gate_measures_each_way_twice_then_drafts_where_tokens_come_faster()
         gate.observe(1, True, 4, 0.01)
     assert gate.rates()[(1, True)] < gate.rates()[(1, False)]
     assert gate.drafting(1) is False
+    with pytest.raises(ValueError, match="explore"):
+        SpeculationGate(explore=0)
     # nothing measured from a step that gave nothing
     before = gate.rates()
     gate.observe(1, True, 0, 0.01)

@@ -11,8 +11,9 @@ the steps that did not, and lets the scheduler draft where the former is the hig
 A bucket's first steps draft and go plain in turn until each way is measured twice, and each
 way's estimate starts from the faster of its two: a step that paid for compiling new kernel
 shapes, or for a first graph replay, is slow once, and a way judged by it alone could lose for
-long (on the H100 a batch of 128 drafted in 21 of 128 steps in this gate's simulation of that
-case before, and ran at 0.12x of plain decoding). From then on each step goes the way the
+long (with the rates an H100 measured at batch 128 and a slow first plain step, the gate before
+drafted 21 of 128 steps in tests/test_speculative_units.py's simulation; this one drafts the
+two measuring steps). From then on each step goes the way the
 estimates point, each new measurement moving its way's estimate by `weight`, and now and then
 a step goes the other way, so that a change (longer contexts, drafts that stopped matching) is
 seen. How often is `explore` steps times how many times faster the winner is (a step of the
@@ -34,6 +35,10 @@ class SpeculationGate:
         each new measurement in an estimate; `first`: measurements of each way before the
         estimates decide (the faster counts); `max_backoff`: the most the exploring interval
         grows (a factor of `explore`)."""
+        if explore < 1 or first < 1 or max_backoff < 1 or not 0 < weight <= 1:
+            raise ValueError(
+                "SpeculationGate: explore, first and max_backoff must be >= 1, weight in (0, 1]"
+            )
         self.explore = explore
         self.weight = weight
         self.first = first
@@ -42,6 +47,7 @@ class SpeculationGate:
         self._count: dict[tuple[int, bool], int] = {}  # (bucket, verified) -> measurements
         self._steps: dict[int, int] = {}  # bucket -> drafting decisions made
         self._backoff: dict[int, int] = {}  # bucket -> the exploring interval's factor
+        self._explored: dict[int, int] = {}  # bucket -> the step that last tried the loser
         self.plain_steps = 0  # steps the gate kept from drafting
 
     @staticmethod
@@ -55,14 +61,17 @@ class SpeculationGate:
         n = self._steps[b] = self._steps.get(b, 0) + 1
         spec_n, plain_n = self._count.get((b, True), 0), self._count.get((b, False), 0)
         if min(spec_n, plain_n) < self.first:  # (measuring: the way measured less, drafting first)
-            draft = spec_n <= plain_n if spec_n != plain_n else n % 2 == 1
+            draft = spec_n < plain_n if spec_n != plain_n else n % 2 == 1
         else:
             spec, plain = self._rate[(b, True)], self._rate[(b, False)]
             best = spec >= plain
             # a step of the losing way costs about (winner / loser) steps of the winning way
             ratio = max(spec, plain) / max(min(spec, plain), 1e-9)
             factor = min(self.max_backoff, self._backoff.get(b, 1) * max(1, int(ratio)))
-            draft = best if n % (self.explore * factor) else not best
+            last = self._explored.setdefault(b, n - 1)  # (measuring ended at the step before)
+            draft = best
+            if n - last >= self.explore * factor:
+                draft, self._explored[b] = not best, n
         self.plain_steps += not draft
         return draft
 
