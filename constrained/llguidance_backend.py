@@ -194,11 +194,18 @@ class LLGuidanceBackend:
                     k: v for k, v in node.items() if k != "format" or v not in drop_formats
                 },
             )
-        # as text: a dict with an integer past 64 bits (a bound of 10**20) is refused
-        text = json.dumps(schema, ensure_ascii=False)
-        return self._ll.LLMatcher.grammar_from_json_schema(
-            text, defaults=self._json_options(lenient)
-        )
+        options = self._json_options(lenient)
+        if not isinstance(schema, dict):  # (llguidance says what is wrong with it)
+            return self._ll.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema, ensure_ascii=False), defaults=options
+            )
+        # What grammar_from_json_schema(text, defaults=options) makes, written here: it reads
+        # the text and writes the grammar out again, in Rust but holding the GIL, which the
+        # matcher then reads once more. The schema's own x-guidance overrides the defaults, as
+        # there; as text: a dict with an integer past 64 bits (a bound of 10**20) is refused.
+        own = schema.get("x-guidance")
+        schema = {**schema, "x-guidance": {**options, **own} if isinstance(own, dict) else options}
+        return '{"grammars": [{"json_schema": ' + json.dumps(schema, ensure_ascii=False) + "}]}"
 
     def _structural_tag_grammar(self, spec: str, lenient: bool) -> str:
         """Free text in which each trigger opens a section: the rest of its `begin`, JSON held to
