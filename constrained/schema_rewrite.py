@@ -31,16 +31,16 @@ from typing import Any
 from urllib.parse import unquote
 
 # keywords whose value is one schema, a list of schemas, or a name -> schema map
-_ONE = (
-    "additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
-    "unevaluatedItems", "unevaluatedProperties", "additionalItems",
+_ONE = frozenset(
+    {"additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+     "unevaluatedItems", "unevaluatedProperties", "additionalItems"}
 )  # fmt: skip
-_LIST = ("anyOf", "allOf", "oneOf", "prefixItems", "items")
+_LIST = frozenset({"anyOf", "allOf", "oneOf", "prefixItems", "items"})
 _OPEN_KEYS = (
     "additionalProperties", "unevaluatedProperties", "patternProperties", "allOf", "anyOf",
     "oneOf", "$ref", "if", "dependentSchemas", "dependencies",
 )  # fmt: skip
-_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_MAP = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,6 @@ class NumberLimits:
             )
 
 
-_ONE_KEYS, _LIST_KEYS, _MAP_KEYS = frozenset(_ONE), frozenset(_LIST), frozenset(_MAP)
-
-
 def map_subschemas(
     schema: Any, fn: Callable[[dict[str, Any], str], dict[str, Any]], where: str = ""
 ) -> Any:
@@ -74,31 +71,39 @@ def map_subschemas(
     out = dict(schema)
     for key, value in schema.items():  # (a node's own keys: fewer than the keywords)
         if isinstance(value, dict):
-            if key in _ONE_KEYS:
+            if key in _ONE:
                 out[key] = map_subschemas(value, fn, key)
-            elif key in _MAP_KEYS:
+            elif key in _MAP:
                 out[key] = {name: map_subschemas(s, fn, key) for name, s in value.items()}
-        elif isinstance(value, list) and key in _LIST_KEYS:
+        elif isinstance(value, list) and key in _LIST:
             out[key] = [map_subschemas(s, fn, key) for s in value]
     return fn(out, where)
 
 
+def _child_schemas(node: dict[str, Any]) -> Iterator[tuple[str, Any, Any]]:
+    """(keyword, index or name or None, subschema) of each subschema directly in `node`, in the
+    order written: what iter_subschemas and schema_nodes enter."""
+    for key, value in node.items():
+        if isinstance(value, dict):
+            if key in _ONE:
+                yield key, None, value
+            elif key in _MAP or key == "dependencies":
+                for name, sub in value.items():
+                    yield key, name, sub
+        elif isinstance(value, list) and key in _LIST:
+            for i, sub in enumerate(value):
+                yield key, i, sub
+
+
 def schema_nodes(schema: Any) -> list[dict[str, Any]]:
-    """Every (sub)schema object of `schema` that iter_subschemas yields, without pointers."""
+    """Every (sub)schema object of `schema` that iter_subschemas yields, the root first, without
+    making their pointers."""
     out, todo = [], [schema]
     while todo:
         node = todo.pop()
-        if not isinstance(node, dict):
-            continue
-        out.append(node)
-        for key, value in node.items():
-            if isinstance(value, dict):
-                if key in _ONE_KEYS:
-                    todo.append(value)
-                elif key in _MAP_KEYS or key == "dependencies":
-                    todo.extend(value.values())
-            elif isinstance(value, list) and key in _LIST_KEYS:
-                todo.extend(value)
+        if isinstance(node, dict):
+            out.append(node)
+            todo.extend(sub for _, _, sub in _child_schemas(node))
     return out
 
 
@@ -109,16 +114,11 @@ def iter_subschemas(schema: Any, pointer: str = "#") -> Iterator[tuple[str, dict
     if not isinstance(schema, dict):
         return
     yield pointer, schema
-    for key, value in schema.items():
+    for key, at, sub in _child_schemas(schema):
         where = f"{pointer}/{_pointer_token(key)}"
-        if key in _ONE and isinstance(value, dict):
-            yield from iter_subschemas(value, where)
-        elif key in _LIST and isinstance(value, list):
-            for i, sub in enumerate(value):
-                yield from iter_subschemas(sub, f"{where}/{i}")
-        elif key in (*_MAP, "dependencies") and isinstance(value, dict):
-            for name, sub in value.items():
-                yield from iter_subschemas(sub, f"{where}/{_pointer_token(name)}")
+        if at is not None:
+            where += f"/{at}" if isinstance(at, int) else f"/{_pointer_token(at)}"
+        yield from iter_subschemas(sub, where)
 
 
 def reachable_subschemas(schema: Any) -> set[str] | None:

@@ -772,15 +772,18 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -
                     loop._radixlm_mailbox = box  # type: ignore[attr-defined]
                 except AttributeError:  # (a loop that takes no attributes: each post wakes it)
                     box = None
-    if box is None:
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:
-            if not loop.is_closed():
-                raise
-            return False
-        return True
-    return box.post(fn, args)
+    return _wake(loop, fn, *args) if box is None else box.post(fn, args)
+
+
+def _wake(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:
+    """loop.call_soon_threadsafe(fn, *args); False if the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+        return False
+    return True
 
 
 class _Mailbox:
@@ -802,15 +805,11 @@ class _Mailbox:
             if self._woken:
                 return True
             self._woken = True
-        try:
-            loop.call_soon_threadsafe(self._run)
-        except RuntimeError:
-            if not loop.is_closed():
-                raise
-            with self._lock:
-                self._items.clear()
-            return False
-        return True
+        if _wake(loop, self._run):
+            return True
+        with self._lock:
+            self._items.clear()
+        return False
 
     def _run(self) -> None:
         with self._lock:

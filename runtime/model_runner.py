@@ -496,11 +496,8 @@ class ModelRunner:
                 offset += 1
                 continue
             # (a draft's tokens come after the request's own)
-            start, end, prompt = it.start, it.start + it.num_tokens - len(it.draft), req.input_ids
-            if start >= len(prompt):  # (slicing here, not all_ids: that copies the whole list)
-                input_ids.extend(req.output_ids[start - len(prompt) : end - len(prompt)])
-            else:
-                input_ids.extend(req.all_ids[start:end] if end > len(prompt) else prompt[start:end])
+            start, end = it.start, it.start + it.num_tokens - len(it.draft)
+            input_ids.extend(req.ids_slice(start, end))
             if self._pending_input(it):  # the newest token is on the device: fixed up there
                 out.pending.append((len(input_ids), req.pool_row))
                 input_ids.append(0)

@@ -100,6 +100,17 @@ class Req:
         """Prompt then output: every token whose K/V the next step needs (but the newest)."""
         return self.input_ids + self.output_ids
 
+    def ids_slice(self, start: int, end: int | None = None) -> list[int]:
+        """all_ids[start:end], without copying the context outside it as all_ids does."""
+        prompt, out = self.input_ids, self.output_ids
+        n = len(prompt)
+        stop = n + len(out) if end is None else end
+        if start >= n:
+            return out[start - n : stop - n]
+        if stop <= n:
+            return prompt[start:stop]
+        return prompt[start:] + out[: stop - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids) + len(self.output_ids)

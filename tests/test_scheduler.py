@@ -213,3 +213,14 @@ def test_a_request_that_preemption_cannot_make_room_for_preempts_nothing():
     sched.add(prioritized("urgent", 15))
     step(sched)
     assert sched.running == [running] and sched.num_preemptions == 0
+
+
+def test_a_requests_id_slices_are_its_all_ids_slices():
+    req = Req("s", [5, 6, 7], SamplingParams(max_new_tokens=8), 0, None)
+    for out in ([], [8], [8, 9, 10]):
+        req.output_ids = list(out)
+        total = len(req.all_ids)
+        for start in range(total + 2):
+            assert req.ids_slice(start) == req.all_ids[start:]
+            for end in range(start, total + 3):  # (past the end too: a token still pending)
+                assert req.ids_slice(start, end) == req.all_ids[start:end], (out, start, end)

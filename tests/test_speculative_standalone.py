@@ -159,12 +159,12 @@ def test_the_decode_step_path_drafts_what_the_eager_path_drafts(tiny_model_folde
     against the eager forwards, over rounds in which the target takes some of the draft (or all
     of it, and a token more), for a new prompt, a long catch-up and requests of several lengths;
     the caches hold the same tokens and end empty."""
-    from types import SimpleNamespace
-
     import torch
 
+    from radixlm.protocol.sampling_params import SamplingParams
     from radixlm.runtime.config import EngineConfig
     from radixlm.runtime.model_loader import load_tokenizer
+    from radixlm.runtime.request import Req
     from radixlm.runtime.speculative.standalone import DraftModel
 
     config = EngineConfig(
@@ -180,7 +180,7 @@ def test_the_decode_step_path_drafts_what_the_eager_path_drafts(tiny_model_folde
 
     def reqs():
         return [
-            SimpleNamespace(input_ids=list(range(100, 100 + n)), output_ids=[], is_finished=False)
+            Req(f"r{n}", list(range(100, 100 + n)), SamplingParams(max_new_tokens=64), 0, None)
             for n in (3, 9, 1)
         ]
 

@@ -49,14 +49,6 @@ class _Seen:
     known: int = 0
 
 
-def _tokens_from(req: Req, start: int) -> list[int]:
-    """`req`'s tokens from position `start` on (without copying the context before it)."""
-    prompt = req.input_ids
-    if start >= len(prompt):
-        return req.output_ids[start - len(prompt) :]
-    return prompt[start:] + req.output_ids
-
-
 class DraftModel:
     """A draft model with its KV cache, drafting greedy chains for a batch of requests. `load`
     builds the model (before the target's KV pool is sized: `kv_share` splits the room between
@@ -153,7 +145,7 @@ class DraftModel:
         the cache has no room for this step)."""
         self._forget_finished()
         seen = [self._catch_up_to(r) for r in reqs]
-        new = [_tokens_from(r, s.known) if s is not None else [] for r, s in zip(reqs, seen)]
+        new = [r.ids_slice(s.known) if s is not None else [] for r, s in zip(reqs, seen)]
         fits = self._make_room([len(n) + num - 1 for n, s in zip(new, seen) if s is not None], reqs)
         chosen = [i for i, s in enumerate(seen) if s is not None and fits]
         chains: list[list[int]] = [[] for _ in reqs]
