@@ -39,7 +39,7 @@ from radixlm.constrained.schema_rewrite import (
     map_subschemas,
     one_of_as_any_of,
     reachable_subschemas,
-    share_numbers,
+    share_leaves,
 )
 from radixlm.constrained.vocab import TokenVocabulary
 
@@ -313,8 +313,8 @@ class LLGuidanceBackend:
             exclusive = [where for where, why in exclusivity.items() if why is None]
             schema = one_of_as_any_of(narrowed, exclusive)
             schema = bound_numbers(schema, self.numbers, fit=(_INTEGER_LIMIT, _NUMBER_LIMIT))
-            # (the bounds make llguidance's lexer costlier to build: once per distinct bound)
-            schema = share_numbers(schema)
+            # (bounded numbers and strings with formats make costly lexemes: built once each)
+            schema = share_leaves(schema)
         return schema, overlapping
 
     def _json_options(self, lenient: bool) -> dict[str, Any]:

@@ -15,7 +15,8 @@ that the output is usable, never narrower than the schema's own bounds.
   objects narrows a oneOf's branches, which can make them exclusive without making the values
   valid (a value of one closed branch may still match another branch as written): the proof
   reads the values of the closed branches against the branches as written.
-- For llguidance, alike bounded numbers point to one copy (`share_numbers`), built once.
+- For llguidance, alike bounded numbers and alike strings with string keywords point to one
+  copy (`share_leaves`), built once.
 
 The finished output is still validated against the schema as the user wrote it.
 """
@@ -313,21 +314,23 @@ _STRING_KEYS = frozenset({"format", "minLength", "maxLength", "pattern"})
 _NUMERIC_TYPES = ("integer", "number")
 
 
-def share_numbers(schema: Any) -> Any:
-    """`schema` with the integer or number subschemas that are a type and bounds only (what
-    `bound_numbers` makes of most of them), where two or more are alike, replaced by a `$ref` to
-    one copy in the root's `$defs`: the same schema (annotations aside), which llguidance
-    compiles faster, building each distinct bounded number once instead of once per place.
+def share_leaves(schema: Any) -> Any:
+    """`schema` with the leaf subschemas llguidance builds a costly lexeme for, where two or more
+    are alike, replaced by a `$ref` to one copy in the root's `$defs`: the same schema
+    (annotations aside), which llguidance compiles faster, building each distinct leaf once
+    instead of once per place. The leaves: integers and numbers that are a type and bounds only
+    (what `bound_numbers` makes of most of them; ~0.5 ms each), and strings that are a type and
+    string keywords only (`format`, `pattern`, `minLength`, `maxLength`; a `uri` ~1 ms).
 
-    A type list with one numeric type (`["integer", "null"]`, bounds, string keywords) shares
-    its number as one branch of an `anyOf`, the other types the other branch. Identifiers
-    below the root (`$id`, draft 4's `id`) change how a `$ref` inside them reads: where no
-    `$ref` sits under one and every `$ref` is a local pointer, they name nothing and are left
-    out; otherwise the schema is left as it is."""
+    A type list with one such type (`["integer", "null"]`, `["string", "null"]`) shares it as
+    one branch of an `anyOf`, the other types the other branch. Identifiers below the root
+    (`$id`, draft 4's `id`) change how a `$ref` inside them reads: where no `$ref` sits under
+    one and every `$ref` is a local pointer, they name nothing and are left out; otherwise the
+    schema is left as it is."""
     if not isinstance(schema, dict) or not isinstance(schema.get("$defs", {}), dict):
         return schema
     nodes = schema_nodes(schema)[1:]  # (the root first)
-    counts = Counter(_number_part(node)[0] for node in nodes)
+    counts = Counter(_leaf_part(node)[0] for node in nodes)
     if not any(text is not None and n >= 2 for text, n in counts.items()):
         return schema  # (nothing to share: the schema as it came, identifiers and all)
     if any("$id" in node or "id" in node for node in nodes):
@@ -339,15 +342,15 @@ def share_numbers(schema: Any) -> Any:
                 node if where == "" else {k: v for k, v in node.items() if k not in ("$id", "id")}
             ),
         )
-        counts = Counter(_number_part(node)[0] for node in schema_nodes(schema)[1:])
+        counts = Counter(_leaf_part(node)[0] for node in schema_nodes(schema)[1:])
     defs = schema.get("$defs", {})
-    names = (f"radixlm-number-{i}" for i in itertools.count())
+    names = (f"radixlm-shared-{i}" for i in itertools.count())
     shared: dict[str, tuple[str, dict[str, Any]]] = {}  # keywords as text -> (name, keywords)
 
     def share(node: dict[str, Any], where: str) -> dict[str, Any]:
-        text, body, rest = _number_part(node)
-        # (a oneOf's branch keeps its type list: llguidance tells the branches apart by type)
-        if where == "" or text is None or counts[text] < 2 or (rest and where == "oneOf"):
+        text, body, rest = _leaf_part(node)
+        # (a oneOf's branch keeps its own keywords: llguidance tells the branches apart by them)
+        if where in ("", "oneOf") or text is None or counts[text] < 2:
             return node
         if text not in shared:
             shared[text] = (next(n for n in names if n not in defs), body)
@@ -363,26 +366,33 @@ def share_numbers(schema: Any) -> Any:
     return {**out, "$defs": {**out.get("$defs", {}), **dict(shared.values())}}
 
 
-def _number_part(
+def _leaf_part(
     node: dict[str, Any],
 ) -> tuple[str | None, dict[str, Any], dict[str, Any] | None]:
-    """(the keywords of the bounded number `node` is or holds, as text; those keywords; the
-    schema of its other types, None where it has none), or (None, {}, None) where `node` is more
-    than a bounded number (and, in a type list, string keywords)."""
+    """(the keywords of the bounded number or the string with string keywords that `node` is
+    or holds, as text; those keywords; the schema of its other types, None where it has none),
+    or (None, {}, None) where `node` is more than such a leaf (a type list with a bounded
+    number may carry string keywords: they go with the other types)."""
     types, keys = node.get("type"), {k for k, v in node.items() if not _is_annotation(k, v)}
-    if not keys & _BOUND_KEYS or not keys <= _NUMBER_KEYS | _STRING_KEYS:
-        return None, {}, None
-    if isinstance(types, str) and types in _NUMERIC_TYPES:
-        others: list[str] = []
-    elif isinstance(types, list) and all(isinstance(t, str) for t in types):
-        numeric = [t for t in types if t in _NUMERIC_TYPES]
-        others = [t for t in types if t not in _NUMERIC_TYPES]
-        if len(numeric) != 1 or not others or len(set(types)) != len(types):
+    if keys & _BOUND_KEYS:
+        if not keys <= _NUMBER_KEYS | _STRING_KEYS:
             return None, {}, None
-        types = numeric[0]
+        leaf_types, own = _NUMERIC_TYPES, _BOUND_KEYS
+    elif keys & _STRING_KEYS and keys <= _STRING_KEYS | {"type"}:
+        leaf_types, own = ("string",), _STRING_KEYS
     else:
         return None, {}, None
-    body = {k: v for k, v in node.items() if k in _BOUND_KEYS}
+    if isinstance(types, str) and types in leaf_types:
+        others: list[str] = []
+    elif isinstance(types, list) and all(isinstance(t, str) for t in types):
+        leaf = [t for t in types if t in leaf_types]
+        others = [t for t in types if t not in leaf_types]
+        if len(leaf) != 1 or not others or len(set(types)) != len(types):
+            return None, {}, None
+        types = leaf[0]
+    else:
+        return None, {}, None
+    body = {k: v for k, v in node.items() if k in own}
     body["type"] = types
     text = json.dumps(body, sort_keys=True)
     if not others:
@@ -444,5 +454,5 @@ __all__ = [
     "one_of_as_any_of",
     "reachable_subschemas",
     "schema_nodes",
-    "share_numbers",
+    "share_leaves",
 ]

@@ -377,9 +377,9 @@ def expect_same_values(compiler, schema, bounded, shared, values, validator) -> 
 
 
 def test_alike_bounded_numbers_are_shared_and_each_keeps_its_bounds(compiler):
-    """share_numbers (one `$ref` for alike bounded numbers, which llguidance builds once) leaves
+    """share_leaves (one `$ref` for alike bounded numbers, which llguidance builds once) leaves
     the schema what it was: jsonschema reads the same, and each place keeps its bounds."""
-    from radixlm.constrained.schema_rewrite import NumberLimits, bound_numbers, share_numbers
+    from radixlm.constrained.schema_rewrite import NumberLimits, bound_numbers, share_leaves
 
     schema = {
         "type": "object",
@@ -394,17 +394,17 @@ def test_alike_bounded_numbers_are_shared_and_each_keeps_its_bounds(compiler):
         "required": ["a", "b", "c", "d"],
     }
     bounded = bound_numbers(schema, NumberLimits())
-    shared = share_numbers(bounded)
+    shared = share_leaves(bounded)
     assert (
         shared["properties"]["a"]
         == shared["properties"]["b"]
-        == {"$ref": "#/$defs/radixlm-number-0"}
+        == {"$ref": "#/$defs/radixlm-shared-0"}
     )
     assert shared["properties"]["c"] == bounded["properties"]["c"]
     assert (
         shared["properties"]["d"]
         == shared["properties"]["e"]
-        == {"$ref": "#/$defs/radixlm-number-1"}
+        == {"$ref": "#/$defs/radixlm-shared-1"}
     )
     big, fraction = 10**18, 0.1234567890
     values = [
@@ -423,7 +423,7 @@ def test_numbers_in_type_lists_and_under_ids_are_shared_too(compiler):
     the root that name nothing are left out so the shared `$ref`s read from the root; unknown
     keys are annotations. jsonschema reads each rewrite as the schema it came from, and the
     compiled grammar accepts what it accepts."""
-    from radixlm.constrained.schema_rewrite import NumberLimits, bound_numbers, share_numbers
+    from radixlm.constrained.schema_rewrite import NumberLimits, bound_numbers, share_leaves
 
     schema = {
         "type": "object",
@@ -436,9 +436,9 @@ def test_numbers_in_type_lists_and_under_ids_are_shared_too(compiler):
         },
     }
     bounded = bound_numbers(schema, NumberLimits())
-    shared = share_numbers(bounded)
+    shared = share_leaves(bounded)
     props = shared["properties"]
-    assert props["a"]["anyOf"][0] == props["b"]["anyOf"][0] == {"$ref": "#/$defs/radixlm-number-0"}
+    assert props["a"]["anyOf"][0] == props["b"]["anyOf"][0] == {"$ref": "#/$defs/radixlm-shared-0"}
     assert props["a"]["anyOf"][1] == {"type": "null"} and "id" not in props["a"]
     assert props["c"]["anyOf"][1] == {"type": "string", "maxLength": 3}
     assert props["d"] == bounded["properties"]["d"]  # an `x-` key is not an annotation
@@ -460,7 +460,7 @@ def test_numbers_in_type_lists_and_under_ids_are_shared_too(compiler):
 def test_identifiers_that_scope_a_ref_keep_numbers_unshared():
     """A `$ref` under a subschema with an identifier reads against that identifier: there the
     schema is left as it is (sharing would point its numbers elsewhere)."""
-    from radixlm.constrained.schema_rewrite import NumberLimits, bound_numbers, share_numbers
+    from radixlm.constrained.schema_rewrite import NumberLimits, bound_numbers, share_leaves
 
     schema = {
         "type": "object",
@@ -471,14 +471,14 @@ def test_identifiers_that_scope_a_ref_keep_numbers_unshared():
         },
     }  # fmt: skip
     bounded = bound_numbers(schema, NumberLimits())
-    assert share_numbers(bounded) == bounded
+    assert share_leaves(bounded) == bounded
     remote = {"type": "array", "items": [{"type": "integer"}, {"type": "integer"},
               {"$ref": "other.json#/x"}]}  # fmt: skip
     bounded = bound_numbers(remote, NumberLimits())
-    assert share_numbers(bounded)["items"][0] == {"$ref": "#/$defs/radixlm-number-0"}
+    assert share_leaves(bounded)["items"][0] == {"$ref": "#/$defs/radixlm-shared-0"}
     with_id = {**remote, "items": [{"id": "i0", "type": "integer"}, *remote["items"][1:]]}
     bounded = bound_numbers(with_id, NumberLimits())
-    assert share_numbers(bounded) == bounded  # (a reference to another document: ids may matter)
+    assert share_leaves(bounded) == bounded  # (a reference to another document: ids may matter)
     # the root's own $ref may name an identifier below it (draft 7's "#name")
     named = {
         "$ref": "#item",
@@ -486,10 +486,10 @@ def test_identifiers_that_scope_a_ref_keep_numbers_unshared():
                                  "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}},
     }  # fmt: skip
     bounded = bound_numbers(named, NumberLimits())
-    assert share_numbers(bounded) == bounded
+    assert share_leaves(bounded) == bounded
     # nothing to share: the schema as it came, its identifiers too
     lone = bound_numbers({"properties": {"a": {"$id": "x", "type": "integer"}}}, NumberLimits())
-    assert share_numbers(lone) is lone
+    assert share_leaves(lone) is lone
     # an unknown key holding a schema (a $ref may point into it) is no annotation to drop
     kept = {
         "properties": {
@@ -498,8 +498,57 @@ def test_identifiers_that_scope_a_ref_keep_numbers_unshared():
             "c": {"$ref": "#/properties/a/myDefs/s"},
         }
     }
-    shared = share_numbers(kept)
+    shared = share_leaves(kept)
     assert shared["properties"]["a"] == kept["properties"]["a"]
+
+
+def test_alike_strings_with_string_keywords_are_shared(compiler):
+    """Strings with formats, patterns and lengths are leaves llguidance builds a lexeme for
+    each (a `uri` ~1 ms): alike ones point to one copy too, the string branch of a type list
+    as well; a oneOf's branch keeps its keywords (llguidance reads its branches itself).
+    jsonschema reads the rewrite as the schema, and the grammar accepts what it accepts."""
+    from radixlm.constrained.schema_rewrite import NumberLimits, bound_numbers, share_leaves
+
+    stamp = {"type": "string", "format": "date"}
+    code = {"type": "string", "pattern": "^[A-Z]{3}$", "title": "a code"}
+    schema = {
+        "type": "object",
+        "properties": {
+            "created": stamp,
+            "updated": {**stamp, "description": "alike, annotations aside"},
+            "deleted": {"type": ["string", "null"], "format": "date"},
+            "from": code,
+            "to": {"type": "string", "pattern": "^[A-Z]{3}$"},
+            "note": {"type": "string", "maxLength": 5},
+            "either": {"oneOf": [{"type": "string", "pattern": "^[A-Z]{3}$"}, {"type": "null"}]},
+        },
+        "required": ["created", "from"],
+    }
+    bounded = bound_numbers(schema, NumberLimits())
+    shared = share_leaves(bounded)
+    props = shared["properties"]
+    assert props["created"] == props["updated"] == props["deleted"]["anyOf"][0]
+    assert props["deleted"]["anyOf"][1] == {"type": "null"}
+    assert props["from"] == props["to"] and props["from"] != props["created"]
+    assert props["note"] == schema["properties"]["note"]  # alone: nothing to share
+    assert props["either"] == schema["properties"]["either"]
+    assert set(shared["$defs"]) == {"radixlm-shared-0", "radixlm-shared-1"}
+    values = [
+        {"created": "2024-01-02", "deleted": None, "from": "ABC", "to": "XYZ",
+         "note": "hello", "either": "DEF"},
+        {"created": "2024-13-02", "from": "ABC"},
+        {"created": "2024-01-02", "updated": "yesterday", "from": "ABC"},
+        {"created": "2024-01-02", "deleted": 5, "from": "ABC"},
+        {"created": "2024-01-02", "from": "ABCD"},
+        {"created": "2024-01-02", "from": "ABC", "to": "abc"},
+        {"created": "2024-01-02", "from": "ABC", "either": "abc"},
+        {"created": "2024-01-02", "from": "ABC", "note": "too long"},
+    ]  # fmt: skip
+    checker = jsonschema.Draft202012Validator
+    expect_same_values(
+        compiler, schema, bounded, shared, values,
+        lambda s: checker(s, format_checker=checker.FORMAT_CHECKER),
+    )  # fmt: skip
 
 
 def test_numbers_keep_their_fraction_digits_bounded(compiler):
