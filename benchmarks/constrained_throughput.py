@@ -85,12 +85,13 @@ def distinct_schemas(folder: Path, count: int) -> list[tuple[str, dict]]:
     return [(n, json.loads((folder / n).read_text())["schema"]) for n in picked]
 
 
-async def _stream_all(engine, prompts, params_list):
-    """Every request as its own stream, all at once: (outputs, wall s, first-token latencies)."""
+async def _stream_all(engine, prompts, params_list, arrivals: list | None = None):
+    """Every request as its own stream, all at once: (outputs, wall s, first-token latencies).
+    arrivals: gets (seconds since the start, output tokens) of each chunk streamed."""
 
     async def one(prompt, params):
         t0 = time.perf_counter()
-        first, last = None, None
+        first, last, made = None, None, 0
         try:
             stream = await engine.async_generate(prompt, params, stream=True)
         except ValueError as e:  # a refused grammar: this request alone fails
@@ -99,12 +100,25 @@ async def _stream_all(engine, prompts, params_list):
         async for snap in stream:
             if first is None and snap["output_ids"]:
                 first = time.perf_counter() - t0
+            if arrivals is not None and len(snap["output_ids"]) > made:
+                arrivals.append((time.perf_counter() - t, len(snap["output_ids"]) - made))
+                made = len(snap["output_ids"])
             last = snap
         return last, first
 
     t = time.perf_counter()
     results = await asyncio.gather(*(one(p, q) for p, q in zip(prompts, params_list)))
     return [r[0] for r in results], time.perf_counter() - t, [r[1] for r in results]
+
+
+def _timeline(arrivals: list, window: float = 0.05) -> str:
+    """Output tokens streamed in each `window` seconds from the start, as a list of counts."""
+    if not arrivals:
+        return "-"
+    bins = [0] * (int(max(t for t, _ in arrivals) / window) + 1)
+    for t, n in arrivals:
+        bins[int(t / window)] += n
+    return " ".join(str(b) for b in bins)
 
 
 def run_distinct(
@@ -148,7 +162,8 @@ def run_distinct(
             if k and label.startswith("cold"):
                 eng.grammar_compiler().clear_cache()  # (cold again: every grammar compiles)
             before = eng.get_stats()
-            outs, wall, ttft = asyncio.run(_stream_all(eng, prompts, cons))
+            arrivals: list = []
+            outs, wall, ttft = asyncio.run(_stream_all(eng, prompts, cons, arrivals))
             host = _host_per_step(before, eng.get_stats(), wall)
             ok = [
                 i for i, o in enumerate(outs) if o["meta_info"]["finish_reason"]["type"] != "abort"
@@ -167,9 +182,12 @@ def run_distinct(
                 for i in ok
             ]  # fmt: skip
             before = eng.get_stats()
-            f_outs, f_wall, _ = asyncio.run(_stream_all(eng, [prompts[i] for i in ok], free))
+            f_arrivals: list = []
+            f_outs, f_wall, _ = asyncio.run(
+                _stream_all(eng, [prompts[i] for i in ok], free, f_arrivals)
+            )
             f_host = _host_per_step(before, eng.get_stats(), f_wall)
-            hosts.append((label, host, f_host))
+            hosts.append((label, host, f_host, _timeline(arrivals), _timeline(f_arrivals)))
             f_tokens = sum(len(o["output_ids"]) for o in f_outs)
             first = sorted(ttft[i] for i in ok if ttft[i] is not None)
             rows.append((label, len(ok), tokens, wall, f_tokens, f_wall, first, invalid))
@@ -204,8 +222,11 @@ def run_distinct(
         )
     print(f"\nthe same grammars compiled alone (engine idle, cache cleared): {alone}")
     print("\nthe engine core's host time (wait: for the device):")
-    for label, host, f_host in hosts:
+    for label, host, f_host, _, _ in hosts:
         print(f"  {label}: constrained {host}\n  {'':{len(label)}}  unconstrained {f_host}")
+    print("\noutput tokens streamed in each 50 ms from the start:")
+    for label, _, _, timeline, f_timeline in hosts:
+        print(f"  {label}: constrained {timeline}\n  {'':{len(label)}}  unconstrained {f_timeline}")
     if profile:
         print(
             "\nthe engine core thread in a cold and a warm run after the timed ones (cProfile, "
