@@ -263,13 +263,27 @@ def sample(
 
 
 @triton.jit
-def _argmax_chunks_kernel(logits_ptr, stride, vocab, val_ptr, idx_ptr, BLOCK: tl.constexpr):
-    """The max of one chunk of one row and its first index."""
+def _argmax_chunks_kernel(
+    logits_ptr, stride, vocab, val_ptr, idx_ptr, mask_ptr, mask_stride, words, mask_rows_ptr,
+    BLOCK: tl.constexpr, MASKED: tl.constexpr, MASK_ROWS: tl.constexpr,
+):  # fmt: skip
+    """The max of one chunk of one row and its first index; with MASKED, over the tokens whose
+    bit is set in the row's packed bitmask row (row `mask_rows[r]` with MASK_ROWS, where -1
+    reads no mask; else row r)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(logits_ptr + r.to(tl.int64) * stride + cols, mask=cols < vocab, other=-float("inf"))
+    in_vocab = cols < vocab
+    x = tl.load(logits_ptr + r.to(tl.int64) * stride + cols, mask=in_vocab, other=-float("inf"))
     x = tl.where(x != x, float("inf"), x)  # a NaN wins, as in torch (and never a masked lane)
+    if MASKED:
+        m = r
+        if MASK_ROWS:
+            m = tl.load(mask_rows_ptr + r)
+        if m >= 0:
+            at = mask_ptr + m.to(tl.int64) * mask_stride + cols // 32
+            word = tl.load(at, mask=in_vocab & (cols // 32 < words), other=0)
+            x = tl.where(((word >> (cols % 32)) & 1) != 0, x, -float("inf"))
     at = r * tl.num_programs(1) + c
     tl.store(val_ptr + at, tl.max(x, axis=0))
     best = c * BLOCK + tl.argmax(x, axis=0, tie_break_left=True)
@@ -299,25 +313,34 @@ def argmax_rows(
     into: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     block: int = 4096,
+    bitmask: torch.Tensor | None = None,
+    mask_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`logits.argmax(dim=-1)` (B,) int64 for (B, V) logits with a unit stride along V: the first
     index of each row's max, as torch gives it, in two short kernels (chunks of `block` tokens, then
     their winners) where torch's reduction of one long row runs as one block of threads. With
     `into` and `rows` (B,) it also writes `into[rows] = the result` (what a decode graph keeps in
-    `token_buf`), saving that kernel too. Launched without waiting for the device. The oracle is
-    kernels/sampling_ref.argmax_rows_ref."""
+    `token_buf`), saving that kernel too. With a packed (M, W) int32 `bitmask` on the device, the
+    argmax is over each row's allowed tokens (bit i % 32 of word i // 32; none past 32 * W), as
+    `apply_token_bitmask` then an argmax give it, without writing the logits: row i reads bitmask
+    row `mask_rows[i]` (B,) (-1: no mask), or row i without `mask_rows`. Launched without waiting
+    for the device. The oracle is kernels/sampling_ref.argmax_rows_ref."""
     b, vocab = logits.shape
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     if b == 0:
         return out
-    if logits.stride(1) != 1:
-        raise ValueError("argmax_rows takes logits with a unit stride along the vocabulary")
+    if logits.stride(1) != 1 or (bitmask is not None and bitmask.stride(1) != 1):
+        raise ValueError("argmax_rows takes logits and bitmask rows with a unit stride")
     chunks = triton.cdiv(vocab, block)
     vals = torch.empty(b, chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(b, chunks, dtype=torch.int64, device=logits.device)
+    masked = bitmask is not None
     _argmax_chunks_kernel[(b, chunks)](
-        logits, logits.stride(0), vocab, vals, idx, BLOCK=block, num_warps=8
-    )
+        logits, logits.stride(0), vocab, vals, idx,
+        bitmask if masked else logits, bitmask.stride(0) if masked else 0,
+        bitmask.shape[1] if masked else 0, mask_rows if mask_rows is not None else out,
+        BLOCK=block, MASKED=masked, MASK_ROWS=masked and mask_rows is not None, num_warps=8,
+    )  # fmt: skip
     scatter = into is not None and rows is not None
     _argmax_rows_kernel[(b,)](
         vals, idx, chunks, out, into if scatter else out, rows if scatter else out,

@@ -114,10 +114,25 @@ def sample_ref(
 
 
 def argmax_rows_ref(
-    logits: torch.Tensor, into: torch.Tensor | None = None, rows: torch.Tensor | None = None
+    logits: torch.Tensor,
+    into: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
+    mask_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The twin of kernels/sampling.argmax_rows: `logits.argmax(dim=-1)` (the first index of each
-    row's max; a NaN is the max); with `into` and `rows`, also `into[rows] =` it."""
+    row's max; a NaN is the max); with a packed (M, W) `bitmask`, over each row's allowed tokens
+    (row i reads bitmask row `mask_rows[i]`, -1: none; row i without `mask_rows`), the logits
+    left as they are; with `into` and `rows`, also `into[rows] =` it."""
+    if bitmask is not None:
+        logits = logits.clone()
+        if mask_rows is None:
+            apply_token_bitmask_ref(logits, bitmask)
+        else:
+            which = (mask_rows >= 0).nonzero().flatten()
+            masked = logits[which]
+            apply_token_bitmask_ref(masked, bitmask[mask_rows[which]])
+            logits[which] = masked
     ids = logits.argmax(dim=-1)
     if into is not None and rows is not None:
         into[rows] = ids

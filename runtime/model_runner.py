@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from radixlm.runtime.forward_batch import ForwardBatch
-from radixlm.runtime.sampler import Sampler, SamplingRow, greedy_ids, logprobs_at
+from radixlm.runtime.sampler import Sampler, SamplingRow, logprobs_at
 from radixlm.runtime.scheduler import ScheduledReq, StepPlan
 from radixlm.runtime.tensors import int64_tensor, packed_to_device, to_device
 
@@ -281,19 +281,22 @@ class ModelRunner:
         tokens = None
         failed: dict[int, str] = {}  # sampled row -> why it could not be sampled
         if reqs:
-            if not rows:  # every request plain greedy
-                tokens = greedy if greedy is not None else greedy_ids(row_logits)
+            if greedy is not None and not rows:  # every request plain greedy, in the graph
+                tokens = greedy
             else:
-                try:
-                    tokens = self.sampler.sample_ids(row_logits, rows, masks)
-                except Exception:
-                    if len(rows) == 1:
-                        raise
-                    tokens = self._sample_apart(row_logits, rows, reqs, failed)
-            if tokens is not greedy:
                 if pool_rows is None:
                     pool_rows = to_device(int64_tensor([r.pool_row for r in reqs]), self.device)
-                self.set_tokens(pool_rows, tokens)
+                try:  # (the tokens go into token_buf with them)
+                    tokens = self.sampler.sample_ids(
+                        row_logits, rows, masks, self.token_buf, pool_rows
+                    )
+                except Exception:
+                    if len(rows) <= 1:
+                        raise
+                    tokens = self._sample_apart(row_logits, rows, reqs, failed)
+                    self.token_buf[pool_rows] = tokens
+                if self.mirror is not None:
+                    self.mirror.tokens(pool_rows, tokens)
 
         def finish(host: torch.Tensor | None = None) -> StepResults:
             out: list[int | None]

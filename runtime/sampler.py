@@ -131,14 +131,44 @@ class Sampler:
         return begin_next_token_bitmasks(constrained, bitmask)
 
     def sample_ids(
-        self, logits: torch.Tensor, rows: list[SamplingRow], masks: Any = None
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        masks: Any = None,
+        into: torch.Tensor | None = None,
+        into_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The chosen tokens (B,) int64 on the logits' device, without waiting for the device.
-        masks: what `begin_masks(rows, ...)` began, if it was."""
+        masks: what `begin_masks(rows, ...)` began, if it was. With `into` and `into_rows` (B,)
+        on the device, also `into[into_rows] =` the tokens (a step's newest tokens into
+        token_buf: where the tokens come from one kernel, it writes them there too)."""
         if all(r.is_plain_greedy for r in rows):
-            return greedy_ids(logits)
-        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
+            return greedy_ids(logits, into, into_rows)
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained and all(r.params.is_plain_argmax and not r.banned_ids for r in rows):
+            # greedy under grammars (JSON extraction's usual case): the argmax over each row's
+            # allowed tokens in one pass, the logits neither copied nor written
+            bitmask = self._grammar_bitmask(logits, rows, constrained, masks)
+            mask_rows = None
+            if len(constrained) < len(rows):
+                at = [-1] * len(rows)
+                for j, i in enumerate(constrained):
+                    at[i] = j
+                mask_rows = _to_device(at, torch.int64, logits.device)
+            return greedy_ids(logits, into, into_rows, bitmask, mask_rows)
+        token_ids = self._sample_any(logits, rows, constrained, masks)
+        if into is not None and into_rows is not None:
+            into[into_rows] = token_ids
+        return token_ids
+
+    def _sample_any(
+        self, logits: torch.Tensor, rows: list[SamplingRow], constrained: list[int], masks: Any
+    ) -> torch.Tensor:
+        """sample_ids with anything to apply to the logits first: bias, penalties, banned
+        tokens, grammar masks; then the greedy rows' argmax and the sampled rows' race."""
+        from radixlm.constrained import apply_token_bitmask_
+
+        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
         biased = [i for i, r in enumerate(rows) if r.params.has_logit_bias]
         if banned or constrained or biased or any(r.params.has_penalties for r in rows):
             logits = logits.clone()
@@ -152,16 +182,14 @@ class Sampler:
             at = packed_to_device([list(rows_idx), list(tokens)], logits.device)
             logits[at[0], at[1]] = float("-inf")
         if constrained:
-            if masks is not None:
-                t0 = time.perf_counter()
-                bitmask = masks.result()
-                self.mask_seconds += time.perf_counter() - t0
+            bitmask = self._grammar_bitmask(logits, rows, constrained, masks)
+            if len(constrained) == logits.shape[0]:  # every row: no gather and scatter
+                apply_token_bitmask_(logits, bitmask)
             else:
-                bitmask = self.mask_buffer(len(constrained), logits.shape[-1], logits.is_cuda)
-            _apply_grammar_masks(logits, rows, constrained, bitmask, filled=masks is not None)
-            if logits.is_cuda:
-                self._mask_copied[self._mask_flip] = torch.cuda.Event()
-                self._mask_copied[self._mask_flip].record()
+                idx = _to_device(constrained, torch.int64, logits.device)
+                masked = logits[idx]
+                apply_token_bitmask_(masked, bitmask)
+                logits[idx] = masked
 
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         seeds = [row_seed(rows[i].seed, rows[i].step) for i in sampled]
@@ -175,17 +203,48 @@ class Sampler:
             token_ids[idx] = sample_ref(logits[idx], params, _to_device(seeds, torch.int64, dev))
         return token_ids
 
+    def _grammar_bitmask(
+        self, logits: torch.Tensor, rows: list[SamplingRow], constrained: list[int], masks: Any
+    ) -> torch.Tensor:
+        """The packed masks (len(constrained), W) of the grammar rows, on the logits' device:
+        those `masks` began filling (waited for), else filled now (together, where the backend
+        can), on the host (in pinned memory on a GPU, copied without a wait)."""
+        from radixlm.constrained import fill_next_token_bitmasks
+
+        if masks is not None:
+            t0 = time.perf_counter()
+            bitmask = masks.result()
+            self.mask_seconds += time.perf_counter() - t0
+        else:
+            bitmask = self.mask_buffer(len(constrained), logits.shape[-1], logits.is_cuda)
+            fill_next_token_bitmasks([rows[i].grammar for i in constrained], bitmask)
+        if not logits.is_cuda:
+            return bitmask
+        device_mask = bitmask.to(logits.device, non_blocking=True)
+        # (the host buffer is filled again two steps on: not before this copy is done)
+        self._mask_copied[self._mask_flip] = torch.cuda.Event()
+        self._mask_copied[self._mask_flip].record()
+        return device_mask
+
 
 def greedy_ids(
-    logits: torch.Tensor, into: torch.Tensor | None = None, rows: torch.Tensor | None = None
+    logits: torch.Tensor,
+    into: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
+    mask_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`logits.argmax(dim=-1)`; with `into` and `rows`, also `into[rows] =` it. Where the fused
-    kernels run, kernels/sampling.py's `argmax_rows`: torch reduces one long row in one block of
-    threads (13 us for SmolLM2's 49k-token vocabulary on an H200, at batch 1 the costliest kernel
-    of a step after the LM head), and the scatter is a kernel of its own."""
+    """`logits.argmax(dim=-1)`; with `into` and `rows`, also `into[rows] =` it; with a packed
+    grammar `bitmask` (and `mask_rows`, see kernels/sampling.argmax_rows), over each row's
+    allowed tokens. Where the fused kernels run, kernels/sampling.py's `argmax_rows`: torch
+    reduces one long row in one block of threads (13 us for SmolLM2's 49k-token vocabulary on an
+    H200, at batch 1 the costliest kernel of a step after the LM head), and neither the scatter
+    nor the mask is a kernel of its own."""
     if _use_fused(logits) and logits.dim() == 2 and logits.stride(-1) == 1:
-        return _sampling_kernels().argmax_rows(logits, into, rows)
-    return argmax_rows_ref(logits, into, rows)
+        return _sampling_kernels().argmax_rows(
+            logits, into, rows, bitmask=bitmask, mask_rows=mask_rows
+        )
+    return argmax_rows_ref(logits, into, rows, bitmask, mask_rows)
 
 
 def _use_fused(logits: torch.Tensor) -> bool:
@@ -261,33 +320,3 @@ def _apply_penalties(logits: torch.Tensor, r: SamplingRow) -> None:
             0, out, torch.ones_like(out, dtype=logits.dtype)
         )
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-
-
-def _apply_grammar_masks(
-    logits: torch.Tensor,
-    rows: list[SamplingRow],
-    which: list[int],
-    bitmask: torch.Tensor | None = None,
-    filled: bool = False,
-) -> None:
-    """The grammar rows' masks, filled on the host (together, where the backend can) into
-    `bitmask` (len(which), W) (pinned memory on a GPU), copied without a wait and applied on the
-    logits' device."""
-    from radixlm.constrained import (
-        allocate_token_bitmask,
-        apply_token_bitmask_,
-        fill_next_token_bitmasks,
-    )
-
-    if bitmask is None:
-        bitmask = allocate_token_bitmask(len(which), logits.shape[-1])
-    if not filled:
-        fill_next_token_bitmasks([rows[i].grammar for i in which], bitmask)
-    device_mask = bitmask.to(logits.device, non_blocking=True)
-    if len(which) == logits.shape[0]:  # every row (the common case): no gather and scatter
-        apply_token_bitmask_(logits, device_mask)
-        return
-    idx = _to_device(which, torch.int64, logits.device)
-    masked = logits[idx]
-    apply_token_bitmask_(masked, device_mask)
-    logits[idx] = masked

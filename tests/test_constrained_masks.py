@@ -54,24 +54,38 @@ def test_batch_fill_equals_each_matchers_own_mask(tokenizer, backend):
 
 
 def test_sampler_masks_every_grammar_row(tokenizer):
-    """Masked rows can only sample allowed tokens, whatever the logits favour."""
-    from radixlm.runtime.sampler import _apply_grammar_masks
+    """Masked rows can only choose allowed tokens, whatever the logits favour: greedy ones (one
+    masked argmax, the logits left as they are, the tokens also written into a buffer) beside
+    an unconstrained row, and with a sampled grammar row among them (masks applied, then the
+    race); an unconstrained row chooses as it would alone."""
+    from radixlm.protocol.sampling_params import SamplingParams
+    from radixlm.runtime.sampler import Sampler, SamplingRow
 
     compiler = GrammarCompiler(tokenizer, vocab_size=49152)
     matchers = [compiler.compile("json_schema", json.dumps(s)).matcher() for s in SCHEMAS[:3]]
+    greedy, hot = SamplingParams(temperature=0), SamplingParams(temperature=1.5, seed=3)
 
-    class Row:
-        def __init__(self, grammar):
-            self.grammar = grammar
+    def row(params, grammar):
+        return SamplingRow(params=params, seed=7, step=0, input_ids=[1], output_ids=[],
+                           grammar=grammar)  # fmt: skip
 
-    logits = torch.randn(4, 49152)
-    rows = [Row(matchers[0]), Row(None), Row(matchers[1]), Row(matchers[2])]
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(0))
     before = logits.clone()
-    _apply_grammar_masks(logits, rows, [0, 2, 3])
-    assert torch.equal(logits[1], before[1])  # an unconstrained row is untouched
-    for r, m in ((0, matchers[0]), (2, matchers[1]), (3, matchers[2])):
-        finite = torch.isfinite(logits[r]).nonzero().flatten().tolist()
-        assert finite == m.allowed_token_ids()
+    allowed = [set(m.allowed_token_ids()) for m in matchers]
+    for params in (greedy, hot):
+        rows = [row(greedy, matchers[0]), row(greedy, None), row(params, matchers[1]),
+                row(greedy, matchers[2])]  # fmt: skip
+        into = torch.full((6,), -1, dtype=torch.int64)
+        at = torch.tensor([5, 0, 3, 1])
+        ids = Sampler().sample_ids(logits, rows, into=into, into_rows=at).tolist()
+        assert torch.equal(logits, before)
+        assert into[at].tolist() == ids and into[[2, 4]].tolist() == [-1, -1]
+        assert ids[1] == int(logits[1].argmax())  # the unconstrained row, as alone
+        for i, ok in ((0, allowed[0]), (2, allowed[1]), (3, allowed[2])):
+            assert ids[i] in ok
+        masked = logits[0].clone()
+        masked[[t for t in range(49152) if t not in allowed[0]]] = float("-inf")
+        assert ids[0] == int(masked.argmax())
 
 
 def test_tokens_taken_together_are_those_accept_token_takes(tokenizer):

@@ -266,6 +266,49 @@ def test_argmax_rows_is_torchs_argmax_ties_included(vocab, block):
     assert torch.equal(into[rows], want) and (into[[1, 4, 6, 8]] == -1).all()
 
 
+@pytest.mark.parametrize("vocab,words,block", [(300, 10, 64), (300, 8, 128), (1000, 32, 256)])
+def test_masked_argmax_is_the_mask_then_the_argmax(vocab, words, block):
+    """argmax_rows with a bitmask against apply_token_bitmask then torch's argmax (and its twin
+    against the same): random bits, a row all clear (every token masked: the first index, as
+    torch gives it over -inf), a row all set, a NaN in a masked lane (it must not win), a
+    bitmask narrower than the vocabulary, rows read through mask_rows (-1: no mask), and the
+    result scattered into a buffer."""
+    gen = torch.Generator().manual_seed(vocab + words)
+    logits = torch.randn(5, vocab + 1, generator=gen)[:, :vocab]  # strided rows
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, words), generator=gen, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[1] = 0
+    bitmask[2] = -1
+    blocked = next(i for i in range(vocab) if not (int(bitmask[0, i // 32]) >> (i % 32)) & 1)
+    logits[0, blocked] = float("nan")
+    mask_rows = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int64)
+    want = logits.clone()
+    for i, m in enumerate(mask_rows.tolist()):
+        if m >= 0:
+            apply_token_bitmask_ref(want[i : i + 1], bitmask[m : m + 1])
+    want = want.argmax(dim=-1)
+    assert want[1] == 0 and want[0] != blocked
+    assert torch.equal(argmax_rows_ref(logits, bitmask=bitmask, mask_rows=mask_rows), want)
+    got = sampling.argmax_rows(
+        logits.to(DEVICE), block=block, bitmask=bitmask.to(DEVICE), mask_rows=mask_rows.to(DEVICE)
+    )
+    assert torch.equal(got.cpu(), want)
+    # one mask row per logits row, and the scatter
+    every = logits[:4].clone()
+    want = every.clone()
+    apply_token_bitmask_ref(want, bitmask)
+    want = want.argmax(dim=-1)
+    into = torch.full((9,), -1, dtype=torch.int64, device=DEVICE)
+    rows = torch.tensor([8, 0, 5, 2], device=DEVICE)
+    got = sampling.argmax_rows(
+        every.to(DEVICE), into=into, rows=rows, block=block, bitmask=bitmask.to(DEVICE)
+    )
+    assert torch.equal(got.cpu(), want) and torch.equal(into[rows].cpu(), want)
+    assert torch.equal(argmax_rows_ref(every, bitmask=bitmask), want)
+    # the logits are left as they were
+    torch.testing.assert_close(every, logits[:4], rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("vocab,words", [(300, 10), (300, 8), (33, 2)])
 def test_apply_token_bitmask_is_the_torch_path(vocab, words):
     """The one-kernel mask against its torch twin: random bits, a row all clear, a row all set,
