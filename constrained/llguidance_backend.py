@@ -38,6 +38,7 @@ from radixlm.constrained.schema_rewrite import (
     iter_subschemas,
     map_subschemas,
     one_of_as_any_of,
+    prepare_schema,
     reachable_subschemas,
     share_leaves,
 )
@@ -297,7 +298,12 @@ class LLGuidanceBackend:
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object or a boolean")
         overlapping: dict[str, str] = {}
+        fit = (_INTEGER_LIMIT, _NUMBER_LIMIT)
         if isinstance(schema, dict):
+            # (bounded numbers and strings with formats make costly lexemes: built once each)
+            prepared = prepare_schema(schema, not self.allow_unlisted_properties, self.numbers, fit)
+            if prepared is not None:  # (no oneOf: all in two passes)
+                return prepared, overlapping
             narrowed = schema if self.allow_unlisted_properties else close_objects(schema)
             exclusivity = one_of_exclusivity(schema, None if narrowed is schema else narrowed)
             overlapping = {where: why for where, why in exclusivity.items() if why is not None}
@@ -312,9 +318,7 @@ class LLGuidanceBackend:
                     raise GrammarError(_cannot_enforce(refused[:1]))
             exclusive = [where for where, why in exclusivity.items() if why is None]
             schema = one_of_as_any_of(narrowed, exclusive)
-            schema = bound_numbers(schema, self.numbers, fit=(_INTEGER_LIMIT, _NUMBER_LIMIT))
-            # (bounded numbers and strings with formats make costly lexemes: built once each)
-            schema = share_leaves(schema)
+            schema = share_leaves(bound_numbers(schema, self.numbers, fit=fit))
         return schema, overlapping
 
     def _json_options(self, lenient: bool) -> dict[str, Any]:

@@ -179,23 +179,104 @@ def _pointer_token(key: str) -> str:
 def bound_numbers(schema: Any, limits: NumberLimits, fit: tuple[int, int] | None = None) -> Any:
     """`schema` with the limits put on each integer or number schema that lacks its own; with
     `fit` (integer_limit, number_limit), what `fit_bounds` does too, in the same pass."""
+    return map_subschemas(schema, lambda node, _: _bound_node(node, limits, fit))
 
-    def bound(node: dict[str, Any], _where: str) -> dict[str, Any]:
-        types = node.get("type")
-        types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
-        if "number" in types:
-            _add_bounds(node, limits.number_bound)
-            if limits.fraction_digits >= 0 and "multipleOf" not in node and "integer" not in types:
-                node["multipleOf"] = float(f"1e-{limits.fraction_digits}")
-            if fit is not None:
-                _fit(node, fit[1])
-        elif "integer" in types:
-            _add_bounds(node, limits.integer_bound)
-            if fit is not None:
-                _fit(node, fit[0])
+
+def _bound_node(
+    node: dict[str, Any], limits: NumberLimits, fit: tuple[int, int] | None
+) -> dict[str, Any]:
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    if "number" in types:
+        _add_bounds(node, limits.number_bound)
+        if limits.fraction_digits >= 0 and "multipleOf" not in node and "integer" not in types:
+            node["multipleOf"] = float(f"1e-{limits.fraction_digits}")
+        if fit is not None:
+            _fit(node, fit[1])
+    elif "integer" in types:
+        _add_bounds(node, limits.integer_bound)
+        if fit is not None:
+            _fit(node, fit[0])
+    return node
+
+
+def prepare_schema(
+    schema: Any, close: bool, limits: NumberLimits, fit: tuple[int, int] | None = None
+) -> Any | None:
+    """`share_leaves(bound_numbers(close_objects(schema)))` (without `close_objects` where not
+    `close`) in one copying pass and, where leaves are shared, one more in place: a schema is
+    prepared in a compile thread, holding the GIL, while the engine and the other compiles wait
+    for it. None where the schema has a `oneOf` (one_of_as_any_of rewrites those between the
+    closing and the bounds)."""
+    if not isinstance(schema, dict):
+        return schema
+    parts: dict[int, tuple[str | None, dict[str, Any], dict[str, Any] | None]] = {}
+    counts: Counter = Counter()
+    seen = {"oneOf": False, "ids": False}
+
+    def prepare(node: dict[str, Any], where: str) -> dict[str, Any]:
+        if "oneOf" in node:
+            seen["oneOf"] = True
+        if close:
+            _close_node(node, where)
+        _bound_node(node, limits, fit)
+        if where:  # (the root is never shared)
+            if "$id" in node or "id" in node:
+                seen["ids"] = True
+            part = parts[id(node)] = _leaf_part(node)
+            counts[part[0]] += 1
         return node
 
-    return map_subschemas(schema, bound)
+    prepared = map_subschemas(schema, prepare)
+    if seen["oneOf"]:
+        return None
+    if seen["ids"] or not isinstance(prepared.get("$defs", {}), dict):
+        return share_leaves(prepared, counts)  # (identifiers first: the general way)
+    shared = {text for text, n in counts.items() if text is not None and n >= 2}
+    if not shared:
+        return prepared
+    defs = prepared.get("$defs", {})
+    names = (f"radixlm-shared-{i}" for i in itertools.count())
+    refs: dict[str, dict[str, Any]] = {}
+    made: dict[str, dict[str, Any]] = {}  # (added once the walk is done: it walks $defs too)
+
+    def share(node: Any, where: str) -> Any:
+        part = parts.get(id(node)) if isinstance(node, dict) else None
+        if part is None or part[0] not in shared or where == "oneOf":
+            return node
+        text, body, rest = part
+        if text not in refs:
+            name = next(n for n in names if n not in defs)
+            refs[text] = {"$ref": f"#/$defs/{name}"}
+            made[name] = body
+        if rest is None:
+            return dict(refs[text])
+        notes = {k: v for k, v in node.items() if _is_annotation(k, v)}
+        return {"anyOf": [dict(refs[text]), rest], **notes}
+
+    _replace_subschemas(prepared, share)
+    prepared["$defs"] = {**defs, **made}
+    return prepared
+
+
+def _replace_subschemas(node: Any, fn: Callable[[Any, str], Any]) -> None:
+    """In place, each subschema slot below `node` := fn(subschema, keyword it hangs under),
+    innermost first (the nodes map_subschemas enters; `node` itself is not replaced)."""
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if isinstance(value, dict):
+            if key in _ONE:
+                _replace_subschemas(value, fn)
+                node[key] = fn(value, key)
+            elif key in _MAP:
+                for name, sub in value.items():
+                    _replace_subschemas(sub, fn)
+                    value[name] = fn(sub, key)
+        elif isinstance(value, list) and key in _LIST:
+            for i, sub in enumerate(value):
+                _replace_subschemas(sub, fn)
+                value[i] = fn(sub, key)
 
 
 def _add_bounds(node: dict[str, Any], bound: int) -> None:
@@ -312,9 +393,10 @@ _ANNOTATIONS = frozenset(
 # (`format` asserts on strings only: on a number it is an annotation)
 _STRING_KEYS = frozenset({"format", "minLength", "maxLength", "pattern"})
 _NUMERIC_TYPES = ("integer", "number")
+_LEAF_KEYS = _BOUND_KEYS | _STRING_KEYS
 
 
-def share_leaves(schema: Any) -> Any:
+def share_leaves(schema: Any, counts: Counter | None = None) -> Any:
     """`schema` with the leaf subschemas llguidance builds a costly lexeme for, where two or more
     are alike, replaced by a `$ref` to one copy in the root's `$defs`: the same schema
     (annotations aside), which llguidance compiles faster, building each distinct leaf once
@@ -326,13 +408,15 @@ def share_leaves(schema: Any) -> Any:
     one branch of an `anyOf`, the other types the other branch. Identifiers below the root
     (`$id`, draft 4's `id`) change how a `$ref` inside them reads: where no `$ref` sits under
     one and every `$ref` is a local pointer, they name nothing and are left out; otherwise the
-    schema is left as it is."""
+    schema is left as it is. counts: how often each leaf's text occurs below the root, where
+    the caller counted already."""
     if not isinstance(schema, dict) or not isinstance(schema.get("$defs", {}), dict):
         return schema
-    nodes = schema_nodes(schema)[1:]  # (the root first)
-    counts = Counter(_leaf_part(node)[0] for node in nodes)
+    if counts is None:
+        counts = Counter(_leaf_part(node)[0] for node in schema_nodes(schema)[1:])
     if not any(text is not None and n >= 2 for text, n in counts.items()):
         return schema  # (nothing to share: the schema as it came, identifiers and all)
+    nodes = schema_nodes(schema)[1:]  # (the root first)
     if any("$id" in node or "id" in node for node in nodes):
         if not _identifiers_name_nothing(list(iter_subschemas(schema))):
             return schema
@@ -373,6 +457,8 @@ def _leaf_part(
     or holds, as text; those keywords; the schema of its other types, None where it has none),
     or (None, {}, None) where `node` is more than such a leaf (a type list with a bounded
     number may carry string keywords: they go with the other types)."""
+    if node.keys().isdisjoint(_LEAF_KEYS):  # (most nodes: at once)
+        return None, {}, None
     types, keys = node.get("type"), {k for k, v in node.items() if not _is_annotation(k, v)}
     if keys & _BOUND_KEYS:
         if not keys <= _NUMBER_KEYS | _STRING_KEYS:
@@ -427,21 +513,21 @@ def close_objects(schema: Any) -> Any:
     nothing of other keys. Not where other schemas combine with it (a branch of `allOf`, a node
     with `allOf`, `anyOf`, `oneOf`, `$ref` or conditionals): closing one part there could forbid
     what another part allows; nor where it requires a key it does not list."""
+    return map_subschemas(schema, _close_node)
 
-    def close(node: dict[str, Any], where: str) -> dict[str, Any]:
-        properties = node.get("properties")
-        required = node.get("required")
-        if (
-            where != "allOf"
-            and isinstance(properties, dict)
-            and not any(k in node for k in _OPEN_KEYS)
-            # (a required key it does not list: closed, no value could have it)
-            and not (isinstance(required, list) and any(k not in properties for k in required))
-        ):
-            node["additionalProperties"] = False
-        return node
 
-    return map_subschemas(schema, close)
+def _close_node(node: dict[str, Any], where: str) -> dict[str, Any]:
+    properties = node.get("properties")
+    required = node.get("required")
+    if (
+        where != "allOf"
+        and isinstance(properties, dict)
+        and not any(k in node for k in _OPEN_KEYS)
+        # (a required key it does not list: closed, no value could have it)
+        and not (isinstance(required, list) and any(k not in properties for k in required))
+    ):
+        node["additionalProperties"] = False
+    return node
 
 
 __all__ = [
@@ -452,6 +538,7 @@ __all__ = [
     "iter_subschemas",
     "map_subschemas",
     "one_of_as_any_of",
+    "prepare_schema",
     "reachable_subschemas",
     "schema_nodes",
     "share_leaves",

@@ -9,6 +9,7 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -549,6 +550,52 @@ def test_alike_strings_with_string_keywords_are_shared(compiler):
         compiler, schema, bounded, shared, values,
         lambda s: checker(s, format_checker=checker.FORMAT_CHECKER),
     )  # fmt: skip
+
+
+MASKBENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "schemas"
+
+
+def test_one_pass_preparation_is_the_passes_it_replaces():
+    """prepare_schema (the closing, the bounds and the sharing in one copying pass and one in
+    place) makes what the five passes make, on every real-world schema of the shared sample
+    (with objects closed and left open), and refuses the ones with a oneOf; the schema it was
+    given is left as it was."""
+    from radixlm.constrained.schema_rewrite import (
+        NumberLimits,
+        bound_numbers,
+        close_objects,
+        prepare_schema,
+        share_leaves,
+    )  # fmt: skip
+
+    paths = sorted(MASKBENCH.glob("*.json"))
+    if not paths:
+        pytest.skip(f"no schemas at {MASKBENCH}")
+    in_defs = {
+        "$defs": {"a": {"type": "object", "properties": {"n": {"type": "integer"}}},
+                  "b": {"type": "array", "items": {"type": "integer"}}},
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/a"}, "b": {"$ref": "#/$defs/b"}},
+    }  # fmt: skip
+    limits, fit, checked, declined = NumberLimits(), (2**63 - 1, 2**53), 0, 0
+    for path in [*paths, None]:
+        schema = json.loads(path.read_text())["schema"] if path else in_defs
+        if not isinstance(schema, dict):
+            continue
+        text = json.dumps(schema, sort_keys=True)
+        for close in (True, False):
+            got = prepare_schema(schema, close, limits, fit)
+            if got is None:
+                assert "oneOf" in json.dumps(schema), path
+                declined += 1
+                continue
+            want = share_leaves(
+                bound_numbers(close_objects(schema) if close else schema, limits, fit=fit)
+            )
+            assert got == want, path
+            checked += 1
+        assert json.dumps(schema, sort_keys=True) == text, path
+    assert checked > 50 and declined > 0
 
 
 def test_numbers_keep_their_fraction_digits_bounded(compiler):
