@@ -112,6 +112,10 @@ _ENGINE_HELP = {
     "loopback port; needed with nnodes > 1)",
     "dist_timeout": "seconds a tensor-parallel collective, or a rank's start, may take before "
     "the engine stops with an error",
+    "disable_gc_freeze": "leave the objects alive at start in the garbage collector's full passes "
+    "(by default they are frozen once the engine is ready: a pass over them stalls every request)",
+    "gc_warning_threshold_secs": "log a warning when one pass of Python's garbage collector takes "
+    "longer than this many seconds (0: never)",
 }
 
 

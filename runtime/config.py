@@ -173,6 +173,12 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None
     dist_timeout: float = 120.0
+    # Python's garbage collector: once the engine is ready, the objects alive then (the model's,
+    # the libraries') are frozen (gc.freeze) so that its full passes skip them; a full pass over
+    # them stalled every request for 0.1-0.3 s now and then. A pass longer than
+    # gc_warning_threshold_secs (SGLang's name; 0: off) is logged.
+    disable_gc_freeze: bool = False
+    gc_warning_threshold_secs: float = 0.0
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -286,6 +292,8 @@ class EngineConfig:
                 bad(f"dist_init_addr={self.dist_init_addr!r}; give host:port, e.g. 127.0.0.1:5000")
         if self.dist_timeout <= 0:
             bad("dist_timeout must be positive (seconds)")
+        if self.gc_warning_threshold_secs < 0:
+            bad("gc_warning_threshold_secs must be >= 0 (seconds; 0: no warning)")
         if self.tp_size > 1 and self.speculative_algorithm == "MEDUSA":
             bad(
                 "speculative_algorithm MEDUSA is not available with tp_size > 1 yet (its heads "

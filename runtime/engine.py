@@ -205,6 +205,10 @@ class Engine:
         self._rng = random.Random(config.random_seed)
         self._ids = itertools.count()
         self._closed = False
+        self._gc_frozen = False
+        watch_gc(config.gc_warning_threshold_secs)
+        if not config.disable_gc_freeze:
+            self.freeze_gc()
         startup.say(
             f"engine ready in {time.perf_counter() - t0:.1f}s: {folder.name} on {self.device} "
             f"({dtype_name}), KV pool {num_slots} tokens ({_kv_name(kv_pool)})"
@@ -362,6 +366,16 @@ class Engine:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
 
+    def freeze_gc(self) -> None:
+        """Collect garbage once, then freeze every object alive (gc.freeze, for the whole
+        process): the garbage collector's full passes then skip them. Done when the engine is
+        ready (unless disable_gc_freeze); call it again after a warm-up (SGLang's freeze_gc) to
+        freeze what that left alive too. `shutdown` unfreezes."""
+        gc.collect()
+        gc.freeze()
+        self._gc_frozen = True
+        logger.info("garbage collector: %d objects frozen", gc.get_freeze_count())
+
     def is_alive(self) -> bool:
         """Whether the engine takes requests: not shut down, and not stopped by an internal error
         (which then fails every request with its message)."""
@@ -373,6 +387,8 @@ class Engine:
             self._core.shutdown()
             if self._tp is not None:
                 self._tp.shutdown()
+            if self._gc_frozen:  # (frozen, its objects would never be collected)
+                gc.unfreeze()
             if self._core.release_device_memory():
                 self.model = None
                 gc.collect()  # (the engine's objects refer to each other)
@@ -663,6 +679,30 @@ class _NewestOnLoop:
             await self._ready.wait()
         item, self._item = self._item, None
         return item
+
+
+_GC_WATCH = {"threshold": 0.0, "began": 0.0}
+
+
+def watch_gc(threshold: float) -> None:
+    """Log a warning when a pass of the garbage collector takes longer than `threshold`
+    seconds (0: stop); one watcher for the process, the newest threshold."""
+    _GC_WATCH["threshold"] = threshold
+    if threshold > 0 and _gc_watcher not in gc.callbacks:
+        gc.callbacks.append(_gc_watcher)
+
+
+def _gc_watcher(phase: str, info: dict[str, Any]) -> None:
+    if phase == "start":
+        _GC_WATCH["began"] = time.perf_counter()
+        return
+    took = time.perf_counter() - _GC_WATCH["began"]
+    if 0 < _GC_WATCH["threshold"] < took:
+        logger.warning(
+            "garbage collection of generation %d took %.3f s (collected %d objects; frozen "
+            "%d): every request waited for it",
+            info.get("generation", -1), took, info.get("collected", 0), gc.get_freeze_count(),
+        )  # fmt: skip
 
 
 def _kv_name(kv_pool: KVPool) -> str:

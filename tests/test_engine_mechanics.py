@@ -335,6 +335,33 @@ def test_a_resumed_request_recomputes_its_lost_output_within_the_chunk_budget(ti
     assert sizes and max(sizes) <= 8
 
 
+def test_objects_alive_at_start_are_frozen_and_long_collections_logged(tiny_model_folder, caplog):
+    """Once ready, the engine freezes the objects alive then (gc.freeze), so that the garbage
+    collector's full passes skip them (a pass over a loaded model's objects stalled every request
+    for 0.1-0.3 s); shutdown unfreezes them; disable_gc_freeze leaves them; a pass longer than
+    gc_warning_threshold_secs is logged."""
+    import gc
+    import logging
+
+    from radixlm.runtime.engine import watch_gc
+
+    gc.unfreeze()
+    eng = radixlm.Engine(tiny_model_folder, max_total_tokens=256, gc_warning_threshold_secs=1e-9)
+    try:
+        assert gc.get_freeze_count() > 0
+        with caplog.at_level(logging.WARNING, logger="radixlm.runtime.engine"):
+            gc.collect()
+        assert any("garbage collection of generation 2" in r.getMessage() for r in caplog.records)
+    finally:
+        eng.shutdown()
+        watch_gc(0)
+    assert gc.get_freeze_count() == 0
+    with radixlm.Engine(tiny_model_folder, max_total_tokens=256, disable_gc_freeze=True):
+        assert gc.get_freeze_count() == 0
+    with pytest.raises(ValueError, match="gc_warning_threshold_secs"):
+        radixlm.Engine(tiny_model_folder, gc_warning_threshold_secs=-1)
+
+
 def test_a_shut_down_engine_lets_go_of_its_weights_and_kv_pool(tiny_model_folder):
     """One process builds engine after engine (a notebook, a benchmark's ablations): shutdown
     drops the weights, the KV pool and the model runner even while the caller still holds the
