@@ -4,7 +4,7 @@ prompts, same machine, one run.
     python -m benchmarks.offline_throughput [--model-path P] [--batch 64] [--new-tokens 64]
     python -m benchmarks.offline_throughput --shape smollm2-135m   # GPU: random weights, bf16
         [--ablate pdl,prefill-graphs,cuda-graphs,overlap [--rounds 2]]
-        [--prompt-lens 1000-2000 --output-lens 20-100] [--quantization fp8]
+        [--prompt-lens 1000-2000 --output-lens 20-100] [--quantization fp8] [--peak-tflops 989]
 
 On the CPU, two workloads: batch 1 (decode speed: a short prompt, many new tokens) and a batch of prompts of
 mixed lengths generated all at once (transformers pads them to the longest; radixlm batches them
@@ -17,6 +17,8 @@ slower; its rate is output tokens per second of that subset). The rate is the me
 --repeats runs on one engine. --ablate compares all switches on with each named one off, one at a
 time, instead: --rounds rounds of every configuration, interleaved (the first engine a process builds
 runs slowest, so a configuration measured only first or only later would carry that).
+
+With --shape it also prints the workload's FLOPs and the rate they allow at --peak-tflops.
 
 --quantization fp8 runs radixlm a second time with its linear layers quantized at load (FP8 W8A8,
 from the same weights), in the same run, and prints both rates and their ratio (on the CPU the FP8
@@ -117,6 +119,10 @@ def main() -> None:
         help="with --shape: concurrent requests (default: all of them, at once)",
     )  # fmt: skip
     ap.add_argument("--quantization", default=None, help="also run radixlm with this scheme (fp8)")
+    ap.add_argument(
+        "--peak-tflops", type=float, default=989.0,
+        help="with --shape: the GPU's dense bf16 peak, for the FLOPs floor (H100/H200 SXM: 989)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.shape:
         args.max_running = args.max_running or args.requests
@@ -263,6 +269,14 @@ def gpu_workload(args) -> None:
     rates, stats = ours_offline(args, folder, prompts, params)
     ours = statistics.median(rates)
     print(f"  engine stats: {stats}")
+    flops = workload_flops(folder, prompts, outs)
+    floor_s = flops / (args.peak_tflops * 1e12)
+    print(
+        f"  FLOPs of the workload: {flops / 1e15:.2f} PFLOP (linear layers, LM head at sampled "
+        f"positions, causal attention); at {args.peak_tflops:g} TFLOP/s (bf16 dense peak) "
+        f"{floor_s:.2f} s, at most {sum(outs) / floor_s:.0f} output tok/s: radixlm reaches "
+        f"{ours / (sum(outs) / floor_s):.1%} of it"
+    )
     if args.quantization:
         q_rates, q_stats = ours_offline(
             args, folder, prompts, params, quantization=args.quantization
@@ -281,10 +295,34 @@ def gpu_workload(args) -> None:
     theirs = hf_generate_batch(folder, prompts[: args.hf_requests], outs[: args.hf_requests])
     print("\n| workload | radixlm out tok/s | transformers generate_batch out tok/s | ratio |")
     print("|---|---|---|---|")
+    (lo, hi), (out_lo, out_hi) = args.prompt_lens, args.output_lens
     label = (
-        f"{args.shape}, {args.requests} req, 100-400 in / 100-300 out, {args.max_running} running"
+        f"{args.shape}, {args.requests} req, {lo}-{hi} in / {out_lo}-{out_hi} out, "
+        f"{args.max_running} running"
     )
     print(f"| {label} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.1f}x |")
+
+
+def workload_flops(folder, prompts: list[list[int]], outs: list[int]) -> float:
+    """The multiply-adds (x2) the workload cannot avoid: every linear layer once per token fed
+    (each prompt token, each output token but the last), the LM head once per output token, and
+    causal attention (q.k and p.v over the positions up to each token fed)."""
+    import json
+
+    c = json.loads((folder / "config.json").read_text())
+    h, i, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    heads, kv_heads = (
+        c["num_attention_heads"],
+        c.get("num_key_value_heads", c["num_attention_heads"]),
+    )
+    hd = c.get("head_dim") or h // heads
+    per_token = layers * (h * heads * hd * 2 + 2 * h * kv_heads * hd + 3 * h * i)
+    fed = sum(len(p) + n - 1 for p, n in zip(prompts, outs))
+    # positions attended: token at position t sees t + 1 keys
+    attended = sum((len(p) + n - 1) * (len(p) + n) // 2 for p, n in zip(prompts, outs))
+    return 2.0 * (
+        per_token * fed + h * c["vocab_size"] * sum(outs) + layers * 2 * heads * hd * attended
+    )
 
 
 def hf_generate_batch(folder, prompts, outs) -> float:
