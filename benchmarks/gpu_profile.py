@@ -165,7 +165,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--prefill-shape", default="llama-3.1-8b", help="a shape, or none")
-    ap.add_argument("--busy-shape", default="smollm2-135m")
+    ap.add_argument("--busy-shape", default="smollm2-135m", help="a shape, or none")
     ap.add_argument("--short-shape", default="smollm2-135m", help="a shape, or none")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -181,6 +181,8 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for line in short_prompts(args.short_shape):
             print(line, flush=True)
+    if args.busy_shape == "none":
+        return
     print(
         "\n| shape | decode batch | wall | rate | GPU busy | share of wall | GPU span "
         "| share of span | GPU time in steps (CUDA events) over wall |"
