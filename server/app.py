@@ -58,7 +58,7 @@ def create_app(
     the server's own format, see server/tools.py); `reasoning_parser` (`deepseek-r1`, `qwen3`)
     splits the thinking off into `reasoning_content`. ValueError for an unknown name.
 
-    `admin_api_key` guards the admin routes (/flush_cache, /start_profile, /stop_profile,
+    `admin_api_key` guards the admin routes (/flush_cache, /freeze_gc, /start_profile, /stop_profile,
     /abort_request) apart from `api_key` (see server/guard.py). `audit_log` (a path, `-` for
     standard output, or an `AuditLog`) writes one JSON line per request (server/audit.py);
     `log_requests` puts the request bodies and output texts in it. `limits` bound the requests

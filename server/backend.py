@@ -78,6 +78,8 @@ class GenerationBackend(Protocol):
 
     async def flush_cache(self) -> bool: ...
 
+    async def freeze_gc(self) -> None: ...
+
     async def stats(self) -> EngineStats | Mapping[str, Any]: ...
 
     async def start_profile(self, output_dir: str) -> None: ...
@@ -212,6 +214,9 @@ class LocalEngineBackend(TokenizerSide):
     async def flush_cache(self) -> bool:
         # the engine answers between two steps of its core thread: wait off the event loop
         return await asyncio.to_thread(self._engine.flush_cache)
+
+    async def freeze_gc(self) -> None:
+        await asyncio.to_thread(self._engine.freeze_gc)
 
     async def stats(self) -> EngineStats:
         # concurrent callers share one call: a stuck core then holds one worker thread, not one

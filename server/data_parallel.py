@@ -166,6 +166,9 @@ class DataParallelBackend:
         done = await asyncio.gather(*(r.flush_cache() for r in self.replicas))
         return all(done)
 
+    async def freeze_gc(self) -> None:
+        await asyncio.gather(*(r.freeze_gc() for r in self.replicas))
+
     async def stats(self) -> EngineStats:
         # (asked of every replica at once: a scrape waits for the slowest, not for their sum)
         return merge_stats(await asyncio.gather(*(_typed(r.stats()) for r in self.replicas)))

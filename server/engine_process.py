@@ -180,6 +180,9 @@ class EngineProcessBackend(TokenizerSide):
     async def flush_cache(self) -> bool:
         return bool(await self._call("flush_cache"))
 
+    async def freeze_gc(self) -> None:
+        await self._call("freeze_gc")
+
     async def stats(self) -> EngineStats:
         # concurrent scrapes share one round trip (the engine answers between two steps)
         if self._stats_call is None or self._stats_call.done():

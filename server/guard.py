@@ -3,11 +3,11 @@ the bound on accepted generations, body size, and a JSON 500 for anything unexpe
 dropped connection).
 
 Keys. `api_key` guards every route but the public ones (/health, /health_generate, /metrics). The
-admin routes (/flush_cache, /start_profile, /stop_profile, /abort_request) are guarded apart by
-`admin_api_key` when one is set, as SGLang's ADMIN_OPTIONAL routes: only the admin key opens them
-(the user key gets a 403, no key or another a 401), and the admin key opens no other route. With
-no admin key they keep the user key's guard (open where no key is set at all). Keys are compared
-in constant time."""
+admin routes (/flush_cache, /freeze_gc, /start_profile, /stop_profile, /abort_request) are
+guarded apart by `admin_api_key` when one is set, as SGLang's ADMIN_OPTIONAL routes: only the
+admin key opens them (the user key gets a 403, no key or another a 401), and the admin key opens
+no other route. With no admin key they keep the user key's guard (open where no key is set at
+all). Keys are compared in constant time."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ _PUBLIC_PATHS = {"/health", "/health_generate", "/metrics"}
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 _UNLIMITED_PATHS = {"/health", "/metrics"}
 # routes that operate the server rather than use it (--admin-api-key)
-ADMIN_PATHS = {"/flush_cache", "/start_profile", "/stop_profile", "/abort_request"}
+ADMIN_PATHS = {"/flush_cache", "/freeze_gc", "/start_profile", "/stop_profile", "/abort_request"}
 # routes that start generations: refused at once while the server is at capacity
 _GENERATION_PATHS = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"}
 

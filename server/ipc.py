@@ -55,7 +55,7 @@ class Call(msgspec.Struct, tag=True, array_like=True):
     arg: str | None = None
 
 
-ENGINE_CALLS = ("flush_cache", "stats", "start_profile", "stop_profile")
+ENGINE_CALLS = ("flush_cache", "freeze_gc", "stats", "start_profile", "stop_profile")
 
 
 # ---- engine -> server ----------------------------------------------------------------------

@@ -11,12 +11,13 @@ GET  /server_info       (and /get_server_info); 503 if the engine does not answe
 GET  /health            liveness (503 once the engine process is gone), no engine work, no API key
 GET  /health_generate   generates one token (not counted in the metrics), no API key
 POST /flush_cache       (GET too, as SGLang)
+POST /freeze_gc         collect garbage, then freeze the objects alive (gc.freeze; GET too)
 POST /start_profile     torch.profiler on the engine's core thread; {"output_dir"} optional
 POST /stop_profile      writes the Chrome trace, answers {"trace_file"}
 POST /abort_request     {"rid"} (or {"abort_all": true}): ends running generations, finish_reason
                         {"type": "abort", "message"}, their KV freed; 404 for an id not running
 
-/flush_cache, the profiler and /abort_request are admin routes (--admin-api-key, server/guard.py).
+/flush_cache, /freeze_gc, the profiler and /abort_request are admin routes (--admin-api-key, server/guard.py).
 A /generate may carry `rid` (the generations' ids, as SGLang's) and `request_timeout` (seconds).
 """
 
@@ -472,6 +473,14 @@ async def flush_cache(request: Request) -> Response:
         # as SGLang: a 400 while requests run (their prefixes are in use)
         raise bad_request("cache not flushed: requests are running; retry when the server is idle")
     return Response("Cache flushed.\n", status_code=200, media_type="text/plain")
+
+
+@router.api_route("/freeze_gc", methods=["GET", "POST"])
+async def freeze_gc(request: Request) -> Response:
+    """SGLang's route: collect garbage, then freeze what is alive (after a warm-up, so that the
+    collector's full passes skip what it left too); the engine did so once at start."""
+    await _state(request).backend.freeze_gc()
+    return Response("Garbage collector frozen.\n", status_code=200, media_type="text/plain")
 
 
 @router.post("/concate_and_append_request")

@@ -213,6 +213,16 @@ def test_health_health_generate_and_flush_cache(client):
     assert client.get("/server_info").json()["internal_states"][0]["radix_cache_tokens"] == 0
 
 
+def test_freeze_gc_freezes_what_is_alive(client):
+    """SGLang's /freeze_gc: the engine collects, then freezes the objects alive (gc.freeze)."""
+    import gc
+
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    assert client.post("/freeze_gc").status_code == 200
+    assert gc.get_freeze_count() > 0
+
+
 # ---- OpenAI API ----------------------------------------------------------------------------
 
 

@@ -359,6 +359,7 @@ def test_metrics_cache_flush_and_grammar_compile_time(server):
     assert metrics["radixlm_grammar_compile_seconds_count"] >= 1
     wait_idle(server.stats, 15.0)
     assert httpx.post(server.url + "/flush_cache").status_code == 200
+    assert httpx.post(server.url + "/freeze_gc").status_code == 200  # (in the engine's process)
     assert server.stats()["radix_cache_tokens"] == 0
 
 

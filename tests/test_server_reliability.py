@@ -247,6 +247,7 @@ def test_abort_request_ends_a_request_by_the_id_its_client_sees(tiny_engine):
 def _admin_calls(c: TestClient, headers: dict) -> dict[str, int]:
     return {
         "/flush_cache": c.post("/flush_cache", headers=headers).status_code,
+        "/freeze_gc": c.post("/freeze_gc", headers=headers).status_code,
         "/abort_request": c.post(
             "/abort_request", json={"abort_all": True}, headers=headers
         ).status_code,

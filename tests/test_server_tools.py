@@ -475,6 +475,9 @@ class ScriptedBackend:
     async def flush_cache(self) -> bool:
         return True
 
+    async def freeze_gc(self) -> None:
+        self.gc_frozen = getattr(self, "gc_frozen", 0) + 1
+
     async def stats(self) -> dict[str, Any]:
         return {}
 
