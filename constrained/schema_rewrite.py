@@ -207,7 +207,8 @@ def prepare_schema(
     `close`) in one copying pass and, where leaves are shared, one more in place: a schema is
     prepared in a compile thread, holding the GIL, while the engine and the other compiles wait
     for it. None where the schema has a `oneOf` (one_of_as_any_of rewrites those between the
-    closing and the bounds)."""
+    closing and the bounds) or `dependencies` (whose subschemas this walk does not enter, and
+    one_of_exclusivity does)."""
     if not isinstance(schema, dict):
         return schema
     parts: dict[int, tuple[str | None, dict[str, Any], dict[str, Any] | None]] = {}
@@ -215,7 +216,7 @@ def prepare_schema(
     seen = {"oneOf": False, "ids": False}
 
     def prepare(node: dict[str, Any], where: str) -> dict[str, Any]:
-        if "oneOf" in node:
+        if "oneOf" in node or "dependencies" in node:
             seen["oneOf"] = True
         if close:
             _close_node(node, where)

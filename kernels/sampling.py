@@ -331,6 +331,8 @@ def argmax_rows(
         return out
     if logits.stride(1) != 1 or (bitmask is not None and bitmask.stride(1) != 1):
         raise ValueError("argmax_rows takes logits and bitmask rows with a unit stride")
+    if bitmask is not None and bitmask.dtype != torch.int32:
+        raise ValueError(f"argmax_rows takes an int32 bitmask, not {bitmask.dtype}")
     chunks = triton.cdiv(vocab, block)
     vals = torch.empty(b, chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(b, chunks, dtype=torch.int64, device=logits.device)

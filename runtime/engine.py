@@ -30,7 +30,7 @@ from radixlm.protocol.histogram import Histogram
 from radixlm.protocol.prompt_tokens import encode_prompt
 from radixlm.protocol.sampling_params import SamplingParams, check_priority
 from radixlm.protocol.stats import EngineStats
-from radixlm.runtime import startup
+from radixlm.runtime import gc_freeze, startup
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.engine_core import EngineCore, kv_bytes_per_slot
@@ -206,7 +206,7 @@ class Engine:
         self._ids = itertools.count()
         self._closed = False
         self._gc_frozen = False
-        watch_gc(config.gc_warning_threshold_secs)
+        gc_freeze.watch(config.gc_warning_threshold_secs)
         if not config.disable_gc_freeze:
             self.freeze_gc()
         startup.say(
@@ -368,13 +368,21 @@ class Engine:
 
     def freeze_gc(self) -> None:
         """Collect garbage once, then freeze every object alive (gc.freeze, for the whole
-        process): the garbage collector's full passes then skip them. Done when the engine is
-        ready (unless disable_gc_freeze); call it again after a warm-up (SGLang's freeze_gc) to
-        freeze what that left alive too. `shutdown` unfreezes."""
-        gc.collect()
-        gc.freeze()
-        self._gc_frozen = True
-        logger.info("garbage collector: %d objects frozen", gc.get_freeze_count())
+        process; runtime/gc_freeze.py): the garbage collector's full passes then skip them. Done
+        when the engine is ready (unless disable_gc_freeze); call it again after a warm-up
+        (SGLang's freeze_gc) to freeze what that left alive too. Objects frozen are not
+        collected until the last engine that froze shuts down, garbage among them included
+        (requests in flight when it is called)."""
+        if self._closed:
+            raise EngineShutDown("the engine is shut down")
+        if self._gc_frozen:
+            gc.collect()
+            gc.freeze()
+            count = gc.get_freeze_count()
+        else:
+            count = gc_freeze.freeze()
+            self._gc_frozen = True
+        logger.info("garbage collector: %d objects frozen", count)
 
     def is_alive(self) -> bool:
         """Whether the engine takes requests: not shut down, and not stopped by an internal error
@@ -387,13 +395,18 @@ class Engine:
             self._core.shutdown()
             if self._tp is not None:
                 self._tp.shutdown()
-            if self._gc_frozen:  # (frozen, its objects would never be collected)
-                gc.unfreeze()
-            if self._core.release_device_memory():
+            released = self._core.release_device_memory()
+            if released:
                 self.model = None
-                gc.collect()  # (the engine's objects refer to each other)
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()  # back to the device, for the next engine
+            # (the engine's objects refer to each other: collected once let go of, and unfrozen
+            # first if this engine froze them, or they would never be)
+            if self._gc_frozen:
+                self._gc_frozen = False
+                gc_freeze.release()
+            elif released:
+                gc.collect()
+            if released and self.device.type == "cuda":
+                torch.cuda.empty_cache()  # back to the device, for the next engine
 
     def __enter__(self) -> Engine:
         return self
@@ -679,30 +692,6 @@ class _NewestOnLoop:
             await self._ready.wait()
         item, self._item = self._item, None
         return item
-
-
-_GC_WATCH = {"threshold": 0.0, "began": 0.0}
-
-
-def watch_gc(threshold: float) -> None:
-    """Log a warning when a pass of the garbage collector takes longer than `threshold`
-    seconds (0: stop); one watcher for the process, the newest threshold."""
-    _GC_WATCH["threshold"] = threshold
-    if threshold > 0 and _gc_watcher not in gc.callbacks:
-        gc.callbacks.append(_gc_watcher)
-
-
-def _gc_watcher(phase: str, info: dict[str, Any]) -> None:
-    if phase == "start":
-        _GC_WATCH["began"] = time.perf_counter()
-        return
-    took = time.perf_counter() - _GC_WATCH["began"]
-    if 0 < _GC_WATCH["threshold"] < took:
-        logger.warning(
-            "garbage collection of generation %d took %.3f s (collected %d objects; frozen "
-            "%d): every request waited for it",
-            info.get("generation", -1), took, info.get("collected", 0), gc.get_freeze_count(),
-        )  # fmt: skip
 
 
 def _kv_name(kv_pool: KVPool) -> str:

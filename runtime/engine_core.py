@@ -21,6 +21,7 @@ import torch
 from radixlm.errors import EngineShutDown
 from radixlm.protocol.stats import EngineStats
 from radixlm.radix_cache.base import NoPrefixCache
+from radixlm.runtime import gc_freeze
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.cache_manager import CacheManager
 from radixlm.runtime.host_memory import page_size, trim_free_heap
@@ -343,6 +344,7 @@ class EngineCore:
         new requests (an abort, a call) make the loop apply N first."""
         inflight: tuple | None = None  # (plan, handle) of the step launched last
         while not self._stop.is_set():
+            gc_freeze.report()  # (long garbage collections noted since, if any)
             if inflight is not None and not self._can_overlap():
                 self._complete(*inflight)
                 inflight = None

@@ -444,6 +444,10 @@ def follower_main(store_addr: str, rank: int, local_rank: int) -> int:
         return 1
     if runner is None:  # rank 0 went away while this rank loaded
         return 0
+    if not config.disable_gc_freeze:  # (as rank 0's engine: its collector's full passes would
+        from radixlm.runtime import gc_freeze  # stall every collective; the process's own)
+
+        gc_freeze.freeze()
     try:
         with torch.inference_mode():
             runner.run()

@@ -335,26 +335,42 @@ def test_a_resumed_request_recomputes_its_lost_output_within_the_chunk_budget(ti
     assert sizes and max(sizes) <= 8
 
 
-def test_objects_alive_at_start_are_frozen_and_long_collections_logged(tiny_model_folder, caplog):
+def test_objects_alive_at_start_are_frozen_and_long_collections_logged(
+    tiny_model_folder, caplog, monkeypatch
+):
     """Once ready, the engine freezes the objects alive then (gc.freeze), so that the garbage
     collector's full passes skip them (a pass over a loaded model's objects stalled every request
-    for 0.1-0.3 s); shutdown unfreezes them; disable_gc_freeze leaves them; a pass longer than
-    gc_warning_threshold_secs is logged."""
+    for 0.1-0.3 s). The freeze is the process's: while another engine that froze lives, shutting
+    one down keeps the rest frozen; the last one unfreezes. disable_gc_freeze leaves them; a pass
+    longer than gc_warning_threshold_secs is logged; freeze_gc on a shut-down engine is refused."""
     import gc
     import logging
+    import weakref
 
-    from radixlm.runtime.engine import watch_gc
+    from radixlm.runtime import gc_freeze
 
+    monkeypatch.setattr(gc_freeze, "_threshold", 0.0)
     gc.unfreeze()
-    eng = radixlm.Engine(tiny_model_folder, max_total_tokens=256, gc_warning_threshold_secs=1e-9)
+    first = radixlm.Engine(tiny_model_folder, max_total_tokens=256, gc_warning_threshold_secs=1e-9)
+    second = radixlm.Engine(tiny_model_folder, max_total_tokens=256)
     try:
         assert gc.get_freeze_count() > 0
-        with caplog.at_level(logging.WARNING, logger="radixlm.runtime.engine"):
+        with caplog.at_level(logging.WARNING, logger="radixlm.runtime.gc_freeze"):
             gc.collect()
+            gc_freeze.report()
         assert any("garbage collection of generation 2" in r.getMessage() for r in caplog.records)
+        first.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+        held = [weakref.ref(x) for x in (first.model, first._core.kv_pool, first._core.runner)]
+        first.shutdown()
+        assert gc.get_freeze_count() > 0  # (the second engine's freeze kept)
+        # let go of and collected before the rest was frozen again (they refer to each other)
+        assert [ref() for ref in held] == [None, None, None]
+        with pytest.raises(radixlm.EngineShutDown):
+            first.freeze_gc()
     finally:
-        eng.shutdown()
-        watch_gc(0)
+        first.shutdown()
+        second.shutdown()
+        gc.callbacks.remove(gc_freeze._note)
     assert gc.get_freeze_count() == 0
     with radixlm.Engine(tiny_model_folder, max_total_tokens=256, disable_gc_freeze=True):
         assert gc.get_freeze_count() == 0

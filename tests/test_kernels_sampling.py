@@ -300,13 +300,17 @@ def test_masked_argmax_is_the_mask_then_the_argmax(vocab, words, block):
     want = want.argmax(dim=-1)
     into = torch.full((9,), -1, dtype=torch.int64, device=DEVICE)
     rows = torch.tensor([8, 0, 5, 2], device=DEVICE)
+    on_device = every.to(DEVICE)
     got = sampling.argmax_rows(
-        every.to(DEVICE), into=into, rows=rows, block=block, bitmask=bitmask.to(DEVICE)
+        on_device, into=into, rows=rows, block=block, bitmask=bitmask.to(DEVICE)
     )
     assert torch.equal(got.cpu(), want) and torch.equal(into[rows].cpu(), want)
     assert torch.equal(argmax_rows_ref(every, bitmask=bitmask), want)
-    # the logits are left as they were
+    # the logits are left as they were, by the kernel and by its twin
+    torch.testing.assert_close(on_device.cpu(), logits[:4], rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(every, logits[:4], rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="int32"):
+        sampling.argmax_rows(on_device, bitmask=bitmask.to(DEVICE, torch.int64))
 
 
 @pytest.mark.parametrize("vocab,words", [(300, 10), (300, 8), (33, 2)])
