@@ -350,11 +350,11 @@ def test_objects_alive_at_start_are_frozen_and_long_collections_logged(
     from radixlm.runtime import gc_freeze
 
     monkeypatch.setattr(gc_freeze, "_threshold", 0.0)
-    gc.unfreeze()
+    before = gc_freeze._frozen_by  # (engines of other tests may live, frozen)
     first = radixlm.Engine(tiny_model_folder, max_total_tokens=256, gc_warning_threshold_secs=1e-9)
     second = radixlm.Engine(tiny_model_folder, max_total_tokens=256)
     try:
-        assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > 0 and gc_freeze._frozen_by == before + 2
         with caplog.at_level(logging.WARNING, logger="radixlm.runtime.gc_freeze"):
             gc.collect()
             gc_freeze.report()
@@ -363,6 +363,7 @@ def test_objects_alive_at_start_are_frozen_and_long_collections_logged(
         held = [weakref.ref(x) for x in (first.model, first._core.kv_pool, first._core.runner)]
         first.shutdown()
         assert gc.get_freeze_count() > 0  # (the second engine's freeze kept)
+        assert gc_freeze._frozen_by == before + 1
         # let go of and collected before the rest was frozen again (they refer to each other)
         assert [ref() for ref in held] == [None, None, None]
         with pytest.raises(radixlm.EngineShutDown):
@@ -371,9 +372,11 @@ def test_objects_alive_at_start_are_frozen_and_long_collections_logged(
         first.shutdown()
         second.shutdown()
         gc.callbacks.remove(gc_freeze._note)
-    assert gc.get_freeze_count() == 0
-    with radixlm.Engine(tiny_model_folder, max_total_tokens=256, disable_gc_freeze=True):
+    assert gc_freeze._frozen_by == before
+    if not before:  # (the last engine that froze unfreezes)
         assert gc.get_freeze_count() == 0
+    with radixlm.Engine(tiny_model_folder, max_total_tokens=256, disable_gc_freeze=True):
+        assert gc_freeze._frozen_by == before
     with pytest.raises(ValueError, match="gc_warning_threshold_secs"):
         radixlm.Engine(tiny_model_folder, gc_warning_threshold_secs=-1)
 
