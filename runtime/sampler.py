@@ -168,6 +168,9 @@ class Sampler:
         tokens, grammar masks; then the greedy rows' argmax and the sampled rows' race."""
         from radixlm.constrained import apply_token_bitmask_
 
+        # the masks first: begun in the background, they are waited for before anything here can
+        # fail (a failure falls back to sampling row by row, which fills masks again)
+        bitmask = self._grammar_bitmask(logits, rows, constrained, masks) if constrained else None
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
         biased = [i for i, r in enumerate(rows) if r.params.has_logit_bias]
         if banned or constrained or biased or any(r.params.has_penalties for r in rows):
@@ -181,8 +184,7 @@ class Sampler:
             rows_idx, tokens = zip(*banned)
             at = packed_to_device([list(rows_idx), list(tokens)], logits.device)
             logits[at[0], at[1]] = float("-inf")
-        if constrained:
-            bitmask = self._grammar_bitmask(logits, rows, constrained, masks)
+        if bitmask is not None:
             if len(constrained) == logits.shape[0]:  # every row: no gather and scatter
                 apply_token_bitmask_(logits, bitmask)
             else:
