@@ -375,13 +375,8 @@ class Engine:
         (requests in flight when it is called)."""
         if self._closed:
             raise EngineShutDown("the engine is shut down")
-        if self._gc_frozen:
-            gc.collect()
-            gc.freeze()
-            count = gc.get_freeze_count()
-        else:
-            count = gc_freeze.freeze()
-            self._gc_frozen = True
+        count = gc_freeze.freeze(counted=not self._gc_frozen)
+        self._gc_frozen = True
         logger.info("garbage collector: %d objects frozen", count)
 
     def is_alive(self) -> bool:

@@ -25,13 +25,14 @@ _began = 0.0
 _slow: deque[tuple[int, float, int]] = deque(maxlen=64)  # (generation, seconds, collected)
 
 
-def freeze() -> int:
-    """Collect, then freeze every object alive (for one more engine); the count frozen."""
+def freeze(counted: bool = True) -> int:
+    """Collect, then freeze every object alive, for one more engine (`counted`; else again, for
+    one that froze already); the count frozen."""
     global _frozen_by
     with _lock:
         gc.collect()
         gc.freeze()
-        _frozen_by += 1
+        _frozen_by += counted
         return gc.get_freeze_count()
 
 
