@@ -111,6 +111,37 @@ async def _stream_all(engine, prompts, params_list, arrivals: list | None = None
     return [r[0] for r in results], time.perf_counter() - t, [r[1] for r in results]
 
 
+class _FullCollections:
+    """Python's full garbage collections (generation 2) while the block runs: how many, and the
+    longest (a full pass stops every request; the engine freezes what is alive at start so that
+    its passes are short, unless disable_gc_freeze)."""
+
+    def __enter__(self):
+        import gc
+
+        self.took: list[float] = []
+        self._began = 0.0
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        gc.callbacks.remove(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.took.append(time.perf_counter() - self._began)
+
+    def __str__(self) -> str:
+        longest = f", the longest {1e3 * max(self.took):.1f} ms" if self.took else ""
+        return f"{len(self.took)} full garbage collections{longest}"
+
+
 def _timeline(arrivals: list, window: float = 0.05) -> str:
     """Output tokens streamed in each `window` seconds from the start, as a list of counts."""
     if not arrivals:
@@ -163,8 +194,9 @@ def run_distinct(
                 eng.grammar_compiler().clear_cache()  # (cold again: every grammar compiles)
             before = eng.get_stats()
             arrivals: list = []
-            outs, wall, ttft = asyncio.run(_stream_all(eng, prompts, cons, arrivals))
-            host = _host_per_step(before, eng.get_stats(), wall)
+            with _FullCollections() as collections:
+                outs, wall, ttft = asyncio.run(_stream_all(eng, prompts, cons, arrivals))
+            host = f"{_host_per_step(before, eng.get_stats(), wall)}; {collections}"
             ok = [
                 i for i, o in enumerate(outs) if o["meta_info"]["finish_reason"]["type"] != "abort"
             ]
@@ -183,10 +215,11 @@ def run_distinct(
             ]  # fmt: skip
             before = eng.get_stats()
             f_arrivals: list = []
-            f_outs, f_wall, _ = asyncio.run(
-                _stream_all(eng, [prompts[i] for i in ok], free, f_arrivals)
-            )
-            f_host = _host_per_step(before, eng.get_stats(), f_wall)
+            with _FullCollections() as collections:
+                f_outs, f_wall, _ = asyncio.run(
+                    _stream_all(eng, [prompts[i] for i in ok], free, f_arrivals)
+                )
+            f_host = f"{_host_per_step(before, eng.get_stats(), f_wall)}; {collections}"
             hosts.append((label, host, f_host, _timeline(arrivals), _timeline(f_arrivals)))
             f_tokens = sum(len(o["output_ids"]) for o in f_outs)
             first = sorted(ttft[i] for i in ok if ttft[i] is not None)

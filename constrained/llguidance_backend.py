@@ -302,7 +302,7 @@ class LLGuidanceBackend:
         if isinstance(schema, dict):
             # (bounded numbers and strings with formats make costly lexemes: built once each)
             prepared = prepare_schema(schema, not self.allow_unlisted_properties, self.numbers, fit)
-            if prepared is not None:  # (no oneOf: all in two passes)
+            if prepared is not None:  # (no oneOf, no dependencies: all in one or two passes)
                 return prepared, overlapping
             narrowed = schema if self.allow_unlisted_properties else close_objects(schema)
             exclusivity = one_of_exclusivity(schema, None if narrowed is schema else narrowed)

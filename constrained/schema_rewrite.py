@@ -233,16 +233,27 @@ def prepare_schema(
         return None
     if seen["ids"] or not isinstance(prepared.get("$defs", {}), dict):
         return share_leaves(prepared, counts)  # (identifiers first: the general way)
+    return _share_in_place(prepared, parts, counts)
+
+
+def _share_in_place(
+    schema: dict[str, Any],
+    parts: dict[int, tuple[str | None, dict[str, Any], dict[str, Any] | None]],
+    counts: Counter,
+) -> dict[str, Any]:
+    """share_leaves' sharing, done in `schema` itself (a copy of the caller's, map_subschemas'
+    nodes): `parts` holds each node's _leaf_part by id, `counts` how often each leaf occurs."""
     shared = {text for text, n in counts.items() if text is not None and n >= 2}
     if not shared:
-        return prepared
-    defs = prepared.get("$defs", {})
+        return schema
+    defs = schema.get("$defs", {})
     names = (f"radixlm-shared-{i}" for i in itertools.count())
     refs: dict[str, dict[str, Any]] = {}
     made: dict[str, dict[str, Any]] = {}  # (added once the walk is done: it walks $defs too)
 
     def share(node: Any, where: str) -> Any:
         part = parts.get(id(node)) if isinstance(node, dict) else None
+        # (a oneOf's branch keeps its own keywords: llguidance tells the branches apart by them)
         if part is None or part[0] not in shared or where == "oneOf":
             return node
         text, body, rest = part
@@ -255,9 +266,9 @@ def prepare_schema(
         notes = {k: v for k, v in node.items() if _is_annotation(k, v)}
         return {"anyOf": [dict(refs[text]), rest], **notes}
 
-    _replace_subschemas(prepared, share)
-    prepared["$defs"] = {**defs, **made}
-    return prepared
+    _replace_subschemas(schema, share)
+    schema["$defs"] = {**defs, **made}
+    return schema
 
 
 def _replace_subschemas(node: Any, fn: Callable[[Any, str], Any]) -> None:
@@ -403,7 +414,7 @@ def share_leaves(schema: Any, counts: Counter | None = None) -> Any:
     (annotations aside), which llguidance compiles faster, building each distinct leaf once
     instead of once per place. The leaves: integers and numbers that are a type and bounds only
     (what `bound_numbers` makes of most of them; ~0.5 ms each), and strings that are a type and
-    string keywords only (`format`, `pattern`, `minLength`, `maxLength`; a `uri` ~1 ms).
+    string keywords only (`format`, `pattern`, `minLength`, `maxLength`).
 
     A type list with one such type (`["integer", "null"]`, `["string", "null"]`) shares it as
     one branch of an `anyOf`, the other types the other branch. Identifiers below the root
@@ -418,37 +429,20 @@ def share_leaves(schema: Any, counts: Counter | None = None) -> Any:
     if not any(text is not None and n >= 2 for text, n in counts.items()):
         return schema  # (nothing to share: the schema as it came, identifiers and all)
     nodes = schema_nodes(schema)[1:]  # (the root first)
-    if any("$id" in node or "id" in node for node in nodes):
-        if not _identifiers_name_nothing(list(iter_subschemas(schema))):
-            return schema
-        schema = map_subschemas(
-            schema,
-            lambda node, where: (
-                node if where == "" else {k: v for k, v in node.items() if k not in ("$id", "id")}
-            ),
-        )
-        counts = Counter(_leaf_part(node)[0] for node in schema_nodes(schema)[1:])
-    defs = schema.get("$defs", {})
-    names = (f"radixlm-shared-{i}" for i in itertools.count())
-    shared: dict[str, tuple[str, dict[str, Any]]] = {}  # keywords as text -> (name, keywords)
-
-    def share(node: dict[str, Any], where: str) -> dict[str, Any]:
-        text, body, rest = _leaf_part(node)
-        # (a oneOf's branch keeps its own keywords: llguidance tells the branches apart by them)
-        if where in ("", "oneOf") or text is None or counts[text] < 2:
-            return node
-        if text not in shared:
-            shared[text] = (next(n for n in names if n not in defs), body)
-        ref = {"$ref": f"#/$defs/{shared[text][0]}"}
-        if rest is None:
-            return ref
-        notes = {k: v for k, v in node.items() if _is_annotation(k, v)}
-        return {"anyOf": [ref, rest], **notes}
-
-    out = map_subschemas(schema, share)
-    if not shared:
+    strip = any("$id" in node or "id" in node for node in nodes)
+    if strip and not _identifiers_name_nothing(list(iter_subschemas(schema))):
         return schema
-    return {**out, "$defs": {**out.get("$defs", {}), **dict(shared.values())}}
+    parts: dict[int, tuple[str | None, dict[str, Any], dict[str, Any] | None]] = {}
+
+    def read(node: dict[str, Any], where: str) -> dict[str, Any]:
+        if where:  # (the root is never shared; the identifiers below it go, naming nothing)
+            if strip:
+                node = {k: v for k, v in node.items() if k not in ("$id", "id")}
+            parts[id(node)] = _leaf_part(node)
+        return node
+
+    copy = map_subschemas(schema, read)  # (the nodes the sharing walks, read once)
+    return _share_in_place(copy, parts, Counter(part[0] for part in parts.values()))
 
 
 def _leaf_part(

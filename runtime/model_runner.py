@@ -290,13 +290,13 @@ class ModelRunner:
                     tokens = self.sampler.sample_ids(
                         row_logits, rows, masks, self.token_buf, pool_rows
                     )
+                    written = True
                 except Exception:
                     if len(rows) <= 1:
                         raise
                     tokens = self._sample_apart(row_logits, rows, reqs, failed)
-                    self.token_buf[pool_rows] = tokens
-                if self.mirror is not None:
-                    self.mirror.tokens(pool_rows, tokens)
+                    written = False
+                self.set_tokens(pool_rows, tokens, written)
 
         def finish(host: torch.Tensor | None = None) -> StepResults:
             out: list[int | None]
@@ -446,9 +446,13 @@ class ModelRunner:
         the group out of step, which stops the engine (the mirror's RankFailure)."""
         return contextlib.nullcontext() if self.mirror is None else self.mirror.lockstep()
 
-    def set_tokens(self, pool_rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """token_buf[pool_rows] = tokens (a step's sampled or verified tokens, on the device)."""
-        self.token_buf[pool_rows] = tokens
+    def set_tokens(
+        self, pool_rows: torch.Tensor, tokens: torch.Tensor, written: bool = False
+    ) -> None:
+        """token_buf[pool_rows] = tokens (a step's sampled or verified tokens, on the device);
+        `written`: the kernel that chose them wrote them there, the other ranks' only to do."""
+        if not written:
+            self.token_buf[pool_rows] = tokens
         if self.mirror is not None:
             self.mirror.tokens(pool_rows, tokens)
 

@@ -364,7 +364,7 @@ def test_objects_alive_at_start_are_frozen_and_long_collections_logged(
         first.shutdown()
         assert gc.get_freeze_count() > 0  # (the second engine's freeze kept)
         assert gc_freeze._frozen_by == before + 1
-        # let go of and collected before the rest was frozen again (they refer to each other)
+        # its memory let go of though another frozen engine lives
         assert [ref() for ref in held] == [None, None, None]
         with pytest.raises(radixlm.EngineShutDown):
             first.freeze_gc()
