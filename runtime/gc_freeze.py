@@ -72,8 +72,11 @@ def _note(phase: str, info: dict[str, Any]) -> None:
 
 def report() -> None:
     """Log the long passes noted since the last call (the engine core calls it between steps)."""
-    while _slow:
-        generation, took, collected = _slow.popleft()
+    while True:
+        try:  # (engines' core loops and callers may report at once)
+            generation, took, collected = _slow.popleft()
+        except IndexError:
+            return
         logger.warning(
             "garbage collection of generation %d took %.3f s (collected %d objects; %d frozen): "
             "every request waited for it",
