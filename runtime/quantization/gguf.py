@@ -189,14 +189,116 @@ def run_small_steps_single_threaded(model: nn.Module) -> None:
     torch's sleeping workers)."""
     real = model.forward
     threads = torch.get_num_threads()  # (the engine's: this is the thread that loads it)
+    fused = FusedDecode(model, _cpu_kernels())
 
-    def forward(batch, *args, **kwargs):
+    def forward(batch, backend, *args, **kwargs):
         want = 1 if batch.num_tokens <= SMALL_STEP_TOKENS else threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
-        return real(batch, *args, **kwargs)
+        if not args and not kwargs and fused.applies(batch, backend):
+            return fused(batch, backend)
+        return real(batch, backend, *args, **kwargs)
 
     model.forward = forward
+
+
+class FusedDecode:
+    """On the CPU, a batch-1 decode step of a Llama model whose linear layers are all GGUF blocks
+    runs as one call of the kernels (gguf_cpu.cpp `DecodePlan`): the decoder's ~40 torch ops a
+    layer each cost microseconds of dispatch, more than the layer's arithmetic, at this size (the
+    default model spent 9 ms of a 22 ms step outside its matmuls). Every other step, and a model
+    or pool the call does not cover (another architecture, biases, a float8 or bfloat16 pool,
+    tensor parallelism, hidden states kept for a drafter), runs the model's own forward, which
+    is also the oracle the call is checked against. `enabled` switches it off (comparisons)."""
+
+    enabled = True
+
+    def __init__(self, model: nn.Module, kernels) -> None:
+        self.model, self.kernels = model, kernels
+        self.plan, self.plan_for = None, None  # (the pool the plan was made for)
+        self.supported: bool | None = None  # (known at the first step: the rotary tables and
+        # the pool are made after the weights load)
+
+    @staticmethod
+    def _supported(model: nn.Module) -> bool:
+        from radixlm.runtime.models.llama import DecoderLayer
+
+        def single(layer) -> bool:
+            scheme = getattr(layer, "quant_scheme", None)
+            return (
+                isinstance(scheme, GgufLinear) and len(scheme.runs) == 1 and layer.bias is None
+                and getattr(getattr(layer, "comm", None), "size", 1) == 1
+            )  # fmt: skip
+
+        layers = list(getattr(model, "layers", []))
+        return (
+            bool(layers)
+            and all(type(layer) is DecoderLayer for layer in layers)
+            and all(not layer.self_attn.qk_norm for layer in layers)
+            and all(single(m) for layer in layers for m in _layer_linears(layer))
+            and single(model.lm_head)
+            and model.rope.cos.dtype == torch.float32
+            and model.rope.cos.shape[-1] * 2 == layers[0].self_attn.head_dim
+            and all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point())
+        )
+
+    def applies(self, batch, backend) -> bool:
+        from radixlm.runtime.attention import TorchAttentionBackend
+
+        if self.supported is None:
+            self.supported = self._supported(self.model)
+        return (
+            self.enabled
+            and self.supported
+            and batch.num_tokens == 1
+            and batch.num_multi == 0
+            and batch.padding == 0
+            and batch.hidden_indices is None
+            and not batch.input_ids.is_cuda
+            and type(backend) is TorchAttentionBackend
+            and backend.kv_pool.dtype == torch.float32
+        )
+
+    def _plan_for(self, backend):
+        pool = backend.kv_pool
+        key = (id(pool), pool.k[0].data_ptr())
+        if self.plan_for != key:
+            model = self.model
+            layers = list(model.layers)
+            attn = layers[0].self_attn
+            norms = [n.weight.data for layer in layers
+                     for n in (layer.input_layernorm, layer.post_attention_layernorm)]  # fmt: skip
+            norms.append(model.norm.weight.data)
+            linears = [*(m for layer in layers for m in _layer_linears(layer)), model.lm_head]
+            self.plan = self.kernels.DecodePlan(
+                norms,
+                [[m.quant_scheme.runs[0], torch.tensor(m.quant_scheme.k)] for m in linears],
+                [m.quant_scheme.bounds[0][2] for m in linears],
+                list(pool.k), list(pool.v), model.rope.cos, model.rope.sin,
+                attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                float(layers[0].input_layernorm.eps), float(attn.scale),
+            )  # fmt: skip
+            self.plan_for = key
+        return self.plan
+
+    def __call__(self, batch, backend) -> torch.Tensor:
+        """Logits (1, vocab) in float32, as the model's forward gives them for this step."""
+        model = self.model
+        x = model.embed_tokens(batch.input_ids).reshape(1, -1).float()
+        seq_len = batch.prefix_lens_cpu[0] + 1
+        keys = backend.req_to_token[batch.req_pool_indices[0], :seq_len]
+        logits = self._plan_for(backend).run(
+            x, int(batch.positions[0]), int(batch.out_cache_loc[0]), keys
+        )
+        if model.sampled_vocab < logits.shape[-1]:
+            logits[:, model.sampled_vocab :] = float("-inf")
+        return logits
+
+
+def _layer_linears(layer) -> tuple[nn.Linear, ...]:
+    """A decoder layer's linear layers in the order DecodePlan takes them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def _bias(layer: nn.Linear) -> torch.Tensor | None:
