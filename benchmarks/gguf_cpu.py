@@ -67,6 +67,20 @@ def rates(eng, prompt: str, new_tokens: int) -> tuple[float, float]:
     return (new_tokens - 1) / (wall - min(first)), new_tokens / wall
 
 
+def read_rate(threads: int) -> float:
+    """Bytes a second this machine's memory gives a plain read (torch summing 400 MB of float32
+    on `threads` threads, best of 5): the bandwidth that bounds a batch-1 step."""
+    torch.set_num_threads(threads)
+    a = torch.ones(100_000_000)
+    a.sum()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * a.element_size() / best
+
+
 def llama_bench(path: str, gguf: str, threads: int, new_tokens: int) -> float:
     out = subprocess.run(
         [path, "-m", gguf, "-t", str(threads), "-n", str(new_tokens), "-p", "0", "-r", "1",
@@ -155,6 +169,13 @@ def main() -> None:
     if llama is not None:
         print(f"| llama.cpp llama-bench tg{args.new_tokens} | {llama:.1f} | - | - | - |")
     f32, ours, layers = (best[name][0] for name in best)
+    rate = read_rate(args.threads)
+    floor_ms = sizes[names_gguf][1] / rate * 1e3
+    print(
+        f"\nbound: the gguf step reads {sizes[names_gguf][1] / 1e6:.0f} MB; at {rate / 1e9:.1f} GB/s "
+        f"(a plain read here) that is {floor_ms:.2f} ms, {1e3 / floor_ms:.0f} tok/s; the step takes "
+        f"{1e3 / ours:.2f} ms ({floor_ms * ours / 1e3:.0%} of the bound's rate)"
+    )
     print(f"\ngguf / float32 (decode): {ours / f32:.2f}x; one-call step / layer by layer: "
           f"{ours / layers:.2f}x")  # fmt: skip
     if llama is not None:
