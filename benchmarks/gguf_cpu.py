@@ -53,8 +53,10 @@ def step_bytes(eng) -> int:
     return total
 
 
-def rates(eng, prompt: str, new_tokens: int) -> tuple[float, float]:
-    """(tok/s of the decode steps alone, tok/s of the whole call) for one batch-1 generation."""
+def rates(eng, prompt: str, new_tokens: int, batch: int = 1) -> tuple[float, float]:
+    """(tok/s of the decode steps alone, tok/s of the whole call) for one generation of `batch`
+    copies of the prompt at once."""
+    prompt = [prompt] * batch if batch > 1 else prompt
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     first = []
     for _ in range(2):
@@ -64,7 +66,7 @@ def rates(eng, prompt: str, new_tokens: int) -> tuple[float, float]:
     t = time.perf_counter()
     eng.generate(prompt, sampling_params=params)
     wall = time.perf_counter() - t
-    return (new_tokens - 1) / (wall - min(first)), new_tokens / wall
+    return batch * (new_tokens - 1) / (wall - min(first)), batch * new_tokens / wall
 
 
 def read_rate(threads: int) -> float:
@@ -116,6 +118,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--batch", type=int, default=1,
+        help="requests decoding together (llama-bench's tg test, batch 1, runs at 1 only)",
+    )  # fmt: skip
     ap.add_argument("--prompts", type=int, default=20, help="greedy agreement on this many")
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
     args = ap.parse_args()
@@ -142,10 +148,10 @@ def main() -> None:
         for r in range(args.rounds):
             for name, eng, how in runs:
                 with how():
-                    got = rates(eng, prompt, args.new_tokens)
+                    got = rates(eng, prompt, args.new_tokens, args.batch)
                 print(f"round {r}: {name}: decode {got[0]:.1f} tok/s, with prompt {got[1]:.1f}")
                 best[name] = max(best.get(name, (0.0, 0.0)), got)
-            if args.llama_bench:
+            if args.llama_bench and args.batch == 1:
                 ts = llama_bench(args.llama_bench, gguf, args.threads, args.new_tokens)
                 print(f"round {r}: llama-bench tg{args.new_tokens}: {ts:.1f} tok/s", flush=True)
                 llama = max(llama or 0.0, ts)
@@ -159,7 +165,7 @@ def main() -> None:
             eng.shutdown()
     print(f"load after: {os.getloadavg()}")
     print(
-        f"\n| engine ({args.threads} threads, batch 1, {args.new_tokens} new tokens) | decode "
+        f"\n| engine ({args.threads} threads, batch {args.batch}, {args.new_tokens} new tokens) | decode "
         "tok/s | with prompt tok/s | weights MB | MB read a step |"
     )
     print("|---|---|---|---|---|")

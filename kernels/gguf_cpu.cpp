@@ -5,9 +5,11 @@
 //
 // Each block is dequantized exactly as ggml does (float32 products of its float16 scales and its
 // integers) and multiplied by x in float32: the result is the dequantized weight's F.linear up to
-// the order of the float32 sums. At a few rows of x (decode) the dot products read the blocks
-// once (Q4_0, Q4_1, Q8_0 without writing the dequantized values: a block's 32 products summed,
-// then scaled); more rows dequantize the weight to float32 and run one matmul.
+// the order of the float32 sums. At one row of x (batch-1 decode) the dot products read the
+// blocks once (Q4_0, Q4_1, Q8_0 without writing the dequantized values: a block's 32 products
+// summed, then scaled); up to kTiledRows rows, each group of 4 rows of W is dequantized once into
+// a buffer the rows of x share; more rows dequantize the weight to float32 and run one matmul.
+// DecodePlan runs a whole decode step of a Llama model in one call.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -36,7 +38,10 @@ namespace {
 // ggml's type ids (gguf.GGMLQuantizationType)
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
 constexpr int kLanes = 16;
-constexpr int64_t kMaxRows = 8;  // rows of x the dot-product path takes at once
+// rows of x past which a matmul dequantizes W whole and multiplies with torch's (on the 2-core
+// machine the tiles were 1.5-7x faster up to here, and even at 128 rows); also the rows a decode
+// step in one call (DecodePlan) takes
+constexpr int64_t kTiledRows = 64;
 
 // The kernels' own threads. torch's OpenMP threads serve every thread that runs torch ops (the
 // engine's: its main thread loads the model, another runs the steps), and libgomp, with more
@@ -263,6 +268,35 @@ inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
 
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+
+// a block of 32 (Q4_0, Q4_1, Q8_0) dequantized into y
+template <int Type>
+inline void dequant32(const uint8_t* b, float* y) {
+  const __m512 d = _mm512_set1_ps(half_at(b));
+  if constexpr (Type == kQ8_0) {
+    const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
+    _mm512_storeu_ps(y, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)))));
+    _mm512_storeu_ps(y + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)))));
+  } else {
+    constexpr int start = Type == kQ4_1 ? 4 : 2;
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + start)));
+    __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
+    if constexpr (Type == kQ4_0) {
+      lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
+      hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
+    }
+    if constexpr (Type == kQ4_1) {
+      const __m512 m = _mm512_set1_ps(half_at(b + 2));
+      _mm512_storeu_ps(y, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lo), m));
+      _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(hi), m));
+    } else {
+      _mm512_storeu_ps(y, _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)));
+      _mm512_storeu_ps(y + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)));
+    }
+  }
+}
+
 template <int Type>
 inline Vec block_dot(const uint8_t* b, Vec x0, Vec x1, Vec xs, Vec acc) {
   if constexpr (Type == kQ8_0) {
@@ -301,6 +335,14 @@ inline float vsum(const Vec& a) {
   return s;
 }
 
+inline Vec vfma(const Vec& a, const Vec& b, Vec c) {
+  for (int l = 0; l < kLanes; ++l) c.v[l] += a.v[l] * b.v[l];
+  return c;
+}
+
+template <int Type>
+inline void dequant32(const uint8_t* b, float* y);  // (below: the block types' own)
+
 template <int Type>
 inline Vec block_dot(const uint8_t* b, const Vec& x0, const Vec& x1, const Vec& xs, Vec acc) {
   const float d = half_at(b);
@@ -323,6 +365,22 @@ inline Vec block_dot(const uint8_t* b, const Vec& x0, const Vec& x1, const Vec& 
 }
 #endif
 
+#if !defined(__AVX512F__)
+template <int Type>
+inline void dequant32(const uint8_t* b, float* y) {
+  if constexpr (Type == kQ4_0) Q4_0::dequant(b, y);
+  else if constexpr (Type == kQ4_1) Q4_1::dequant(b, y);
+  else Q8_0::dequant(b, y);
+}
+#endif
+
+// one block of any type dequantized into y
+template <int Type, class B>
+inline void dequant_block(const uint8_t* b, float* y) {
+  if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ8_0) dequant32<Type>(b, y);
+  else B::dequant(b, y);
+}
+
 constexpr int64_t kAheadGroups = 4;  // how far ahead the dot products prefetch, in groups of 4 rows
 
 // A group of rows is a few short streams (a row of the LM head is 10 cache lines), too short for
@@ -333,7 +391,7 @@ struct Prefetch {
   Prefetch(const uint8_t* group, int64_t group_bytes, const uint8_t* end, int64_t blocks)
       : at_(reinterpret_cast<const char*>(group + kAheadGroups * group_bytes)),
         end_(reinterpret_cast<const char*>(end)),
-        per_(((group_bytes + 63) / 64 + blocks - 1) / blocks) {}
+        per_(((group_bytes + 63) / 64 + blocks - 1) / blocks) {}  // (group_bytes 0: none)
   inline void block(int64_t b) const {
     for (int64_t l = 0; l < per_; ++l) {
       const char* p = at_ + (b * per_ + l) * 64;
@@ -353,15 +411,18 @@ void dot_fused(const uint8_t* w, int64_t n_rows, int64_t k, const float* x, int6
   for (int64_t i = 0; i < static_cast<int64_t>(xs.size()); ++i)
     xs[i] = x[(i / kLanes) * 32 + i % kLanes] + x[(i / kLanes) * 32 + i % kLanes + 16];
   constexpr int64_t R = 4;
+  // a group's blocks are read from memory once, for the first row of x, and from the L1 cache
+  // for the others
   parallel_rows((n_rows + R - 1) / R, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t t = 0; t < t_rows; ++t) {
-      const float* xt = x + t * k;
-      const float* xst = xs.data() + t * nb * kLanes;
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t n = g * R;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n = g * R;
+      for (int64_t t = 0; t < t_rows; ++t) {
+        const float* xt = x + t * k;
+        const float* xst = xs.data() + t * nb * kLanes;
         if (n + R <= n_rows) {
           const uint8_t* row = w + n * row_bytes;
-          const Prefetch ahead(row, R * row_bytes, w + std::min(n_rows, g1 * R + kAheadGroups * R) * row_bytes, nb);
+          const Prefetch ahead(row, t == 0 ? R * row_bytes : 0,
+                               w + std::min(n_rows, g1 * R + kAheadGroups * R) * row_bytes, nb);
           Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
           for (int64_t b = 0; b < nb; ++b) {
             ahead.block(b);
@@ -404,7 +465,7 @@ void dot_generic(const uint8_t* w, int64_t n_rows, int64_t k, const float* x, in
     alignas(64) float buf[B::QK];
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = w + n * row_bytes;
-      float acc[kMaxRows][kLanes] = {};
+      float acc[kTiledRows][kLanes] = {};
       for (int64_t b = 0; b < nb; ++b) {
         B::dequant(row + b * B::BYTES, buf);
         for (int64_t t = 0; t < t_rows; ++t) {
@@ -417,6 +478,53 @@ void dot_generic(const uint8_t* w, int64_t n_rows, int64_t k, const float* x, in
         float s = 0.f;
         for (int l = 0; l < kLanes; ++l) s += acc[t][l];
         y[t * n_rows + n] = s;
+      }
+    }
+  });
+}
+
+// Several rows of x (2 to kTiledRows): each group of 4 rows of W dequantized once into a buffer
+// that stays in the L1 cache, then multiplied by every row of x (the dot products above decode
+// each block again for every row of x).
+template <int Type, class B>
+void dot_tiled(const uint8_t* w, int64_t n_rows, int64_t k, const float* x, int64_t t_rows,
+               float* y) {
+  const int64_t nb = k / B::QK, row_bytes = nb * B::BYTES;
+  constexpr int64_t R = 4;
+  parallel_rows((n_rows + R - 1) / R, 4, [&](int64_t g0, int64_t g1) {
+    std::vector<float> tile(R * k);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * R, rows = std::min(R, n_rows - n0);
+      const Prefetch ahead(w + n0 * row_bytes, rows == R ? R * row_bytes : 0,
+                           w + std::min(n_rows, g1 * R + kAheadGroups * R) * row_bytes, nb);
+      for (int64_t b = 0; b < nb; ++b) {
+        ahead.block(b);
+        for (int64_t r = 0; r < rows; ++r)
+          dequant_block<Type, B>(w + (n0 + r) * row_bytes + b * B::BYTES, &tile[r * k + b * B::QK]);
+      }
+      for (int64_t t = 0; t < t_rows; ++t) {
+        const float* xt = x + t * k;
+        if (rows == R) {
+          Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+          for (int64_t j = 0; j < k; j += kLanes) {
+            const Vec xv = vload(xt + j);
+            a0 = vfma(vload(&tile[j]), xv, a0);
+            a1 = vfma(vload(&tile[k + j]), xv, a1);
+            a2 = vfma(vload(&tile[2 * k + j]), xv, a2);
+            a3 = vfma(vload(&tile[3 * k + j]), xv, a3);
+          }
+          float* yt = y + t * n_rows + n0;
+          yt[0] = vsum(a0);
+          yt[1] = vsum(a1);
+          yt[2] = vsum(a2);
+          yt[3] = vsum(a3);
+        } else {
+          for (int64_t r = 0; r < rows; ++r) {
+            Vec a = vzero();
+            for (int64_t j = 0; j < k; j += kLanes) a = vfma(vload(&tile[r * k + j]), vload(xt + j), a);
+            y[t * n_rows + n0 + r] = vsum(a);
+          }
+        }
       }
     }
   });
@@ -477,9 +585,19 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t k) {
   return out;
 }
 
-// y (T, N) = x (T, K) W^T, T <= kMaxRows, for W's blocks of `type`
+// y (T, N) = x (T, K) W^T, T <= kTiledRows, for W's blocks of `type`
 void gemv(const uint8_t* p, int64_t type, int64_t n, int64_t k, const float* xp, int64_t t,
           float* yp) {
+  if (t > 1) {
+    switch (type) {
+      case kQ4_0: dot_tiled<kQ4_0, Q4_0>(p, n, k, xp, t, yp); break;
+      case kQ4_1: dot_tiled<kQ4_1, Q4_1>(p, n, k, xp, t, yp); break;
+      case kQ8_0: dot_tiled<kQ8_0, Q8_0>(p, n, k, xp, t, yp); break;
+      case kQ4_K: dot_tiled<kQ4_K, Q4_K>(p, n, k, xp, t, yp); break;
+      case kQ6_K: dot_tiled<kQ6_K, Q6_K>(p, n, k, xp, t, yp); break;
+    }
+    return;
+  }
   switch (type) {
     case kQ4_0: dot_fused<kQ4_0, Q4_0::BYTES>(p, n, k, xp, t, yp); break;
     case kQ4_1: dot_fused<kQ4_1, Q4_1::BYTES>(p, n, k, xp, t, yp); break;
@@ -497,15 +615,15 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int
   out_shape.back() = w.size(0);
   at::Tensor xc = x_in.reshape({-1, k}).to(at::kFloat).contiguous();
   const int64_t t = xc.size(0), n = w.size(0);
-  if (t > kMaxRows) return at::matmul(xc, dequantize(w, type, k).t()).view(out_shape);
+  if (t > kTiledRows) return at::matmul(xc, dequantize(w, type, k).t()).view(out_shape);
   at::Tensor y = at::empty(out_shape, xc.options());
   gemv(w.data_ptr<uint8_t>(), type, n, k, xc.data_ptr<float>(), t, y.data_ptr<float>());
   return y;
 }
 
-// A batch-1 decode step of a Llama decoder whose linear layers are GGUF blocks, in one call: the
-// layers' norms, matmuls, rotary embedding, K/V store and attention, and the final norm and LM
-// head, with float32 activations and a float32 K/V pool (runtime/quantization/gguf.py
+// A decode step (at most kTiledRows requests, a token each) of a Llama decoder whose linear layers
+// are GGUF blocks, in one call: the layers' norms, matmuls, rotary embedding, K/V store and
+// attention, and the final norm and LM head, with float32 activations and a float32 K/V pool (runtime/quantization/gguf.py
 // `FusedDecode` decides when it applies and is checked against the model's own forward). Each op
 // is the plain path's (kernels/fused_ref.py, kernels/attention_ref.py) in the same float32
 // arithmetic; the matmuls are `gemv`'s, the rest runs on the calling thread.
@@ -549,19 +667,34 @@ class DecodePlan {
                   "a float32 K/V pool of (slots, kv_heads, head_dim)");
   }
 
-  // x (1, hidden) the token's embedding; its position, the slot its K/V go to, and the slots of
-  // all its request's keys (the new one last): the logits (1, N of the head), float32
-  at::Tensor run(const at::Tensor& x_in, int64_t position, int64_t slot, const at::Tensor& keys_in) {
-    TORCH_CHECK(x_in.numel() == hidden_ && x_in.scalar_type() == at::kFloat, "x (1, hidden) float32");
-    TORCH_CHECK(position >= 0 && position < cos_.size(0), "position past the rotary tables");
+  // T <= kTiledRows decode rows, each a request's next token: x (T, hidden) their embeddings; each
+  // row's position, the slot its K/V go to, and the slots of its request's keys (keys[i, :lens[i]],
+  // its new slot last): the logits (T, N of the head), float32
+  at::Tensor run(const at::Tensor& x_in, const at::Tensor& positions_in, const at::Tensor& slots_in,
+                 const at::Tensor& keys_in, const at::Tensor& lens_in) {
+    const int64_t t = x_in.size(0);
+    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == hidden_ && x_in.scalar_type() == at::kFloat,
+                "x (T, hidden) float32");
+    TORCH_CHECK(t >= 1 && t <= kTiledRows, "1 to ", kTiledRows, " rows a step");
+    const at::Tensor x = x_in.contiguous();
+    const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+    const at::Tensor slots = slots_in.to(at::kLong).contiguous();
     const at::Tensor keys = keys_in.to(at::kLong).contiguous();
-    const int64_t len = keys.numel();
-    const Linear& head = linears_.back();
-    at::Tensor logits = at::empty({1, head.n}, x_in.options());
+    const at::Tensor lens = lens_in.to(at::kLong).contiguous();
+    TORCH_CHECK(positions.numel() == t && slots.numel() == t && lens.numel() == t &&
+                    keys.dim() == 2 && keys.size(0) == t,
+                "a position, a slot, a row of keys and a length a row");
+    const int64_t* len = lens.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (int64_t i = 0; i < t; ++i) {
+      TORCH_CHECK(pos[i] >= 0 && pos[i] < cos_.size(0), "position past the rotary tables");
+      TORCH_CHECK(len[i] >= 1 && len[i] <= keys.size(1), "a row's keys past its row");
+    }
+    at::Tensor logits = at::empty({t, linears_.back().n}, x.options());
     {
       pybind11::gil_scoped_release unlocked;
-      step(x_in.contiguous().data_ptr<float>(), position, slot, keys.data_ptr<int64_t>(), len,
-           logits.data_ptr<float>());
+      step(x.data_ptr<float>(), t, pos, slots.data_ptr<int64_t>(), keys.data_ptr<int64_t>(),
+           keys.size(1), len, logits.data_ptr<float>());
     }
     return logits;
   }
@@ -623,49 +756,58 @@ class DecodePlan {
     }
   }
 
-  void linear(int64_t i, const float* x, float* y) const {
+  void linear(int64_t i, const float* x, int64_t t, float* y) const {
     const Linear& l = linears_[i];
-    gemv(l.w.data_ptr<uint8_t>(), l.type, l.n, l.k, x, 1, y);
+    gemv(l.w.data_ptr<uint8_t>(), l.type, l.n, l.k, x, t, y);
   }
 
-  void step(const float* x_in, int64_t position, int64_t slot, const int64_t* keys, int64_t len,
-            float* logits) {
+  void step(const float* x_in, int64_t t, const int64_t* positions, const int64_t* slots,
+            const int64_t* keys, int64_t keys_stride, const int64_t* lens, float* logits) {
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    residual_.assign(x_in, x_in + hidden_);
-    h_.resize(hidden_);
-    qkv_.resize(q_size + 2 * kv_size);
-    attn_.resize(q_size);
-    out_.resize(hidden_);
-    gate_up_.resize(2 * inter_);
-    act_.resize(inter_);
-    const float* c = cos_.data_ptr<float>() + position * (head_dim_ / 2);
-    const float* s = sin_.data_ptr<float>() + position * (head_dim_ / 2);
+    const int64_t qkv_size = q_size + 2 * kv_size, half = head_dim_ / 2;
+    residual_.assign(x_in, x_in + t * hidden_);
+    h_.resize(t * hidden_);
+    qkv_.resize(t * qkv_size);
+    attn_.resize(t * q_size);
+    out_.resize(t * hidden_);
+    gate_up_.resize(t * 2 * inter_);
+    act_.resize(t * inter_);
+    const auto norm_rows = [&](const at::Tensor& w) {
+      for (int64_t r = 0; r < t; ++r) rms_norm(&residual_[r * hidden_], w, &h_[r * hidden_]);
+    };
+    const auto add_out = [&] {
+      for (int64_t i = 0; i < t * hidden_; ++i) residual_[i] += out_[i];
+    };
     for (int64_t l = 0; l < layers_; ++l) {
-      if (l > 0)
-        for (int64_t i = 0; i < hidden_; ++i) residual_[i] += out_[i];
-      rms_norm(residual_.data(), norms_[2 * l], h_.data());
-      linear(4 * l, h_.data(), qkv_.data());
-      float* q = qkv_.data();
-      float* k = q + q_size;
-      const float* v = k + kv_size;
-      rotate(q, heads_, c, s);
-      rotate(k, kv_heads_, c, s);
-      std::memcpy(k_pools_[l].data_ptr<float>() + slot * kv_size, k, kv_size * sizeof(float));
-      std::memcpy(v_pools_[l].data_ptr<float>() + slot * kv_size, v, kv_size * sizeof(float));
-      attend(l, q, keys, len, attn_.data());
-      linear(4 * l + 1, attn_.data(), out_.data());
-      for (int64_t i = 0; i < hidden_; ++i) residual_[i] += out_[i];
-      rms_norm(residual_.data(), norms_[2 * l + 1], h_.data());
-      linear(4 * l + 2, h_.data(), gate_up_.data());
-      for (int64_t i = 0; i < inter_; ++i) {
-        const float g = gate_up_[i];
-        act_[i] = g / (1.f + std::exp(-g)) * gate_up_[inter_ + i];
+      if (l > 0) add_out();
+      norm_rows(norms_[2 * l]);
+      linear(4 * l, h_.data(), t, qkv_.data());
+      for (int64_t r = 0; r < t; ++r) {
+        float* q = &qkv_[r * qkv_size];
+        float* k = q + q_size;
+        const float* v = k + kv_size;
+        const float* c = cos_.data_ptr<float>() + positions[r] * half;
+        const float* s = sin_.data_ptr<float>() + positions[r] * half;
+        rotate(q, heads_, c, s);
+        rotate(k, kv_heads_, c, s);
+        std::memcpy(k_pools_[l].data_ptr<float>() + slots[r] * kv_size, k, kv_size * sizeof(float));
+        std::memcpy(v_pools_[l].data_ptr<float>() + slots[r] * kv_size, v, kv_size * sizeof(float));
+        attend(l, q, keys + r * keys_stride, lens[r], &attn_[r * q_size]);
       }
-      linear(4 * l + 3, act_.data(), out_.data());
+      linear(4 * l + 1, attn_.data(), t, out_.data());
+      add_out();
+      norm_rows(norms_[2 * l + 1]);
+      linear(4 * l + 2, h_.data(), t, gate_up_.data());
+      for (int64_t r = 0; r < t; ++r)
+        for (int64_t i = 0; i < inter_; ++i) {
+          const float g = gate_up_[r * 2 * inter_ + i];
+          act_[r * inter_ + i] = g / (1.f + std::exp(-g)) * gate_up_[r * 2 * inter_ + inter_ + i];
+        }
+      linear(4 * l + 3, act_.data(), t, out_.data());
     }
-    for (int64_t i = 0; i < hidden_; ++i) residual_[i] += out_[i];
-    rms_norm(residual_.data(), norms_[2 * layers_], h_.data());
-    linear(4 * layers_, h_.data(), logits);
+    add_out();
+    norm_rows(norms_[2 * layers_]);
+    linear(4 * layers_, h_.data(), t, logits);
   }
 
   std::vector<at::Tensor> norms_;
@@ -681,11 +823,12 @@ class DecodePlan {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "x (T, K) float32 times a GGUF weight's transpose");
+  m.attr("tiled_rows") = kTiledRows;
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<std::vector<at::Tensor>, std::vector<std::vector<at::Tensor>>,
                     std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                     at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
-      .def("run", &DecodePlan::run, "logits (1, vocab) of one decode token");
+      .def("run", &DecodePlan::run, "logits (T, vocab) of T <= 64 decode rows");
   m.def("dequantize", &dequantize, "a GGUF weight's float32 values (N, K)");
   m.def("set_threads", [](int64_t n) { pool().resize(static_cast<int>(n)); },
         "the kernels' threads (at first: torch's, at::get_num_threads())");

@@ -70,8 +70,9 @@ def test_dequantize_blocks_the_gguf_package_quantized(gtype):
 
 
 @pytest.mark.parametrize("gtype", sorted(BLOCK_TYPES), ids=lambda t: BLOCK_TYPES[t][0])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9])  # 9: past the dot products, dequantize + matmul
+@pytest.mark.parametrize("rows", [1, 3, 64, 65])  # 1: dot products; 3, 64: tiles; 65: dequantize
 def test_cpu_matmul_against_oracle(gtype, rows):
+    assert kernels().tiled_rows == 64
     k, n = 512, 37  # 37: rows that are not whole groups of four
     w = random_blocks(gtype, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
@@ -238,38 +239,49 @@ def test_refusals(tmp_path):
 
 
 def test_decode_step_in_one_call_equals_the_layers(monkeypatch):
-    """On the CPU a batch-1 decode step of the default model runs as one call of the kernels
-    (FusedDecode): the same tokens and log-probabilities (1e-4) as the model's forward layer by
-    layer, over a short prompt, a prompt of 300+ tokens (attention over the kernels' threads),
-    and a request whose prefix came from the radix cache (its keys' slots not one run). Two
-    requests decoding together, and a float8 pool, run the layers."""
+    """On the CPU a decode step of up to 8 requests of the default model runs as one call of the
+    kernels (FusedDecode): the same tokens and log-probabilities (1e-4) as the model's forward
+    layer by layer, over a short prompt, a prompt of 300+ tokens (attention over the kernels'
+    threads), a request whose prefix came from the radix cache (its keys' slots not one run),
+    and four requests decoding together. 65 requests at once, and a float8 pool, run the
+    layers."""
     from radixlm.runtime.quantization import gguf as gguf_scheme
 
     kernels()
     calls = []
     real = gguf_scheme.FusedDecode.__call__
-    monkeypatch.setattr(
-        gguf_scheme.FusedDecode, "__call__", lambda self, *a: calls.append(1) or real(self, *a)
-    )
+
+    def counted(self, batch, backend):
+        calls.append(batch.num_tokens)
+        return real(self, batch, backend)
+
+    monkeypatch.setattr(gguf_scheme.FusedDecode, "__call__", counted)
     long_prompt = " ".join(f"item {i}," for i in range(120)) + " and the last item is"
     prompts = [PROMPTS[0], long_prompt, PROMPTS[0] + " not Berlin but"]  # (the last: cached prefix)
+    many = [f"Question {i}: what is {i} plus {i}?" for i in range(65)]
     with radixlm.Engine(quantization="gguf", max_total_tokens=4096) as eng:
         assert len(eng.tokenizer.encode(long_prompt)) > 256
         outs = {}
         for fused in (False, True):
             monkeypatch.setattr(gguf_scheme.FusedDecode, "enabled", fused)
             eng.flush_cache()
-            outs[fused] = [greedy(eng, 10, p) for p in prompts]  # (each alone: batch 1)
-        assert len(calls) == 9 * len(prompts)  # every decode step of the second pass
+            alone = [greedy(eng, 10, p) for p in prompts]  # (each alone: batch 1)
+            outs[fused] = alone + greedy(eng, 8, many[:4])  # (four together)
+        assert calls.count(1) >= 9 * len(prompts) and 4 in calls
         for a, b in zip(outs[False], outs[True]):
             assert a["output_ids"] == b["output_ids"]
             np.testing.assert_allclose(logprobs(a), logprobs(b), atol=1e-4)
         calls.clear()
-        together = greedy(eng, 6, PROMPTS[:2])
-        assert not calls and [o["output_ids"] for o in together] == [
-            o["output_ids"] for o in (greedy(eng, 6, p) for p in PROMPTS[:2])
-        ]
-        assert len(calls) == 2 * 6  # (cached prompts: their last token is a step of one too)
+        steps = []
+        inner = eng.model.forward
+
+        def every_step(batch, backend):
+            steps.append(batch.num_tokens)
+            return inner(batch, backend)
+
+        monkeypatch.setattr(eng.model, "forward", every_step)
+        greedy(eng, 3, many)  # 65 at once: past the call's rows
+        assert 65 in steps and 65 not in calls
     calls.clear()
     with radixlm.Engine(
         quantization="gguf", max_total_tokens=1024, kv_cache_dtype="fp8_e4m3"

@@ -3,9 +3,10 @@ file's raw blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; kernels/gguf_ref.py describes t
 to a seventh of float32's bytes, and multiplies by them.
 
 - On the CPU: the C++ kernels of kernels/gguf_cpu.cpp (built at first use), which read the blocks
-  once a step at a few rows of x and dequantize the layer for a matmul past that; float32
+  once a step up to 64 rows of x and dequantize the layer for a matmul past that; float32
   arithmetic throughout, so the result is the dequantized weight's F.linear up to the order of the
-  sums. Without a compiler: the torch dequantization below at every call (correct, slow).
+  sums. A decode step of up to 64 requests runs in one call of them (`FusedDecode`). Without a
+  compiler: the torch dequantization below at every call (correct, slow).
 - On a GPU: for now the layer is dequantized to float32 at every call and multiplied
   (kernels/gguf_ref.py `dequantize`, then F.linear): correct and slow, a stand-in until a GPU
   kernel reads the blocks.
@@ -203,13 +204,14 @@ def run_small_steps_single_threaded(model: nn.Module) -> None:
 
 
 class FusedDecode:
-    """On the CPU, a batch-1 decode step of a Llama model whose linear layers are all GGUF blocks
-    runs as one call of the kernels (gguf_cpu.cpp `DecodePlan`): the decoder's ~40 torch ops a
-    layer each cost microseconds of dispatch, more than the layer's arithmetic, at this size (the
-    default model spent 9 ms of a 22 ms step outside its matmuls). Every other step, and a model
-    or pool the call does not cover (another architecture, biases, a float8 or bfloat16 pool,
-    tensor parallelism, hidden states kept for a drafter), runs the model's own forward, which
-    is also the oracle the call is checked against. `enabled` switches it off (comparisons)."""
+    """On the CPU, a decode step of up to 64 requests (a token each) of a Llama model whose linear
+    layers are all GGUF blocks runs as one call of the kernels (gguf_cpu.cpp `DecodePlan`): the
+    decoder's ~40 torch ops a layer each cost microseconds of dispatch, more than the layer's
+    arithmetic, at this size (the default model spent 9 ms of a 22 ms batch-1 step outside its
+    matmuls). Every other step, and a model or pool the call does not cover (another
+    architecture, biases, a float8 or bfloat16 pool, tensor parallelism, hidden states kept for a
+    drafter, a verify step's rows of one request), runs the model's own forward, which is also
+    the oracle the call is checked against. `enabled` switches it off (comparisons)."""
 
     enabled = True
 
@@ -250,10 +252,12 @@ class FusedDecode:
         return (
             self.enabled
             and self.supported
-            and batch.num_tokens == 1
+            and 1 <= batch.num_tokens <= self.kernels.tiled_rows
             and batch.num_multi == 0
             and batch.padding == 0
             and batch.hidden_indices is None
+            and not batch.store_kv_first
+            and (batch.logits_indices is None or len(batch.logits_indices) == batch.num_tokens)
             and not batch.input_ids.is_cuda
             and type(backend) is TorchAttentionBackend
             and backend.kv_pool.dtype == torch.float32
@@ -282,13 +286,13 @@ class FusedDecode:
         return self.plan
 
     def __call__(self, batch, backend) -> torch.Tensor:
-        """Logits (1, vocab) in float32, as the model's forward gives them for this step."""
+        """Logits (T, vocab) in float32, as the model's forward gives them for this step."""
         model = self.model
-        x = model.embed_tokens(batch.input_ids).reshape(1, -1).float()
-        seq_len = batch.prefix_lens_cpu[0] + 1
-        keys = backend.req_to_token[batch.req_pool_indices[0], :seq_len]
+        x = model.embed_tokens(batch.input_ids).reshape(batch.num_tokens, -1).float()
+        lens = [p + 1 for p in batch.prefix_lens_cpu]
+        keys = backend.req_to_token[batch.req_pool_indices, : max(lens)]
         logits = self._plan_for(backend).run(
-            x, int(batch.positions[0]), int(batch.out_cache_loc[0]), keys
+            x, batch.positions, batch.out_cache_loc, keys, torch.tensor(lens)
         )
         if model.sampled_vocab < logits.shape[-1]:
             logits[:, model.sampled_vocab :] = float("-inf")
