@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.runtime.quantization.base import scheme_of
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "medusa_heads.safetensors"
 SAMPLE_KEY = "base_model.lm_head_sample"
@@ -128,6 +130,12 @@ class MedusaHeads(nn.Module):
         self.load_state_dict({f"heads.{k}": v for k, v in weights.items() if k != SAMPLE_KEY})
 
 
+def float_lm_head(lm_head: nn.Module) -> torch.Tensor:
+    """The LM head's weight (V, H) in floats: a quantized head's (GGUF blocks) dequantized."""
+    scheme = scheme_of(lm_head)
+    return scheme.dequantized_weight(lm_head) if scheme.quantized else lm_head.weight
+
+
 def lm_head_sample(lm_head_weight: torch.Tensor) -> torch.Tensor:
     """(16, H) float32: evenly spaced rows of an LM head, which identify the model."""
     rows = torch.linspace(0, lm_head_weight.shape[0] - 1, _SAMPLE_ROWS).long()
@@ -203,7 +211,7 @@ class MedusaDrafter:
         """The heads at `path` (a folder) for `model`, or with no path the shipped heads made for
         it; ValueError saying what is missing or does not fit."""
         lm_head = model.lm_head
-        weight = lm_head.weight
+        weight = float_lm_head(lm_head)
         cfg = model.cfg
         if weight.shape[0] != cfg.vocab_size:
             raise ValueError(
@@ -244,7 +252,7 @@ class MedusaDrafter:
             )
         heads = MedusaHeads(config.hidden_size, config.medusa_num_heads, config.medusa_num_layers)
         heads.load_medusa(weights, where)
-        heads = heads.to(device=weight.device, dtype=weight.dtype).eval()
+        heads = heads.to(device=weight.device, dtype=model.norm.weight.dtype).eval()
         return cls(heads, config, lm_head, getattr(model, "sampled_vocab", cfg.vocab_size))
 
     @torch.inference_mode()
@@ -261,8 +269,8 @@ class MedusaDrafter:
         if hidden.shape[0] == 0 or num <= 0:
             return [[[]] for _ in range(hidden.shape[0])]
         x = self.heads(hidden, num).reshape(-1, hidden.shape[-1])  # (N num, H)
-        # one matmul for all heads: the LM head's weight is read once
-        logits = F.linear(x, self.lm_head.weight[: self.sampled_vocab])  # (N num, V)
+        # one matmul for all heads: the LM head's weight is read once (as its scheme reads it)
+        logits = scheme_of(self.lm_head).apply(self.lm_head, x)[:, : self.sampled_vocab]
         logits = logits.view(hidden.shape[0], num, -1)
         if width <= 1:
             return [[chain] for chain in logits.argmax(dim=-1).tolist()]

@@ -222,7 +222,7 @@ def train_draft(
     """Make or reuse the data, train (or resume), write the head folder; returns its summary."""
     import radixlm
     from radixlm.runtime import model_loader
-    from radixlm.runtime.speculative.medusa import lm_head_sample
+    from radixlm.runtime.speculative.medusa import float_lm_head, lm_head_sample
 
     opts.check()
     folder = Path(opts.output).expanduser()
@@ -238,7 +238,7 @@ def train_draft(
     started = time.perf_counter()
     with radixlm.Engine(**engine_kwargs) as engine:
         model = engine.model
-        weight = model.lm_head.weight
+        weight = float_lm_head(model.lm_head)
         if weight.shape[0] != engine.model_config.vocab_size:
             raise ValueError("train-draft needs the whole LM head on one device (tp_size 1)")
         sample = lm_head_sample(weight)
