@@ -252,7 +252,7 @@ class MedusaDrafter:
             )
         heads = MedusaHeads(config.hidden_size, config.medusa_num_heads, config.medusa_num_layers)
         heads.load_medusa(weights, where)
-        heads = heads.to(device=weight.device, dtype=model.norm.weight.dtype).eval()
+        heads = heads.to(device=weight.device, dtype=weight.dtype).eval()
         return cls(heads, config, lm_head, getattr(model, "sampled_vocab", cfg.vocab_size))
 
     @torch.inference_mode()
