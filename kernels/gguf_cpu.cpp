@@ -641,15 +641,18 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int
 // `FusedDecode` decides when it applies and is checked against the model's own forward). Each op
 // is the plain path's (kernels/fused_ref.py, kernels/attention_ref.py) in the same float32
 // arithmetic; the matmuls are `gemv`'s, the rest runs on the calling thread.
+// a linear layer: its parts' blocks (rows one after the other; a fused projection's parts may be
+// of different block types, as a Q4_K_M file's Q6_K v beside Q4_K q and k)
 struct Linear {
-  at::Tensor w;
-  int64_t type = 0, n = 0, k = 0;
+  std::vector<at::Tensor> w;
+  std::vector<int64_t> type;
+  int64_t n = 0, k = 0;
 };
 
 class DecodePlan {
  public:
   DecodePlan(std::vector<at::Tensor> norms, std::vector<std::vector<at::Tensor>> linears,
-             std::vector<int64_t> types, std::vector<at::Tensor> k_pools,
+             std::vector<std::vector<int64_t>> types, std::vector<at::Tensor> k_pools,
              std::vector<at::Tensor> v_pools, at::Tensor cos, at::Tensor sin, int64_t heads,
              int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : norms_(std::move(norms)), k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)),
@@ -662,12 +665,16 @@ class DecodePlan {
     TORCH_CHECK(static_cast<int64_t>(linears.size()) == 4 * layers_ + 1 && types.size() == linears.size(),
                 "4 linear layers a layer and the head");
     for (size_t i = 0; i < linears.size(); ++i) {
+      TORCH_CHECK(linears[i].size() >= 2 && linears[i].size() == types[i].size() + 1,
+                  "a linear layer: its columns, then each part's blocks, a type a part");
       Linear l;
-      l.w = linears[i][0];
-      l.k = linears[i][1].item<int64_t>();
-      l.type = types[i];
-      check_weight(l.w, l.type, l.k);
-      l.n = l.w.size(0);
+      l.k = linears[i][0].item<int64_t>();
+      for (size_t j = 1; j < linears[i].size(); ++j) {
+        l.w.push_back(linears[i][j]);
+        l.type.push_back(types[i][j - 1]);
+        check_weight(l.w.back(), l.type.back(), l.k);
+        l.n += l.w.back().size(0);
+      }
       linears_.push_back(l);
     }
     hidden_ = norms_[0].numel();
@@ -770,9 +777,21 @@ class DecodePlan {
     }
   }
 
-  void linear(int64_t i, const float* x, int64_t t, float* y) const {
+  void linear(int64_t i, const float* x, int64_t t, float* y) {
     const Linear& l = linears_[i];
-    gemv(l.w.data_ptr<uint8_t>(), l.type, l.n, l.k, x, t, y);
+    if (l.w.size() == 1) {
+      gemv(l.w[0].data_ptr<uint8_t>(), l.type[0], l.n, l.k, x, t, y);
+      return;
+    }
+    int64_t start = 0;  // each part's rows into their columns of y (T, N)
+    for (size_t j = 0; j < l.w.size(); ++j) {
+      const int64_t n = l.w[j].size(0);
+      part_.resize(t * n);
+      gemv(l.w[j].data_ptr<uint8_t>(), l.type[j], n, l.k, x, t, part_.data());
+      for (int64_t r = 0; r < t; ++r)
+        std::memcpy(y + r * l.n + start, &part_[r * n], n * sizeof(float));
+      start += n;
+    }
   }
 
   void step(const float* x_in, int64_t t, const int64_t* positions, const int64_t* slots,
@@ -830,7 +849,7 @@ class DecodePlan {
   at::Tensor cos_, sin_;
   int64_t layers_ = 0, hidden_ = 0, inter_ = 0, heads_, kv_heads_, head_dim_;
   float eps_, scale_;
-  std::vector<float> residual_, h_, qkv_, attn_, out_, gate_up_, act_, scores_;
+  std::vector<float> residual_, h_, qkv_, attn_, out_, gate_up_, act_, scores_, part_;
 };
 
 }  // namespace
@@ -840,7 +859,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("tiled_rows") = kTiledRows;
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<std::vector<at::Tensor>, std::vector<std::vector<at::Tensor>>,
-                    std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<std::vector<int64_t>>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                     at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("run", &DecodePlan::run, "logits (T, vocab) of T <= 64 decode rows");
   m.def("dequantize", &dequantize, "a GGUF weight's float32 values (N, K)");

@@ -159,10 +159,23 @@ def logprobs(out) -> list[float]:
     return [t[0] for t in out["meta_info"]["output_token_logprobs"]]
 
 
-def test_tiny_gguf_as_stored_equals_dequantized(tmp_path, weights, tokenizer_fields):  # noqa: F811
+def test_tiny_gguf_as_stored_equals_dequantized(
+    tmp_path,
+    weights,  # noqa: F811
+    tokenizer_fields,  # noqa: F811
+    monkeypatch,
+):
     """Untied LM head (an output tensor), q and k permuted by llama.cpp, a fused q/k/v of three
-    block types: the same tokens as the float32 dequantization, log-probabilities within 1e-4."""
+    block types (its decode steps in one call, FusedDecode, each part's rows its own matmul): the
+    same tokens as the float32 dequantization, log-probabilities within 1e-4."""
+    from radixlm.runtime.quantization import gguf as gguf_scheme
+
     kernels()
+    calls = []
+    real = gguf_scheme.FusedDecode.__call__
+    monkeypatch.setattr(
+        gguf_scheme.FusedDecode, "__call__", lambda self, *a: calls.append(1) or real(self, *a)
+    )
     path = write_quantized_tiny(tmp_path / "tiny-q.gguf", weights, tokenizer_fields)
     kw = {"model_path": str(path), "cache_dir": str(tmp_path / "cache"), "max_total_tokens": 512}
     ids = [[1, 5, 9, 300, 17], [2, 700, 44, 8]]
@@ -172,6 +185,7 @@ def test_tiny_gguf_as_stored_equals_dequantized(tmp_path, weights, tokenizer_fie
         assert eng.model.lm_head.weight.dtype == torch.uint8  # the output tensor's Q8_0 blocks
         assert eng.model.layers[0].self_attn.qkv_proj.quant_scheme.types == (2, 8, 3)
         got = greedy(eng, 12, input_ids=ids)
+    assert len(calls) == 11  # (both requests' decode steps)
     for a, b in zip(want, got):
         assert a["output_ids"] == b["output_ids"]
         np.testing.assert_allclose(logprobs(a), logprobs(b), atol=1e-4)

@@ -228,7 +228,7 @@ class FusedDecode:
         def single(layer) -> bool:
             scheme = getattr(layer, "quant_scheme", None)
             return (
-                isinstance(scheme, GgufLinear) and len(scheme.runs) == 1 and layer.bias is None
+                isinstance(scheme, GgufLinear) and layer.bias is None
                 and getattr(getattr(layer, "comm", None), "size", 1) == 1
             )  # fmt: skip
 
@@ -276,8 +276,8 @@ class FusedDecode:
             linears = [*(m for layer in layers for m in _layer_linears(layer)), model.lm_head]
             self.plan = self.kernels.DecodePlan(
                 norms,
-                [[m.quant_scheme.runs[0], torch.tensor(m.quant_scheme.k)] for m in linears],
-                [m.quant_scheme.bounds[0][2] for m in linears],
+                [[torch.tensor(m.quant_scheme.k), *m.quant_scheme.runs] for m in linears],
+                [[gtype for _, _, gtype in m.quant_scheme.bounds] for m in linears],
                 list(pool.k), list(pool.v), model.rope.cos, model.rope.sin,
                 attn.num_heads, attn.num_kv_heads, attn.head_dim,
                 float(layers[0].input_layernorm.eps), float(attn.scale),
