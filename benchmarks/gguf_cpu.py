@@ -177,11 +177,12 @@ def main() -> None:
     f32, ours, layers = (best[name][0] for name in best)
     rate = read_rate(args.threads)
     floor_ms = sizes[names_gguf][1] / rate * 1e3
-    print(
-        f"\nbound: the gguf step reads {sizes[names_gguf][1] / 1e6:.0f} MB; at {rate / 1e9:.1f} GB/s "
-        f"(a plain read here) that is {floor_ms:.2f} ms, {1e3 / floor_ms:.0f} tok/s; the step takes "
-        f"{1e3 / ours:.2f} ms ({floor_ms * ours / 1e3:.0%} of the bound's rate)"
-    )
+    if args.batch == 1:  # (a step's time is a token's at batch 1 only)
+        print(
+            f"\nbound: the gguf step reads {sizes[names_gguf][1] / 1e6:.0f} MB; at {rate / 1e9:.1f} GB/s "
+            f"(a plain read here) that is {floor_ms:.2f} ms, {1e3 / floor_ms:.0f} tok/s; the step takes "
+            f"{1e3 / ours:.2f} ms ({floor_ms * ours / 1e3:.0%} of the bound's rate)"
+        )
     print(f"\ngguf / float32 (decode): {ours / f32:.2f}x; one-call step / layer by layer: "
           f"{ours / layers:.2f}x")  # fmt: skip
     if llama is not None:

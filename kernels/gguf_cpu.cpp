@@ -51,6 +51,8 @@ constexpr int64_t kTiledRows = 64;
 class Pool {
  public:
   void resize(int threads) {
+    std::lock_guard<std::mutex> one_run(run_mu_);
+    threads = std::min(threads, 0xffff);  // (a run's parts are counted in 16 bits)
     stop();
     std::lock_guard<std::mutex> lock(mu_);
     quit_ = false;
@@ -67,14 +69,17 @@ class Pool {
   // claim one at a time: a worker the OS has not scheduled yet (more threads than cores, another
   // process busy) leaves its part to the caller instead of holding the run up until it wakes.
   void run(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
-    if (forked_) {
+    if (forked_) {  // (the child of a fork: one thread here, nothing held that it can release)
       forked_ = false;
       new std::vector<std::thread>(std::move(workers_));  // (kept: not joinable here)
       workers_.clear();
+      new (&run_mu_) std::mutex();
       new (&mu_) std::mutex();
       new (&cv_) std::condition_variable();
       resize(size_);
     }
+    // one run at a time: callers (engines of one process, each calling without the GIL) wait
+    std::lock_guard<std::mutex> one_run(run_mu_);
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(size_, (n + grain - 1) / grain));
     if (parts == 1) {
       f(0, n);
@@ -89,7 +94,8 @@ class Pool {
       std::lock_guard<std::mutex> lock(mu_);
       gen = generation_.load() + 1;
       // the run's tickets: its generation, its count of parts, the next part to claim
-      ticket_.store(gen << 32 | static_cast<uint64_t>(parts) << 16, std::memory_order_release);
+      ticket_.store((gen & 0xffffffffu) << 32 | static_cast<uint64_t>(parts) << 16,
+                    std::memory_order_release);
       generation_.store(gen, std::memory_order_release);
     }
     cv_.notify_all();
@@ -104,7 +110,7 @@ class Pool {
   // (its task_, n_ and parts_) stays as it is until the claimer finishes it
   void claim(uint64_t gen) {
     uint64_t t = ticket_.load(std::memory_order_acquire);
-    while ((t >> 32) == gen && (t & 0xffff) < ((t >> 16) & 0xffff)) {
+    while ((t >> 32) == (gen & 0xffffffffu) && (t & 0xffff) < ((t >> 16) & 0xffff)) {
       if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) {
         const int64_t part = static_cast<int64_t>(t & 0xffff);
         const int64_t per = (n_ + parts_ - 1) / parts_;
@@ -146,6 +152,7 @@ class Pool {
   }
 
   std::vector<std::thread> workers_;
+  std::mutex run_mu_;  // held for a whole run, and while resizing
   std::mutex mu_;
   std::condition_variable cv_;
   std::atomic<uint64_t> generation_{0};
@@ -630,7 +637,7 @@ void check_weight(const at::Tensor& w, int64_t type, int64_t k) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
                   w.is_contiguous(),
               "a GGUF weight is a contiguous CPU uint8 tensor of (rows, bytes a row)");
-  TORCH_CHECK(k % block_size(type) == 0 && w.size(1) == k / block_size(type) * block_bytes(type),
+  TORCH_CHECK(k > 0 && k % block_size(type) == 0 && w.size(1) == k / block_size(type) * block_bytes(type),
               "a GGUF weight's rows hold ", w.size(1), " bytes, not whole blocks of ", k,
               " columns");
 }
@@ -688,11 +695,12 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int
   return y;
 }
 
-// A decode step (at most kTiledRows requests, a token each) of a Llama decoder whose linear layers
-// are GGUF blocks, in one call: the layers' norms, matmuls, rotary embedding, K/V store and
-// attention, and the final norm and LM head, with float32 activations and a float32 K/V pool (runtime/quantization/gguf.py
-// `FusedDecode` decides when it applies and is checked against the model's own forward). Each op
-// is the plain path's (kernels/fused_ref.py, kernels/attention_ref.py) in the same float32
+// A step of at most kTiledRows token rows (decodes, verify steps, short prompt chunks) of a
+// Llama decoder whose linear layers are GGUF blocks, in one call: the layers' norms, matmuls,
+// rotary embedding, K/V store and attention, and the final norm and LM head, with float32
+// activations and a float32 K/V pool (runtime/quantization/gguf.py `FusedDecode` decides when it
+// applies and is checked against the model's own forward). Each op is the plain path's
+// (kernels/fused_ref.py, kernels/attention_ref.py) in the same float32
 // arithmetic; the matmuls are `gemv`'s, the rest runs on the calling thread.
 // a linear layer: its parts' blocks (rows one after the other; a fused projection's parts may be
 // of different block types, as a Q4_K_M file's Q6_K v beside Q4_K q and k)
@@ -741,11 +749,17 @@ class DecodePlan {
                   "a float32 K/V pool of (slots, kv_heads, head_dim)");
   }
 
-  // T <= kTiledRows decode rows, each a request's next token: x (T, hidden) their embeddings; each
-  // row's position, the slot its K/V go to, and the slots of its request's keys (keys[i, :lens[i]],
-  // its new slot last): the logits (T, N of the head), float32
-  at::Tensor run(const at::Tensor& x_in, const at::Tensor& positions_in, const at::Tensor& slots_in,
-                 const at::Tensor& keys_in, const at::Tensor& lens_in) {
+  // T <= kTiledRows token rows, each a request's next token, or several of one request at
+  // consecutive positions (a prompt chunk, a verify step: each row stores its K/V before it
+  // attends, and its keys end at its own slot): x (T, hidden) their embeddings; each row's
+  // position, the slot its K/V go to, and the slots of its request's keys (keys[i, :lens[i]], its
+  // new slot last); the rows that need logits: their logits (L, N of the head), float32
+  // With `keep_hidden`, also the final norm's output (T, hidden), what the LM head reads (for a
+  // drafter's heads); else an empty tensor.
+  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& x_in, const at::Tensor& positions_in,
+                                         const at::Tensor& slots_in, const at::Tensor& keys_in,
+                                         const at::Tensor& lens_in,
+                                         const at::Tensor& logit_rows_in, bool keep_hidden) {
     const int64_t t = x_in.size(0);
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == hidden_ && x_in.scalar_type() == at::kFloat,
                 "x (T, hidden) float32");
@@ -760,17 +774,30 @@ class DecodePlan {
                 "a position, a slot, a row of keys and a length a row");
     const int64_t* len = lens.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t slots_in_pool = k_pools_[0].size(0);
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t* key = keys.data_ptr<int64_t>();
     for (int64_t i = 0; i < t; ++i) {
       TORCH_CHECK(pos[i] >= 0 && pos[i] < cos_.size(0), "position past the rotary tables");
       TORCH_CHECK(len[i] >= 1 && len[i] <= keys.size(1), "a row's keys past its row");
+      TORCH_CHECK(slot[i] >= 0 && slot[i] < slots_in_pool, "a slot past the K/V pool");
+      for (int64_t j = 0; j < len[i]; ++j)
+        TORCH_CHECK(key[i * keys.size(1) + j] >= 0 && key[i * keys.size(1) + j] < slots_in_pool,
+                    "a key's slot past the K/V pool");
     }
-    at::Tensor logits = at::empty({t, linears_.back().n}, x.options());
+    const at::Tensor logit_rows = logit_rows_in.to(at::kLong).contiguous();
+    const int64_t* rows = logit_rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < logit_rows.numel(); ++i)
+      TORCH_CHECK(rows[i] >= 0 && rows[i] < t, "a logits row past the step's rows");
+    at::Tensor logits = at::empty({logit_rows.numel(), linears_.back().n}, x.options());
     {
       pybind11::gil_scoped_release unlocked;
       step(x.data_ptr<float>(), t, pos, slots.data_ptr<int64_t>(), keys.data_ptr<int64_t>(),
-           keys.size(1), len, logits.data_ptr<float>());
+           keys.size(1), len, rows, logit_rows.numel(), logits.data_ptr<float>());
     }
-    return logits;
+    at::Tensor hidden = at::empty({keep_hidden ? t : 0, hidden_}, x.options());
+    if (keep_hidden) std::memcpy(hidden.data_ptr<float>(), h_.data(), t * hidden_ * sizeof(float));
+    return {logits, hidden};
   }
 
  private:
@@ -848,7 +875,8 @@ class DecodePlan {
   }
 
   void step(const float* x_in, int64_t t, const int64_t* positions, const int64_t* slots,
-            const int64_t* keys, int64_t keys_stride, const int64_t* lens, float* logits) {
+            const int64_t* keys, int64_t keys_stride, const int64_t* lens,
+            const int64_t* logit_rows, int64_t n_logits, float* logits) {
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     const int64_t qkv_size = q_size + 2 * kv_size, half = head_dim_ / 2;
     residual_.assign(x_in, x_in + t * hidden_);
@@ -893,7 +921,11 @@ class DecodePlan {
     }
     add_out();
     norm_rows(norms_[2 * layers_]);
-    linear(4 * layers_, h_.data(), t, logits);
+    if (n_logits == 0) return;
+    head_in_.resize(n_logits * hidden_);  // (the rows that need logits: the LM head reads those)
+    for (int64_t i = 0; i < n_logits; ++i)
+      std::memcpy(&head_in_[i * hidden_], &h_[logit_rows[i] * hidden_], hidden_ * sizeof(float));
+    linear(4 * layers_, head_in_.data(), n_logits, logits);
   }
 
   std::vector<at::Tensor> norms_;
@@ -902,7 +934,7 @@ class DecodePlan {
   at::Tensor cos_, sin_;
   int64_t layers_ = 0, hidden_ = 0, inter_ = 0, heads_, kv_heads_, head_dim_;
   float eps_, scale_;
-  std::vector<float> residual_, h_, qkv_, attn_, out_, gate_up_, act_, scores_, part_;
+  std::vector<float> residual_, h_, qkv_, attn_, out_, gate_up_, act_, scores_, part_, head_in_;
 };
 
 }  // namespace
@@ -914,7 +946,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<at::Tensor>, std::vector<std::vector<at::Tensor>>,
                     std::vector<std::vector<int64_t>>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                     at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
-      .def("run", &DecodePlan::run, "logits (T, vocab) of T <= 64 decode rows");
+      .def("run", &DecodePlan::run, "(logits (T, vocab), final hidden or empty) of T <= 64 decode rows");
   m.def("dequantize", &dequantize, "a GGUF weight's float32 values (N, K)");
   m.def("set_threads", [](int64_t n) { pool().resize(static_cast<int>(n)); },
         "the kernels' threads (at first: torch's, at::get_num_threads())");

@@ -185,7 +185,7 @@ def test_tiny_gguf_as_stored_equals_dequantized(
         assert eng.model.lm_head.weight.dtype == torch.uint8  # the output tensor's Q8_0 blocks
         assert eng.model.layers[0].self_attn.qkv_proj.quant_scheme.types == (2, 8, 3)
         got = greedy(eng, 12, input_ids=ids)
-    assert len(calls) == 11  # (both requests' decode steps)
+    assert len(calls) == 12  # (the prompts' step and both requests' decode steps)
     for a, b in zip(want, got):
         assert a["output_ids"] == b["output_ids"]
         np.testing.assert_allclose(logprobs(a), logprobs(b), atol=1e-4)
@@ -302,3 +302,42 @@ def test_decode_step_in_one_call_equals_the_layers(monkeypatch):
     ) as eng:
         greedy(eng, 4, PROMPTS[0])
     assert not calls
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "MEDUSA"])
+def test_speculative_steps_in_one_call_equal_the_layers(monkeypatch, algorithm):
+    """A verify step's rows of one request (NGRAM) and the hidden states MEDUSA's heads read run
+    in the one-call step too: the same tokens as with the layers (NGRAM: and log-probabilities
+    within 1e-4)."""
+    from radixlm.runtime.quantization import gguf as gguf_scheme
+
+    kernels()
+    steps = []
+    real = gguf_scheme.FusedDecode.__call__
+
+    def counted(self, batch, backend):
+        logits = real(self, batch, backend)
+        requests = len(set(batch.req_pool_indices.tolist()))
+        steps.append((batch.num_tokens, requests, batch.hidden_states is not None))
+        return logits
+
+    monkeypatch.setattr(gguf_scheme.FusedDecode, "__call__", counted)
+    prompt = "Count: one two three, one two three, one two three, one two"
+    kw = {"speculative_algorithm": algorithm, "speculative_adaptive": False}  # (draft every step)
+    with radixlm.Engine(max_total_tokens=2048, **kw) as eng:
+        outs = {}
+        for fused in (False, True):
+            monkeypatch.setattr(gguf_scheme.FusedDecode, "enabled", fused)
+            eng.flush_cache()
+            if algorithm == "NGRAM":
+                outs[fused] = greedy(eng, 24, prompt)
+            else:  # (MEDUSA drafts for requests without log-probabilities only)
+                params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+                outs[fused] = eng.generate(prompt, params)
+    assert outs[False]["output_ids"] == outs[True]["output_ids"]
+    if algorithm == "NGRAM":
+        np.testing.assert_allclose(logprobs(outs[False]), logprobs(outs[True]), atol=1e-4)
+    if algorithm == "NGRAM":  # several rows of the one request: a verify step
+        assert any(rows > 1 and requests == 1 for rows, requests, _ in steps)
+    else:  # the heads' hidden states
+        assert any(hidden for _, _, hidden in steps)

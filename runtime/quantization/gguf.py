@@ -204,14 +204,15 @@ def run_small_steps_single_threaded(model: nn.Module) -> None:
 
 
 class FusedDecode:
-    """On the CPU, a decode step of up to 64 requests (a token each) of a Llama model whose linear
+    """On the CPU, a step of up to 64 token rows (decodes of up to 64 requests, a verify step, a
+    short prompt chunk; hidden states kept for a drafter too) of a Llama model whose linear
     layers are all GGUF blocks runs as one call of the kernels (gguf_cpu.cpp `DecodePlan`): the
     decoder's ~40 torch ops a layer each cost microseconds of dispatch, more than the layer's
     arithmetic, at this size (the default model spent 9 ms of a 22 ms batch-1 step outside its
     matmuls). Every other step, and a model or pool the call does not cover (another
-    architecture, biases, a float8 or bfloat16 pool, tensor parallelism, hidden states kept for a
-    drafter, a verify step's rows of one request), runs the model's own forward, which is also
-    the oracle the call is checked against. `enabled` switches it off (comparisons)."""
+    architecture, biases, a float8 or bfloat16 pool, tensor parallelism), runs the model's own
+    forward, which is also the oracle the call is checked against. `enabled` switches it off
+    (comparisons)."""
 
     enabled = True
 
@@ -253,11 +254,8 @@ class FusedDecode:
             self.enabled
             and self.supported
             and 1 <= batch.num_tokens <= self.kernels.tiled_rows
-            and batch.num_multi == 0
             and batch.padding == 0
-            and batch.hidden_indices is None
-            and not batch.store_kv_first
-            and (batch.logits_indices is None or len(batch.logits_indices) == batch.num_tokens)
+            and batch.extend_blocks is None
             and not batch.input_ids.is_cuda
             and type(backend) is TorchAttentionBackend
             and backend.kv_pool.dtype == torch.float32
@@ -286,14 +284,31 @@ class FusedDecode:
         return self.plan
 
     def __call__(self, batch, backend) -> torch.Tensor:
-        """Logits (T, vocab) in float32, as the model's forward gives them for this step."""
+        """Logits (L, vocab) in float32 at `batch.logits_indices`, as the model's forward gives
+        them for this step (and its hidden states, where a drafter keeps them)."""
         model = self.model
         x = model.embed_tokens(batch.input_ids).reshape(batch.num_tokens, -1).float()
-        lens = [p + 1 for p in batch.prefix_lens_cpu]
-        keys = backend.req_to_token[batch.req_pool_indices, : max(lens)]
-        logits = self._plan_for(backend).run(
-            x, batch.positions, batch.out_cache_loc, keys, torch.tensor(lens)
+        # each token row's request and its keys' count: a prompt chunk's (or a verify's) rows
+        # see the prefix and the chunk up to themselves
+        if batch.num_multi == 0:
+            lens = [p + 1 for p in batch.prefix_lens_cpu]
+            requests = batch.req_pool_indices
+        else:
+            lens, of = [], []
+            for i, (p, e) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)):
+                lens.extend(range(p + 1, p + e + 1))
+                of.extend([i] * e)
+            requests = batch.req_pool_indices[torch.tensor(of)]
+        keys = backend.req_to_token[requests, : max(lens)]
+        rows = batch.logits_indices
+        if rows is None:
+            rows = torch.arange(batch.num_tokens)
+        keep = batch.hidden_indices is not None
+        logits, hidden = self._plan_for(backend).run(
+            x, batch.positions, batch.out_cache_loc, keys, torch.tensor(lens), rows, keep
         )
+        if keep:  # (for a drafter's heads: the final norm's output at its rows)
+            batch.hidden_states = hidden[batch.hidden_indices]
         if model.sampled_vocab < logits.shape[-1]:
             logits[:, model.sampled_vocab :] = float("-inf")
         return logits

@@ -70,27 +70,27 @@ def plan_for(
     raise ValueError(f"quantization={option!r}; use one of {', '.join(QUANTIZATION_METHODS)}")
 
 
-def gguf_default(gguf_file: str | Path, device, dtype, tp=None, stage=None) -> str:
+def gguf_default(gguf_file: str | Path, device, dtype, tp=None, stage=None) -> str | None:
     """What a GGUF file runs as when `quantization` is unset: "gguf" (its blocks as stored) where
     the CPU kernels run it, faster than the float conversion at every batch measured
     (benchmarks/gguf_cpu.py: 7.7x at batch 1, 1.7x at 32) in a quarter of the memory: on the
     CPU, in float32, on one rank, with the kernels built and every tensor of a type they read;
-    "none" (the float32 conversion) elsewhere: on a GPU the blocks have no kernel of their own
-    yet."""
+    None (the float32 conversion, as before) elsewhere: on a GPU the blocks have no kernel of
+    their own yet."""
     import torch
 
     from radixlm.runtime.quantization.gguf import GgufWeights
 
     if device.type != "cpu" or dtype != torch.float32 or stage is not None:
-        return "none"
+        return None
     if tp is not None and tp.size > 1:
-        return "none"
+        return None
     if not _cpu_kernels_built():
-        return "none"
+        return None
     try:
         GgufWeights(gguf_file)  # (refuses a tensor type the kernels do not read)
     except ValueError:
-        return "none"
+        return None
     return "gguf"
 
 

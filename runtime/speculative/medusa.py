@@ -268,7 +268,9 @@ class MedusaDrafter:
         guess from the same state, whatever came before)."""
         if hidden.shape[0] == 0 or num <= 0:
             return [[[]] for _ in range(hidden.shape[0])]
-        x = self.heads(hidden, num).reshape(-1, hidden.shape[-1])  # (N num, H)
+        # (the heads are in the LM head's float dtype: a GGUF head's is float32 on any device)
+        dtype = next(self.heads.parameters()).dtype
+        x = self.heads(hidden.to(dtype), num).reshape(-1, hidden.shape[-1])  # (N num, H)
         # one matmul for all heads: the LM head's weight is read once (as its scheme reads it)
         logits = scheme_of(self.lm_head).apply(self.lm_head, x)[:, : self.sampled_vocab]
         logits = logits.view(hidden.shape[0], num, -1)
