@@ -741,12 +741,31 @@ class DecodePlan {
     hidden_ = norms_[0].numel();
     inter_ = linears_[2].n / 2;
     TORCH_CHECK(head_dim_ % 2 == 0 && heads_ % kv_heads_ == 0, "head_dim even, heads a multiple of kv_heads");
-    TORCH_CHECK(linears_[0].n == (heads_ + 2 * kv_heads_) * head_dim_ && linears_[0].k == hidden_,
-                "qkv_proj's shape");
-    for (int64_t l = 0; l < layers_; ++l)
-      TORCH_CHECK(k_pools_[l].scalar_type() == at::kFloat && k_pools_[l].is_contiguous() &&
-                      v_pools_[l].is_contiguous() && k_pools_[l].size(1) == kv_heads_ && k_pools_[l].size(2) == head_dim_,
-                  "a float32 K/V pool of (slots, kv_heads, head_dim)");
+    // every buffer of a step is sized from these: each layer's shapes are checked against them
+    const int64_t q_size = heads_ * head_dim_;
+    const auto shape = [&](const Linear& l, int64_t n, int64_t k, const char* what) {
+      TORCH_CHECK(l.n == n && l.k == k, what, "'s shape (", l.n, ", ", l.k, ") is not (", n, ", ", k, ")");
+    };
+    for (int64_t l = 0; l < layers_; ++l) {
+      shape(linears_[4 * l], q_size + 2 * kv_heads_ * head_dim_, hidden_, "qkv_proj");
+      shape(linears_[4 * l + 1], hidden_, q_size, "o_proj");
+      shape(linears_[4 * l + 2], 2 * inter_, hidden_, "gate_up_proj");
+      shape(linears_[4 * l + 3], hidden_, inter_, "down_proj");
+      TORCH_CHECK(norms_[2 * l].numel() == hidden_ && norms_[2 * l + 1].numel() == hidden_,
+                  "a norm's weight of hidden_size");
+      for (const at::Tensor& pool : {k_pools_[l], v_pools_[l]})
+        TORCH_CHECK(pool.scalar_type() == at::kFloat && pool.is_contiguous() && pool.dim() == 3 &&
+                        pool.size(0) == k_pools_[0].size(0) && pool.size(1) == kv_heads_ &&
+                        pool.size(2) == head_dim_,
+                    "a float32 K/V pool of (slots, kv_heads, head_dim)");
+    }
+    TORCH_CHECK(linears_.back().k == hidden_ && norms_.back().numel() == hidden_, "the LM head's shape");
+    for (const at::Tensor& norm : norms_)
+      TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.is_contiguous(), "float32 norm weights");
+    for (const at::Tensor& table : {cos_, sin_})
+      TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.dim() == 2 &&
+                      table.size(1) == head_dim_ / 2 && table.size(0) == cos_.size(0),
+                  "rotary tables of (positions, head_dim / 2) float32");
   }
 
   // T <= kTiledRows token rows, each a request's next token, or several of one request at
