@@ -39,7 +39,7 @@ namespace {
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
 constexpr int kLanes = 16;
 // rows of x past which a matmul dequantizes W whole and multiplies with torch's (on the 2-core
-// machine the tiles were 1.5-7x faster up to here, and even at 128 rows); also the rows a decode
+// machine the tiles were 1.5-7x faster up to here, and as fast at 128 rows); also the rows a decode
 // step in one call (DecodePlan) takes
 constexpr int64_t kTiledRows = 64;
 
@@ -460,6 +460,14 @@ inline void dequant_block(const uint8_t* b, float* y) {
   }
 }
 
+// four rows' lanes summed into y[0..3]
+inline void store4(float* y, const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3) {
+  y[0] = vsum(a0);
+  y[1] = vsum(a1);
+  y[2] = vsum(a2);
+  y[3] = vsum(a3);
+}
+
 constexpr int64_t kAheadGroups = 4;  // how far ahead the dot products prefetch, in groups of 4 rows
 
 // A group of rows is a few short streams (a row of the LM head is 10 cache lines), too short for
@@ -513,11 +521,7 @@ void dot_fused(const uint8_t* w, int64_t n_rows, int64_t k, const float* x, int6
             a2 = block_dot<Type>(blk + 2 * row_bytes, x0, x1, xsb, a2);
             a3 = block_dot<Type>(blk + 3 * row_bytes, x0, x1, xsb, a3);
           }
-          float* yt = y + t * n_rows + n;
-          yt[0] = vsum(a0);
-          yt[1] = vsum(a1);
-          yt[2] = vsum(a2);
-          yt[3] = vsum(a3);
+          store4(y + t * n_rows + n, a0, a1, a2, a3);
         } else {
           for (int64_t r = n; r < n_rows; ++r) {
             const uint8_t* row = w + r * row_bytes;
@@ -587,11 +591,7 @@ void dot_tiled(const uint8_t* w, int64_t n_rows, int64_t k, const float* x, int6
             a2 = vfma(vload(&tile[2 * k + j]), xv, a2);
             a3 = vfma(vload(&tile[3 * k + j]), xv, a3);
           }
-          float* yt = y + t * n_rows + n0;
-          yt[0] = vsum(a0);
-          yt[1] = vsum(a1);
-          yt[2] = vsum(a2);
-          yt[3] = vsum(a3);
+          store4(y + t * n_rows + n0, a0, a1, a2, a3);
         } else {
           for (int64_t r = 0; r < rows; ++r) {
             Vec a = vzero();

@@ -39,10 +39,11 @@ def build_model(
     from radixlm.runtime.quantization import plan as quant
 
     gguf_file = model_loader.gguf_file(config.model_path)
-    option = config.quantization
-    if option is None and gguf_file is not None:  # (a GGUF: its blocks where the kernels run)
-        option = quant.gguf_default(gguf_file, device, dtype, tp, stage)
-    plan = quant.plan_for(option, mc.quantization, gguf_file)
+    plan = None
+    if config.quantization is None and gguf_file is not None:  # (its blocks where kernels run)
+        plan = quant.default_gguf_plan(gguf_file, device, dtype, tp, stage)
+    if plan is None:
+        plan = quant.plan_for(config.quantization, mc.quantization, gguf_file)
     if plan is not None and plan.gguf is not None:
         startup.say(f"{plan.description}: {_gguf_path_line(device)}")
     elif plan is not None and device.type != "cuda":

@@ -178,8 +178,10 @@ class GgufEmbedding(nn.Module):
 SMALL_STEP_TOKENS = 8
 
 
-def run_small_steps_single_threaded(model: nn.Module) -> None:
-    """On the CPU: a step of few tokens, and what the engine does after it (sampling), runs
+def wrap_cpu_forward(model: nn.Module) -> None:
+    """On the CPU, the model's forward for GGUF blocks: a step that `FusedDecode` covers runs as
+    one call of the kernels; any other goes through the layers. And a step of few tokens, and
+    what the engine does after it (sampling), runs
     torch's ops (norms, rotary, attention, sampling's) on the calling thread alone, while the
     GGUF matmuls keep their own threads (kernels/gguf_cpu.py); a larger step (a prompt, whose
     matmuls are torch's over dequantized layers) takes torch's threads back. At batch 1 those ops

@@ -70,28 +70,25 @@ def plan_for(
     raise ValueError(f"quantization={option!r}; use one of {', '.join(QUANTIZATION_METHODS)}")
 
 
-def gguf_default(gguf_file: str | Path, device, dtype, tp=None, stage=None) -> str | None:
-    """What a GGUF file runs as when `quantization` is unset: "gguf" (its blocks as stored) where
-    the CPU kernels run it, faster than the float conversion at every batch measured
+def default_gguf_plan(
+    gguf_file: str | Path, device, dtype, tp=None, stage=None
+) -> QuantPlan | None:
+    """What a GGUF file runs as when `quantization` is unset: its blocks as stored (the "gguf"
+    plan) where the CPU kernels run it, faster than the float conversion at every batch measured
     (benchmarks/gguf_cpu.py: 7.7x at batch 1, 1.7x at 32) in a quarter of the memory: on the
     CPU, in float32, on one rank, with the kernels built and every tensor of a type they read;
     None (the float32 conversion, as before) elsewhere: on a GPU the blocks have no kernel of
     their own yet."""
     import torch
 
-    from radixlm.runtime.quantization.gguf import GgufWeights
-
     if device.type != "cpu" or dtype != torch.float32 or stage is not None:
         return None
-    if tp is not None and tp.size > 1:
-        return None
-    if not _cpu_kernels_built():
+    if (tp is not None and tp.size > 1) or not _cpu_kernels_built():
         return None
     try:
-        GgufWeights(gguf_file)  # (refuses a tensor type the kernels do not read)
+        return gguf_plan(gguf_file)  # (refuses a tensor type the kernels do not read)
     except ValueError:
         return None
-    return "gguf"
 
 
 def gguf_plan(gguf_file: str | Path | None) -> QuantPlan:
@@ -164,10 +161,10 @@ def finish(model: nn.Module, plan: QuantPlan) -> None:
     for _, layer in _named_linears(model, plan):
         layer.quant_scheme.process_after_loading(layer)
     if plan.gguf is not None and not any(p.is_cuda for p in model.parameters()):
-        from radixlm.runtime.quantization.gguf import run_small_steps_single_threaded
+        from radixlm.runtime.quantization.gguf import wrap_cpu_forward
 
         if _cpu_kernels_built():
-            run_small_steps_single_threaded(model)
+            wrap_cpu_forward(model)
     if any(p.is_cuda for p in model.parameters()):
         torch.cuda.empty_cache()
 

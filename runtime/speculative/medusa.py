@@ -199,6 +199,8 @@ class MedusaDrafter:
 
     def __init__(self, heads: MedusaHeads, config: MedusaConfig, lm_head, sampled_vocab: int):
         self.heads, self.config = heads, config
+        # (the heads are in the LM head's float dtype: a GGUF head's is float32 on any device)
+        self.dtype = next(heads.parameters()).dtype
         self.lm_head = lm_head
         self.sampled_vocab = sampled_vocab  # (ids past it are padding: never drafted)
 
@@ -268,9 +270,7 @@ class MedusaDrafter:
         guess from the same state, whatever came before)."""
         if hidden.shape[0] == 0 or num <= 0:
             return [[[]] for _ in range(hidden.shape[0])]
-        # (the heads are in the LM head's float dtype: a GGUF head's is float32 on any device)
-        dtype = next(self.heads.parameters()).dtype
-        x = self.heads(hidden.to(dtype), num).reshape(-1, hidden.shape[-1])  # (N num, H)
+        x = self.heads(hidden.to(self.dtype), num).reshape(-1, hidden.shape[-1])  # (N num, H)
         # one matmul for all heads: the LM head's weight is read once (as its scheme reads it)
         logits = scheme_of(self.lm_head).apply(self.lm_head, x)[:, : self.sampled_vocab]
         logits = logits.view(hidden.shape[0], num, -1)
