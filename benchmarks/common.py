@@ -9,7 +9,9 @@ import platform
 import random
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -116,10 +118,11 @@ def copy_bandwidth() -> float:
 
 
 @contextlib.contextmanager
-def cuda_event_spans(owner: type, method: str):
+def cuda_event_spans(owner: type, method: str, note: Callable[..., Any] | None = None):
     """While active, every call of `owner.method` is bracketed by CUDA events recorded on the
-    current stream; yields the list the (start, end) pairs go into (read them after a sync)."""
-    pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    current stream; yields the list the (start, end, note) triples go into (read them after a
+    sync): `note(*args, **kwargs)` of the call, None without `note`."""
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event, Any]] = []
     real = getattr(owner, method)
 
     def timed(*args, **kwargs):
@@ -127,12 +130,12 @@ def cuda_event_spans(owner: type, method: str):
         start.record()
         result = real(*args, **kwargs)
         end.record()
-        pairs.append((start, end))
+        spans.append((start, end, note(*args, **kwargs) if note is not None else None))
         return result
 
     setattr(owner, method, timed)
     try:
-        yield pairs
+        yield spans
     finally:
         setattr(owner, method, real)
         torch.cuda.synchronize()
@@ -160,3 +163,74 @@ def write_tiny_llama(out: Path, tokenizer_folder: str | Path | None = None) -> P
     LlamaForCausalLM(cfg).save_pretrained(out)
     copy_tokenizer_files(tokenizer_folder, out)
     return out
+
+
+# what each of the engine's device kernels is, by its name: (group, name fragments), first match
+# wins; the Triton kernels by their function names (kernels/*.py), the rest by what the libraries
+# call theirs. Anything unmatched is "other".
+KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention, decode rows", ("_decode_partial_kernel", "_decode_merge_kernel")),
+    ("attention, prompt rows", ("_extend_kernel", "flash", "fmha", "attention")),
+    ("GEMV (Triton)", ("_gemv_kernel", "_sum_splits_kernel", "_int4_gemm_kernel")),
+    ("matmul (cuBLAS)", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "splitkreduce")),
+    (
+        "norm, rotary, SiLU, KV store",
+        (
+            "_rms_norm_kernel",
+            "_rope",
+            "_silu_and_mul_kernel",
+            "_fp8_rows_kernel",
+            "_decode_inputs_kernel",
+        ),
+    ),
+    (
+        "sampling",
+        (
+            "_sample_kernel",
+            "_argmax",
+            "_apply_bitmask_kernel",
+            "argmax",
+            "topk",
+            "softmax",
+            "sort",
+            "multinomial",
+        ),
+    ),
+    ("copies and fills", ("memcpy", "memset", "copy", "fill", "index", "scatter", "gather", "cat")),
+)
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    for group, fragments in KERNEL_GROUPS:
+        if any(f.lower() in low for f in fragments):
+            return group
+    return "other"
+
+
+def covered_seconds(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals, in their unit."""
+    covered, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            covered += b - max(a, end)
+            end = b
+    return covered
+
+
+def kernel_breakdown(
+    kernels: list[tuple[str, float, float]],
+) -> tuple[dict[str, tuple[int, float]], list[tuple[str, int, float]], float]:
+    """From (name, start, end) of each device kernel or copy: per group of KERNEL_GROUPS,
+    (count, summed time); every name's (name, count, summed time), the largest first; and the
+    time the device was busy with any of them (their union: kernels of two streams may overlap)."""
+    groups: dict[str, list[float]] = {}
+    names: dict[str, list[float]] = {}
+    for name, start, end in kernels:
+        for table, key in ((groups, kernel_group(name)), (names, name)):
+            entry = table.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] += end - start
+    by_group = {g: (int(c), t) for g, (c, t) in sorted(groups.items(), key=lambda kv: -kv[1][1])}
+    by_name = sorted(((n, int(c), t) for n, (c, t) in names.items()), key=lambda r: -r[2])
+    return by_group, by_name, covered_seconds([(s, e) for _, s, e in kernels])

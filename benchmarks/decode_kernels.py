@@ -35,10 +35,10 @@ from benchmarks.common import (
 
 def replay_times(eng, prompts, params) -> tuple[list[float], list[float]]:
     """(GPU ms of each graph replay, ms from each replay's end to the next one's start)."""
-    with cuda_event_spans(torch.cuda.CUDAGraph, "replay") as pairs:
+    with cuda_event_spans(torch.cuda.CUDAGraph, "replay") as spans:
         eng.generate(input_ids=prompts, sampling_params=params)
-    inside = [a.elapsed_time(b) for a, b in pairs]
-    gaps = [pairs[i][1].elapsed_time(pairs[i + 1][0]) for i in range(len(pairs) - 1)]
+    inside = [a.elapsed_time(b) for a, b, _ in spans]
+    gaps = [spans[i][1].elapsed_time(spans[i + 1][0]) for i in range(len(spans) - 1)]
     return inside, gaps
 
 

@@ -33,6 +33,7 @@ import radixlm
 from benchmarks.common import (
     SHAPES,
     commit,
+    covered_seconds,
     cuda_event_spans,
     device_line,
     random_prompts,
@@ -126,17 +127,13 @@ def busy(shape: str) -> str:
             t0 = time.perf_counter()
             eng.generate(input_ids=prompts, sampling_params=params)
             wall = time.perf_counter() - t0
-    intervals = sorted(
+    intervals = [
         (e.time_range.start, e.time_range.end)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-    covered, end = 0.0, float("-inf")
-    for a, b in intervals:
-        if b > end:
-            covered += b - max(a, end)
-            end = b
-    span = (end - intervals[0][0]) / 1e6
+    ]
+    covered = covered_seconds(intervals)
+    span = (max(b for _, b in intervals) - min(a for a, _ in intervals)) / 1e6
     tokens = 64 * 256
     return (
         f"| {shape} | 64 x 256 tokens | {wall:.3f} s | {tokens / wall:.0f} tok/s "
@@ -153,11 +150,11 @@ def step_spans(eng, prompts, params) -> tuple[int, float, float]:
     what lies between them is the GPU waiting for the host."""
     from radixlm.runtime.model_runner import ModelRunner
 
-    with cuda_event_spans(ModelRunner, "launch") as pairs:
+    with cuda_event_spans(ModelRunner, "launch") as spans:
         t0 = time.perf_counter()
         eng.generate(input_ids=prompts, sampling_params=params)
         wall = time.perf_counter() - t0
-    return len(pairs), sum(a.elapsed_time(b) for a, b in pairs) / 1e3, wall
+    return len(spans), sum(a.elapsed_time(b) for a, b, _ in spans) / 1e3, wall
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ prompts, same machine, one run.
     python -m benchmarks.offline_throughput --shape smollm2-135m   # GPU: random weights, bf16
         [--ablate pdl,prefill-graphs,cuda-graphs,overlap [--rounds 2]]
         [--prompt-lens 1000-2000 --output-lens 20-100] [--quantization fp8] [--peak-tflops 989]
+        [--profile]
 
 On the CPU, two workloads: batch 1 (decode speed: a short prompt, many new tokens) and a batch of prompts of
 mixed lengths generated all at once (transformers pads them to the longest; radixlm batches them
@@ -19,6 +20,9 @@ time, instead: --rounds rounds of every configuration, interleaved (the first en
 runs slowest, so a configuration measured only first or only later would carry that).
 
 With --shape it also prints the workload's FLOPs and the rate they allow at --peak-tflops.
+--profile then says where the time goes (`profile_workload`): the device time of decode-only
+steps against their floor (FLOPs or bytes, step by step), of steps with prompt tokens, the device
+idle between steps, and every kernel's time by group under the torch profiler.
 
 --quantization fp8 runs radixlm a second time with its linear layers quantized at load (FP8 W8A8,
 from the same weights), in the same run, and prints both rates and their ratio (on the CPU the FP8
@@ -36,7 +40,11 @@ import torch
 import radixlm
 from benchmarks.common import (
     commit,
+    copy_bandwidth,
+    cuda_event_spans,
     device_line,
+    kernel_breakdown,
+    kernel_group,
     offline_gpu_workload,
     random_hf_model,
     random_prompts,
@@ -123,6 +131,10 @@ def main() -> None:
         "--peak-tflops", type=float, default=989.0,
         help="with --shape: the GPU's dense bf16 peak, for the FLOPs floor (H100/H200 SXM: 989)",
     )  # fmt: skip
+    ap.add_argument(
+        "--profile", action="store_true",
+        help="with --shape: where the time goes, by step kind and by kernel (two more runs)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.shape:
         args.max_running = args.max_running or args.requests
@@ -184,10 +196,17 @@ ABLATIONS = {
 
 
 def ours_offline(
-    args, folder, prompts, params, without: str = "", quantization: str | None = None
+    args,
+    folder,
+    prompts,
+    params,
+    without: str = "",
+    quantization: str | None = None,
+    profile: bool = False,
 ) -> tuple[list[float], dict]:
     """Output tokens/s of --repeats runs of the whole workload on one engine, and the engine's
-    statistics; `without` names a switch of ABLATIONS to turn off; `quantization` a scheme."""
+    statistics; `without` names a switch of ABLATIONS to turn off; `quantization` a scheme;
+    `profile`: then where the time goes, from two more runs (`profile_workload`)."""
     import os
 
     env, engine_args = ABLATIONS[without] if without else ({}, {})
@@ -211,6 +230,8 @@ def ours_offline(
                 assert produced == sum(p["max_new_tokens"] for p in params)
                 rates.append(produced / wall)
             stats = eng.get_stats()
+            if profile:
+                profile_workload(eng, folder, prompts, params, args.peak_tflops)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -266,7 +287,7 @@ def gpu_workload(args) -> None:
         raise SystemExit(f"--ablate: no switch {sorted(unknown)}; the switches: {list(ABLATIONS)}")
     if ablate:
         return ablation(args, folder, prompts, params, ablate)
-    rates, stats = ours_offline(args, folder, prompts, params)
+    rates, stats = ours_offline(args, folder, prompts, params, profile=args.profile)
     ours = statistics.median(rates)
     print(f"  engine stats: {stats}")
     flops = workload_flops(folder, prompts, outs)
@@ -303,26 +324,116 @@ def gpu_workload(args) -> None:
     print(f"| {label} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.1f}x |")
 
 
-def workload_flops(folder, prompts: list[list[int]], outs: list[int]) -> float:
-    """The multiply-adds (x2) the workload cannot avoid: every linear layer once per token fed
-    (each prompt token, each output token but the last), the LM head once per output token, and
-    causal attention (q.k and p.v over the positions up to each token fed)."""
+def shape_numbers(folder) -> dict[str, int]:
+    """What the costs of a step follow from, read from the shape's config.json: per token fed,
+    the linear layers' multiply-adds (`linear`); the LM head's (`head`); per key a token attends
+    to, attention's multiply-adds over all layers (`attend`) and the K and V bytes (bfloat16)
+    read (`kv_bytes`); the weight bytes a step reads (`weight_bytes`: the linear layers and the
+    LM head, bfloat16)."""
     import json
 
     c = json.loads((folder / "config.json").read_text())
     h, i, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
-    heads, kv_heads = (
-        c["num_attention_heads"],
-        c.get("num_key_value_heads", c["num_attention_heads"]),
-    )
+    heads = c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads", heads)
     hd = c.get("head_dim") or h // heads
-    per_token = layers * (h * heads * hd * 2 + 2 * h * kv_heads * hd + 3 * h * i)
-    fed = sum(len(p) + n - 1 for p, n in zip(prompts, outs))
+    linear = layers * (h * heads * hd * 2 + 2 * h * kv_heads * hd + 3 * h * i)
+    head = h * c["vocab_size"]
+    return {
+        "linear": linear,
+        "head": head,
+        "attend": layers * 2 * heads * hd,
+        "kv_bytes": layers * 2 * kv_heads * hd * 2,
+        "weight_bytes": 2 * (linear + head),
+    }
+
+
+def workload_flops(folder, prompts: list[list[int]], outs: list[int]) -> float:
+    """The multiply-adds (x2) the workload cannot avoid: every linear layer once per token fed
+    (each prompt token, each output token but the last), the LM head once per output token, and
+    causal attention (q.k and p.v over the positions up to each token fed)."""
+    n = shape_numbers(folder)
+    fed = sum(len(p) + k - 1 for p, k in zip(prompts, outs))
     # positions attended: token at position t sees t + 1 keys
-    attended = sum((len(p) + n - 1) * (len(p) + n) // 2 for p, n in zip(prompts, outs))
-    return 2.0 * (
-        per_token * fed + h * c["vocab_size"] * sum(outs) + layers * 2 * heads * hd * attended
+    attended = sum((len(p) + k - 1) * (len(p) + k) // 2 for p, k in zip(prompts, outs))
+    return 2.0 * (n["linear"] * fed + n["head"] * sum(outs) + n["attend"] * attended)
+
+
+def _step_note(_runner, plan, *args, **kwargs) -> tuple[bool, int, int]:
+    """(decodes only, tokens computed, keys attended) of a step's plan."""
+    keys = sum(plan.seq_lens) + sum(it.start + it.num_tokens for it in plan.items)
+    return not plan.items, len(plan.decodes) + sum(it.num_tokens for it in plan.items), keys
+
+
+def profile_workload(eng, folder, prompts, params, peak_tflops: float) -> None:
+    """Where a run of the workload spends its time, from two more runs on the same engine.
+    First untraced, with CUDA events around each step's launch: the device time of decode-only
+    steps and of steps with prompt tokens, and what is left of the wall time (the device waiting
+    for the host, between steps); each decode-only step's floor is the larger of its FLOPs at
+    the peak and its bytes (the weights once, the K and V of every key attended) at the copy
+    bandwidth measured here. Then under the torch profiler (device activity only): every kernel's
+    time, by group (benchmarks/common.py KERNEL_GROUPS), the largest kernels by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from radixlm.runtime.model_runner import ModelRunner
+
+    n = shape_numbers(folder)
+    bandwidth = copy_bandwidth() / 2  # (bytes read a second: a copy reads and writes each)
+    with cuda_event_spans(ModelRunner, "launch", note=_step_note) as spans:
+        t = time.perf_counter()
+        eng.generate(input_ids=prompts, sampling_params=params)
+        wall = time.perf_counter() - t
+    decode_s = prompt_s = floor_s = 0.0
+    decode_steps = decode_rows = prompt_steps = prompt_tokens = 0
+    for start, end, (decodes_only, tokens, keys) in spans:
+        seconds = start.elapsed_time(end) / 1e3
+        if decodes_only:
+            decode_s += seconds
+            decode_steps += 1
+            decode_rows += tokens
+            flops = 2.0 * ((n["linear"] + n["head"]) * tokens + n["attend"] * keys)
+            floor_s += max(
+                flops / (peak_tflops * 1e12), (n["weight_bytes"] + n["kv_bytes"] * keys) / bandwidth
+            )
+        else:
+            prompt_s += seconds
+            prompt_steps += 1
+            prompt_tokens += tokens
+    idle = wall - decode_s - prompt_s
+    print(
+        f"\nWhere the time goes (an untraced run with events around each step: {wall:.2f} s):\n"
+        f"  decode-only steps: {decode_steps}, {decode_rows / max(decode_steps, 1):.0f} rows "
+        f"each on average, {decode_s:.2f} s of device time ({decode_s / wall:.0%} of the wall); "
+        f"their floor (FLOPs at {peak_tflops:g} TFLOP/s or bytes at {bandwidth / 1e12:.2f} TB/s, "
+        f"the larger, step by step) {floor_s:.2f} s: {floor_s / max(decode_s, 1e-9):.0%} of it\n"
+        f"  steps with prompt tokens: {prompt_steps}, {prompt_tokens} tokens, {prompt_s:.2f} s "
+        f"({prompt_s / wall:.0%})\n"
+        f"  the device idle between steps: {idle:.2f} s ({idle / wall:.0%})"
     )
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        eng.generate(input_ids=prompts, sampling_params=params)
+        traced = time.perf_counter() - t
+    kernels = [
+        (e.name, e.time_range.start / 1e6, e.time_range.end / 1e6)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    groups, names, busy = kernel_breakdown(kernels)
+    print(
+        f"\nUnder the profiler ({traced:.2f} s, {wall / traced:.2f}x the untraced rate): the "
+        f"device busy {busy:.2f} s ({busy / traced:.0%})\n"
+        "\n| kernel group | kernels | device s | of the busy time |\n|---|---|---|---|"
+    )
+    for group, (count, seconds) in groups.items():
+        print(f"| {group} | {count} | {seconds:.3f} | {seconds / busy:.1%} |")
+    print("\n| kernel | group | count | device s | mean us |\n|---|---|---|---|---|")
+    for name, count, seconds in names[:15]:
+        short = name if len(name) <= 70 else name[:67] + "..."
+        print(
+            f"| `{short}` | {kernel_group(name)} | {count} | {seconds:.3f} | "
+            f"{seconds / count * 1e6:.1f} |"
+        )
 
 
 def hf_generate_batch(folder, prompts, outs) -> float:

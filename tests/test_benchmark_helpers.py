@@ -1,0 +1,40 @@
+"""The pure helpers the GPU benchmarks report with (benchmarks/common.py), checked on the CPU."""
+
+from benchmarks.common import covered_seconds, kernel_breakdown, kernel_group
+
+
+def test_covered_seconds_counts_overlaps_once():
+    assert covered_seconds([]) == 0.0
+    assert covered_seconds([(0.0, 1.0), (2.0, 3.0)]) == 2.0
+    # overlapping, nested and out of order
+    assert covered_seconds([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (1.5, 1.8)]) == 4.0
+
+
+def test_kernel_groups_by_name():
+    assert kernel_group("_decode_partial_kernel") == "attention, decode rows"
+    assert kernel_group("_extend_kernel_0d1d2d") == "attention, prompt rows"
+    assert kernel_group("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT") == "matmul (cuBLAS)"
+    assert kernel_group("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul (cuBLAS)"
+    assert kernel_group("_int4_gemm_kernel") == "GEMV (Triton)"  # (not cuBLAS's "gemm")
+    assert kernel_group("_rope_store_kv_kernel") == "norm, rotary, SiLU, KV store"
+    assert kernel_group("_argmax_rows_kernel") == "sampling"
+    assert kernel_group("Memcpy HtoD (Pinned -> Device)") == "copies and fills"
+    assert kernel_group("void at::native::vectorized_elementwise_kernel<4, add>") == "other"
+
+
+def test_kernel_breakdown_sums_by_group_and_name():
+    kernels = [
+        ("nvjet_a", 0.0, 3.0),
+        ("nvjet_a", 4.0, 5.0),
+        ("_decode_partial_kernel", 2.0, 4.0),  # overlaps the first matmul by 1
+        ("Memset (Device)", 10.0, 10.5),
+    ]
+    groups, names, busy = kernel_breakdown(kernels)
+    assert groups == {
+        "matmul (cuBLAS)": (2, 4.0),
+        "attention, decode rows": (1, 2.0),
+        "copies and fills": (1, 0.5),
+    }
+    assert list(groups) == ["matmul (cuBLAS)", "attention, decode rows", "copies and fills"]
+    assert names[0] == ("nvjet_a", 2, 4.0)
+    assert busy == 5.5
