@@ -6,6 +6,12 @@ reads (weights and their scales), the fastest tile's time, its bandwidth against
 bandwidth (the floor of a call that reads its weights once), and that tile.
 
     python -m benchmarks.quant_gemv [--shapes llama-3.1-8b] [--schemes none,fp8,w4a16] [--rows 1]
+    python -m benchmarks.quant_gemv --schemes none,q4_0,q4_1,q4_k   # GGUF blocks (random)
+
+GGUF 4-bit blocks (q4_0, q4_1, q4_k: random blocks with finite scales) are held as a GPU holds them
+(runtime/quantization/gguf.py: the INT4 layout, groups of 32); their rows also time the path a
+GPU ran before that, the blocks dequantized to float32 at every call and multiplied ("dequantize
+us").
 """
 
 from __future__ import annotations
@@ -13,12 +19,17 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.common import SHAPES, commit, copy_bandwidth, device_line
-from radixlm.runtime.matmul_dispatch import LinearDispatch, choice_key
+from radixlm.kernels import gguf_ref
+from radixlm.runtime.matmul_dispatch import LinearDispatch, choice_key, graph_ms
 from radixlm.runtime.quantization.fp8 import Fp8Linear
+from radixlm.runtime.quantization.gguf import GgufLinear
 from radixlm.runtime.quantization.int4 import Int4Linear
+
+GGUF_TYPES = {"q4_0": 2, "q4_1": 3, "q4_k": 12}
 
 
 def linear_shapes(name: str) -> list[tuple[str, int, int]]:
@@ -31,10 +42,26 @@ def linear_shapes(name: str) -> list[tuple[str, int, int]]:
             ("down_proj", h, inter)]  # fmt: skip
 
 
+def gguf_blocks(gtype: int, n: int, k: int) -> torch.Tensor:
+    """(n, row bytes) random blocks of `gtype` on the GPU, their float16 scales finite (~0.02)."""
+    _, qk, nbytes = gguf_ref.BLOCK_TYPES[gtype]
+    raw = torch.randint(0, 256, (n, k // qk, nbytes), dtype=torch.uint8, device="cuda")
+    halves = 2 if gtype == 2 else 4  # d (and m, or dmin) lead each block
+    scales = (torch.randn(n, k // qk, halves // 2, device="cuda") * 0.02).half()
+    raw[..., :halves] = scales.view(torch.uint8).view(n, k // qk, halves)
+    return raw.view(n, -1)
+
+
 def layer(n: int, k: int, scheme: str) -> nn.Linear:
     lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     nn.init.normal_(lin.weight, std=k**-0.5)
-    if scheme != "none":
+    if scheme in GGUF_TYPES:
+        lin.quant_scheme = GgufLinear((GGUF_TYPES[scheme],))
+        lin.quant_scheme.create_weights(lin)
+        with torch.no_grad():
+            lin.weight.copy_(gguf_blocks(GGUF_TYPES[scheme], n, k))
+        lin.quant_scheme.process_after_loading(lin)  # (the INT4 layout: on a GPU)
+    elif scheme != "none":
         lin.quant_scheme = Fp8Linear(stored=False) if scheme == "fp8" else Int4Linear()
         lin.quant_scheme.create_weights(lin)
         lin.quant_scheme.process_after_loading(lin)
@@ -59,7 +86,8 @@ def main() -> None:
     print(f"device: {device_line()}  commit: {commit()}  copy bandwidth: {bw / 1e12:.2f} TB/s")
     print(
         "\n| shape | layer | N x K | weights | MB read | plain us | best tile us | of copy "
-        "bandwidth | tiles that ran | best tile |\n|---|---|---|---|---|---|---|---|---|---|"
+        "bandwidth | tiles that ran | best tile | dequantize us |"
+        "\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for name in args.shapes.split(","):
         for label, n, k in linear_shapes(name):
@@ -73,11 +101,25 @@ def main() -> None:
                 print(
                     f"| {name} | {label} | {n} x {k} | {scheme} | {mb:.1f} | {plain_ms * 1e3:.1f} "
                     f"| {fastest[0] * 1e3:.1f} | {mb * 1e6 / (fastest[0] / 1e3) / bw:.0%} "
-                    f"| {len(timed)} | {tuple(fastest[1]) if fastest[1] else '-'} |",
+                    f"| {len(timed)} | {tuple(fastest[1]) if fastest[1] else '-'} "
+                    f"| {dequantize_us(n, k, scheme, args.rows)} |",
                     flush=True,
                 )
                 del lin, dispatch
                 torch.cuda.empty_cache()
+
+
+def dequantize_us(n: int, k: int, scheme: str, rows: int) -> str:
+    """For GGUF blocks: microseconds a call of the path a GPU ran before the INT4 layout (the
+    blocks dequantized to float32 at every call, then F.linear), timed as the tiles are."""
+    if scheme not in GGUF_TYPES:
+        return "-"
+    gtype = GGUF_TYPES[scheme]
+    raw = nn.Linear(1, 1, bias=False)  # (a holder of the blocks graph_ms can copy)
+    raw.weight = nn.Parameter(gguf_blocks(gtype, n, k), requires_grad=False)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    ms = graph_ms(lambda lin: F.linear(x.float(), gguf_ref.dequantize(lin.weight, gtype, k)), raw)
+    return f"{ms * 1e3:.1f}"
 
 
 if __name__ == "__main__":

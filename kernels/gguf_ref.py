@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from radixlm.kernels.quant_ref import pack_int4
+
 # ggml's type id -> (name, values a block, bytes a block)
 BLOCK_TYPES: dict[int, tuple[str, int, int]] = {
     2: ("Q4_0", 32, 18),
@@ -82,6 +84,43 @@ def dequantize(w: torch.Tensor, gtype: int, k: int) -> torch.Tensor:
     high = (qh >> shifts) & 3  # (N, blocks, 2, 4, 32)
     q = ((low | (high << 4)).view(torch.int8) - 32).float().reshape(n, -1, 16, 16)
     return ((d * scales).unsqueeze(-1) * q).reshape(n, k)
+
+
+# the 4-bit block types whose values are s * q + c over groups of 32 columns (`as_int4`)
+INT4_TYPES = (2, 3, 12)  # Q4_0, Q4_1, Q4_K
+
+
+def as_int4(w: torch.Tensor, gtype: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The raw 4-bit blocks `w` (N, row bytes) of type `gtype` (INT4_TYPES) in the packed INT4
+    layout of kernels/quant_ref.py: (N, K // 2) uint8 (column 2j low, 2j + 1 high) with a
+    float32 scale and zero point (N, K // 32) each, (q - zero) * scale being the block's
+    s * q + c: the same 4-bit integers, in another order, with zero = -c / s. A group whose s
+    is 0 holds the one value c: its integers become 0, its scale 1 and its zero point -c.
+    On the device `w` is on (a GPU converts a model's layers at load in milliseconds)."""
+    if gtype not in INT4_TYPES:
+        raise ValueError(f"GGUF block type {BLOCK_TYPES[gtype][0]} is not 4-bit: no INT4 layout")
+    _, qk, nbytes = BLOCK_TYPES[gtype]
+    n = w.shape[0]
+    b = w[:, : row_bytes(gtype, k)].reshape(n, k // qk, nbytes)
+    if gtype in (2, 3):  # one group a block: d, (m), 16 bytes of 32 nibbles
+        start = 2 if gtype == 2 else 4
+        q = _nibbles(b[..., start:]).reshape(n, k // 32, 32)
+        s = _half(b[..., :2])
+        c = -8.0 * s if gtype == 2 else _half(b[..., 2:4])
+    else:  # Q4_K: eight groups a block, 6-bit scales and minimums (as `dequantize` reads them)
+        d, dmin = _half(b[..., 0:2]).unsqueeze(-1), _half(b[..., 2:4]).unsqueeze(-1)
+        sm = b[..., 4:16].long()
+        lo, mid, hi = sm[..., 0:4], sm[..., 4:8], sm[..., 8:12]
+        scale = torch.cat([lo & 63, (hi & 0xF) | ((lo >> 6) << 4)], dim=-1).float()
+        mins = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=-1).float()
+        q = _nibbles(b[..., 16:].reshape(n, -1, 4, 32)).reshape(n, k // 32, 32)
+        s = (d * scale).reshape(n, k // 32)
+        c = -(dmin * mins).reshape(n, k // 32)
+    flat = s == 0
+    q = torch.where(flat.unsqueeze(-1), torch.zeros_like(q), q)
+    zero = torch.where(flat, -c, -c / torch.where(flat, torch.ones_like(s), s))
+    scale = torch.where(flat, torch.ones_like(s), s)
+    return pack_int4(q.reshape(n, k)), scale.contiguous(), zero.contiguous()
 
 
 def gguf_package_dequantize(w: torch.Tensor, gtype: int, k: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 import radixlm
 from radixlm.kernels import gguf_cpu, gguf_ref
 from radixlm.kernels.gguf_ref import BLOCK_TYPES
+from radixlm.kernels.quant_ref import dequantize_int4_groups
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.model_loader import default_model_path
 from radixlm.runtime.parallel import ColumnParallelLinear, Part
@@ -131,6 +132,68 @@ def test_fused_layer_of_mixed_block_types():
     want = torch.cat([gguf_ref.gguf_linear_ref(x, b, t, k) for b, t in zip(blocks, types)], -1)
     torch.testing.assert_close(scheme.apply(layer, x), want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(scheme.reference(layer, x), want, rtol=1e-5, atol=1e-4)
+
+
+# ---- on a GPU: the 4-bit types in the INT4 layout ------------------------------------------
+
+FOUR_BIT = [Q.Q4_0, Q.Q4_1, Q.Q4_K]
+
+
+def blocks_with_a_flat_group(gtype: int, n: int, k: int, seed: int) -> torch.Tensor:
+    """Random blocks, the first block of row 0 with a zero scale (d = 0: one value, or zero)."""
+    w = random_blocks(gtype, n, k, seed)
+    w[0, 0:2] = 0
+    return w
+
+
+@pytest.mark.parametrize("gtype", FOUR_BIT, ids=lambda t: Q(t).name)
+def test_int4_layout_holds_the_blocks_values(gtype):
+    k = 512
+    w = blocks_with_a_flat_group(int(gtype), 9, k, seed=3)
+    packed, scale, zero = gguf_ref.as_int4(w, int(gtype), k)
+    assert packed.shape == (9, k // 2) and scale.shape == zero.shape == (9, k // 32)
+    want = gguf_ref.gguf_package_dequantize(w, int(gtype), k)
+    got = dequantize_int4_groups(packed, scale, zero)
+    assert (want[0, :32] == want[0, 0]).all()  # (the flat group: one value)
+    # the same values up to float32 rounding of (q - (-c / s)) * s against s * q + c
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    with pytest.raises(ValueError, match="not 4-bit"):
+        gguf_ref.as_int4(random_blocks(int(Q.Q8_0), 2, k), int(Q.Q8_0), k)
+
+
+def test_gguf_layer_in_int4_layout_computes_with_the_int4_kernels():
+    """A fused layer of Q4_0, Q4_K and Q4_1 parts as a GPU holds it (`_to_int4`, which loading
+    runs where the weights are on a GPU): its matmul, the Triton GEMV over its operands and the
+    rows an embedding looks up, against the gguf package's dequantization."""
+    from radixlm.kernels.gemv import GemvConfig, gemv
+
+    k, sizes, types = 256, [24, 16, 8], (int(Q.Q4_0), int(Q.Q4_K), int(Q.Q4_1))
+    with torch.device("meta"):
+        layer = ColumnParallelLinear(k, [Part(size, 0, size) for size in sizes], bias=False)
+    scheme = GgufLinear(types)
+    layer.quant_scheme = scheme
+    scheme.create_weights(layer)
+    layer = layer.to_empty(device="cpu")
+    blocks = [blocks_with_a_flat_group(t, size, k, seed=i) for i, (t, size) in enumerate(zip(types, sizes))]  # fmt: skip
+    with torch.no_grad():
+        for i, b in enumerate(blocks):
+            lo, hi = layer.part_rows(i)
+            layer.weight[lo:hi].copy_(scheme.checkpoint_tensor(layer, "weight", b, i))
+    assert not scheme.has_gemv
+    scheme._to_int4(layer)
+    assert scheme.int4 and scheme.has_gemv and layer.weight.shape == (48, k // 2)
+    weight = torch.cat([gguf_ref.gguf_package_dequantize(b, t, k) for b, t in zip(blocks, types)])
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
+    want = x @ weight.T
+    tol = {"rtol": 1e-5, "atol": 1e-5 * want.abs().max().item()}
+    torch.testing.assert_close(scheme.apply(layer, x), want, **tol)
+    w, quant = scheme.gemv_operands(layer)
+    got = gemv(x[:1], w, None, GemvConfig(8, 64, 4, 1, 1), torch.float32, **quant)
+    torch.testing.assert_close(got, want[:1], **tol)
+    ids = torch.tensor([0, 30, 47])
+    torch.testing.assert_close(
+        scheme.dequantized_rows(layer, ids), weight[ids], rtol=1e-6, atol=1e-6
+    )
 
 
 # ---- whole models --------------------------------------------------------------------------
@@ -341,3 +404,21 @@ def test_speculative_steps_in_one_call_equal_the_layers(monkeypatch, algorithm):
         assert any(rows > 1 and requests == 1 for rows, requests, _ in steps)
     else:  # the heads' hidden states
         assert any(hidden for _, _, hidden in steps)
+
+
+@pytest.mark.gpu
+def test_default_model_on_a_gpu_runs_its_four_bit_blocks_as_int4():
+    """On a GPU the default model's Q4_1 layers are held in the INT4 layout and run the INT4
+    kernels (the GEMV tuned per shape, CUDA graphs); in float32 its greedy text is the float32
+    dequantization's (its Q8_0 head is dequantized at each call)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    kw = {"max_total_tokens": 4096, "device": "cuda", "dtype": "float32"}
+    with radixlm.Engine(quantization="none", **kw) as eng:
+        want = [o["output_ids"] for o in greedy(eng, 16, PROMPTS)]
+    with radixlm.Engine(quantization="gguf", **kw) as eng:
+        down = eng.model.layers[0].mlp.down_proj
+        assert down.quant_scheme.int4 and down.weight.shape[1] == down.in_features // 2
+        assert not eng.model.lm_head.quant_scheme.int4  # (Q8_0: not 4-bit)
+        got = [o["output_ids"] for o in greedy(eng, 16, PROMPTS)]
+    assert got == want

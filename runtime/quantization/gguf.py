@@ -7,9 +7,13 @@ to a seventh of float32's bytes, and multiplies by them.
   arithmetic throughout, so the result is the dequantized weight's F.linear up to the order of the
   sums. A decode step of up to 64 requests runs in one call of them (`FusedDecode`). Without a
   compiler: the torch dequantization below at every call (correct, slow).
-- On a GPU: for now the layer is dequantized to float32 at every call and multiplied
-  (kernels/gguf_ref.py `dequantize`, then F.linear): correct and slow, a stand-in until a GPU
-  kernel reads the blocks.
+- On a GPU, the 4-bit types (Q4_0, Q4_1, Q4_K) are put in the INT4 layout at load
+  (kernels/gguf_ref.py `as_int4`: the same integers, in another order within a row, a float32
+  scale and zero point a group of 32) and computed as INT4 W4A16 layers are
+  (runtime/quantization/int4.py): the Triton GEMV at batch 1-4, the dequantizing Triton matmul
+  past that. That reads 6 bits a weight (4, plus a float32 scale and zero point a group of 32)
+  against the file's 4.5-5. Q8_0 and Q6_K are dequantized to float32 at every call and
+  multiplied (`dequantize`, then F.linear): correct and slow, until a GPU kernel reads them.
 
 The oracle (`reference`) is the gguf package's own dequantization and F.linear.
 
@@ -35,7 +39,9 @@ from torch import nn
 
 from radixlm.kernels import gguf_ref
 from radixlm.kernels.gguf_ref import BLOCK_TYPES, row_bytes
+from radixlm.kernels.quant_ref import dequantize_int4_groups
 from radixlm.runtime.quantization.base import LinearScheme, replace_parameter
+from radixlm.runtime.quantization.int4 import int4_apply
 
 SUPPORTED_TYPES = ", ".join(name for name, _, _ in BLOCK_TYPES.values())
 _TYPE_IDS = {name: gtype for gtype, (name, _, _) in BLOCK_TYPES.items()}
@@ -65,13 +71,15 @@ class GgufLinear(LinearScheme):
 
     name = "gguf"
     quantized = True
-    has_gemv = False  # (the Triton GEMV does not read GGUF blocks yet: layers run `apply`)
+    # the Triton GEMV reads GGUF weights only in the INT4 layout (`int4`); the others run `apply`
+    has_gemv = False
 
     def __init__(self, types: tuple[int, ...]) -> None:
         self.types = types
         self.k = 0
         self.bounds: list[tuple[int, int, int]] = []  # (first row, end row, type) runs
         self.runs: list[torch.Tensor] = []  # each run's rows (process_after_loading)
+        self.int4 = False  # on a GPU, 4-bit blocks held in the INT4 layout (`_to_int4`)
 
     def create_weights(self, layer: nn.Linear) -> None:
         comm = getattr(layer, "comm", None)
@@ -95,6 +103,7 @@ class GgufLinear(LinearScheme):
                 self.bounds.append((start, end, gtype))
         width = max(row_bytes(gtype, k) for gtype in self.types)
         device = layer.weight.device
+        layer.compute_dtype = layer.weight.dtype  # (the model's: its inputs' and outputs')
         replace_parameter(layer, "weight", torch.empty(n, width, dtype=torch.uint8, device=device))
 
     def checkpoint_tensor(self, layer, leaf, tensor, index):
@@ -111,6 +120,9 @@ class GgufLinear(LinearScheme):
         return tensor
 
     def process_after_loading(self, layer: nn.Linear) -> None:
+        if layer.weight.is_cuda and all(gtype in gguf_ref.INT4_TYPES for *_, gtype in self.bounds):
+            self._to_int4(layer)
+            return
         # each run of rows of one type as a tensor of its own (contiguous: what the kernels read)
         self.runs = [
             layer.weight.data[start:end, : row_bytes(gtype, self.k)].contiguous()
@@ -119,7 +131,21 @@ class GgufLinear(LinearScheme):
             for start, end, gtype in self.bounds
         ]
 
+    def _to_int4(self, layer: nn.Linear) -> None:
+        """The layer's 4-bit blocks in the INT4 layout, each run of rows converted by its type."""
+        parts = [
+            gguf_ref.as_int4(layer.weight.data[start:end], gtype, self.k)
+            for start, end, gtype in self.bounds
+        ]
+        packed, scale, zero = (torch.cat(t) if len(t) > 1 else t[0] for t in zip(*parts))
+        replace_parameter(layer, "weight", packed)
+        replace_parameter(layer, "weight_scale", scale)
+        replace_parameter(layer, "weight_zero", zero)
+        self.int4 = self.has_gemv = True
+
     def apply(self, layer, x, out_dtype=None):
+        if self.int4:
+            return int4_apply(layer, x, out_dtype)
         kernels = _cpu_kernels() if not x.is_cuda else None
         if kernels is not None and len(self.runs) == 1 and layer.bias is None:  # (the usual)
             y = kernels.matmul(x, self.runs[0], self.bounds[0][2], self.k)
@@ -139,10 +165,27 @@ class GgufLinear(LinearScheme):
         return F.linear(x.float(), self.dequantized_weight(layer).to(x.device), _bias(layer))
 
     def gemv_operands(self, layer):
-        raise NotImplementedError("GGUF layers have no Triton GEMV yet")
+        if not self.int4:
+            raise NotImplementedError("the Triton GEMV reads GGUF layers in the INT4 layout only")
+        return layer.weight, {"w_scale": layer.weight_scale, "w_zero": layer.weight_zero}
+
+    def dequantized_rows(self, layer: nn.Linear, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, float32 (T, K): an embedding looked up in the head."""
+        if self.int4:
+            return dequantize_int4_groups(
+                layer.weight[ids], layer.weight_scale[ids], layer.weight_zero[ids]
+            )
+        rows = layer.weight[ids]  # (T, bytes): a copy, contiguous
+        kernels = _cpu_kernels() if not rows.is_cuda else None
+        if kernels is not None:
+            return kernels.dequantize(rows, self.bounds[0][2], self.k)
+        return gguf_ref.dequantize(rows, self.bounds[0][2], self.k)
 
     def dequantized_weight(self, layer: nn.Linear) -> torch.Tensor:
-        """The float32 weight (N, K) the layer stands for, by the gguf package (the oracle)."""
+        """The float32 weight (N, K) the layer stands for, by the gguf package (the oracle); in
+        the INT4 layout, by its own dequantization (its oracle: `as_int4`'s test)."""
+        if self.int4:
+            return dequantize_int4_groups(layer.weight, layer.weight_scale, layer.weight_zero)
         parts = [
             gguf_ref.gguf_package_dequantize(layer.weight[start:end], gtype, self.k)
             for start, end, gtype in self.bounds
@@ -164,13 +207,7 @@ class GgufEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self._head[0]
         scheme = head.quant_scheme
-        _, _, gtype = scheme.bounds[0]
-        rows = head.weight[ids.reshape(-1)]  # (T, bytes): a copy, contiguous
-        kernels = _cpu_kernels() if not rows.is_cuda else None
-        if kernels is not None:
-            x = kernels.dequantize(rows, gtype, scheme.k)
-        else:
-            x = gguf_ref.dequantize(rows, gtype, scheme.k)
+        x = scheme.dequantized_rows(head, ids.reshape(-1))
         return x.view(*ids.shape, scheme.k).to(self.dtype)
 
 

@@ -82,6 +82,23 @@ def _awq_gptq_tensor(layout: str, leaf: str, tensor: torch.Tensor) -> torch.Tens
     return tensor
 
 
+def int4_apply(layer: nn.Linear, x: torch.Tensor, out_dtype=None) -> torch.Tensor:
+    """x @ W.T + b for a layer holding a packed INT4 weight, `weight_scale` and `weight_zero`: on
+    a GPU the Triton matmul that dequantizes tiles as it reads them (kernels/quant_gemm.py), else
+    the dequantizing oracle."""
+    if x.is_cuda:
+        from radixlm.kernels.quant_gemm import int4_gemm
+
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        w, s, z = layer.weight, layer.weight_scale, layer.weight_zero
+        y = int4_gemm(x2, w, s, z, layer.bias).view(*x.shape[:-1], w.shape[0])
+        return y if out_dtype is None else y.to(out_dtype)
+    return int4_linear_ref(
+        x, layer.weight, layer.weight_scale, layer.weight_zero, layer.bias, out_dtype
+    )
+
+
 class Int4Linear(LinearScheme):
     name = "w4a16"
     quantized = True
@@ -142,17 +159,7 @@ class Int4Linear(LinearScheme):
         replace_parameter(layer, "weight_zero", zero)
 
     def apply(self, layer, x, out_dtype=None):
-        if x.is_cuda:  # the Triton matmul that dequantizes as it reads (kernels/quant_gemm.py)
-            from radixlm.kernels.quant_gemm import int4_gemm
-
-            x2 = x.reshape(-1, x.shape[-1])
-            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-            w, s, z = layer.weight, layer.weight_scale, layer.weight_zero
-            y = int4_gemm(x2, w, s, z, layer.bias).view(*x.shape[:-1], w.shape[0])
-            return y if out_dtype is None else y.to(out_dtype)
-        return int4_linear_ref(
-            x, layer.weight, layer.weight_scale, layer.weight_zero, layer.bias, out_dtype
-        )
+        return int4_apply(layer, x, out_dtype)
 
     def reference(self, layer, x):
         return int4_linear_ref(
