@@ -378,7 +378,7 @@ def profile_workload(eng, folder, prompts, params, peak_tflops: float) -> None:
     from radixlm.runtime.model_runner import ModelRunner
 
     n = shape_numbers(folder)
-    bandwidth = copy_bandwidth() / 2  # (bytes read a second: a copy reads and writes each)
+    bandwidth = copy_bandwidth()  # (the bytes a copy moves a second, read and written)
     with cuda_event_spans(ModelRunner, "launch", note=_step_note) as spans:
         t = time.perf_counter()
         eng.generate(input_ids=prompts, sampling_params=params)

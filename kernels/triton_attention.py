@@ -49,6 +49,9 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # extend: K tiles loaded a key a row (unit stride along the head dim) and transposed in
+    # registers, instead of loaded transposed through the pointers
+    k_rows: bool = False
 
 
 class DecodeScratch(NamedTuple):
@@ -564,6 +567,7 @@ def _extend_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     BLOCK_MAP: tl.constexpr,  # program_id(0) indexes Blocks (request -1: nothing to do)
+    K_ROWS: tl.constexpr,  # TileConfig.k_rows
 ):
     if BLOCK_MAP:
         batch = tl.load(Blocks + tl.program_id(0)).to(tl.int32)
@@ -627,6 +631,7 @@ def _extend_kernel(
             stride_vs,
             stride_vh,
             DOT_PRECISION,
+            K_ROWS,
         )
 
     # the new tokens, causal: the last query of this tile sees keys up to its own position
@@ -655,6 +660,7 @@ def _extend_kernel(
             stride_vs,
             stride_vh,
             DOT_PRECISION,
+            K_ROWS,
         )
 
     # every valid row saw at least the key at its own position, so l_i > 0 there
@@ -686,13 +692,23 @@ def _attend_tile(
     stride_vs,
     stride_vh,
     DOT_PRECISION: tl.constexpr,
+    K_ROWS: tl.constexpr,
 ):
     """One online-softmax step of the (BLOCK_M, BLOCK_D) queries over a tile of gathered keys."""
-    k = tl.load(
-        K + slots[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
-        mask=n_mask[None, :] & d_mask[:, None],
-        other=0.0,
-    )  # (BLOCK_D, BLOCK_N)
+    if K_ROWS:
+        k = tl.trans(
+            tl.load(
+                K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+                mask=n_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            )
+        )  # (BLOCK_D, BLOCK_N)
+    else:
+        k = tl.load(
+            K + slots[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
+            mask=n_mask[None, :] & d_mask[:, None],
+            other=0.0,
+        )  # (BLOCK_D, BLOCK_N)
     qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
     qk = tl.where(visible, qk, -float("inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -825,6 +841,7 @@ def extend_attention(
         DOT_PRECISION=_dot_precision(q),
         UPCAST_DOT=_upcast_dot(q),
         BLOCK_MAP=blocks is not None,
+        K_ROWS=cfg.k_rows,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

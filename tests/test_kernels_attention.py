@@ -189,6 +189,16 @@ def test_extend_half_precision(dtype: torch.dtype) -> None:
     assert_close(out, expected_extend(b), dtype)
 
 
+@pytest.mark.parametrize("case", EXTEND_CASES[1:4], ids=lambda c: f"g{c[3]}-d{c[4]}")
+def test_extend_with_key_rows_transposed_in_registers(case) -> None:
+    """TileConfig.k_rows: K tiles loaded a key a row and transposed in the kernel, the same
+    attention as the tiles loaded transposed (the reference)."""
+    prefix_lens, new_lens, num_kv_heads, group, head_dim = case
+    b = Batch(prefix_lens, new_lens, num_kv_heads, group, head_dim, torch.float32, seed=4)
+    tile = ta.TileConfig(32, 32, 1, 1, k_rows=True) if DEVICE == "cpu" else ta.TileConfig(64, 32, 4, 2, k_rows=True)  # fmt: skip
+    assert_close(run_extend(b, config=tile), expected_extend(b), torch.float32)
+
+
 def test_extend_with_hints_and_strided_output() -> None:
     b = Batch([3, 11], [9, 4], 2, 2, 64, torch.float32, seed=3)
     starts = torch.cumsum(b.extend_lens, 0) - b.extend_lens
