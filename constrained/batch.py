@@ -3,6 +3,8 @@ backend's own threads where it has them (llguidance's, without the GIL), one by 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from radixlm.constrained.llguidance_backend import (
@@ -17,13 +19,12 @@ def fill_next_token_bitmasks(matchers: list, bitmask: torch.Tensor) -> None:
     """Row i of the contiguous CPU (B, W) int32 `bitmask` := the next-token mask of matchers[i].
     llguidance's matchers are filled together in its own threads, without the GIL (one call for
     the batch); others one by one."""
-    groups = _by_parallel_backend(list(enumerate(matchers)))
-    for backend, pairs in groups.items():
+    for backend, pairs in _by_parallel_backend(matchers, range(len(matchers))).items():
         if backend is None or not bitmask.is_contiguous():
-            for row, matcher in pairs:
+            for matcher, row in pairs:
                 matcher.fill_next_token_bitmask(bitmask, row)
         else:
-            fill_bitmasks([(m, row) for row, m in pairs], bitmask, backend.executor)
+            fill_bitmasks(pairs, bitmask, backend.executor)
 
 
 class PendingMasks:
@@ -35,7 +36,7 @@ class PendingMasks:
     def result(self) -> torch.Tensor:
         for fill in self._pending:
             fill.result()
-        for row, matcher in self._others:
+        for matcher, row in self._others:
             matcher.fill_next_token_bitmask(self._bitmask, row)
         return self._bitmask
 
@@ -45,11 +46,11 @@ def begin_next_token_bitmasks(matchers: list, bitmask: torch.Tensor) -> PendingM
     caller goes on (the engine core applies the previous step's tokens meanwhile; a matcher that
     changes before `result()` is filled again then); others fill at `result()`."""
     pending, others = [], []
-    for backend, pairs in _by_parallel_backend(list(enumerate(matchers))).items():
+    for backend, pairs in _by_parallel_backend(matchers, range(len(matchers))).items():
         if backend is None or not bitmask.is_contiguous():
             others.extend(pairs)
         else:
-            pending.append(begin_fill([(m, row) for row, m in pairs], bitmask))
+            pending.append(begin_fill(pairs, bitmask))
     return PendingMasks(bitmask, pending, others)
 
 
@@ -57,16 +58,15 @@ def accept_next_tokens(matchers: list, tokens: list[int]) -> None:
     """Let matchers[i] take tokens[i] ahead of its `accept_token(tokens[i])`, all together where
     the backend can (llguidance's threads); `accept_token` then answers at once. Others wait for
     their `accept_token`."""
-    groups = _by_parallel_backend(list(zip(tokens, matchers)))
-    for backend, pairs in groups.items():
+    for backend, pairs in _by_parallel_backend(matchers, tokens).items():
         if backend is not None:
-            accept_batch([(m, t) for t, m in pairs], backend.executor)
+            accept_batch(pairs, backend.executor)
 
 
-def _by_parallel_backend(items: list) -> dict:
-    """(x, matcher) items grouped by the llguidance backend of their matcher (None: others)."""
+def _by_parallel_backend(matchers: list, xs: Iterable) -> dict:
+    """(matcher, x) pairs grouped by the llguidance backend of their matcher (None: others)."""
     groups: dict = {}
-    for x, matcher in items:
+    for matcher, x in zip(matchers, xs):
         backend = matcher.grammar.backend if type(matcher) is LLGuidanceMatcher else None
-        groups.setdefault(backend, []).append((x, matcher))
+        groups.setdefault(backend, []).append((matcher, x))
     return groups

@@ -138,3 +138,20 @@ def test_masks_begun_in_the_background_match_the_matchers_after_their_step(token
         got = pending.result()
         for i, m in enumerate(matchers):
             np.testing.assert_array_equal(got[i].numpy(), m.next_token_mask())
+
+
+def test_masks_begun_in_the_background_have_begun_when_the_call_returns(tokenizer):
+    """begin_next_token_bitmasks hands the GIL to the fill thread before it returns: the fill is
+    running (or done) then, not waiting for the caller's Python to block."""
+    from radixlm.constrained import begin_next_token_bitmasks
+
+    compiler = GrammarCompiler(tokenizer, vocab_size=49152)
+    matchers = [compiler.compile("json_schema", json.dumps(s)).matcher() for s in SCHEMAS]
+    for _ in range(20):
+        bitmask = allocate_token_bitmask(len(matchers), 49152)
+        pending = begin_next_token_bitmasks(matchers, bitmask)
+        (fill,) = pending._pending
+        assert fill._future.running() or fill._future.done()
+        got = pending.result()
+        for i, m in enumerate(matchers):
+            np.testing.assert_array_equal(got[i].numpy(), m.next_token_mask())
