@@ -565,6 +565,29 @@ def kv_bytes_per_slot(config, model_config, dtype: torch.dtype) -> int:
     )  # fmt: skip
 
 
+def graph_output_bytes(config, vocab_size: int) -> int:
+    """The bytes the CUDA graphs of `capture_graphs` keep as their outputs: each graph its own
+    float32 logits, a row a request of a decode graph's batch, a row a request of a prompt-step
+    graph and a row a token of a verify graph (graphs share their working memory, not their
+    outputs). On an 80 GB GPU an 8B model's graphs for 1,000 requests keep ~11 GB this way: the
+    KV pool is sized from what is free less this."""
+    from radixlm.runtime.cuda_graph import graph_buckets, prefill_buckets
+
+    if config.disable_cuda_graph:
+        return 0
+    max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 256)
+    rows = sum(graph_buckets(max_bs))
+    if config.cuda_graph_max_prefill_tokens:
+        most = (config.chunked_prefill_size or 0) + config.max_running_requests
+        top = min(config.cuda_graph_max_prefill_tokens, most)
+        rows += sum(min(t, config.max_running_requests) for t in prefill_buckets(top))
+    if config.speculative_algorithm and config.speculative_num_draft_tokens:
+        rows += sum(
+            graph_buckets(min(max_bs * config.speculative_num_draft_tokens, _MAX_VERIFY_ROWS))
+        )
+    return rows * vocab_size * 4
+
+
 def kv_pool_tokens(
     config, model_config, dtype: torch.dtype, device: torch.device, context_len: int
 ) -> int:
@@ -581,6 +604,8 @@ def kv_pool_tokens(
             )
         return config.max_total_tokens
     fraction = config.mem_fraction_static or (0.85 if device.type == "cuda" else 0.25)
+    if device.type == "cuda":  # (what the graphs captured after the pool will keep)
+        free = max(free - graph_output_bytes(config, model_config.vocab_size), 0)
     tokens = int(free * fraction) // per_token
     # no use in more than every running request at full context
     tokens = min(tokens, config.max_running_requests * context_len)

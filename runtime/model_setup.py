@@ -83,7 +83,10 @@ def build_model(
 
 def _gguf_path_line(device: torch.device) -> str:
     if device.type == "cuda":
-        return "on the GPU each layer is dequantized and multiplied at every step (correct, slow)"
+        return (
+            "on the GPU the 4-bit layers (Q4_0, Q4_1, Q4_K) run the INT4 kernels; Q8_0 and Q6_K "
+            "ones are dequantized and multiplied at every step (correct, slow)"
+        )
     from radixlm.kernels import gguf_cpu
 
     if gguf_cpu.load() is None:
