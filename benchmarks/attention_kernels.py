@@ -9,9 +9,10 @@ Slots are shuffled over the pool, as a long-running server leaves them. Each cas
 against the reference before it is timed. Needs CUDA.
 
 --extend-tiles times the extend cases instead under each tile of EXTEND_TILES (the first is the
-kernel's default for the shape), each checked against the reference, and, for the prompts without
-a prefix, torch's own causal attention (`scaled_dot_product_attention` over dense tensors, one
-request at a time: what the GPU's fused attention reaches on the same work, without the paging).
+kernel's default for the shape), each checked against the reference ("wrong" where it is not,
+"too big" where the tile does not fit the GPU), and, for the prompts without a prefix, torch's
+own causal attention (`scaled_dot_product_attention` over the batch as dense tensors: what the
+GPU's fused attention reaches on the same work, without the paging).
 """
 
 from __future__ import annotations
@@ -33,11 +34,10 @@ class Heads(NamedTuple):
 
 
 def shape_heads(name: str) -> Heads:
-    from benchmarks.common import SHAPES
+    from benchmarks.common import SHAPES, head_dim
 
     s = SHAPES[name]
-    q = s["num_attention_heads"]
-    return Heads(q, s["num_key_value_heads"], s["hidden_size"] // q)
+    return Heads(s["num_attention_heads"], s["num_key_value_heads"], head_dim(s))
 
 
 DECODE_CASES = [(1, 1024), (1, 16384), (8, 4096), (32, 4096), (128, 2048), (64, 8192)]  # (B, len)
@@ -155,6 +155,7 @@ def extend_flops(prefix_lens, extend_lens, heads: Heads) -> float:
 def bench_extend_tiles(dtype, gen, heads: Heads) -> list[str]:
     """Each extend case under each tile (TFLOP/s), and torch's dense causal attention."""
     import torch.nn.functional as F
+    from triton.runtime.errors import OutOfResources
 
     from radixlm.kernels import triton_attention as ta
     from radixlm.kernels.attention_ref import extend_attention_ref
@@ -178,10 +179,14 @@ def bench_extend_tiles(dtype, gen, heads: Heads) -> list[str]:
         for tile in tiles:
             fn = partial(ta.extend_attention, *args, max_extend_len=max(extend_lens), config=tile)
             try:
-                torch.testing.assert_close(fn(), want, atol=2e-2, rtol=2e-2)
-                cells.append(f"{flops / bench(fn) / 1e12:.0f}")
-            except Exception as e:  # (a tile that does not fit this GPU's shared memory)
-                cells.append(f"failed: {type(e).__name__}")
+                got = fn()
+            except OutOfResources:  # (a tile that does not fit this GPU's shared memory)
+                cells.append("too big")
+                continue
+            if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
+                cells.append("wrong")
+                continue
+            cells.append(f"{flops / bench(fn) / 1e12:.0f}")
         dense = "-"
         if not any(prefix_lens) and len(set(extend_lens)) == 1:
             b, t = len(extend_lens), extend_lens[0]

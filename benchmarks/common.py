@@ -50,6 +50,11 @@ SHAPES = {
 }  # fmt: skip
 
 
+def head_dim(config: dict) -> int:
+    """A model config's (or SHAPES entry's) attention head size."""
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 def shape_folder(name: str, tokenizer_folder: Path | None = None) -> Path:
     """A folder with config.json and a tokenizer: enough for load_format='dummy'. The tokenizer
     comes from `tokenizer_folder`, else the folder named by RADIXLM_BENCH_TOKENIZER, else the
@@ -167,11 +172,12 @@ def write_tiny_llama(out: Path, tokenizer_folder: str | Path | None = None) -> P
 
 # what each of the engine's device kernels is, by its name: (group, name fragments), first match
 # wins; the Triton kernels by their function names (kernels/*.py), the rest by what the libraries
-# call theirs. Anything unmatched is "other".
+# call theirs. Anything unmatched is "other". (For the Triton attention backend, the GPU's: with
+# torch's attention its softmax would count as sampling.)
 KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention, decode rows", ("_decode_partial_kernel", "_decode_merge_kernel")),
     ("attention, prompt rows", ("_extend_kernel", "flash", "fmha", "attention")),
-    ("GEMV (Triton)", ("_gemv_kernel", "_sum_splits_kernel", "_int4_gemm_kernel")),
+    ("Triton GEMV, INT4 matmul", ("_gemv_kernel", "_sum_splits_kernel", "_int4_gemm_kernel")),
     ("matmul (cuBLAS)", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "splitkreduce")),
     (
         "norm, rotary, SiLU, KV store",
@@ -208,8 +214,8 @@ def kernel_group(name: str) -> str:
     return "other"
 
 
-def covered_seconds(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of (start, end) intervals, in their unit."""
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals (in the intervals' own unit)."""
     covered, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
         if b > end:
@@ -233,4 +239,4 @@ def kernel_breakdown(
             entry[1] += end - start
     by_group = {g: (int(c), t) for g, (c, t) in sorted(groups.items(), key=lambda kv: -kv[1][1])}
     by_name = sorted(((n, int(c), t) for n, (c, t) in names.items()), key=lambda r: -r[2])
-    return by_group, by_name, covered_seconds([(s, e) for _, s, e in kernels])
+    return by_group, by_name, union_length([(s, e) for _, s, e in kernels])

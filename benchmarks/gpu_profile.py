@@ -33,11 +33,11 @@ import radixlm
 from benchmarks.common import (
     SHAPES,
     commit,
-    covered_seconds,
     cuda_event_spans,
     device_line,
     random_prompts,
     shape_folder,
+    union_length,
 )
 
 
@@ -132,7 +132,7 @@ def busy(shape: str) -> str:
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
     ]
-    covered = covered_seconds(intervals)
+    covered = union_length(intervals)
     span = (max(b for _, b in intervals) - min(a for a, _ in intervals)) / 1e6
     tokens = 64 * 256
     return (

@@ -43,6 +43,7 @@ from benchmarks.common import (
     copy_bandwidth,
     cuda_event_spans,
     device_line,
+    head_dim,
     kernel_breakdown,
     kernel_group,
     offline_gpu_workload,
@@ -202,11 +203,12 @@ def ours_offline(
     params,
     without: str = "",
     quantization: str | None = None,
-    profile: bool = False,
+    profile: float | None = None,
 ) -> tuple[list[float], dict]:
     """Output tokens/s of --repeats runs of the whole workload on one engine, and the engine's
     statistics; `without` names a switch of ABLATIONS to turn off; `quantization` a scheme;
-    `profile`: then where the time goes, from two more runs (`profile_workload`)."""
+    `profile`, the copy bandwidth (bytes a second): then where the time goes, from two more runs
+    (`profile_workload`)."""
     import os
 
     env, engine_args = ABLATIONS[without] if without else ({}, {})
@@ -230,8 +232,8 @@ def ours_offline(
                 assert produced == sum(p["max_new_tokens"] for p in params)
                 rates.append(produced / wall)
             stats = eng.get_stats()
-            if profile:
-                profile_workload(eng, folder, prompts, params, args.peak_tflops)
+            if profile is not None:
+                profile_workload(eng, folder, prompts, params, args.peak_tflops, profile)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -287,7 +289,11 @@ def gpu_workload(args) -> None:
         raise SystemExit(f"--ablate: no switch {sorted(unknown)}; the switches: {list(ABLATIONS)}")
     if ablate:
         return ablation(args, folder, prompts, params, ablate)
-    rates, stats = ours_offline(args, folder, prompts, params, profile=args.profile)
+    bandwidth = None
+    if args.profile:  # (measured before an engine holds the memory; what it took given back)
+        bandwidth = copy_bandwidth()
+        torch.cuda.empty_cache()
+    rates, stats = ours_offline(args, folder, prompts, params, profile=bandwidth)
     ours = statistics.median(rates)
     print(f"  engine stats: {stats}")
     flops = workload_flops(folder, prompts, outs)
@@ -336,7 +342,7 @@ def shape_numbers(folder) -> dict[str, int]:
     h, i, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     heads = c["num_attention_heads"]
     kv_heads = c.get("num_key_value_heads", heads)
-    hd = c.get("head_dim") or h // heads
+    hd = head_dim(c)
     linear = layers * (h * heads * hd * 2 + 2 * h * kv_heads * hd + 3 * h * i)
     head = h * c["vocab_size"]
     return {
@@ -365,20 +371,21 @@ def _step_note(_runner, plan, *args, **kwargs) -> tuple[bool, int, int]:
     return not plan.items, len(plan.decodes) + sum(it.num_tokens for it in plan.items), keys
 
 
-def profile_workload(eng, folder, prompts, params, peak_tflops: float) -> None:
+def profile_workload(eng, folder, prompts, params, peak_tflops: float, bandwidth: float) -> None:
     """Where a run of the workload spends its time, from two more runs on the same engine.
-    First untraced, with CUDA events around each step's launch: the device time of decode-only
-    steps and of steps with prompt tokens, and what is left of the wall time (the device waiting
-    for the host, between steps); each decode-only step's floor is the larger of its FLOPs at
-    the peak and its bytes (the weights once, the K and V of every key attended) at the copy
-    bandwidth measured here. Then under the torch profiler (device activity only): every kernel's
-    time, by group (benchmarks/common.py KERNEL_GROUPS), the largest kernels by name."""
+    First untraced, with CUDA events around each step's launch: the stream time of decode-only
+    steps and of the others (prompt chunks, multi-token decodes), from each step's first work to
+    its last (gaps inside a step, the device waiting for the host, included), and what is left
+    of the wall time (the stream idle between steps); each decode-only step's floor is the larger
+    of its FLOPs at the peak and its bytes (the weights once, the K and V of every key attended)
+    at `bandwidth` (bytes a second). Then under the torch profiler (device activity only): the
+    device's busy time (idle, inside steps and between them, is the rest), every kernel's time by
+    group (benchmarks/common.py KERNEL_GROUPS), the largest kernels by name."""
     from torch.profiler import ProfilerActivity, profile
 
     from radixlm.runtime.model_runner import ModelRunner
 
     n = shape_numbers(folder)
-    bandwidth = copy_bandwidth()  # (the bytes a copy moves a second, read and written)
     with cuda_event_spans(ModelRunner, "launch", note=_step_note) as spans:
         t = time.perf_counter()
         eng.generate(input_ids=prompts, sampling_params=params)
@@ -403,12 +410,12 @@ def profile_workload(eng, folder, prompts, params, peak_tflops: float) -> None:
     print(
         f"\nWhere the time goes (an untraced run with events around each step: {wall:.2f} s):\n"
         f"  decode-only steps: {decode_steps}, {decode_rows / max(decode_steps, 1):.0f} rows "
-        f"each on average, {decode_s:.2f} s of device time ({decode_s / wall:.0%} of the wall); "
+        f"each on average, {decode_s:.2f} s on the stream ({decode_s / wall:.0%} of the wall); "
         f"their floor (FLOPs at {peak_tflops:g} TFLOP/s or bytes at {bandwidth / 1e12:.2f} TB/s, "
         f"the larger, step by step) {floor_s:.2f} s: {floor_s / max(decode_s, 1e-9):.0%} of it\n"
-        f"  steps with prompt tokens: {prompt_steps}, {prompt_tokens} tokens, {prompt_s:.2f} s "
-        f"({prompt_s / wall:.0%})\n"
-        f"  the device idle between steps: {idle:.2f} s ({idle / wall:.0%})"
+        f"  steps with prompt tokens (or multi-token decodes): {prompt_steps}, {prompt_tokens} "
+        f"tokens, {prompt_s:.2f} s ({prompt_s / wall:.0%})\n"
+        f"  the stream idle between steps: {idle:.2f} s ({idle / wall:.0%})"
     )
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
@@ -422,7 +429,7 @@ def profile_workload(eng, folder, prompts, params, peak_tflops: float) -> None:
     groups, names, busy = kernel_breakdown(kernels)
     print(
         f"\nUnder the profiler ({traced:.2f} s, {wall / traced:.2f}x the untraced rate): the "
-        f"device busy {busy:.2f} s ({busy / traced:.0%})\n"
+        f"device busy {busy:.2f} s ({busy / traced:.0%}), idle {traced - busy:.2f} s\n"
         "\n| kernel group | kernels | device s | of the busy time |\n|---|---|---|---|"
     )
     for group, (count, seconds) in groups.items():

@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -742,8 +743,10 @@ def begin_fill(pairs: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor
     # interpreter's switch interval (5 ms), so the "background" fill began when the step waited
     # for it (measured: 3.1 ms late behind 3 ms of Python). Waiting here until it has begun hands
     # the GIL over (back once llguidance lets go of it): 50-75 us on the 2-core machine, against
-    # 100-160 us for time.sleep(0), which sleeps the kernel's timer slack (50 us) at least.
-    started.wait()
+    # 100-160 us for time.sleep(0), which sleeps the kernel's timer slack (50 us) at least. Not
+    # beyond the switch interval: a fill thread busy with an earlier fill, or gone (a forked
+    # child), would otherwise hold this thread, and with it the engine, up.
+    started.wait(sys.getswitchinterval())
     return PendingFill(future, pairs, versions, bitmask)
 
 

@@ -118,20 +118,16 @@ def capture_graphs(
     collectives.)"""
     from radixlm.runtime.cuda_graph import DecodeGraphs, PrefillGraphs, RowGraphs, graph_buckets
 
-    max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 256)
-    max_rows = min(max_bs * verify_tokens, _MAX_VERIFY_ROWS) if verify_tokens else 0
+    max_bs, prompt_tokens, max_rows = graph_sizes(config, verify_tokens)
     if os.environ.get("RADIXLM_DISABLE_GEMV") != "1":
         tune_small_matmuls(model, tuple(graph_buckets(max_rows)) if verify_tokens else ())
     graphs = DecodeGraphs(
         model, backend, rows.table, token_buf, max_bs, padding_row=rows.padding_row
     )
     prefill_graphs = None
-    # (a step holds at most a prompt chunk and a token of every running request)
-    most = config.chunked_prefill_size + config.max_running_requests
-    if config.cuda_graph_max_prefill_tokens:
+    if prompt_tokens:
         prefill_graphs = PrefillGraphs(
-            model, backend, rows.table, token_buf,
-            min(config.cuda_graph_max_prefill_tokens, most), config.max_running_requests,
+            model, backend, rows.table, token_buf, prompt_tokens, config.max_running_requests,
             padding_row=rows.padding_row, keep_hidden=keep_hidden,
         )  # fmt: skip
     row_graphs = None
@@ -565,26 +561,38 @@ def kv_bytes_per_slot(config, model_config, dtype: torch.dtype) -> int:
     )  # fmt: skip
 
 
+def graph_sizes(config, verify_tokens: int | None) -> tuple[int, int, int]:
+    """What `capture_graphs` captures: the decode graphs' largest batch, the prompt-step graphs'
+    most tokens (0: none) and the verify graphs' most rows (0: none; `verify_tokens`, the most
+    tokens a request verifies in a step, None without speculative decoding)."""
+    max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 256)
+    max_rows = min(max_bs * verify_tokens, _MAX_VERIFY_ROWS) if verify_tokens else 0
+    # (a step holds at most a prompt chunk and a token of every running request)
+    most = (config.chunked_prefill_size or 0) + config.max_running_requests
+    return max_bs, min(config.cuda_graph_max_prefill_tokens, most), max_rows
+
+
 def graph_output_bytes(config, vocab_size: int) -> int:
     """The bytes the CUDA graphs of `capture_graphs` keep as their outputs: each graph its own
     float32 logits, a row a request of a decode graph's batch, a row a request of a prompt-step
     graph and a row a token of a verify graph (graphs share their working memory, not their
-    outputs). On an 80 GB GPU an 8B model's graphs for 1,000 requests keep ~11 GB this way: the
-    KV pool is sized from what is free less this."""
+    outputs; the hidden states some keep add under 1% to this). On an 80 GB GPU an 8B model's
+    graphs for 1,000 requests keep ~11 GB this way: the KV pool is sized from what is free less
+    this. (Where the drafter alone knows how many tokens a request verifies, MEDUSA's heads, the
+    verify graphs are counted at their most rows.)"""
     from radixlm.runtime.cuda_graph import graph_buckets, prefill_buckets
 
-    if config.disable_cuda_graph:
-        return 0
-    max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 256)
+    if config.disable_cuda_graph or config.attention_backend == "torch":
+        return 0  # (no graphs: see use_cuda_graphs)
+    verify = None
+    if config.speculative_algorithm:
+        verify = config.speculative_num_draft_tokens or _MAX_VERIFY_ROWS
+    max_bs, prompt_tokens, max_rows = graph_sizes(config, verify)
     rows = sum(graph_buckets(max_bs))
-    if config.cuda_graph_max_prefill_tokens:
-        most = (config.chunked_prefill_size or 0) + config.max_running_requests
-        top = min(config.cuda_graph_max_prefill_tokens, most)
-        rows += sum(min(t, config.max_running_requests) for t in prefill_buckets(top))
-    if config.speculative_algorithm and config.speculative_num_draft_tokens:
-        rows += sum(
-            graph_buckets(min(max_bs * config.speculative_num_draft_tokens, _MAX_VERIFY_ROWS))
-        )
+    if prompt_tokens:
+        rows += sum(min(t, config.max_running_requests) for t in prefill_buckets(prompt_tokens))
+    if max_rows:
+        rows += sum(graph_buckets(max_rows))
     return rows * vocab_size * 4
 
 
@@ -595,23 +603,30 @@ def kv_pool_tokens(
     `dtype` and a pool storing what `config.kv_cache_dtype` says."""
     per_token = kv_bytes_per_slot(config, model_config, dtype)
     free = free_memory(device)
+    graphs = graph_output_bytes(config, model_config.vocab_size) if device.type == "cuda" else 0
+    free = max(free - graphs, 0)  # (what the graphs captured after the pool will keep)
+    kept = (
+        f" (past the {graphs / 2**30:.1f} GiB the CUDA graphs' outputs keep: less with a smaller "
+        "cuda_graph_max_bs or cuda_graph_max_prefill_tokens)"
+        if graphs
+        else ""
+    )
     if config.max_total_tokens is not None:
         if config.max_total_tokens * per_token > free:
             raise ValueError(
                 f"max_total_tokens={config.max_total_tokens} needs "
                 f"{config.max_total_tokens * per_token / 2**30:.1f} GiB of KV cache and "
-                f"{free / 2**30:.1f} GiB are free on {device}: ask for at most {free // per_token}"
+                f"{free / 2**30:.1f} GiB are free on {device}{kept}: ask for at most "
+                f"{free // per_token}"
             )
         return config.max_total_tokens
     fraction = config.mem_fraction_static or (0.85 if device.type == "cuda" else 0.25)
-    if device.type == "cuda":  # (what the graphs captured after the pool will keep)
-        free = max(free - graph_output_bytes(config, model_config.vocab_size), 0)
     tokens = int(free * fraction) // per_token
     # no use in more than every running request at full context
     tokens = min(tokens, config.max_running_requests * context_len)
     if tokens < 16:
         raise ValueError(
-            f"not enough free memory for a KV cache ({free / 2**30:.1f} GiB free); "
+            f"not enough free memory for a KV cache ({free / 2**30:.1f} GiB free{kept}); "
             "lower the load, raise mem_fraction_static, or set max_total_tokens"
         )
     return tokens

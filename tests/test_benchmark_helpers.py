@@ -1,13 +1,13 @@
 """The pure helpers the GPU benchmarks report with (benchmarks/common.py), checked on the CPU."""
 
-from benchmarks.common import covered_seconds, kernel_breakdown, kernel_group
+from benchmarks.common import kernel_breakdown, kernel_group, union_length
 
 
-def test_covered_seconds_counts_overlaps_once():
-    assert covered_seconds([]) == 0.0
-    assert covered_seconds([(0.0, 1.0), (2.0, 3.0)]) == 2.0
+def test_union_length_counts_overlaps_once():
+    assert union_length([]) == 0.0
+    assert union_length([(0.0, 1.0), (2.0, 3.0)]) == 2.0
     # overlapping, nested and out of order
-    assert covered_seconds([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (1.5, 1.8)]) == 4.0
+    assert union_length([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (1.5, 1.8)]) == 4.0
 
 
 def test_kernel_groups_by_name():
@@ -15,7 +15,7 @@ def test_kernel_groups_by_name():
     assert kernel_group("_extend_kernel_0d1d2d") == "attention, prompt rows"
     assert kernel_group("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT") == "matmul (cuBLAS)"
     assert kernel_group("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul (cuBLAS)"
-    assert kernel_group("_int4_gemm_kernel") == "GEMV (Triton)"  # (not cuBLAS's "gemm")
+    assert kernel_group("_int4_gemm_kernel") == "Triton GEMV, INT4 matmul"  # (not cuBLAS's "gemm")
     assert kernel_group("_rope_store_kv_kernel") == "norm, rotary, SiLU, KV store"
     assert kernel_group("_argmax_rows_kernel") == "sampling"
     assert kernel_group("Memcpy HtoD (Pinned -> Device)") == "copies and fills"

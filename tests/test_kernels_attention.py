@@ -191,8 +191,8 @@ def test_extend_half_precision(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("case", EXTEND_CASES[1:4], ids=lambda c: f"g{c[3]}-d{c[4]}")
 def test_extend_with_key_rows_transposed_in_registers(case) -> None:
-    """TileConfig.k_rows: K tiles loaded a key a row and transposed in the kernel, the same
-    attention as the tiles loaded transposed (the reference)."""
+    """TileConfig.k_rows: K tiles loaded a key a row and transposed in the kernel, against the
+    torch reference."""
     prefix_lens, new_lens, num_kv_heads, group, head_dim = case
     b = Batch(prefix_lens, new_lens, num_kv_heads, group, head_dim, torch.float32, seed=4)
     tile = ta.TileConfig(32, 32, 1, 1, k_rows=True) if DEVICE == "cpu" else ta.TileConfig(64, 32, 4, 2, k_rows=True)  # fmt: skip

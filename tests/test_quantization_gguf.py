@@ -157,8 +157,11 @@ def test_int4_layout_holds_the_blocks_values(gtype):
     assert (want[0, :32] == want[0, 0]).all()  # (the flat group: one value)
     # the same values up to float32 rounding of (q - (-c / s)) * s against s * q + c
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+
+
+def test_int4_layout_refuses_other_blocks():
     with pytest.raises(ValueError, match="not 4-bit"):
-        gguf_ref.as_int4(random_blocks(int(Q.Q8_0), 2, k), int(Q.Q8_0), k)
+        gguf_ref.as_int4(random_blocks(int(Q.Q8_0), 2, 512), int(Q.Q8_0), 512)
 
 
 def test_gguf_layer_in_int4_layout_computes_with_the_int4_kernels():

@@ -7,15 +7,18 @@ to a seventh of float32's bytes, and multiplies by them.
   arithmetic throughout, so the result is the dequantized weight's F.linear up to the order of the
   sums. A decode step of up to 64 requests runs in one call of them (`FusedDecode`). Without a
   compiler: the torch dequantization below at every call (correct, slow).
-- On a GPU, the 4-bit types (Q4_0, Q4_1, Q4_K) are put in the INT4 layout at load
+- On a GPU, a layer whose parts are all of the 4-bit types (Q4_0, Q4_1, Q4_K) is put in the
+  INT4 layout at load
   (kernels/gguf_ref.py `as_int4`: the same integers, in another order within a row, a float32
   scale and zero point a group of 32) and computed as INT4 W4A16 layers are
   (runtime/quantization/int4.py): the Triton GEMV at batch 1-4, the dequantizing Triton matmul
   past that. That reads 6 bits a weight (4, plus a float32 scale and zero point a group of 32)
-  against the file's 4.5-5. Q8_0 and Q6_K are dequantized to float32 at every call and
-  multiplied (`dequantize`, then F.linear): correct and slow, until a GPU kernel reads them.
+  against the file's 4.5-5. A layer with a Q8_0 or Q6_K part (a Q4_K_M file's fused q/k/v, whose
+  v is Q6_K) is dequantized to float32 at every call and multiplied (`dequantize`, then
+  F.linear): correct and slow, until a GPU kernel reads those blocks.
 
-The oracle (`reference`) is the gguf package's own dequantization and F.linear.
+The oracle (`reference`) is the gguf package's own dequantization and F.linear (in the INT4
+layout, its own dequantization, which `as_int4`'s test holds to the gguf package's).
 
 Where the weights come from: the model's config, tokenizer and norms are read from the folder the
 GGUF is converted to as before (runtime/model_loader.py); the decoder's linear layers, and the LM
