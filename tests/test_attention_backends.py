@@ -63,8 +63,7 @@ def assert_same_outputs(want: list[dict], got: list[dict]) -> None:
 
 def test_triton_backend_matches_torch_backend_end_to_end(tiny_model_folder, monkeypatch):
     """Alone and batched with chunked prompts: the batched run has steps of prompt chunks and
-    decodes together (the chunks through the extend kernel, the decodes through the decode
-    kernel)."""
+    decodes together, in one launch of the extend kernel."""
     from radixlm.runtime.attention import TritonAttentionBackend
 
     mixed = []
