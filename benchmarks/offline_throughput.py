@@ -376,7 +376,9 @@ def profile_workload(eng, folder, prompts, params, peak_tflops: float, bandwidth
     First untraced, with CUDA events around each step's launch: the stream time of decode-only
     steps and of the others (prompt chunks, multi-token decodes), from each step's first work to
     its last (gaps inside a step, the device waiting for the host, included), and what is left
-    of the wall time (the stream idle between steps); each decode-only step's floor is the larger
+    of the wall time (the stream idle between steps), and the engine thread's host phases
+    (EngineStats.host_seconds_*: scheduling, launching, sampling, applying the tokens, waiting for
+    the device) over that run; each decode-only step's floor is the larger
     of its FLOPs at the peak and its bytes (the weights once, the K and V of every key attended)
     at `bandwidth` (bytes a second). Then under the torch profiler (device activity only): the
     device's busy time (idle, inside steps and between them, is the rest), every kernel's time by
@@ -386,10 +388,17 @@ def profile_workload(eng, folder, prompts, params, peak_tflops: float, bandwidth
     from radixlm.runtime.model_runner import ModelRunner
 
     n = shape_numbers(folder)
+    before = eng.get_stats()
     with cuda_event_spans(ModelRunner, "launch", note=_step_note) as spans:
         t = time.perf_counter()
         eng.generate(input_ids=prompts, sampling_params=params)
         wall = time.perf_counter() - t
+    after = eng.get_stats()
+    host = {
+        k.removeprefix("host_seconds_"): after[k] - before[k]
+        for k in after
+        if k.startswith("host_seconds_") and isinstance(after[k], float)
+    }
     decode_s = prompt_s = floor_s = 0.0
     decode_steps = decode_rows = prompt_steps = prompt_tokens = 0
     for start, end, (decodes_only, tokens, keys) in spans:
@@ -415,7 +424,10 @@ def profile_workload(eng, folder, prompts, params, peak_tflops: float, bandwidth
         f"the larger, step by step) {floor_s:.2f} s: {floor_s / max(decode_s, 1e-9):.0%} of it\n"
         f"  steps with prompt tokens (or multi-token decodes): {prompt_steps}, {prompt_tokens} "
         f"tokens, {prompt_s:.2f} s ({prompt_s / wall:.0%})\n"
-        f"  the stream idle between steps: {idle:.2f} s ({idle / wall:.0%})"
+        f"  the stream idle between steps: {idle:.2f} s ({idle / wall:.0%})\n"
+        "  the engine thread's host phases (s): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in host.items())
+        + " (wait: for the device)"
     )
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
