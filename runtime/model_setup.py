@@ -85,7 +85,7 @@ def _gguf_path_line(device: torch.device) -> str:
     if device.type == "cuda":
         return (
             "on the GPU the layers of 4-bit blocks (Q4_0, Q4_1, Q4_K) run the INT4 kernels; a "
-            "layer with a Q8_0 or Q6_K part is dequantized and multiplied at every step (slow)"
+            "layer with a Q8_0 or Q6_K part is dequantized once, to the model's dtype"
         )
     from radixlm.kernels import gguf_cpu
 

@@ -199,6 +199,47 @@ def test_gguf_layer_in_int4_layout_computes_with_the_int4_kernels():
     )
 
 
+def test_gguf_layer_of_other_blocks_on_a_gpu_is_dequantized_once():
+    """A fused layer with a Q6_K part beside Q4_K ones, and a Q8_0 layer, as a GPU holds them
+    (`_to_dense`, which loading runs where the weights are on a GPU and not all 4-bit): the
+    weight dequantized once, then an unquantized layer (the float32 head path among them), all
+    against the gguf package's dequantization."""
+    from radixlm.kernels.gemv import GemvConfig, gemv
+    from radixlm.runtime.layers import float32_linear
+
+    k = 256
+    for sizes, types in (([16, 8], (int(Q.Q4_K), int(Q.Q6_K))), ([12], (int(Q.Q8_0),))):
+        with torch.device("meta"):
+            parts = [Part(size, 0, size) for size in sizes]
+            layer = ColumnParallelLinear(k, parts, bias=False)
+        scheme = GgufLinear(types)
+        layer.quant_scheme = scheme
+        scheme.create_weights(layer)
+        layer = layer.to_empty(device="cpu")
+        blocks = [random_blocks(t, n, k, seed=i) for i, (t, n) in enumerate(zip(types, sizes))]
+        with torch.no_grad():
+            for i, b in enumerate(blocks):
+                lo, hi = layer.part_rows(i)
+                layer.weight[lo:hi].copy_(scheme.checkpoint_tensor(layer, "weight", b, i))
+        scheme._to_dense(layer)
+        assert scheme.dense and scheme.has_gemv and not scheme.quantized
+        assert layer.weight.dtype == torch.float32 and layer.weight.shape == (sum(sizes), k)
+        weight = torch.cat(
+            [gguf_ref.gguf_package_dequantize(b, t, k) for b, t in zip(blocks, types)]
+        )
+        assert torch.equal(scheme.dequantized_weight(layer), weight)
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+        want = x @ weight.T
+        tol = {"rtol": 1e-5, "atol": 1e-5 * want.abs().max().item()}
+        torch.testing.assert_close(scheme.apply(layer, x), want, **tol)
+        torch.testing.assert_close(float32_linear(x, layer), want, **tol)
+        w, quant = scheme.gemv_operands(layer)
+        got = gemv(x[:1], w, None, GemvConfig(8, 64, 4, 1, 1), torch.float32, **quant)
+        torch.testing.assert_close(got, want[:1], **tol)
+        ids = torch.tensor([0, sum(sizes) - 1])
+        assert torch.equal(scheme.dequantized_rows(layer, ids), weight[ids])
+
+
 # ---- whole models --------------------------------------------------------------------------
 
 TINY_TYPES = {  # a block type per decoder linear layer: q, k, v of three types (one fused layer)
@@ -412,8 +453,8 @@ def test_speculative_steps_in_one_call_equal_the_layers(monkeypatch, algorithm):
 @pytest.mark.gpu
 def test_default_model_on_a_gpu_runs_its_four_bit_blocks_as_int4():
     """On a GPU the default model's Q4_1 layers are held in the INT4 layout and run the INT4
-    kernels (the GEMV tuned per shape, CUDA graphs); in float32 its greedy text is the float32
-    dequantization's (its Q8_0 head is dequantized at each call)."""
+    kernels (the GEMV tuned per shape, CUDA graphs), its Q8_0 head dequantized once at load; in
+    float32 its greedy text is the float32 dequantization's."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     kw = {"max_total_tokens": 4096, "device": "cuda", "dtype": "float32"}
@@ -422,6 +463,7 @@ def test_default_model_on_a_gpu_runs_its_four_bit_blocks_as_int4():
     with radixlm.Engine(quantization="gguf", **kw) as eng:
         down = eng.model.layers[0].mlp.down_proj
         assert down.quant_scheme.int4 and down.weight.shape[1] == down.in_features // 2
-        assert not eng.model.lm_head.quant_scheme.int4  # (Q8_0: not 4-bit)
+        head = eng.model.lm_head  # (Q8_0: not 4-bit, dequantized once at load)
+        assert head.quant_scheme.dense and head.weight.dtype == torch.float32
         got = [o["output_ids"] for o in greedy(eng, 16, PROMPTS)]
     assert got == want

@@ -14,8 +14,10 @@ to a seventh of float32's bytes, and multiplies by them.
   (runtime/quantization/int4.py): the Triton GEMV at batch 1-4, the dequantizing Triton matmul
   past that. That reads 6 bits a weight (4, plus a float32 scale and zero point a group of 32)
   against the file's 4.5-5. A layer with a Q8_0 or Q6_K part (a Q4_K_M file's fused q/k/v, whose
-  v is Q6_K) is dequantized to float32 at every call and multiplied (`dequantize`, then
-  F.linear): correct and slow, until a GPU kernel reads those blocks.
+  v is Q6_K; the default model's Q8_0 LM head) is dequantized once at load, to the model's dtype,
+  and runs as an unquantized layer: not as stored, until a GPU kernel reads those blocks
+  (dequantizing blocks at every call, as before, measured 19-25x a bf16 matmul's time at batch
+  1 for the 4-bit types: benchmarks/quant_gemv.py).
 
 The oracle (`reference`) is the gguf package's own dequantization and F.linear (in the INT4
 layout, its own dequantization, which `as_int4`'s test holds to the gguf package's).
@@ -83,6 +85,7 @@ class GgufLinear(LinearScheme):
         self.bounds: list[tuple[int, int, int]] = []  # (first row, end row, type) runs
         self.runs: list[torch.Tensor] = []  # each run's rows (process_after_loading)
         self.int4 = False  # on a GPU, 4-bit blocks held in the INT4 layout (`_to_int4`)
+        self.dense = False  # on a GPU, other blocks dequantized at load (`_to_dense`)
 
     def create_weights(self, layer: nn.Linear) -> None:
         comm = getattr(layer, "comm", None)
@@ -123,8 +126,11 @@ class GgufLinear(LinearScheme):
         return tensor
 
     def process_after_loading(self, layer: nn.Linear) -> None:
-        if layer.weight.is_cuda and all(gtype in gguf_ref.INT4_TYPES for *_, gtype in self.bounds):
-            self._to_int4(layer)
+        if layer.weight.is_cuda:
+            if all(gtype in gguf_ref.INT4_TYPES for *_, gtype in self.bounds):
+                self._to_int4(layer)
+            else:
+                self._to_dense(layer)
             return
         # each run of rows of one type as a tensor of its own (contiguous: what the kernels read)
         self.runs = [
@@ -146,9 +152,26 @@ class GgufLinear(LinearScheme):
         replace_parameter(layer, "weight_zero", zero)
         self.int4 = self.has_gemv = True
 
+    def _to_dense(self, layer: nn.Linear) -> None:
+        """On a GPU, a layer with a Q8_0 or Q6_K part (no GPU kernel reads those blocks yet): its
+        weight dequantized once, in the model's dtype, and from then on an unquantized layer
+        (`quantized` off for it: the LM head's float32 logits, MEDUSA's reading of the head).
+        (Dequantizing at every call instead: 19-25x a bf16 matmul's time, benchmarks/quant_gemv.py
+        on the 4-bit types.)"""
+        weight = torch.cat(
+            [
+                gguf_ref.dequantize(layer.weight.data[start:end], gtype, self.k)
+                for start, end, gtype in self.bounds
+            ]
+        )
+        replace_parameter(layer, "weight", weight.to(layer.compute_dtype))
+        self.dense, self.quantized, self.has_gemv = True, False, True
+
     def apply(self, layer, x, out_dtype=None):
         if self.int4:
             return int4_apply(layer, x, out_dtype)
+        if self.dense:
+            return super().apply(layer, x, out_dtype)
         kernels = _cpu_kernels() if not x.is_cuda else None
         if kernels is not None and len(self.runs) == 1 and layer.bias is None:  # (the usual)
             y = kernels.matmul(x, self.runs[0], self.bounds[0][2], self.k)
@@ -168,12 +191,18 @@ class GgufLinear(LinearScheme):
         return F.linear(x.float(), self.dequantized_weight(layer).to(x.device), _bias(layer))
 
     def gemv_operands(self, layer):
+        if self.dense:
+            return layer.weight, {}
         if not self.int4:
-            raise NotImplementedError("the Triton GEMV reads GGUF layers in the INT4 layout only")
+            raise NotImplementedError(
+                "the Triton GEMV reads GGUF layers in the INT4 layout or dequantized only"
+            )
         return layer.weight, {"w_scale": layer.weight_scale, "w_zero": layer.weight_zero}
 
     def dequantized_rows(self, layer: nn.Linear, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight, float32 (T, K): an embedding looked up in the head."""
+        if self.dense:
+            return layer.weight[ids].float()
         if self.int4:
             return dequantize_int4_groups(
                 layer.weight[ids], layer.weight_scale[ids], layer.weight_zero[ids]
@@ -186,7 +215,10 @@ class GgufLinear(LinearScheme):
 
     def dequantized_weight(self, layer: nn.Linear) -> torch.Tensor:
         """The float32 weight (N, K) the layer stands for, by the gguf package (the oracle); in
-        the INT4 layout, by its own dequantization (its oracle: `as_int4`'s test)."""
+        the INT4 layout, by its own dequantization (its oracle: `as_int4`'s test); dequantized
+        at load, the weight itself."""
+        if self.dense:
+            return layer.weight.float()
         if self.int4:
             return dequantize_int4_groups(layer.weight, layer.weight_scale, layer.weight_zero)
         parts = [
