@@ -8,7 +8,7 @@ the H200's ~4.2 TB/s. Extend is given in TFLOP/s (QK and PV matmuls, causal part
 Slots are shuffled over the pool, as a long-running server leaves them. Each case is checked
 against the reference before it is timed. Needs CUDA.
 
---extend-tiles times the extend cases instead under each tile of EXTEND_TILES (the first is the
+--extend-tiles times the extend cases instead under each tile of `extend_tiles` (the first is the
 kernel's default for the shape), each checked against the reference ("wrong" where it is not,
 "too big" where the tile does not fit the GPU), and, for the prompts without a prefix, torch's
 own causal attention (`scaled_dot_product_attention` over the batch as dense tensors: what the

@@ -20,9 +20,10 @@ time, instead: --rounds rounds of every configuration, interleaved (the first en
 runs slowest, so a configuration measured only first or only later would carry that).
 
 With --shape it also prints the workload's FLOPs and the rate they allow at --peak-tflops.
---profile then says where the time goes (`profile_workload`): the device time of decode-only
-steps against their floor (FLOPs or bytes, step by step), of steps with prompt tokens, the device
-idle between steps, and every kernel's time by group under the torch profiler.
+--profile then says where the time goes (`profile_workload`): the stream time of decode-only
+steps against their floor (FLOPs or bytes, step by step) and of steps with prompt tokens, the
+stream idle between steps, the engine thread's host phases, and every kernel's time by group
+under the torch profiler.
 
 --quantization fp8 runs radixlm a second time with its linear layers quantized at load (FP8 W8A8,
 from the same weights), in the same run, and prints both rates and their ratio (on the CPU the FP8
@@ -203,12 +204,12 @@ def ours_offline(
     params,
     without: str = "",
     quantization: str | None = None,
-    profile: float | None = None,
+    profile_bandwidth: float | None = None,
 ) -> tuple[list[float], dict]:
     """Output tokens/s of --repeats runs of the whole workload on one engine, and the engine's
     statistics; `without` names a switch of ABLATIONS to turn off; `quantization` a scheme;
-    `profile`, the copy bandwidth (bytes a second): then where the time goes, from two more runs
-    (`profile_workload`)."""
+    `profile_bandwidth`, the copy bandwidth (bytes a second): then where the time goes, from two
+    more runs (`profile_workload`)."""
     import os
 
     env, engine_args = ABLATIONS[without] if without else ({}, {})
@@ -232,8 +233,8 @@ def ours_offline(
                 assert produced == sum(p["max_new_tokens"] for p in params)
                 rates.append(produced / wall)
             stats = eng.get_stats()
-            if profile is not None:
-                profile_workload(eng, folder, prompts, params, args.peak_tflops, profile)
+            if profile_bandwidth is not None:
+                profile_workload(eng, folder, prompts, params, args.peak_tflops, profile_bandwidth)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -293,7 +294,7 @@ def gpu_workload(args) -> None:
     if args.profile:  # (measured before an engine holds the memory; what it took given back)
         bandwidth = copy_bandwidth()
         torch.cuda.empty_cache()
-    rates, stats = ours_offline(args, folder, prompts, params, profile=bandwidth)
+    rates, stats = ours_offline(args, folder, prompts, params, profile_bandwidth=bandwidth)
     ours = statistics.median(rates)
     print(f"  engine stats: {stats}")
     flops = workload_flops(folder, prompts, outs)
@@ -373,16 +374,17 @@ def _step_note(_runner, plan, *args, **kwargs) -> tuple[bool, int, int]:
 
 def profile_workload(eng, folder, prompts, params, peak_tflops: float, bandwidth: float) -> None:
     """Where a run of the workload spends its time, from two more runs on the same engine.
-    First untraced, with CUDA events around each step's launch: the stream time of decode-only
-    steps and of the others (prompt chunks, multi-token decodes), from each step's first work to
-    its last (gaps inside a step, the device waiting for the host, included), and what is left
-    of the wall time (the stream idle between steps), and the engine thread's host phases
-    (EngineStats.host_seconds_*: scheduling, launching, sampling, applying the tokens, waiting for
-    the device) over that run; each decode-only step's floor is the larger
-    of its FLOPs at the peak and its bytes (the weights once, the K and V of every key attended)
-    at `bandwidth` (bytes a second). Then under the torch profiler (device activity only): the
-    device's busy time (idle, inside steps and between them, is the rest), every kernel's time by
-    group (benchmarks/common.py KERNEL_GROUPS), the largest kernels by name."""
+
+    First untraced, with CUDA events around each step's launch:
+    - the stream time of decode-only steps and of the others (prompt chunks, multi-token
+      decodes), from each step's first work to its last (gaps inside a step, the device waiting
+      for the host, included), and the rest of the wall time (the stream idle between steps);
+    - each decode-only step's floor: the larger of its FLOPs at `peak_tflops` and its bytes (the
+      weights once, the K and V of every key attended) at `bandwidth` (bytes a second);
+    - the engine thread's host phases over the run (EngineStats.host_seconds_*).
+    Then under the torch profiler (device activity only): the device's busy time (idle, inside
+    steps and between them, is the rest), every kernel's time by group (benchmarks/common.py
+    KERNEL_GROUPS), the largest kernels by name."""
     from torch.profiler import ProfilerActivity, profile
 
     from radixlm.runtime.model_runner import ModelRunner

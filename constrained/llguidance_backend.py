@@ -423,8 +423,7 @@ class LLGuidanceMatcher:
 
     def _state(self) -> tuple[bool, bool, bool, bytes] | None:
         """What `_snap` knows of llguidance's state, if it is still that state."""
-        if self._ahead is not None:
-            self._settle()
+        self._settle()
         return self._snap
 
     def is_terminated(self) -> bool:

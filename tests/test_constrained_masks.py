@@ -140,11 +140,16 @@ def test_masks_begun_in_the_background_match_the_matchers_after_their_step(token
             np.testing.assert_array_equal(got[i].numpy(), m.next_token_mask())
 
 
-def test_masks_begun_in_the_background_have_begun_when_the_call_returns(tokenizer):
+def test_masks_begun_in_the_background_have_begun_when_the_call_returns(tokenizer, monkeypatch):
     """begin_next_token_bitmasks hands the GIL to the fill thread before it returns: the fill is
-    running (or done) then, not waiting for the caller's Python to block."""
+    running (or done) then, not waiting for the caller's Python to block. (It waits for the
+    thread at most the interpreter's switch interval, made long here: a loaded machine may take
+    more than the default 5 ms to run the thread, which is not what is checked.)"""
+    import sys
+
     from radixlm.constrained import begin_next_token_bitmasks
 
+    monkeypatch.setattr(sys, "getswitchinterval", lambda: 5.0)
     compiler = GrammarCompiler(tokenizer, vocab_size=49152)
     matchers = [compiler.compile("json_schema", json.dumps(s)).matcher() for s in SCHEMAS]
     for _ in range(20):

@@ -203,6 +203,10 @@ def test_quantizing_at_load_keeps_float8_rows_and_their_scales():
         torch.testing.assert_close(
             got, fp8_linear_ref(x, layer.weight, layer.weight_scale, layer.bias)
         )
+    # rows looked up (an embedding in the head) are the dequantized weight's
+    ids = torch.tensor([3, 0, 39], device=DEVICE)
+    scheme = layer.quant_scheme
+    assert torch.equal(scheme.dequantized_rows(layer, ids), scheme.dequantized_weight(layer)[ids])
 
 
 def test_dispatch_runs_the_gemv_over_fp8_weights_where_chosen(count_launches):

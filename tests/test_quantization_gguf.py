@@ -23,7 +23,9 @@ from radixlm.kernels.quant_ref import dequantize_int4_groups
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.model_loader import default_model_path
 from radixlm.runtime.parallel import ColumnParallelLinear, Part
+from radixlm.runtime.quantization.base import UNQUANTIZED, scheme_of
 from radixlm.runtime.quantization.gguf import GgufLinear, GgufWeights, read_tensor_table
+from radixlm.runtime.quantization.int4 import Int4Linear
 from radixlm.runtime.quantization.plan import plan_for
 from tests.test_gguf_conversion import TINY, tokenizer_fields, weights, write_gguf  # noqa: F401
 
@@ -108,24 +110,29 @@ def test_kernels_run_in_a_forked_child():
     assert got == b"1"
 
 
-def test_fused_layer_of_mixed_block_types():
-    """A Q4_K_M file's fused q/k/v: parts of different block types, each multiplied by its own."""
-    k, sizes, types = 256, [64, 32, 32], (int(Q.Q4_K), int(Q.Q4_K), int(Q.Q6_K))
-    parts, start = [], 0
-    for size in sizes:
-        parts.append(Part(size, 0, size))
-        start += size
+def gguf_layer(k: int, types: tuple[int, ...], blocks: list[torch.Tensor]) -> torch.nn.Linear:
+    """A fused layer of one part for each of `blocks` (rows of GGUF blocks of `types`), on the
+    CPU, loaded as a checkpoint loads it, before `process_after_loading`."""
     with torch.device("meta"):
+        parts = [Part(b.shape[0], 0, b.shape[0]) for b in blocks]
         layer = ColumnParallelLinear(k, parts, bias=False)
     scheme = GgufLinear(types)
     layer.quant_scheme = scheme
     scheme.create_weights(layer)
     layer = layer.to_empty(device="cpu")
-    blocks = [random_blocks(t, size, k, seed=i) for i, (t, size) in enumerate(zip(types, sizes))]
     with torch.no_grad():
         for i, b in enumerate(blocks):
             lo, hi = layer.part_rows(i)
             layer.weight[lo:hi].copy_(scheme.checkpoint_tensor(layer, "weight", b, i))
+    return layer
+
+
+def test_fused_layer_of_mixed_block_types():
+    """A Q4_K_M file's fused q/k/v: parts of different block types, each multiplied by its own."""
+    k, sizes, types = 256, [64, 32, 32], (int(Q.Q4_K), int(Q.Q4_K), int(Q.Q6_K))
+    blocks = [random_blocks(t, size, k, seed=i) for i, (t, size) in enumerate(zip(types, sizes))]
+    layer = gguf_layer(k, types, blocks)
+    scheme = layer.quant_scheme
     scheme.process_after_loading(layer)
     assert [(lo, hi) for lo, hi, _ in scheme.bounds] == [(0, 96), (96, 128)]
     x = torch.randn(2, k)
@@ -134,7 +141,7 @@ def test_fused_layer_of_mixed_block_types():
     torch.testing.assert_close(scheme.reference(layer, x), want, rtol=1e-5, atol=1e-4)
 
 
-# ---- on a GPU: the 4-bit types in the INT4 layout ------------------------------------------
+# ---- on a GPU: the 4-bit types in the INT4 layout, the others dequantized once --------------
 
 FOUR_BIT = [Q.Q4_0, Q.Q4_1, Q.Q4_K]
 
@@ -164,80 +171,58 @@ def test_int4_layout_refuses_other_blocks():
         gguf_ref.as_int4(random_blocks(int(Q.Q8_0), 2, 512), int(Q.Q8_0), 512)
 
 
-def test_gguf_layer_in_int4_layout_computes_with_the_int4_kernels():
-    """A fused layer of Q4_0, Q4_K and Q4_1 parts as a GPU holds it (`_to_int4`, which loading
-    runs where the weights are on a GPU): its matmul, the Triton GEMV over its operands and the
-    rows an embedding looks up, against the gguf package's dequantization."""
-    from radixlm.kernels.gemv import GemvConfig, gemv
-
-    k, sizes, types = 256, [24, 16, 8], (int(Q.Q4_0), int(Q.Q4_K), int(Q.Q4_1))
-    with torch.device("meta"):
-        layer = ColumnParallelLinear(k, [Part(size, 0, size) for size in sizes], bias=False)
-    scheme = GgufLinear(types)
-    layer.quant_scheme = scheme
-    scheme.create_weights(layer)
-    layer = layer.to_empty(device="cpu")
-    blocks = [blocks_with_a_flat_group(t, size, k, seed=i) for i, (t, size) in enumerate(zip(types, sizes))]  # fmt: skip
-    with torch.no_grad():
-        for i, b in enumerate(blocks):
-            lo, hi = layer.part_rows(i)
-            layer.weight[lo:hi].copy_(scheme.checkpoint_tensor(layer, "weight", b, i))
-    assert not scheme.has_gemv
-    scheme._to_int4(layer)
-    assert scheme.int4 and scheme.has_gemv and layer.weight.shape == (48, k // 2)
-    weight = torch.cat([gguf_ref.gguf_package_dequantize(b, t, k) for b, t in zip(blocks, types)])
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
-    want = x @ weight.T
-    tol = {"rtol": 1e-5, "atol": 1e-5 * want.abs().max().item()}
-    torch.testing.assert_close(scheme.apply(layer, x), want, **tol)
-    w, quant = scheme.gemv_operands(layer)
-    got = gemv(x[:1], w, None, GemvConfig(8, 64, 4, 1, 1), torch.float32, **quant)
-    torch.testing.assert_close(got, want[:1], **tol)
-    ids = torch.tensor([0, 30, 47])
-    torch.testing.assert_close(
-        scheme.dequantized_rows(layer, ids), weight[ids], rtol=1e-6, atol=1e-6
-    )
-
-
-def test_gguf_layer_of_other_blocks_on_a_gpu_is_dequantized_once():
-    """A fused layer with a Q6_K part beside Q4_K ones, and a Q8_0 layer, as a GPU holds them
-    (`_to_dense`, which loading runs where the weights are on a GPU and not all 4-bit): the
-    weight dequantized once, then an unquantized layer (the float32 head path among them), all
-    against the gguf package's dequantization."""
+def check_converted_layer(layer, weight: torch.Tensor, row_tol: float) -> None:
+    """A converted layer's matmul (its float32 head path too), the Triton GEMV over its operands
+    and the rows an embedding looks up in it, against `weight`, the blocks' float32 values."""
     from radixlm.kernels.gemv import GemvConfig, gemv
     from radixlm.runtime.layers import float32_linear
 
+    scheme = scheme_of(layer)
+    assert scheme.has_gemv
+    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    want = x @ weight.T
+    tol = {"rtol": 1e-5, "atol": 1e-5 * want.abs().max().item()}
+    torch.testing.assert_close(scheme.apply(layer, x), want, **tol)
+    torch.testing.assert_close(float32_linear(x, layer), want, **tol)
+    w, quant = scheme.gemv_operands(layer)
+    got = gemv(x[:1], w, None, GemvConfig(8, 64, 4, 1, 1), torch.float32, **quant)
+    torch.testing.assert_close(got, want[:1], **tol)
+    ids = torch.tensor([0, weight.shape[0] // 2, weight.shape[0] - 1])
+    torch.testing.assert_close(
+        scheme.dequantized_rows(layer, ids), weight[ids], rtol=row_tol, atol=row_tol
+    )
+
+
+def package_weight(blocks, types, k: int) -> torch.Tensor:
+    return torch.cat([gguf_ref.gguf_package_dequantize(b, t, k) for b, t in zip(blocks, types)])
+
+
+def test_gguf_layer_of_four_bit_blocks_becomes_an_int4_layer():
+    """A fused layer of Q4_0, Q4_K and Q4_1 parts as a GPU holds it (`_to_int4`, which loading
+    runs where the weights are on a GPU): an INT4 layer, against the gguf package's values."""
+    k, sizes, types = 256, [24, 16, 8], (int(Q.Q4_0), int(Q.Q4_K), int(Q.Q4_1))
+    blocks = [blocks_with_a_flat_group(t, n, k, seed=i) for i, (t, n) in enumerate(zip(types, sizes))]  # fmt: skip
+    layer = gguf_layer(k, types, blocks)
+    assert not layer.quant_scheme.has_gemv
+    layer.quant_scheme._to_int4(layer)
+    assert isinstance(layer.quant_scheme, Int4Linear) and layer.weight.shape == (48, k // 2)
+    check_converted_layer(layer, package_weight(blocks, types, k), row_tol=1e-6)
+
+
+def test_gguf_layer_of_other_blocks_on_a_gpu_is_dequantized_once():
+    """A fused layer with a Q6_K part beside a Q4_K one, and a Q8_0 layer, as a GPU holds them
+    (`_to_dense`, which loading runs where the weights are on a GPU and not all 4-bit): the
+    weight dequantized once, then an unquantized layer, against the gguf package's values."""
     k = 256
     for sizes, types in (([16, 8], (int(Q.Q4_K), int(Q.Q6_K))), ([12], (int(Q.Q8_0),))):
-        with torch.device("meta"):
-            parts = [Part(size, 0, size) for size in sizes]
-            layer = ColumnParallelLinear(k, parts, bias=False)
-        scheme = GgufLinear(types)
-        layer.quant_scheme = scheme
-        scheme.create_weights(layer)
-        layer = layer.to_empty(device="cpu")
         blocks = [random_blocks(t, n, k, seed=i) for i, (t, n) in enumerate(zip(types, sizes))]
-        with torch.no_grad():
-            for i, b in enumerate(blocks):
-                lo, hi = layer.part_rows(i)
-                layer.weight[lo:hi].copy_(scheme.checkpoint_tensor(layer, "weight", b, i))
-        scheme._to_dense(layer)
-        assert scheme.dense and scheme.has_gemv and not scheme.quantized
+        layer = gguf_layer(k, types, blocks)
+        layer.quant_scheme._to_dense(layer)
+        assert layer.quant_scheme is UNQUANTIZED
         assert layer.weight.dtype == torch.float32 and layer.weight.shape == (sum(sizes), k)
-        weight = torch.cat(
-            [gguf_ref.gguf_package_dequantize(b, t, k) for b, t in zip(blocks, types)]
-        )
-        assert torch.equal(scheme.dequantized_weight(layer), weight)
-        x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
-        want = x @ weight.T
-        tol = {"rtol": 1e-5, "atol": 1e-5 * want.abs().max().item()}
-        torch.testing.assert_close(scheme.apply(layer, x), want, **tol)
-        torch.testing.assert_close(float32_linear(x, layer), want, **tol)
-        w, quant = scheme.gemv_operands(layer)
-        got = gemv(x[:1], w, None, GemvConfig(8, 64, 4, 1, 1), torch.float32, **quant)
-        torch.testing.assert_close(got, want[:1], **tol)
-        ids = torch.tensor([0, sum(sizes) - 1])
-        assert torch.equal(scheme.dequantized_rows(layer, ids), weight[ids])
+        weight = package_weight(blocks, types, k)
+        assert torch.equal(layer.weight, weight)
+        check_converted_layer(layer, weight, row_tol=0)
 
 
 # ---- whole models --------------------------------------------------------------------------
@@ -462,8 +447,9 @@ def test_default_model_on_a_gpu_runs_its_four_bit_blocks_as_int4():
         want = [o["output_ids"] for o in greedy(eng, 16, PROMPTS)]
     with radixlm.Engine(quantization="gguf", **kw) as eng:
         down = eng.model.layers[0].mlp.down_proj
-        assert down.quant_scheme.int4 and down.weight.shape[1] == down.in_features // 2
+        assert isinstance(down.quant_scheme, Int4Linear)
+        assert down.weight.shape[1] == down.in_features // 2
         head = eng.model.lm_head  # (Q8_0: not 4-bit, dequantized once at load)
-        assert head.quant_scheme.dense and head.weight.dtype == torch.float32
+        assert head.quant_scheme is UNQUANTIZED and head.weight.dtype == torch.float32
         got = [o["output_ids"] for o in greedy(eng, 16, PROMPTS)]
     assert got == want

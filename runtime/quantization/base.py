@@ -55,6 +55,11 @@ class LinearScheme:
         """(weight, the keyword arguments of kernels/gemv.py that describe it: its scales)."""
         return layer.weight, {}
 
+    def dequantized_rows(self, layer: nn.Linear, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight the layer stands for, float32 (T, K): an embedding looked
+        up in a GGUF LM head (runtime/quantization/gguf.py `GgufEmbedding`)."""
+        return layer.weight[ids].float()
+
 
 UNQUANTIZED = LinearScheme()
 

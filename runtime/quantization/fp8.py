@@ -104,6 +104,9 @@ class Fp8Linear(LinearScheme):
         """The float32 weight the layer stands for (tests and quality checks)."""
         return dequantize_fp8_rows(layer.weight, layer.weight_scale)
 
+    def dequantized_rows(self, layer: nn.Linear, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_fp8_rows(layer.weight[ids], layer.weight_scale[ids])
+
 
 _HALF = (torch.bfloat16, torch.float16)
 

@@ -19,8 +19,8 @@ to a seventh of float32's bytes, and multiplies by them.
   (dequantizing blocks at every call, as before, measured 19-25x a bf16 matmul's time at batch
   1 for the 4-bit types: benchmarks/quant_gemv.py).
 
-The oracle (`reference`) is the gguf package's own dequantization and F.linear (in the INT4
-layout, its own dequantization, which `as_int4`'s test holds to the gguf package's).
+The oracle (`reference`) is the gguf package's own dequantization and F.linear (`as_int4`'s test
+holds the INT4 layout to it).
 
 Where the weights come from: the model's config, tokenizer and norms are read from the folder the
 GGUF is converted to as before (runtime/model_loader.py); the decoder's linear layers, and the LM
@@ -44,9 +44,13 @@ from torch import nn
 
 from radixlm.kernels import gguf_ref
 from radixlm.kernels.gguf_ref import BLOCK_TYPES, row_bytes
-from radixlm.kernels.quant_ref import dequantize_int4_groups
-from radixlm.runtime.quantization.base import LinearScheme, replace_parameter
-from radixlm.runtime.quantization.int4 import int4_apply
+from radixlm.runtime.quantization.base import (
+    UNQUANTIZED,
+    LinearScheme,
+    replace_parameter,
+    scheme_of,
+)
+from radixlm.runtime.quantization.int4 import Int4Linear
 
 SUPPORTED_TYPES = ", ".join(name for name, _, _ in BLOCK_TYPES.values())
 _TYPE_IDS = {name: gtype for gtype, (name, _, _) in BLOCK_TYPES.items()}
@@ -76,7 +80,8 @@ class GgufLinear(LinearScheme):
 
     name = "gguf"
     quantized = True
-    # the Triton GEMV reads GGUF weights only in the INT4 layout (`int4`); the others run `apply`
+    # (the Triton GEMV does not read GGUF blocks: on a GPU the layer becomes an INT4 or an
+    # unquantized one at load, `process_after_loading`)
     has_gemv = False
 
     def __init__(self, types: tuple[int, ...]) -> None:
@@ -84,8 +89,6 @@ class GgufLinear(LinearScheme):
         self.k = 0
         self.bounds: list[tuple[int, int, int]] = []  # (first row, end row, type) runs
         self.runs: list[torch.Tensor] = []  # each run's rows (process_after_loading)
-        self.int4 = False  # on a GPU, 4-bit blocks held in the INT4 layout (`_to_int4`)
-        self.dense = False  # on a GPU, other blocks dequantized at load (`_to_dense`)
 
     def create_weights(self, layer: nn.Linear) -> None:
         comm = getattr(layer, "comm", None)
@@ -141,7 +144,8 @@ class GgufLinear(LinearScheme):
         ]
 
     def _to_int4(self, layer: nn.Linear) -> None:
-        """The layer's 4-bit blocks in the INT4 layout, each run of rows converted by its type."""
+        """On a GPU, a layer of 4-bit blocks: in the INT4 layout (each run of rows converted by
+        its type), and from then on an INT4 layer (`Int4Linear`: its GEMV, its matmul)."""
         parts = [
             gguf_ref.as_int4(layer.weight.data[start:end], gtype, self.k)
             for start, end, gtype in self.bounds
@@ -150,12 +154,11 @@ class GgufLinear(LinearScheme):
         replace_parameter(layer, "weight", packed)
         replace_parameter(layer, "weight_scale", scale)
         replace_parameter(layer, "weight_zero", zero)
-        self.int4 = self.has_gemv = True
+        layer.quant_scheme = Int4Linear()
 
     def _to_dense(self, layer: nn.Linear) -> None:
         """On a GPU, a layer with a Q8_0 or Q6_K part (no GPU kernel reads those blocks yet): its
-        weight dequantized once, in the model's dtype, and from then on an unquantized layer
-        (`quantized` off for it: the LM head's float32 logits, MEDUSA's reading of the head).
+        weight dequantized once, in the model's dtype, and from then on an unquantized layer.
         (Dequantizing at every call instead: 19-25x a bf16 matmul's time, benchmarks/quant_gemv.py
         on the 4-bit types.)"""
         weight = torch.cat(
@@ -165,13 +168,9 @@ class GgufLinear(LinearScheme):
             ]
         )
         replace_parameter(layer, "weight", weight.to(layer.compute_dtype))
-        self.dense, self.quantized, self.has_gemv = True, False, True
+        layer.quant_scheme = UNQUANTIZED
 
     def apply(self, layer, x, out_dtype=None):
-        if self.int4:
-            return int4_apply(layer, x, out_dtype)
-        if self.dense:
-            return super().apply(layer, x, out_dtype)
         kernels = _cpu_kernels() if not x.is_cuda else None
         if kernels is not None and len(self.runs) == 1 and layer.bias is None:  # (the usual)
             y = kernels.matmul(x, self.runs[0], self.bounds[0][2], self.k)
@@ -180,7 +179,7 @@ class GgufLinear(LinearScheme):
         for part, (_, _, gtype) in zip(self.runs, self.bounds):
             if kernels is not None:
                 ys.append(kernels.matmul(x, part, gtype, self.k))
-            else:  # a GPU, or no compiler: dequantize, then multiply (correct, slow)
+            else:  # no compiler: dequantize, then multiply (correct, slow)
                 ys.append(F.linear(x.float(), gguf_ref.dequantize(part, gtype, self.k)))
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         if layer.bias is not None:
@@ -191,22 +190,11 @@ class GgufLinear(LinearScheme):
         return F.linear(x.float(), self.dequantized_weight(layer).to(x.device), _bias(layer))
 
     def gemv_operands(self, layer):
-        if self.dense:
-            return layer.weight, {}
-        if not self.int4:
-            raise NotImplementedError(
-                "the Triton GEMV reads GGUF layers in the INT4 layout or dequantized only"
-            )
-        return layer.weight, {"w_scale": layer.weight_scale, "w_zero": layer.weight_zero}
+        raise NotImplementedError(
+            "the Triton GEMV reads GGUF blocks only once a GPU converted them"
+        )
 
     def dequantized_rows(self, layer: nn.Linear, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the weight, float32 (T, K): an embedding looked up in the head."""
-        if self.dense:
-            return layer.weight[ids].float()
-        if self.int4:
-            return dequantize_int4_groups(
-                layer.weight[ids], layer.weight_scale[ids], layer.weight_zero[ids]
-            )
         rows = layer.weight[ids]  # (T, bytes): a copy, contiguous
         kernels = _cpu_kernels() if not rows.is_cuda else None
         if kernels is not None:
@@ -214,13 +202,7 @@ class GgufLinear(LinearScheme):
         return gguf_ref.dequantize(rows, self.bounds[0][2], self.k)
 
     def dequantized_weight(self, layer: nn.Linear) -> torch.Tensor:
-        """The float32 weight (N, K) the layer stands for, by the gguf package (the oracle); in
-        the INT4 layout, by its own dequantization (its oracle: `as_int4`'s test); dequantized
-        at load, the weight itself."""
-        if self.dense:
-            return layer.weight.float()
-        if self.int4:
-            return dequantize_int4_groups(layer.weight, layer.weight_scale, layer.weight_zero)
+        """The float32 weight (N, K) the layer stands for, by the gguf package (the oracle)."""
         parts = [
             gguf_ref.gguf_package_dequantize(layer.weight[start:end], gtype, self.k)
             for start, end, gtype in self.bounds
@@ -241,9 +223,8 @@ class GgufEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self._head[0]
-        scheme = head.quant_scheme
-        x = scheme.dequantized_rows(head, ids.reshape(-1))
-        return x.view(*ids.shape, scheme.k).to(self.dtype)
+        x = scheme_of(head).dequantized_rows(head, ids.reshape(-1))
+        return x.view(*ids.shape, head.in_features).to(self.dtype)
 
 
 # steps of at most this many tokens (decode steps) run torch's own ops on one thread

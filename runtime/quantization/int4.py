@@ -82,23 +82,6 @@ def _awq_gptq_tensor(layout: str, leaf: str, tensor: torch.Tensor) -> torch.Tens
     return tensor
 
 
-def int4_apply(layer: nn.Linear, x: torch.Tensor, out_dtype=None) -> torch.Tensor:
-    """x @ W.T + b for a layer holding a packed INT4 weight, `weight_scale` and `weight_zero`: on
-    a GPU the Triton matmul that dequantizes tiles as it reads them (kernels/quant_gemm.py), else
-    the dequantizing oracle."""
-    if x.is_cuda:
-        from radixlm.kernels.quant_gemm import int4_gemm
-
-        x2 = x.reshape(-1, x.shape[-1])
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        w, s, z = layer.weight, layer.weight_scale, layer.weight_zero
-        y = int4_gemm(x2, w, s, z, layer.bias).view(*x.shape[:-1], w.shape[0])
-        return y if out_dtype is None else y.to(out_dtype)
-    return int4_linear_ref(
-        x, layer.weight, layer.weight_scale, layer.weight_zero, layer.bias, out_dtype
-    )
-
-
 class Int4Linear(LinearScheme):
     name = "w4a16"
     quantized = True
@@ -159,7 +142,17 @@ class Int4Linear(LinearScheme):
         replace_parameter(layer, "weight_zero", zero)
 
     def apply(self, layer, x, out_dtype=None):
-        return int4_apply(layer, x, out_dtype)
+        if x.is_cuda:  # the Triton matmul that dequantizes as it reads (kernels/quant_gemm.py)
+            from radixlm.kernels.quant_gemm import int4_gemm
+
+            x2 = x.reshape(-1, x.shape[-1])
+            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+            w, s, z = layer.weight, layer.weight_scale, layer.weight_zero
+            y = int4_gemm(x2, w, s, z, layer.bias).view(*x.shape[:-1], w.shape[0])
+            return y if out_dtype is None else y.to(out_dtype)
+        return int4_linear_ref(
+            x, layer.weight, layer.weight_scale, layer.weight_zero, layer.bias, out_dtype
+        )
 
     def reference(self, layer, x):
         return int4_linear_ref(
@@ -172,3 +165,8 @@ class Int4Linear(LinearScheme):
     def dequantized_weight(self, layer: nn.Linear):
         """The float32 weight the layer stands for (tests and quality checks)."""
         return dequantize_int4_groups(layer.weight, layer.weight_scale, layer.weight_zero)
+
+    def dequantized_rows(self, layer: nn.Linear, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_int4_groups(
+            layer.weight[ids], layer.weight_scale[ids], layer.weight_zero[ids]
+        )

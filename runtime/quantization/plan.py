@@ -77,8 +77,9 @@ def default_gguf_plan(
     plan) where the CPU kernels run it, faster than the float conversion at every batch measured
     (benchmarks/gguf_cpu.py: 7.7x at batch 1, 1.7x at 32) in a quarter of the memory: on the
     CPU, in float32, on one rank, with the kernels built and every tensor of a type they read;
-    None (the float32 conversion, as before) elsewhere: on a GPU the blocks have no kernel of
-    their own yet."""
+    None (the float32 conversion, as before) elsewhere: on a GPU the 4-bit layers' INT4 kernels
+    measured 5-10% slower than bf16 at batch 1 (benchmarks/quant_gemv.py), so they run only where
+    asked for (`quantization="gguf"`)."""
     import torch
 
     if device.type != "cpu" or dtype != torch.float32 or stage is not None:
