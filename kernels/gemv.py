@@ -16,6 +16,11 @@ A float8_e4m3fn weight (runtime/quantization/fp8.py) comes with a float32 scale 
 (`w_scale`): its tiles are read as stored, a quarter of a float32 weight's bytes, converted in
 registers (exactly, to float32 or to x's type for tl.dot) and each output multiplied by its row's
 scale; x is not rounded (the oracle: kernels/quant_ref.py `fp8_linear_ref(..., act_quant=False)`).
+A packed INT4 weight (runtime/quantization/int4.py: two values a byte, a float32 scale and zero
+point per group of columns) is read as stored too; its `words` tiles (INT4_CONFIGS) read it as int32
+words of eight values: about six instructions a weight in the sm_90 code Triton 3.9 builds for
+256 rows by a group, against about eighteen for the byte tiles (8 x 512), whose nibbles are
+reshaped and shuffled (the oracle: `int4_linear_ref`).
 
 The prologues round as their plain-torch twins in kernels/fused_ref.py do: the sum to x's dtype,
 the norm in float32 rounded to x's dtype before the weight, the product rounded again. They call the rounding helpers of
@@ -66,6 +71,10 @@ class GemvConfig(NamedTuple):
     # so Triton's software pipeline keeps `num_stages` tiles in flight (late_sum and prefetch
     # do not apply)
     dot: bool = False
+    # packed INT4 weights only: read as int32 words of eight values, each value turned into a
+    # float by two instructions and multiplied by x as stored, a group's scale and zero point
+    # applied to its sums (`_int4_word_sums`); block_k a multiple of the group
+    words: bool = False
 
 
 @triton.jit
@@ -177,6 +186,86 @@ def _nibble_float(q):
 
 
 @triton.jit
+def _word_field(words, FIELD: tl.constexpr):
+    """The 4-bit values at bits 4 * FIELD .. 4 * FIELD + 3 (FIELD 0..3) of int32 `words`, times
+    16 ** FIELD, in float32, exactly: the field kept in place and OR'd into the mantissa of 2**23
+    (one instruction), less 2**23 (values below 2**16 fit the mantissa)."""
+    field = (words & (0xF << (4 * FIELD))) | 0x4B000000
+    return field.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _word_tile(w_ptr, rows_n, kg, k_end, N, stride_wn, WORDS: tl.constexpr):
+    """The int32 words (BLOCK_N, WORDS) of one group of a packed INT4 weight, columns kg ..
+    kg + 8 * WORDS (all or none of them before k_end: splits are whole groups)."""
+    at = tl.multiple_of(kg // 8, WORDS) + tl.arange(0, WORDS)
+    mask = (rows_n[:, None] < N) & (rows_n[:, None] * 0 + kg < k_end)
+    return tl.load(w_ptr + rows_n[:, None] * stride_wn + at[None, :], mask=mask, other=0)
+
+
+@triton.jit
+def _int4_word_sums(
+    acc, x_ptr, res_ptr, norm_w_ptr, rstd, w_ptr, ws_ptr, wz_ptr, rows_m, rows_n,
+    k_start, k_end, M, N, K, stride_xm, stride_rm, stride_wn, stride_sn,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """acc (BLOCK_M, BLOCK_N) plus x's columns k_start .. k_end times a packed INT4 weight read
+    as int32 words (w_ptr, stride_wn in words): value i of word j (bits 4i .. 4i + 3, as bytes
+    store them little-endian) is column 8j + i. A group a step (with PREFETCH the next group's
+    words loaded before this one's products): value i of every word meets x's column 8j + i
+    (scaled by 16 ** -(i % 4), exactly, to undo `_word_field`'s), the products summed per word,
+    then scale * (sum q x - zero * sum x) per word, summed across words once, after the loop.
+    Three instructions a weight of its own (a field masked into a float, a subtraction, a fused
+    multiply-add), the rest (x's loads, scaled and summed) shared by the rows a thread holds; no
+    weight crosses threads."""
+    WORDS: tl.constexpr = GROUP // 8
+    words_at = tl.arange(0, WORDS)
+    # one row of x: the sums (BLOCK_N, WORDS) in the layout the words are loaded in (a third
+    # dimension would move every value through shared memory to a layout of its own)
+    acc3 = tl.zeros((BLOCK_N, WORDS) if BLOCK_M == 1 else (BLOCK_M, BLOCK_N, WORDS), tl.float32)
+    if PREFETCH:
+        following = _word_tile(w_ptr, rows_n, k_start, k_end, N, stride_wn, WORDS)
+    for kg in range(k_start, k_end, GROUP):
+        if PREFETCH:
+            lo = following
+            following = _word_tile(w_ptr, rows_n, kg + GROUP, k_end, N, stride_wn, WORDS)
+        else:
+            lo = _word_tile(w_ptr, rows_n, kg, k_end, N, stride_wn, WORDS)
+        hi = lo >> 16
+        g_at = rows_n * stride_sn + kg // GROUP
+        scale = tl.load(ws_ptr + g_at, mask=rows_n < N, other=0.0)
+        zero = tl.load(wz_ptr + g_at, mask=rows_n < N, other=0.0)
+        dots = tl.zeros_like(acc3)
+        x_sums = tl.zeros((BLOCK_M, WORDS), dtype=tl.float32)
+        for i in tl.static_range(8):
+            a = _tile_operand(
+                x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, kg + 8 * words_at + i, k_end, M, K,
+                stride_xm, stride_rm, PROLOGUE, HAS_RESIDUAL,
+            ).to(tl.float32)  # fmt: skip
+            x_sums += a
+            if i < 4:
+                q = _word_field(lo, i)
+            else:
+                q = _word_field(hi, i - 4)
+            a = a * (1.0 / (1 << (4 * (i % 4))))
+            if BLOCK_M == 1:
+                dots += tl.sum(a, axis=0)[None, :] * q
+            else:
+                dots += a[:, None, :] * q[None, :, :]
+        if BLOCK_M == 1:
+            x_sum = tl.sum(x_sums, axis=0)[None, :]
+            acc3 += scale[:, None] * (dots - zero[:, None] * x_sum)
+        else:
+            acc3 += scale[None, :, None] * (dots - zero[None, :, None] * x_sums[:, None, :])
+    if BLOCK_M == 1:
+        acc += tl.sum(acc3, axis=1)[None, :]
+    else:
+        acc += tl.sum(acc3, axis=2)
+    return acc
+
+
+@triton.jit
 def _int4_dequantized(lo, hi, scale, zero, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """An `_int4_tile`'s weights in float32, (BLOCK_N, BLOCK_K): (q - zero) * scale."""
     q = _nibble_float(tl.interleave(lo, hi))  # the columns back in order
@@ -242,7 +331,7 @@ def _gemv_kernel(
     TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr, INT4_MMA: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, LATE_SUM: tl.constexpr, PREFETCH: tl.constexpr,
-    DOT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
+    DOT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
     """With DOT, BLOCK_M is the MMA's 16 rows and ROWS the rows (a power of two) of x; else they
     are the same. With PDL (launched as a programmatic dependent launch, `fused.pdl_launch`) the
@@ -254,7 +343,7 @@ def _gemv_kernel(
     with a float32 scale and zero point per GROUP columns of a row (ws_ptr, wz_ptr: `_int4_tile`),
     through tl.dot as stored where a tile is one group and x is not bfloat16 (INT4_MMA,
     `_int4_dot_accumulate`), dequantized otherwise, else multiplied group by group (`_int4_accumulate`; no prefetch or
-    late sum). W_CONVERT: a weight tile is turned into x's type for tl.dot (float8 and INT4
+    late sum), or with WORDS read as int32 words (`_int4_word_sums`). W_CONVERT: a weight tile is turned into x's type for tl.dot (float8 and INT4
     weights)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -265,7 +354,7 @@ def _gemv_kernel(
     cols = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if PREFETCH:  # the first tile on its way before the wait and the prologue's pass over x
+    if PREFETCH and not WORDS:  # the first tile on its way before the wait and the norm's pass
         w_next = _weight_tile(w_ptr, rows_n, k_start + cols, k_end, N, stride_wn)
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -283,45 +372,52 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + cols
-        if W_INT4:
-            lo, hi, scale, zero = _int4_tile(
-                w_ptr, ws_ptr, wz_ptr, rows_n, k0, k_end, N, stride_wn, stride_sn,
-                GROUP, BLOCK_N, BLOCK_K, TILE_GROUPS, GROUP_COLS,
-            )  # fmt: skip
-        elif PREFETCH:
-            w_tile = w_next
-            w_next = _weight_tile(w_ptr, rows_n, k + BLOCK_K, k_end, N, stride_wn)
-        else:
-            w_tile = _weight_tile(w_ptr, rows_n, k, k_end, N, stride_wn)
-        if INT4_MMA:  # x's even and odd columns, for the nibbles
-            even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            a_even = _tile_operand(
-                x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, even, k_end, M, K, stride_xm,
-                stride_rm, PROLOGUE, HAS_RESIDUAL,
-            )  # fmt: skip
-            a_odd = _tile_operand(
-                x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, even + 1, k_end, M, K, stride_xm,
-                stride_rm, PROLOGUE, HAS_RESIDUAL,
-            )  # fmt: skip
-            acc = _int4_dot_accumulate(
-                acc, a_even, a_odd, lo, hi, scale, zero, BLOCK_N, BLOCK_K
-            )  # fmt: skip
-        else:
-            a = _tile_operand(
-                x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, k, k_end, M, K, stride_xm, stride_rm,
-                PROLOGUE, HAS_RESIDUAL,
-            )  # fmt: skip
-            if W_INT4 and not DOT:
-                acc = _int4_accumulate(
-                    acc, a, lo, hi, scale, zero, BLOCK_M, TILE_GROUPS, GROUP_COLS
+    if WORDS:
+        acc = _int4_word_sums(
+            acc, x_ptr, res_ptr, norm_w_ptr, rstd, w_ptr, ws_ptr, wz_ptr, rows_m, rows_n,
+            k_start, k_end, M, N, K, stride_xm, stride_rm, stride_wn, stride_sn,
+            PROLOGUE, HAS_RESIDUAL, GROUP, BLOCK_M, BLOCK_N, PREFETCH,
+        )  # fmt: skip
+    else:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k = k0 + cols
+            if W_INT4:
+                lo, hi, scale, zero = _int4_tile(
+                    w_ptr, ws_ptr, wz_ptr, rows_n, k0, k_end, N, stride_wn, stride_sn,
+                    GROUP, BLOCK_N, BLOCK_K, TILE_GROUPS, GROUP_COLS,
                 )  # fmt: skip
-            elif W_INT4:
-                w_tile = _int4_dequantized(lo, hi, scale, zero, BLOCK_N, BLOCK_K)
-                acc = _accumulate(acc, a, w_tile, DOT, False, True)
+            elif PREFETCH:
+                w_tile = w_next
+                w_next = _weight_tile(w_ptr, rows_n, k + BLOCK_K, k_end, N, stride_wn)
             else:
-                acc = _accumulate(acc, a, w_tile, DOT, LATE_SUM, W_CONVERT)
+                w_tile = _weight_tile(w_ptr, rows_n, k, k_end, N, stride_wn)
+            if INT4_MMA:  # x's even and odd columns, for the nibbles
+                even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+                a_even = _tile_operand(
+                    x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, even, k_end, M, K, stride_xm,
+                    stride_rm, PROLOGUE, HAS_RESIDUAL,
+                )  # fmt: skip
+                a_odd = _tile_operand(
+                    x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, even + 1, k_end, M, K, stride_xm,
+                    stride_rm, PROLOGUE, HAS_RESIDUAL,
+                )  # fmt: skip
+                acc = _int4_dot_accumulate(
+                    acc, a_even, a_odd, lo, hi, scale, zero, BLOCK_N, BLOCK_K
+                )  # fmt: skip
+            else:
+                a = _tile_operand(
+                    x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, k, k_end, M, K, stride_xm, stride_rm,
+                    PROLOGUE, HAS_RESIDUAL,
+                )  # fmt: skip
+                if W_INT4 and not DOT:
+                    acc = _int4_accumulate(
+                        acc, a, lo, hi, scale, zero, BLOCK_M, TILE_GROUPS, GROUP_COLS
+                    )  # fmt: skip
+                elif W_INT4:
+                    w_tile = _int4_dequantized(lo, hi, scale, zero, BLOCK_N, BLOCK_K)
+                    acc = _accumulate(acc, a, w_tile, DOT, False, True)
+                else:
+                    acc = _accumulate(acc, a, w_tile, DOT, LATE_SUM, W_CONVERT)
     if LATE_SUM:
         acc = tl.sum(acc, axis=2)
     if W_SCALED:
@@ -393,6 +489,8 @@ def _launch(
             f"{tuple(x.shape)}, weight {tuple(weight.shape)}, {config}"
         )
     group = _check_w_scale(weight, k, w_scale, w_zero)
+    if config.words:
+        weight = _int4_words(weight, group, config)
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
@@ -419,7 +517,8 @@ def _launch(
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NORM_BLOCK=_norm_block(k, rows, config),
         LATE_SUM=config.late_sum and not (config.dot or int4),
-        PREFETCH=config.prefetch and not (config.dot or int4), DOT=config.dot, ROWS=rows,
+        PREFETCH=config.prefetch and not config.dot and (config.words or not int4),
+        DOT=config.dot, ROWS=rows, WORDS=config.words,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )  # fmt: skip
     if splits > 1:
@@ -429,6 +528,22 @@ def _launch(
             **launch,
         )  # fmt: skip
     return y
+
+
+def _int4_words(weight: torch.Tensor, group: int, config: GemvConfig) -> torch.Tensor:
+    """A packed INT4 weight (uint8, N x K/2) as the int32 words a `words` tile reads (the same
+    bytes); ValueError for another weight or a tile that is not whole groups."""
+    if not group or config.dot or config.block_k % group or group % 8:
+        raise ValueError(
+            f"a words tile reads packed INT4 weights in whole groups of a multiple of 8 columns "
+            f"(block_k a multiple of the group, no dot); got a {weight.dtype} weight, group "
+            f"{group}, {config}"
+        )
+    if weight.stride(0) % 4 or weight.storage_offset() % 4 or weight.shape[1] % 4:
+        weight = weight.contiguous()  # (whole words a row from an aligned start)
+        if weight.shape[1] % 4:
+            raise ValueError(f"a words tile needs K / 2 to be a multiple of 4; got {weight.shape}")
+    return weight.view(torch.int32)
 
 
 def int4_mma(group: int, block_k: int, dtype: torch.dtype) -> bool:
@@ -592,6 +707,18 @@ CONFIGS = [
         (16, 256, 4, 4, 1, _F, _F, _T), (32, 128, 4, 4, 2, _F, _F, _T),
         (32, 256, 4, 3, 4, _F, _F, _T), (64, 128, 4, 4, 4, _F, _F, _T),
         (16, 128, 4, 4, 4, _F, _F, _T), (128, 128, 8, 4, 1, _F, _F, _T),
+    ]
+]  # fmt: skip
+# Packed INT4 weights also try these `words` tiles (a group a step; block_k the unit of a split):
+# more rows a program (block_n over 8 rows a warp) share each load of x among more weights, and
+# split-K gives the layers of few rows enough programs.
+INT4_CONFIGS = [
+    GemvConfig(*c, words=True)
+    for c in [
+        (128, 128, 4, 1, 1), (256, 128, 4, 1, 1), (128, 128, 2, 1, 1), (256, 128, 8, 1, 1),
+        (128, 128, 4, 1, 4), (256, 128, 4, 1, 4), (128, 128, 2, 1, 4), (256, 128, 4, 1, 8),
+        (128, 128, 4, 1, 1, _F, _T), (256, 128, 4, 1, 1, _F, _T), (256, 128, 4, 1, 4, _F, _T),
+        (128, 128, 2, 1, 4, _F, _T), (128, 128, 4, 3, 1), (256, 128, 4, 2, 4),
     ]
 ]  # fmt: skip
 # The fused kernels try the fastest two tiles of the plain kernel for the shape, and these: more

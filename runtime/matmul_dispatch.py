@@ -24,6 +24,7 @@ from radixlm.kernels import gemv
 from radixlm.kernels.gemv import (
     CONFIGS,
     FUSED_CONFIGS,
+    INT4_CONFIGS,
     MAX_ROWS,
     MAX_ROWS_WITHOUT_DOT,
     OPS,
@@ -128,7 +129,7 @@ class LinearDispatch(PlainMatmuls):
         plain, kernel, oracle = self._candidate_calls(op, linear, rows, norm, float32)
         want = oracle(linear).float()
         base = graph_ms(plain, linear)
-        candidates = CONFIGS
+        candidates = CONFIGS + (INT4_CONFIGS if "w_zero" in _weights(linear)[1] else [])
         if op != "linear":
             ranked = self.timings.get(choice_key("linear", rows, linear), [])
             fastest = [c for _, c in ranked[:2]]

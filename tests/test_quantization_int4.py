@@ -47,6 +47,8 @@ TILES = (
         GemvConfig(4, 64, 4, 1, 3),
         GemvConfig(4, 32, 1, 1, 2, late_sum=True, prefetch=True),
         GemvConfig(16, 32, 1, 2, 3, dot=True),
+        GemvConfig(8, 128, 4, 1, 1, words=True),
+        GemvConfig(4, 128, 1, 1, 2, prefetch=True, words=True),
     ]
     if not ON_GPU
     else [
@@ -54,6 +56,8 @@ TILES = (
         GemvConfig(8, 512, 4, 3, 4),
         GemvConfig(16, 512, 8, 1, 1, late_sum=True, prefetch=True),
         GemvConfig(32, 128, 4, 4, 1, dot=True),
+        GemvConfig(256, 128, 4, 1, 4, words=True),
+        GemvConfig(128, 128, 4, 1, 1, prefetch=True, words=True),
     ]
 )
 
@@ -165,6 +169,21 @@ def test_gemv_refuses_int4_weights_without_their_scales():
         gemv(x, packed, None, TILES[0], w_zero=zero)
     with pytest.raises(ValueError, match="packed INT4 weight"):
         gemv(x, packed, None, TILES[0], w_scale=scale, w_zero=zero[:, :1])
+
+
+@pytest.mark.parametrize("rows", [1, SLOW(2)])
+def test_words_tiles_take_layers_of_part_tiles_and_refuse_other_weights(rows):
+    """K = 576 in groups of 64 is four and a half `words` tiles of 128 columns: split in two, the
+    second split ends mid-tile and its last step is past K. A float weight is refused."""
+    _, packed, scale, zero = int4_weight(9, 576, 64, seed=3)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(3)).to(DEVICE, DTYPE)
+    want = int4_linear_ref(x, packed, scale, zero, out_dtype=torch.float32)
+    for split in (1, 2):
+        tile = GemvConfig(8, 128, 4, 1, split, words=True)
+        got = gemv(x, packed, None, tile, torch.float32, w_scale=scale, w_zero=zero)
+        torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
+    with pytest.raises(ValueError, match="a words tile reads packed INT4 weights"):
+        gemv(x, torch.zeros(9, 576, device=DEVICE, dtype=DTYPE), None, tile)
 
 
 def test_dispatch_runs_the_gemv_over_int4_weights_where_chosen(count_launches):
