@@ -236,23 +236,26 @@ def _int4_word_sums(
         g_at = rows_n * stride_sn + kg // GROUP
         scale = tl.load(ws_ptr + g_at, mask=rows_n < N, other=0.0)
         zero = tl.load(wz_ptr + g_at, mask=rows_n < N, other=0.0)
-        dots = tl.zeros_like(acc3)
-        x_sums = tl.zeros((BLOCK_M, WORDS), dtype=tl.float32)
         for i in tl.static_range(8):
             a = _tile_operand(
                 x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, kg + 8 * words_at + i, k_end, M, K,
                 stride_xm, stride_rm, PROLOGUE, HAS_RESIDUAL,
             ).to(tl.float32)  # fmt: skip
-            x_sums += a
             if i < 4:
                 q = _word_field(lo, i)
             else:
                 q = _word_field(hi, i - 4)
-            a = a * (1.0 / (1 << (4 * (i % 4))))
+            scaled = a * (1.0 / (1 << (4 * (i % 4))))
             if BLOCK_M == 1:
-                dots += tl.sum(a, axis=0)[None, :] * q
+                products = tl.sum(scaled, axis=0)[None, :] * q
             else:
-                dots += a[:, None, :] * q[None, :, :]
+                products = scaled[:, None, :] * q[None, :, :]
+            if i == 0:  # (the sums start at the first products: no zeros to add to)
+                dots = products
+                x_sums = a
+            else:
+                dots += products
+                x_sums += a
         if BLOCK_M == 1:
             x_sum = tl.sum(x_sums, axis=0)[None, :]
             acc3 += scale[:, None] * (dots - zero[:, None] * x_sum)
@@ -719,6 +722,7 @@ INT4_CONFIGS = [
         (128, 128, 4, 1, 4), (256, 128, 4, 1, 4), (128, 128, 2, 1, 4), (256, 128, 4, 1, 8),
         (128, 128, 4, 1, 1, _F, _T), (256, 128, 4, 1, 1, _F, _T), (256, 128, 4, 1, 4, _F, _T),
         (128, 128, 2, 1, 4, _F, _T), (128, 128, 4, 3, 1), (256, 128, 4, 2, 4),
+        (512, 128, 4, 1, 1), (512, 128, 4, 1, 4), (512, 128, 8, 1, 2),
     ]
 ]  # fmt: skip
 # The fused kernels try the fastest two tiles of the plain kernel for the shape, and these: more
