@@ -41,6 +41,12 @@ class ForwardBatch:
     # (runtime/speculative/medusa.py); None: none are kept
     hidden_indices: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
+    # with hidden_indices, the layers whose input (the residual stream entering them: the
+    # embeddings for layer 0, else the layer before's output) the model also keeps at those rows,
+    # side by side in `aux_hidden_states` (len(hidden_indices), len(aux_layers) * hidden): the
+    # features an EAGLE-3 draft reads (runtime/models/llama_eagle3.py)
+    aux_layers: tuple[int, ...] = ()
+    aux_hidden_states: torch.Tensor | None = None
     # decode rows of which several may be one request's, at consecutive positions (a verify step
     # run as decode rows, runtime/cuda_graph.py RowGraphs): every row's K/V is stored before any
     # row attends, so a backend must not fold the store into its decode kernel

@@ -174,10 +174,16 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         rope = self.rope.lookup(batch.positions)
         residual = None
-        for layer in self.layers:
+        keep = batch.hidden_indices
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if keep is not None and i in batch.aux_layers:  # (an EAGLE-3 draft's features)
+                aux.append(x[keep] if residual is None else x[keep] + residual[keep])
             x, residual = layer(rope, x, residual, batch, backend)
-        if batch.hidden_indices is not None:  # for a speculative drafter
-            batch.hidden_states = self.final_hidden(x, residual, batch.hidden_indices)
+        if keep is not None:  # for a speculative drafter
+            batch.hidden_states = self.final_hidden(x, residual, keep)
+            if aux:
+                batch.aux_hidden_states = torch.cat(aux, dim=-1)
         return self.logits(x, residual, batch)
 
     def logits(

@@ -314,6 +314,7 @@ class FusedDecode:
             and not batch.input_ids.is_cuda
             and type(backend) is TorchAttentionBackend
             and backend.kv_pool.dtype == torch.float32
+            and not batch.aux_layers  # (an EAGLE-3 draft's features: the model's own forward)
         )
 
     def _plan_for(self, backend):

@@ -1,0 +1,281 @@
+"""An EAGLE-3 draft (Li et al., 2025) for a Llama-family target: one decoder layer that reads the
+target's own features, in the checkpoint layout SGLang's `LlamaForCausalLMEagle3` reads.
+
+The target keeps, for each token it runs, the residual stream entering three of its layers (a
+low, a middle and a high one: `aux_layers`; ForwardBatch.aux_layers), side by side: 3 x the
+target's hidden size. The draft reads, at position t, those features of the target at t and the
+embedding of token t + 1, and predicts token t + 2:
+
+    hidden = fc(features)                     (target features; a draft step's own output needs no fc)
+    a      = attention(cat(input_layernorm(embed(token)), hidden_norm(hidden)))   q/k/v from 2 x hidden
+    s      = a + hidden;  m = mlp(post_attention_layernorm(s))
+    out    = m + s                            the next draft step's `hidden`
+    logits = lm_head(norm(out))               over the draft's vocabulary (`draft_vocab_size`)
+
+A draft id d is the target's id d + d2t[d] (a draft vocabulary of the target's most frequent
+tokens); without `d2t` the two vocabularies are the same. The attention is the model's own
+(runtime/attention.py backends over the draft's own KV pool, a one-layer model's), so the draft
+attends over every position it has run: the context, from the target's features, then its own
+draft steps. The embedding is the target's unless the checkpoint carries its own.
+
+Only what the layout needs is here; drafting with it inside the engine (`speculative_algorithm=
+"EAGLE3"`) and training it (`radixlm train-draft`) are not wired yet.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.layers import PlainMatmuls, RMSNorm, RotaryEmbedding
+from radixlm.runtime.model_config import ModelConfig
+from radixlm.runtime.models.llama import MLP, Attention
+from radixlm.runtime.parallel import ColumnParallelLinear, Comm, Partition
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """The target layers whose input the draft reads when its config names none: a low, the
+    middle and a high one, SGLang's choice for EAGLE-3."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """An EAGLE-3 draft's settings: its layer's shapes (`model`, a Llama config of one layer),
+    the target hidden size its features have, its vocabulary, and which target layers feed it."""
+
+    model: ModelConfig
+    target_hidden_size: int
+    draft_vocab_size: int
+    fc_bias: bool
+    aux_layers: tuple[int, ...] | None  # None: `default_aux_layers` of the target
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Eagle3Config:
+        """The config.json of an EAGLE-3 checkpoint folder; ValueError saying what is not one."""
+        path = Path(folder) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not a readable EAGLE-3 draft config ({e})") from None
+        return cls.from_dict(raw, str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "the draft config") -> Eagle3Config:
+        from types import SimpleNamespace
+
+        if ARCHITECTURE not in (raw.get("architectures") or []):
+            raise ValueError(
+                f"{where}: architectures {raw.get('architectures')} lack {ARCHITECTURE!r}; "
+                "an EAGLE-3 draft's config names it (as SGLang's and SpecForge's do)"
+            )
+        layers = raw.get("num_hidden_layers", 1)
+        if layers != 1:
+            raise ValueError(
+                f"{where}: num_hidden_layers={layers}; radixlm runs EAGLE-3 drafts of one "
+                "decoder layer (the published ones)"
+            )
+        model = ModelConfig.from_hf(SimpleNamespace(**{"model_type": "llama", **raw}))
+        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return cls(
+            model=model,
+            target_hidden_size=int(raw.get("target_hidden_size") or model.hidden_size),
+            draft_vocab_size=int(raw.get("draft_vocab_size") or model.vocab_size),
+            fc_bias=bool(raw.get("bias", False)),
+            # a layer's output is the next layer's input: the layer after each one named
+            aux_layers=None if ids is None else tuple(int(i) + 1 for i in ids),
+        )
+
+    def target_layers(self, target: ModelConfig) -> tuple[int, ...]:
+        """The target layers whose input the draft reads, checked against the target: a draft
+        made for another model (another hidden size, vocabulary or depth) is refused here,
+        saying what does not match."""
+        if self.target_hidden_size != target.hidden_size:
+            raise ValueError(
+                f"the EAGLE-3 draft reads features of hidden size {self.target_hidden_size}; "
+                f"the target model's is {target.hidden_size}: a draft made for another model"
+            )
+        if self.model.vocab_size != target.vocab_size or self.draft_vocab_size > target.vocab_size:
+            raise ValueError(
+                f"the EAGLE-3 draft's vocabulary ({self.model.vocab_size} tokens, drafting "
+                f"{self.draft_vocab_size}) is not the target model's ({target.vocab_size})"
+            )
+        layers = self.aux_layers or default_aux_layers(target.num_layers)
+        if len(layers) != 3 or not all(0 <= i < target.num_layers for i in layers):
+            raise ValueError(
+                f"the EAGLE-3 draft reads the input of target layers {list(layers)}; the target "
+                f"has {target.num_layers} layers (three of them must be named)"
+            )
+        return layers
+
+
+class Eagle3Layer(nn.Module):
+    """The draft's decoder layer: attention over the normed embedding and hidden side by side."""
+
+    matmul = PlainMatmuls()
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        tp, comm = Partition.whole(cfg), Comm()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, 0, tp, comm)
+        q, kv = tp.q_part(cfg), tp.kv_part(cfg)
+        self.self_attn.qkv_proj = ColumnParallelLinear(
+            2 * cfg.hidden_size, [q, kv, kv], cfg.attention_bias
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp, comm)
+
+    def forward(self, rope, embeds, hidden, batch, backend) -> torch.Tensor:
+        """The layer's output plus its residual stream: the next draft step's hidden."""
+        both = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        x = self.self_attn(rope, self.matmul(both, self.self_attn.qkv_proj), batch, backend)
+        gate_up, summed = self.matmul.norm_linear(
+            x, hidden, self.post_attention_layernorm, self.mlp.gate_up_proj
+        )
+        return self.mlp(gate_up) + summed
+
+
+class LlamaEagle3Draft(nn.Module):
+    """An EAGLE-3 draft over the KV pool of its one layer (layer id 0). `embed_tokens` is the
+    target's (`share_embedding`) unless the checkpoint carried one."""
+
+    def __init__(self, config: Eagle3Config, max_positions: int) -> None:
+        super().__init__()
+        cfg = config.model
+        self.config = config
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.fc = nn.Linear(3 * config.target_hidden_size, cfg.hidden_size, bias=config.fc_bias)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, config.draft_vocab_size, bias=False)
+        # draft id -> target id offset (0 where the vocabularies are one)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.embed_tokens: nn.Embedding | None = None
+        self._loaded: set[str] = set()  # the checkpoint names load_weights has copied
+
+    @classmethod
+    def load(
+        cls, folder: str | Path, target: nn.Module, device: torch.device, dtype: torch.dtype,
+        max_positions: int,
+    ) -> LlamaEagle3Draft:  # fmt: skip
+        """The draft in checkpoint folder `folder` (config.json and *.safetensors) for the target
+        model `target` (a LlamaForCausalLM: its config checked, its embedding shared), on
+        `device` in `dtype`; ValueError saying what does not fit."""
+        from safetensors.torch import load_file
+
+        config = Eagle3Config.from_folder(folder)
+        config.target_layers(target.cfg)
+        files = sorted(Path(folder).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{folder}: no *.safetensors file of EAGLE-3 draft weights")
+        draft = cls(config, max_positions)
+        for f in files:  # (every tensor of the layer must come: checked after the last file)
+            draft.load_weights(load_file(str(f)).items(), check=f == files[-1])
+        width = target.embed_tokens.weight.shape[1]
+        if draft.embed_tokens is None and width != config.model.hidden_size:
+            raise ValueError(
+                f"the EAGLE-3 draft's layer is {config.model.hidden_size} wide and carries no "
+                f"embedding of its own; the target's embedding is {width} wide"
+            )
+        draft.share_embedding(target.embed_tokens)
+        draft.rope.build_tables(device)
+        return draft.to(device, dtype)
+
+    def share_embedding(self, embedding: nn.Module) -> None:
+        """Read token embeddings through the target's (unless the checkpoint carried its own)."""
+        if self.embed_tokens is None:
+            self.embed_tokens = embedding
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, backend, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's token (batch.input_ids) at its position, with `hidden` (T, 3 x target
+        hidden: the target's features; or T x hidden: a draft step's own output) -> (logits
+        (L, draft vocab) float32 at batch.logits_indices, every row's output (T, hidden), the
+        next step's `hidden`)."""
+        if self.embed_tokens is None:
+            raise RuntimeError("the EAGLE-3 draft needs the target's embedding: share_embedding")
+        if hidden.shape[-1] != self.norm.weight.shape[0]:
+            hidden = self.fc(hidden)
+        rope = self.rope.lookup(batch.positions)
+        out = self.midlayer(rope, self.embed_tokens(batch.input_ids), hidden, batch, backend)
+        rows = out if batch.logits_indices is None else out[batch.logits_indices]
+        return self.lm_head(self.norm(rows)).float(), out
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft vocabulary ids -> the target's."""
+        return draft_ids + self.d2t[draft_ids]
+
+    # ---- weights -------------------------------------------------------------------------
+
+    _STACKED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights, check: bool = True) -> None:
+        """Copy an EAGLE-3 checkpoint's named tensors in (names with or without "model.";
+        `t2d` is not needed; an `embed_tokens` of its own replaces the target's), each of the
+        shape its config implies; with `check`, every tensor of the layer must have come (in
+        this call or an earlier one)."""
+        params = dict(self.named_parameters())
+        loaded = self._loaded
+        for name, tensor in weights:
+            name = name.removeprefix("model.").replace("midlayers.0.", "midlayer.")
+            if name == "t2d":
+                continue
+            if name == "d2t":
+                self.d2t.copy_(tensor.long())
+                continue
+            if name == "embed_tokens.weight":
+                self.embed_tokens = nn.Embedding(*tensor.shape).to(tensor.dtype)
+                self.embed_tokens.weight.data.copy_(tensor)
+                continue
+            target, rows = name, None
+            for part, (fused, index) in self._STACKED.items():
+                if f".{part}." in name:
+                    target = name.replace(part, fused)
+                    module = self.get_submodule(target.rpartition(".")[0])
+                    rows = module.part_rows(index)
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"unexpected weight {name!r} in an EAGLE-3 draft checkpoint")
+            dest = param if rows is None else param[rows[0] : rows[1]]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}; the draft's config "
+                    f"implies {tuple(dest.shape)}"
+                )
+            with torch.no_grad():
+                dest.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(self._checkpoint_names() - loaded)
+        if check and missing:
+            raise ValueError(f"the EAGLE-3 draft checkpoint lacks {missing[:5]}")
+
+    def _checkpoint_names(self) -> set[str]:
+        """The checkpoint's name of every tensor the layer needs (q, k, v and gate, up apart)."""
+        names = set()
+        for name, _ in self.named_parameters():
+            if name.startswith("embed_tokens"):
+                continue
+            parts = [(p, fused) for p, (fused, _) in self._STACKED.items() if f".{fused}." in name]
+            if parts:
+                names.update(name.replace(fused, p) for p, fused in parts)
+            else:
+                names.add(name)
+        return names

@@ -1,0 +1,255 @@
+"""The EAGLE-3 draft layout (runtime/models/llama_eagle3.py): the features the target keeps for it
+against transformers' own hidden states, the draft layer over the engine's attention against a
+plain-torch twin written here from the layout (SGLang's `LlamaForCausalLMEagle3`), its checkpoint
+names, and the refusal of drafts that do not fit. Tiny random models on the CPU, float32."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from radixlm.runtime.attention import TorchAttentionBackend
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.memory_pool import KVPool
+from radixlm.runtime.model_config import ModelConfig
+from radixlm.runtime.models.llama import LlamaForCausalLM
+from radixlm.runtime.models.llama_eagle3 import (
+    Eagle3Config,
+    LlamaEagle3Draft,
+    default_aux_layers,
+)
+
+VOCAB, TARGET_HIDDEN, HIDDEN, HEADS, KV_HEADS, INTER = 96, 48, 48, 4, 2, 64
+
+
+def target_pair(layers: int = 6):
+    """A tiny random Llama in transformers and the same weights in radixlm's model."""
+    # (transformers imported once radixlm is: it then finds its own `kernels`, not this
+    # repository's folder of that name, as the other tests that read it do)
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(0)
+    hf_cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=TARGET_HIDDEN, intermediate_size=96,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf = HFLlama(hf_cfg).eval()
+    ours = LlamaForCausalLM(ModelConfig.from_hf(hf_cfg), 128)
+    ours.load_weights(hf.state_dict().items())
+    ours.rope.build_tables(torch.device("cpu"))
+    return hf, ours
+
+
+def prefill(model, layers: int, kv_heads: int, head_dim: int, tokens: list[int], **extra):
+    """One request's tokens from position 0 through `model` (its own KV pool of `layers`
+    layers); returns the batch, which holds what the model kept."""
+    n = len(tokens)
+    pool = KVPool(n + 1, layers, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    table = torch.arange(1, n + 1, dtype=torch.int32)[None]
+    t = torch.tensor
+    batch = ForwardBatch(
+        input_ids=t(tokens), positions=torch.arange(n), out_cache_loc=torch.arange(1, n + 1),
+        req_pool_indices=t([0]), prefix_lens=t([0]), extend_lens=t([n]), seq_lens=t([n]),
+        logits_indices=None, extend_lens_cpu=[n], prefix_lens_cpu=[0], num_multi=1, **extra,
+    )  # fmt: skip
+    return batch, TorchAttentionBackend(pool, table)
+
+
+def test_the_target_keeps_the_stream_entering_the_layers_a_draft_reads():
+    hf, ours = target_pair()
+    tokens = [5, 17, 3, 88, 41, 9, 60]
+    layers = default_aux_layers(6)
+    assert layers == (2, 3, 3)
+    batch, backend = prefill(
+        ours, 6, 2, TARGET_HIDDEN // 4, tokens,
+        hidden_indices=torch.tensor([1, 4, 6]), aux_layers=(0, 2, 5),
+    )  # fmt: skip
+    ours(batch, backend)
+    with torch.no_grad():
+        states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    want = torch.cat([states[i][0, [1, 4, 6]] for i in (0, 2, 5)], dim=-1)
+    assert batch.aux_hidden_states.shape == (3, 3 * TARGET_HIDDEN)
+    torch.testing.assert_close(batch.aux_hidden_states, want, atol=1e-5, rtol=1e-5)
+    # none asked for, none kept
+    batch, backend = prefill(ours, 6, 2, TARGET_HIDDEN // 4, tokens, hidden_indices=torch.tensor([6]))  # fmt: skip
+    ours(batch, backend)
+    assert batch.aux_hidden_states is None and batch.hidden_states.shape == (1, TARGET_HIDDEN)
+
+
+def draft_config(**change) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": 1,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 128, "vocab_size": VOCAB,
+        "draft_vocab_size": 64, "target_hidden_size": TARGET_HIDDEN,
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 4]}, **change,
+    }  # fmt: skip
+
+
+def draft_tensors(seed: int = 1) -> dict[str, torch.Tensor]:
+    """Random weights under an EAGLE-3 checkpoint's names; the norms away from 1."""
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = HIDDEN // HEADS
+
+    def w(*shape):
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    def norm():
+        return 1 + 0.2 * torch.randn(HIDDEN, generator=gen)
+
+    p = "midlayer."
+    tensors = {
+        "fc.weight": w(HIDDEN, 3 * TARGET_HIDDEN),
+        p + "input_layernorm.weight": norm(), p + "hidden_norm.weight": norm(),
+        p + "post_attention_layernorm.weight": norm(), "norm.weight": norm(),
+        p + "self_attn.q_proj.weight": w(HEADS * head_dim, 2 * HIDDEN),
+        p + "self_attn.k_proj.weight": w(KV_HEADS * head_dim, 2 * HIDDEN),
+        p + "self_attn.v_proj.weight": w(KV_HEADS * head_dim, 2 * HIDDEN),
+        p + "self_attn.o_proj.weight": w(HIDDEN, HEADS * head_dim),
+        p + "mlp.gate_proj.weight": w(INTER, HIDDEN), p + "mlp.up_proj.weight": w(INTER, HIDDEN),
+        p + "mlp.down_proj.weight": w(HIDDEN, INTER),
+        "lm_head.weight": w(64, HIDDEN),
+        # draft id d is target id d + d2t[d]: the draft's 64 ids spread over the target's 96
+        "d2t": torch.arange(64) // 2, "t2d": torch.zeros(VOCAB, dtype=torch.bool),
+    }  # fmt: skip
+    return tensors
+
+
+def write_draft(folder, config: dict | None = None, tensors: dict | None = None):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config or draft_config()))
+    save_file(tensors or draft_tensors(), str(folder / "model.safetensors"))
+    return folder
+
+
+def load_draft(folder, target) -> LlamaEagle3Draft:
+    return LlamaEagle3Draft.load(folder, target, torch.device("cpu"), torch.float32, 128)
+
+
+def rms(x, weight, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def twin(t: dict, embed: torch.Tensor, tokens, features, positions, past=None):
+    """The draft layer written from the layout, plain torch (transformers' rope): rows of one
+    request at `positions` (consecutive), attending causally to `past` (keys, values of earlier
+    positions) and themselves. `features`: the target's (3 x its hidden) or the draft's own
+    output (hidden). Returns (logits, outputs, (keys, values) through these rows)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import (
+        LlamaRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
+    p = "midlayer."
+    hidden = features @ t["fc.weight"].T if features.shape[-1] != HIDDEN else features
+    e = rms(embed[tokens], t[p + "input_layernorm.weight"])
+    both = torch.cat([e, rms(hidden, t[p + "hidden_norm.weight"])], dim=-1)
+    head_dim = HIDDEN // HEADS
+    q = (both @ t[p + "self_attn.q_proj.weight"].T).view(-1, HEADS, head_dim).transpose(0, 1)
+    k = (both @ t[p + "self_attn.k_proj.weight"].T).view(-1, KV_HEADS, head_dim).transpose(0, 1)
+    v = (both @ t[p + "self_attn.v_proj.weight"].T).view(-1, KV_HEADS, head_dim).transpose(0, 1)
+    cfg = LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, rope_theta=10000.0)
+    cos, sin = LlamaRotaryEmbedding(cfg)(v, torch.tensor([positions]))
+    q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
+    q, k = q[0], k[0]
+    if past is not None:
+        k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)
+    n, total = q.shape[1], k.shape[1]
+    mask = torch.ones(n, total, dtype=torch.bool).tril(total - n)
+    groups = HEADS // KV_HEADS
+    a = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0), attn_mask=mask
+    )
+    a = a.transpose(0, 1).reshape(n, -1) @ t[p + "self_attn.o_proj.weight"].T
+    s = a + hidden
+    x = rms(s, t[p + "post_attention_layernorm.weight"])
+    m = F.silu(x @ t[p + "mlp.gate_proj.weight"].T) * (x @ t[p + "mlp.up_proj.weight"].T)
+    out = m @ t[p + "mlp.down_proj.weight"].T + s
+    logits = rms(out, t["norm.weight"]) @ t["lm_head.weight"].T
+    return logits, out, (k, v)
+
+
+def test_the_draft_layer_computes_what_its_layout_says_then_drafts_from_its_own_output(tmp_path):
+    _, target = target_pair()
+    embed = target.embed_tokens.weight.detach()
+    tensors = draft_tensors()
+    draft = load_draft(write_draft(tmp_path / "draft"), target)
+    torch.manual_seed(3)
+    tokens, features = [7, 30, 2, 55, 81], torch.randn(5, 3 * TARGET_HIDDEN)
+
+    # the context: the target's features at each position, with the token after it
+    pool = KVPool(16, 1, KV_HEADS, HIDDEN // HEADS, torch.float32, torch.device("cpu"))
+    table = torch.arange(1, 17, dtype=torch.int32)[None]
+    backend = TorchAttentionBackend(pool, table)
+    batch, _ = prefill(draft, 1, KV_HEADS, HIDDEN // HEADS, tokens)
+    logits, out = draft(batch, backend, features)
+    want_logits, want_out, past = twin(tensors, embed, tokens, features, list(range(5)))
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+
+    # a draft step: the drafted token at the next position, the draft's own last output as its
+    # hidden (no fc), attending to the context's keys
+    token = int(draft.target_ids(logits[-1:].argmax(-1)))
+    assert token == int(logits[-1].argmax()) + int(tensors["d2t"][int(logits[-1].argmax())])
+    t = torch.tensor
+    step = ForwardBatch(
+        input_ids=t([token]), positions=t([5]), out_cache_loc=t([6]), req_pool_indices=t([0]),
+        prefix_lens=t([5]), extend_lens=t([1]), seq_lens=t([6]), logits_indices=None,
+        extend_lens_cpu=[1], prefix_lens_cpu=[5], num_multi=0,
+    )  # fmt: skip
+    logits2, out2 = draft(step, backend, out[-1:])
+    want2, want_out2, _ = twin(tensors, embed, [token], want_out[-1:], [5], past)
+    torch.testing.assert_close(out2, want_out2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits2, want2, atol=1e-5, rtol=1e-5)
+
+
+def test_the_config_names_the_target_layers_and_drafts_that_do_not_fit_are_refused(tmp_path):
+    target = ModelConfig.from_hf(target_pair()[0].config)
+    assert Eagle3Config.from_dict(draft_config()).target_layers(target) == (2, 3, 5)
+    no_ids = {k: v for k, v in draft_config().items() if k != "eagle_config"}
+    assert Eagle3Config.from_dict(no_ids).target_layers(target) == (2, 3, 3)
+    refusals = [
+        ({"architectures": ["LlamaForCausalLM"]}, "lack 'LlamaForCausalLMEagle3'"),
+        ({"num_hidden_layers": 2}, "drafts of one decoder layer"),
+    ]
+    for change, says in refusals:
+        with pytest.raises(ValueError, match=says):
+            Eagle3Config.from_dict(draft_config(**change))
+    misfits = [
+        ({"target_hidden_size": 64}, "features of hidden size 64; the target model's is 48"),
+        ({"vocab_size": 128}, "is not the target model's"),
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}}, "has 6 layers"),
+    ]
+    for change, says in misfits:
+        with pytest.raises(ValueError, match=says):
+            Eagle3Config.from_dict(draft_config(**change)).target_layers(target)
+    with pytest.raises(ValueError, match="not a readable EAGLE-3 draft config"):
+        Eagle3Config.from_folder(tmp_path)
+
+
+def test_a_checkpoint_must_give_every_weight_of_the_layer_in_its_shape(tmp_path):
+    _, target = target_pair()
+    tensors = draft_tensors()
+    del tensors["midlayer.self_attn.k_proj.weight"]
+    with pytest.raises(ValueError, match=r"lacks \['midlayer.self_attn.k_proj.weight'\]"):
+        load_draft(write_draft(tmp_path / "a", tensors=tensors), target)
+    tensors = draft_tensors()
+    tensors["fc.weight"] = tensors["fc.weight"][:, :10].contiguous()
+    with pytest.raises(ValueError, match="'fc.weight' has shape \\(48, 10\\)"):
+        load_draft(write_draft(tmp_path / "b", tensors=tensors), target)
+    tensors = {**draft_tensors(), "midlayer.extra.weight": torch.zeros(2)}
+    with pytest.raises(ValueError, match="unexpected weight 'midlayer.extra.weight'"):
+        load_draft(write_draft(tmp_path / "c", tensors=tensors), target)
+    # SGLang's names with "model." before them load alike
+    tensors = {f"model.{k}" if k != "lm_head.weight" else k: v for k, v in draft_tensors().items()}
+    draft = load_draft(write_draft(tmp_path / "d", tensors=tensors), target)
+    torch.testing.assert_close(draft.fc.weight, draft_tensors()["fc.weight"])
