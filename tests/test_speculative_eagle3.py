@@ -253,3 +253,67 @@ def test_a_checkpoint_must_give_every_weight_of_the_layer_in_its_shape(tmp_path)
     tensors = {f"model.{k}" if k != "lm_head.weight" else k: v for k, v in draft_tensors().items()}
     draft = load_draft(write_draft(tmp_path / "d", tensors=tensors), target)
     torch.testing.assert_close(draft.fc.weight, draft_tensors()["fc.weight"])
+
+
+def test_training_time_test_sees_at_each_depth_what_drafting_sees(tmp_path):
+    """ttt_forward's step j at row t against the draft run as the engine runs it: a context
+    from the target's features up to t, then j draft steps, each fed its own output and the
+    token the sequence holds there."""
+    from radixlm.runtime.speculative.eagle3_training import ttt_forward
+
+    _, target = target_pair()
+    draft = load_draft(write_draft(tmp_path / "draft"), target)
+    torch.manual_seed(4)
+    tokens = torch.tensor([[7, 30, 2, 55, 81, 12, 64, 3]])
+    features = torch.randn(1, 8, 3 * TARGET_HIDDEN)
+    with torch.no_grad():
+        outs = ttt_forward(draft, tokens, features, steps=3)
+    t = torch.tensor
+    for row in (0, 2, 4):
+        pool = KVPool(16, 1, KV_HEADS, HIDDEN // HEADS, torch.float32, torch.device("cpu"))
+        backend = TorchAttentionBackend(pool, torch.arange(1, 17, dtype=torch.int32)[None])
+        context = tokens[0, 1 : row + 2].tolist()
+        batch, _ = prefill(draft, 1, KV_HEADS, HIDDEN // HEADS, context)
+        _, out = draft(batch, backend, features[0, : row + 1])
+        torch.testing.assert_close(outs[0][0, row], out[-1], atol=1e-5, rtol=1e-5)
+        hidden = out[-1:]
+        for j in (1, 2):
+            pos = row + j
+            step = ForwardBatch(
+                input_ids=tokens[0, row + 1 + j : row + 2 + j], positions=t([pos]),
+                out_cache_loc=t([pos + 1]), req_pool_indices=t([0]), prefix_lens=t([pos]),
+                extend_lens=t([1]), seq_lens=t([pos + 1]), logits_indices=None,
+                extend_lens_cpu=[1], prefix_lens_cpu=[pos], num_multi=0,
+            )  # fmt: skip
+            _, hidden = draft(step, backend, hidden)
+            torch.testing.assert_close(outs[j][0, row], hidden[0], atol=1e-5, rtol=1e-5)
+
+
+def test_training_lowers_the_loss_on_a_targets_own_sequences(tmp_path):
+    from radixlm.runtime.speculative.eagle3_training import ttt_loss
+
+    hf, target = target_pair()
+    draft = load_draft(write_draft(tmp_path / "draft"), target)
+    # sequences the target writes greedily, with its features
+    gen = torch.Generator().manual_seed(5)
+    starts = torch.randint(0, VOCAB, (8, 4), generator=gen)
+    with torch.no_grad():
+        seqs = hf.generate(starts, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        states = hf(seqs, output_hidden_states=True).hidden_states
+    layers = draft.config.target_layers(target.cfg)
+    features = torch.cat([states[i] for i in layers], dim=-1)
+    lengths = torch.full((8,), seqs.shape[1])
+    for p in draft.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    with torch.no_grad():
+        first, _ = ttt_loss(draft, seqs, features, lengths, steps=3)
+    for _ in range(30):
+        loss, _ = ttt_loss(draft, seqs, features, lengths, steps=3)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        last, accuracy = ttt_loss(draft, seqs, features, lengths, steps=3)
+    assert float(last) < 0.5 * float(first)
+    assert len(accuracy) == 3 and accuracy[0] > 0.5
