@@ -317,3 +317,25 @@ def test_training_lowers_the_loss_on_a_targets_own_sequences(tmp_path):
         last, accuracy = ttt_loss(draft, seqs, features, lengths, steps=3)
     assert float(last) < 0.5 * float(first)
     assert len(accuracy) == 3 and accuracy[0] > 0.5
+
+
+def test_a_new_draft_for_a_target_saves_as_a_checkpoint_that_loads_back(tmp_path):
+    from radixlm.runtime.models.llama_eagle3 import config_for_target
+
+    _, target = target_pair()
+    draft, raw = LlamaEagle3Draft.new(target, seed=0)
+    assert raw == config_for_target(target.cfg)
+    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]  # inputs of 2, 3, 3
+    torch.testing.assert_close(draft.lm_head.weight, target.lm_head.weight)
+    with torch.no_grad():
+        for p in draft.parameters():  # (away from the initial values: a copy must keep them)
+            p.add_(0.01 * torch.randn_like(p))
+    draft.save(tmp_path / "d", raw)
+    back = load_draft(tmp_path / "d", target)
+    tokens, features = [4, 9, 15], torch.randn(3, 3 * TARGET_HIDDEN)
+    results = []
+    for model in (draft, back):
+        batch, backend = prefill(model, 1, KV_HEADS, HIDDEN // HEADS, tokens)
+        results.append(model(batch, backend, features))
+    torch.testing.assert_close(results[1][0], results[0][0])  # logits
+    torch.testing.assert_close(results[1][1], results[0][1])  # outputs

@@ -18,8 +18,11 @@ tokens); without `d2t` the two vocabularies are the same. The attention is the m
 attends over every position it has run: the context, from the target's features, then its own
 draft steps. The embedding is the target's unless the checkpoint carries its own.
 
-Only what the layout needs is here; drafting with it inside the engine (`speculative_algorithm=
-"EAGLE3"`) and training it (`radixlm train-draft`) are not wired yet.
+`LlamaEagle3Draft.new` makes a draft to train for a target (its width, heads and MLP, the
+target's LM head as the start of its own), `save` writes the checkpoint `load` reads; training
+with training-time test is runtime/speculative/eagle3_training.py. Drafting with it inside the
+engine (`speculative_algorithm="EAGLE3"`) and a `radixlm train-draft` that makes one are not
+wired yet.
 """
 
 from __future__ import annotations
@@ -116,6 +119,32 @@ class Eagle3Config:
         return layers
 
 
+def config_for_target(target: ModelConfig, aux_layers: tuple[int, ...] | None = None) -> dict:
+    """The config.json of a new draft for `target`: a layer of the target's width, heads and
+    MLP, its whole vocabulary, reading the input of `aux_layers` (default: SGLang's three)."""
+    layers = aux_layers or default_aux_layers(target.num_layers)
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": target.hidden_size,
+        "intermediate_size": target.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": target.num_heads,
+        "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim,
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta,
+        "rope_scaling": target.rope_scaling,
+        "max_position_embeddings": target.max_position_embeddings,
+        "vocab_size": target.vocab_size,
+        "draft_vocab_size": target.vocab_size,
+        "target_hidden_size": target.hidden_size,
+        "tie_word_embeddings": False,
+        # (named as SGLang names them: the layers whose output is read)
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers]},
+    }
+
+
 class Eagle3Layer(nn.Module):
     """The draft's decoder layer: attention over the normed embedding and hidden side by side."""
 
@@ -189,6 +218,55 @@ class LlamaEagle3Draft(nn.Module):
         draft.share_embedding(target.embed_tokens)
         draft.rope.build_tables(device)
         return draft.to(device, dtype)
+
+    @classmethod
+    def new(cls, target: nn.Module, seed: int, aux_layers: tuple[int, ...] | None = None):
+        """A draft to train for `target` (a LlamaForCausalLM, on its device, float32): its
+        config from `config_for_target`, weights drawn from `seed` (std 0.02, norms 1), the LM
+        head a copy of the target's; returns (draft, its config.json dict)."""
+        raw = config_for_target(target.cfg, aux_layers)
+        config = Eagle3Config.from_dict(raw)
+        device = target.embed_tokens.weight.device
+        draft = cls(config, target.rope.max_positions).to(device, torch.float32)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for name, p in draft.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif p.dim() == 2:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                else:
+                    p.zero_()
+            draft.lm_head.weight.copy_(target.lm_head.weight[: config.draft_vocab_size].float())
+        draft.share_embedding(target.embed_tokens)
+        draft.rope.build_tables(device)
+        return draft, raw
+
+    def save(self, folder: str | Path, raw_config: dict) -> None:
+        """Write the checkpoint folder `load` reads (and SGLang's EAGLE-3 loader): config.json
+        and model.safetensors under the checkpoint's names (q, k, v and gate, up apart; the
+        target's embedding left out)."""
+        from safetensors.torch import save_file
+
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.named_parameters():
+            if name.startswith("embed_tokens"):
+                continue
+            parts = [(part, fused, i) for part, (fused, i) in self._STACKED.items()
+                     if f".{fused}." in name]  # fmt: skip
+            module = self.get_submodule(name.rpartition(".")[0])
+            for part, fused, index in parts:
+                start, end = module.part_rows(index)
+                out[name.replace(fused, part)] = p.detach()[start:end]
+            if not parts:
+                out[name] = p.detach()
+        out["d2t"] = self.d2t
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.float().cpu().contiguous() if v.is_floating_point() else v.cpu().contiguous()
+                   for k, v in out.items()}  # fmt: skip
+        save_file(tensors, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")
 
     def share_embedding(self, embedding: nn.Module) -> None:
         """Read token embeddings through the target's (unless the checkpoint carried its own)."""
