@@ -303,18 +303,21 @@ def test_training_lowers_the_loss_on_a_targets_own_sequences(tmp_path):
     layers = draft.config.target_layers(target.cfg)
     features = torch.cat([states[i] for i in layers], dim=-1)
     lengths = torch.full((8,), seqs.shape[1])
+    answers = torch.full((8,), 4)  # (the loss counts the target's own tokens only)
     for p in draft.parameters():
         p.requires_grad_(True)
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
     with torch.no_grad():
-        first, _ = ttt_loss(draft, seqs, features, lengths, steps=3)
+        first, _ = ttt_loss(draft, seqs, features, lengths, steps=3, starts=answers)
+        nothing, none = ttt_loss(draft, seqs, features, lengths, steps=3, starts=lengths)
+    assert float(nothing) == 0 and all(a != a for a in none)  # (no row: nan accuracies)
     for _ in range(30):
-        loss, _ = ttt_loss(draft, seqs, features, lengths, steps=3)
+        loss, _ = ttt_loss(draft, seqs, features, lengths, steps=3, starts=answers)
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
-        last, accuracy = ttt_loss(draft, seqs, features, lengths, steps=3)
+        last, accuracy = ttt_loss(draft, seqs, features, lengths, steps=3, starts=answers)
     assert float(last) < 0.5 * float(first)
     assert len(accuracy) == 3 and accuracy[0] > 0.5
 
@@ -339,3 +342,28 @@ def test_a_new_draft_for_a_target_saves_as_a_checkpoint_that_loads_back(tmp_path
         results.append(model(batch, backend, features))
     torch.testing.assert_close(results[1][0], results[0][0])  # logits
     torch.testing.assert_close(results[1][1], results[0][1])  # outputs
+
+
+def test_training_data_holds_the_targets_features_at_every_position():
+    """draft_data.target_features (what EAGLE-3 training reads) and hidden_states (MEDUSA's)
+    against transformers, several conversations a forward and one alone."""
+    from radixlm.runtime.speculative.draft_data import (
+        Conversation,
+        hidden_states,
+        target_features,
+    )
+
+    hf, target = target_pair()
+    convs = [Conversation([3, 8, 1], [40, 41, 42, 7]), Conversation([9, 2], [5, 6, 60])]
+    layers = (2, 3, 5)
+    for budget in (64, 4):  # both in one forward; one a forward
+        features = target_features(target, target.cfg, convs, layers, torch.device("cpu"), budget)
+        finals = hidden_states(target, target.cfg, convs, torch.device("cpu"), budget)
+        for c, got, final in zip(convs, features, finals):
+            seq = torch.tensor([c.prompt_ids + c.answer_ids])
+            with torch.no_grad():
+                states = hf(seq, output_hidden_states=True).hidden_states
+            want = torch.cat([states[i][0] for i in layers], dim=-1)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            rows = slice(len(c.prompt_ids) - 1, seq.shape[1] - 1)  # (those that predict the answer)
+            torch.testing.assert_close(final, states[-1][0, rows], atol=1e-5, rtol=1e-5)

@@ -192,26 +192,53 @@ def hidden_states(
     teacher-forced forward of prompt + answer, several conversations a step (up to
     `max_tokens` tokens), through the torch attention backend over a KV pool of its own;
     `progress(n)` is called as each step's n conversations are done."""
+    seqs = [c.prompt_ids + c.answer_ids[:-1] for c in conversations]
+    keep = [range(len(c.prompt_ids) - 1, len(s)) for c, s in zip(conversations, seqs)]
+    return _teacher_forced(model, model_config, seqs, keep, device, max_tokens, (), progress)
+
+
+def target_features(
+    model,
+    model_config,
+    conversations: Sequence[Conversation],
+    aux_layers: tuple[int, ...],
+    device,
+    max_tokens: int = 4096,
+    progress=None,
+) -> list[torch.Tensor]:
+    """For each conversation, what an EAGLE-3 draft reads from the target at every position of
+    prompt + answer: the residual stream entering `aux_layers`, side by side (float32, on the
+    CPU, (len(prompt) + len(answer), len(aux_layers) x H)); batched as `hidden_states`."""
+    seqs = [c.prompt_ids + c.answer_ids for c in conversations]
+    keep = [range(len(s)) for s in seqs]
+    return _teacher_forced(
+        model, model_config, seqs, keep, device, max_tokens, aux_layers, progress
+    )
+
+
+def _teacher_forced(
+    model, model_config, seqs, keep, device, max_tokens, aux_layers, progress
+) -> list[torch.Tensor]:
+    """Each sequence's rows `keep[i]` of the final hidden states (or, with `aux_layers`, of the
+    features entering those layers), several sequences a forward of up to `max_tokens`."""
     from radixlm.runtime.attention import TorchAttentionBackend
     from radixlm.runtime.forward_batch import ForwardBatch
     from radixlm.runtime.memory_pool import KVPool
 
     mc = model_config
     dtype = model.lm_head.weight.dtype
-    longest = max(len(c.prompt_ids) + len(c.answer_ids) for c in conversations)
-    budget = max(max_tokens, longest)
+    budget = max(max_tokens, max(map(len, seqs)))
     pool = KVPool(budget + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
     out: list[torch.Tensor] = []
-    group: list[Conversation] = []
+    group: list[int] = []
 
     def flush() -> None:
-        seqs = [c.prompt_ids + c.answer_ids[:-1] for c in group]
-        lens = [len(s) for s in seqs]
-        table = torch.zeros((len(seqs), max(lens)), dtype=torch.int32, device=device)
-        keep, start = [], 0
-        for i, (c, n) in enumerate(zip(group, lens)):
-            table[i, :n] = torch.arange(start + 1, start + n + 1, dtype=torch.int32)
-            keep.extend(range(start + len(c.prompt_ids) - 1, start + n))
+        lens = [len(seqs[i]) for i in group]
+        table = torch.zeros((len(group), max(lens)), dtype=torch.int32, device=device)
+        rows, start = [], 0
+        for j, (i, n) in enumerate(zip(group, lens)):
+            table[j, :n] = torch.arange(start + 1, start + n + 1, dtype=torch.int32)
+            rows.extend(start + r for r in keep[i])
             start += n
         total = start
 
@@ -220,37 +247,38 @@ def hidden_states(
 
         lens_t = t(lens)
         batch = ForwardBatch(
-            input_ids=t([x for s in seqs for x in s]),
+            input_ids=t([x for i in group for x in seqs[i]]),
             positions=t([p for n in lens for p in range(n)]),
             out_cache_loc=torch.arange(1, total + 1, device=device),
-            req_pool_indices=torch.arange(len(seqs), device=device),
+            req_pool_indices=torch.arange(len(group), device=device),
             prefix_lens=torch.zeros_like(lens_t),
             extend_lens=lens_t,
             seq_lens=lens_t,
             logits_indices=torch.cumsum(lens_t, 0) - 1,  # (one row each: logits are not used)
             extend_lens_cpu=lens,
-            prefix_lens_cpu=[0] * len(seqs),
-            num_multi=len(seqs),
-            hidden_indices=t(keep),
+            prefix_lens_cpu=[0] * len(group),
+            num_multi=len(group),
+            hidden_indices=t(rows),
+            aux_layers=tuple(aux_layers),
         )
         model(batch, TorchAttentionBackend(pool, table))
-        hidden = batch.hidden_states.float().cpu()
+        kept = batch.aux_hidden_states if aux_layers else batch.hidden_states
+        kept = kept.float().cpu()
         at = 0
-        for c in group:
-            out.append(hidden[at : at + len(c.answer_ids)])
-            at += len(c.answer_ids)
+        for i in group:
+            out.append(kept[at : at + len(keep[i])])
+            at += len(keep[i])
         if progress is not None:
             progress(len(group))
         group.clear()
 
     used = 0
-    for c in conversations:
-        n = len(c.prompt_ids) + len(c.answer_ids) - 1
-        if group and used + n > budget:
+    for i, seq in enumerate(seqs):
+        if group and used + len(seq) > budget:
             flush()
             used = 0
-        group.append(c)
-        used += n
+        group.append(i)
+        used += len(seq)
     if group:
         flush()
     return out

@@ -107,10 +107,12 @@ def ttt_loss(
     lengths: torch.Tensor,
     steps: int,
     decay: float = 0.8,
+    starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """The mean over steps (step j weighted decay**j) of each step's cross-entropy against
     x_{t+2+j}, over the rows t of each sequence (its `lengths`) that have that token, in the
-    draft vocabulary; and each step's top-1 accuracy over those rows."""
+    draft vocabulary, and (with `starts`, (B,)) whose token is at index starts[b] or later: a
+    conversation's answer, the target's own tokens; and each step's top-1 accuracy there."""
     outs = ttt_forward(draft, tokens, features, steps)
     labels = draft_targets(draft, tokens)
     b, length = tokens.shape
@@ -120,6 +122,8 @@ def ttt_loss(
         at = (index + 2 + j).clamp(max=length - 1)
         want = labels[:, at]
         keep = ((index + 2 + j)[None, :] < lengths[:, None]) & (want >= 0)
+        if starts is not None:
+            keep &= (index + 2 + j)[None, :] >= starts[:, None]
         if not bool(keep.any()):
             accuracy.append(float("nan"))
             continue
