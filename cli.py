@@ -403,8 +403,15 @@ def _add_train_draft(commands) -> None:
     d = TrainDraftOptions(output="")
     add = train.add_argument
     add("--output", required=True, help="the head folder to write (data and checkpoint too)")
-    add("--algorithm", default=d.algorithm, help="the draft kind: MEDUSA")
-    add("--num-heads", type=int, default=d.num_heads, help="heads: tokens a chain drafts")
+    add(
+        "--algorithm", default=d.algorithm,
+        help="the draft kind: MEDUSA heads, or an EAGLE3 draft (one decoder layer over three "
+        "of the model's hidden states; not yet run by the engine)",
+    )  # fmt: skip
+    add(
+        "--num-heads", type=int, default=d.num_heads,
+        help="heads (MEDUSA), or the depth trained (EAGLE3): tokens a chain drafts",
+    )  # fmt: skip
     add("--num-layers", type=int, default=d.num_layers, help="residual blocks per head")
     add("--num-prompts", type=int, default=d.num_prompts, help="conversations generated")
     add(

@@ -68,13 +68,14 @@ def test_the_target_keeps_the_stream_entering_the_layers_a_draft_reads():
     assert layers == (2, 3, 3)
     batch, backend = prefill(
         ours, 6, 2, TARGET_HIDDEN // 4, tokens,
-        hidden_indices=torch.tensor([1, 4, 6]), aux_layers=(0, 2, 5),
+        hidden_indices=torch.tensor([1, 4, 6]), aux_layers=(5, 0, 2, 2),
     )  # fmt: skip
     ours(batch, backend)
     with torch.no_grad():
         states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
-    want = torch.cat([states[i][0, [1, 4, 6]] for i in (0, 2, 5)], dim=-1)
-    assert batch.aux_hidden_states.shape == (3, 3 * TARGET_HIDDEN)
+    # in the order asked for, a layer named twice twice
+    want = torch.cat([states[i][0, [1, 4, 6]] for i in (5, 0, 2, 2)], dim=-1)
+    assert batch.aux_hidden_states.shape == (3, 4 * TARGET_HIDDEN)
     torch.testing.assert_close(batch.aux_hidden_states, want, atol=1e-5, rtol=1e-5)
     # none asked for, none kept
     batch, backend = prefill(ours, 6, 2, TARGET_HIDDEN // 4, tokens, hidden_indices=torch.tensor([6]))  # fmt: skip
@@ -367,3 +368,34 @@ def test_training_data_holds_the_targets_features_at_every_position():
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             rows = slice(len(c.prompt_ids) - 1, seq.shape[1] - 1)  # (those that predict the answer)
             torch.testing.assert_close(final, states[-1][0, rows], atol=1e-5, rtol=1e-5)
+
+
+def test_train_draft_makes_an_eagle3_draft_the_loader_takes(tiny_model_folder, tmp_path):
+    import radixlm
+    from radixlm.runtime.speculative import training
+    from radixlm.runtime.speculative.train_options import TrainDraftOptions
+
+    opts = TrainDraftOptions(
+        output=str(tmp_path / "d"), algorithm="EAGLE3", num_heads=2, num_prompts=6,
+        max_new_tokens=12, random_prompt_fraction=0.5, held_out_fraction=0.34, batch_size=24,
+        steps=8, lr=3e-3, save_every=4, log_every=1,
+    )  # fmt: skip
+    opts.check()
+    engine_kwargs = {"model_path": tiny_model_folder, "device": "cpu", "dtype": "float32"}
+    summary = training.train_draft(opts, engine_kwargs, say=lambda _: None)
+    log = [json.loads(line) for line in (tmp_path / "d" / training.LOG).read_text().splitlines()]
+    losses = [e["loss"] for e in log if "loss" in e]
+    assert [e["step"] for e in log if "loss" in e] == list(range(1, 9))
+    assert losses[-1] < losses[0]
+    held = summary["held_out"]
+    assert held["positions"] > 0 and len(held["depth_top1"]) == 2
+    assert 1.0 <= held["chain_accept_length"] <= 3.0
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["training"]["steps"] == 8 and config["architectures"] == [
+        "LlamaForCausalLMEagle3"
+    ]
+    with radixlm.Engine(tiny_model_folder, device="cpu", dtype="float32") as engine:
+        draft = LlamaEagle3Draft.load(
+            tmp_path / "d", engine.model, engine.device, torch.float32, 64
+        )
+        assert draft.config.target_layers(engine.model.cfg) == (1, 1, 0)  # (a 2-layer target)

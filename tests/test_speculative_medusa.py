@@ -357,7 +357,7 @@ def test_the_train_draft_command_writes_heads_the_engine_takes(
 def test_bad_train_draft_options_are_refused_before_the_model_loads(tmp_path):
     for argv, says in [
         (["--num-heads", "0"], "--num-heads must be at least 1"),
-        (["--algorithm", "EAGLE3"], "only MEDUSA"),
+        (["--algorithm", "NGRAM"], "MEDUSA heads or an EAGLE3 draft can be trained"),
         (["--held-out-fraction", "1"], "held-out-fraction"),
         (["--resume"], "holds no checkpoint.pt"),
     ]:

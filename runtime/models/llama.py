@@ -175,15 +175,15 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope.lookup(batch.positions)
         residual = None
         keep = batch.hidden_indices
-        aux = []
+        aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if keep is not None and i in batch.aux_layers:  # (an EAGLE-3 draft's features)
-                aux.append(x[keep] if residual is None else x[keep] + residual[keep])
+                aux[i] = x[keep] if residual is None else x[keep] + residual[keep]
             x, residual = layer(rope, x, residual, batch, backend)
         if keep is not None:  # for a speculative drafter
             batch.hidden_states = self.final_hidden(x, residual, keep)
-            if aux:
-                batch.aux_hidden_states = torch.cat(aux, dim=-1)
+            if aux:  # (in the order asked for; a layer named twice, twice)
+                batch.aux_hidden_states = torch.cat([aux[i] for i in batch.aux_layers], dim=-1)
         return self.logits(x, residual, batch)
 
     def logits(

@@ -45,8 +45,9 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     """The target layers whose input the draft reads when its config names none: a low, the
-    middle and a high one, SGLang's choice for EAGLE-3."""
-    return (2, num_layers // 2, num_layers - 3)
+    middle and a high one, SGLang's choice for EAGLE-3 (2, L/2, L - 3), kept within a target of
+    fewer than five layers."""
+    return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,16 @@ draft vocabulary (targets outside it are not counted).
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -46,9 +56,9 @@ def ttt_forward(
     attn = layer.self_attn
     b, length = tokens.shape
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    with torch.no_grad():
-        embeds = draft.embed_tokens(tokens)  # (the target's: frozen)
     hidden = draft.fc(features)
+    with torch.no_grad():
+        embeds = draft.embed_tokens(tokens).to(hidden.dtype)  # (the target's: frozen)
     index = torch.arange(length, device=tokens.device)
     causal = index[None, :] <= index[:, None]  # (query t, key s): s <= t
     outs: list[torch.Tensor] = []
@@ -132,3 +142,200 @@ def ttt_loss(
         weight += decay**j
         accuracy.append(float((logits.argmax(-1) == want[keep]).float().mean()))
     return total / max(weight, 1e-9), accuracy
+
+
+# ---- `radixlm train-draft --algorithm EAGLE3` ---------------------------------------------------
+
+
+@dataclass
+class SequenceData:
+    """Conversations as training sequences: tokens, the target's features at each position,
+    where each answer starts, and which are held out."""
+
+    tokens: list[list[int]]
+    features: list[torch.Tensor]  # (len, 3 x hidden) float32, on the CPU
+    starts: list[int]
+    held_out: list[bool]
+
+    def part(self, held: bool) -> list[int]:
+        return [i for i, h in enumerate(self.held_out) if h == held]
+
+    def batch(self, rows: list[int], device) -> tuple[torch.Tensor, ...]:
+        """(tokens (B, L), features (B, L, F), lengths (B,), starts (B,)), padded with 0."""
+        length = max(len(self.tokens[i]) for i in rows)
+        width = self.features[rows[0]].shape[1]
+        tokens = torch.zeros(len(rows), length, dtype=torch.long)
+        features = torch.zeros(len(rows), length, width)
+        for b, i in enumerate(rows):
+            n = len(self.tokens[i])
+            tokens[b, :n] = torch.tensor(self.tokens[i])
+            features[b, :n] = self.features[i]
+        lengths = torch.tensor([len(self.tokens[i]) for i in rows])
+        starts = torch.tensor([self.starts[i] for i in rows])
+        return tuple(t.to(device) for t in (tokens, features, lengths, starts))
+
+
+def _groups(order: list[int], data: SequenceData, positions: int) -> list[list[int]]:
+    """`order` cut into batches of about `positions` tokens (at least one sequence each)."""
+    out, group, used = [], [], 0
+    for i in order:
+        group.append(i)
+        used += len(data.tokens[i])
+        if used >= positions:
+            out.append(group)
+            group, used = [], 0
+    if group:
+        out.append(group)
+    return out
+
+
+@torch.no_grad()
+def evaluate(draft, data: SequenceData, rows: list[int], depth: int, device) -> dict[str, Any]:
+    """Held-out results over the answer rows of `rows`: each depth's loss and top-1 accuracy,
+    and the tokens a verify step of the draft's top-1 chain would give (1 + the depths right
+    before the first miss, where each depth drafts after the ones before were right)."""
+    losses, hits, counts = [0.0] * depth, [0.0] * depth, [0] * depth
+    chain, positions = 0.0, 0
+    for group in _groups(rows, data, 4096):
+        tokens, features, lengths, starts = data.batch(group, device)
+        outs = ttt_forward(draft, tokens, features, depth)
+        labels = draft_targets(draft, tokens)
+        b, length = tokens.shape
+        index = torch.arange(length, device=device)
+        right = []
+        for j, out in enumerate(outs):
+            at = index + 2 + j
+            want = labels[:, at.clamp(max=length - 1)]
+            keep = (at[None, :] < lengths[:, None]) & (at[None, :] >= starts[:, None]) & (want >= 0)
+            logits = draft.lm_head(_norm(draft.norm, out)).float()
+            hit = (logits.argmax(-1) == want) & keep
+            right.append(hit)
+            n = int(keep.sum())
+            if n:
+                losses[j] += float(F.cross_entropy(logits[keep], want[keep], reduction="sum"))
+                hits[j] += float(hit.sum())
+                counts[j] += n
+        first = (index + 2)[None, :]
+        rows_counted = (first < lengths[:, None]) & (first >= starts[:, None])
+        lead = torch.cumprod(torch.stack(right, dim=-1).int(), dim=-1).sum(-1)
+        chain += float((1 + lead)[rows_counted].sum())
+        positions += int(rows_counted.sum())
+    return {
+        "positions": positions,
+        "depth_loss": [round(v / max(c, 1), 4) for v, c in zip(losses, counts)],
+        "depth_top1": [round(v / max(c, 1), 4) for v, c in zip(hits, counts)],
+        "chain_accept_length": round(chain / max(positions, 1), 4),
+    }
+
+
+def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict[str, Any]:
+    """Train (or resume) an EAGLE-3 draft for the engine's model on its own answers; write the
+    checkpoint folder `LlamaEagle3Draft.load` reads, with the recipe and held-out results in its
+    config.json. `opts.num_heads` is the depth trained (draft tokens a chain makes)."""
+    from tqdm import tqdm
+
+    from radixlm.runtime.speculative import draft_data, training
+
+    target = engine.model
+    device = engine.device
+    convs = training.conversations(engine, opts, say)
+    draft, raw = LlamaEagle3Draft.new(target, opts.seed)
+    layers = draft.config.target_layers(target.cfg)
+    say(f"capturing the target's features (the input of layers {list(layers)}) at every position")
+    with tqdm(total=len(convs), desc="features", unit="conversation") as bar:
+        features = draft_data.target_features(
+            target, engine.model_config, convs, layers, device, progress=bar.update
+        )
+    data = SequenceData(
+        [c.prompt_ids + c.answer_ids for c in convs],
+        features,
+        [len(c.prompt_ids) for c in convs],
+        training._held_out(len(convs), opts.held_out_fraction, opts.seed),
+    )
+    train_rows, held_rows = data.part(False), data.part(True)
+    n = sum(len(c.answer_ids) for c, h in zip(convs, data.held_out) if not h)
+    total = opts.steps or max(1, math.ceil(opts.epochs * n / opts.batch_size))
+    params = [p for name, p in draft.named_parameters() if not name.startswith("embed_tokens")]
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=opts.weight_decay)
+    start, log_path = 0, folder / training.LOG
+    if opts.resume:
+        state = torch.load(folder / training.CHECKPOINT, map_location=device, weights_only=True)
+        training._check_same(state["options"], opts)
+        draft.load_state_dict(state["draft"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"]
+        say(f"resuming from step {start} of {total}")
+        training._truncate_log(log_path, start)
+    elif log_path.exists():
+        log_path.unlink()
+    say(
+        f"training an EAGLE-3 draft {opts.num_heads} tokens deep on {n} answer positions "
+        f"({len(held_rows)} conversations held out), {total} steps of ~{opts.batch_size}"
+    )
+    t0 = time.perf_counter()
+    rng = random.Random(opts.seed)
+    batches: list[list[int]] = []
+    loss_value, accuracy = float("nan"), []
+    with open(log_path, "a") as log, tqdm(total=total, initial=start, desc="steps") as bar:
+        for step in range(total):
+            if not batches:  # an epoch's batches, in a seeded order
+                order = list(train_rows)
+                rng.shuffle(order)
+                batches = _groups(order, data, opts.batch_size)
+            group = batches.pop()
+            if step < start:  # (a resumed run draws the same batches, and skips them)
+                continue
+            for g in optimizer.param_groups:
+                g["lr"] = training._lr_at(step, total, opts.lr)
+            tokens, feats, lengths, starts = data.batch(group, device)
+            loss, accuracy = ttt_loss(
+                draft, tokens, feats, lengths, opts.num_heads, opts.head_decay, starts
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss_value = round(float(loss.detach()), 4)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.3f}")
+            done = step + 1
+            if done % opts.log_every == 0 or done == total:
+                entry = {"step": done, "loss": loss_value, "depth_top1": accuracy}
+                log.write(json.dumps(entry) + "\n")
+                log.flush()
+            if done % opts.save_every == 0 and done < total:
+                _save_checkpoint(folder, draft, optimizer, done, opts)
+    results = evaluate(draft, data, held_rows, opts.num_heads, device)
+    with open(log_path, "a") as log:
+        log.write(json.dumps({"step": total, "held_out": results}) + "\n")
+    recipe = {
+        "command": "radixlm train-draft",
+        "options": {k: v for k, v in asdict(opts).items() if k not in ("resume", "output")},
+        "train_positions": n,
+        "steps": total,
+        "final_loss": loss_value,
+        "held_out": results,
+        "train_seconds": round(time.perf_counter() - t0, 1),
+    }
+    draft.save(folder, {**raw, "training": recipe})
+    _save_checkpoint(folder, draft, optimizer, total, opts)
+    say(
+        f"held out: top-1 by depth {results['depth_top1']}, top-1 chain "
+        f"{results['chain_accept_length']} tokens a step; draft written to {folder}"
+    )
+    return recipe
+
+
+def _save_checkpoint(folder: Path, draft, optimizer, step: int, opts) -> None:
+    state = {
+        "step": step,
+        "draft": {k: v for k, v in draft.state_dict().items() if not k.startswith("embed_tokens")},
+        "optimizer": optimizer.state_dict(),
+        "options": asdict(opts),
+    }
+    from radixlm.runtime.speculative.training import CHECKPOINT
+
+    tmp = folder / (CHECKPOINT + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, folder / CHECKPOINT)  # (a run killed while saving keeps the one before)

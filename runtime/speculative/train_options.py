@@ -22,7 +22,7 @@ FREE_ON_RESUME = ("resume", "save_every", "log_every", "output")
 class TrainDraftOptions:
     output: str
     algorithm: str = "MEDUSA"
-    num_heads: int = 4
+    num_heads: int = 4  # MEDUSA's heads; EAGLE3: the depth trained (draft tokens a chain)
     num_layers: int = 1  # residual blocks per head
     num_prompts: int = 256
     random_prompt_fraction: float = 0.0  # the share of prompts made of random tokens
@@ -43,8 +43,8 @@ class TrainDraftOptions:
         def bad(msg: str) -> None:
             raise ValueError(f"train-draft: {msg}")
 
-        if self.algorithm.upper() != "MEDUSA":
-            bad(f"--algorithm {self.algorithm}: only MEDUSA heads can be trained so far")
+        if self.algorithm.upper() not in ("MEDUSA", "EAGLE3"):
+            bad(f"--algorithm {self.algorithm}: MEDUSA heads or an EAGLE3 draft can be trained")
         for name in ("num_heads", "num_layers", "num_prompts", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 bad(f"--{name.replace('_', '-')} must be at least 1")

@@ -78,7 +78,8 @@ class DraftData:
         return tensors(parts[False]), tensors(parts[True])
 
 
-def make_data(engine, opts: TrainDraftOptions, say: Callable[[str], None]) -> DraftData:
+def conversations(engine, opts: TrainDraftOptions, say: Callable[[str], None]):
+    """The prompts the options ask for (seeded), and the engine's greedy answers to them."""
     from tqdm import tqdm
 
     from radixlm.runtime.speculative import draft_data
@@ -90,7 +91,15 @@ def make_data(engine, opts: TrainDraftOptions, say: Callable[[str], None]) -> Dr
     rng.shuffle(messages)
     say(f"generating the model's answers to {len(messages)} prompts")
     with tqdm(total=len(messages), desc="answers", unit="prompt") as bar:
-        convs = draft_data.generate_answers(engine, messages, opts.max_new_tokens, bar.update)
+        return draft_data.generate_answers(engine, messages, opts.max_new_tokens, bar.update)
+
+
+def make_data(engine, opts: TrainDraftOptions, say: Callable[[str], None]) -> DraftData:
+    from tqdm import tqdm
+
+    from radixlm.runtime.speculative import draft_data
+
+    convs = conversations(engine, opts, say)
     tokens = sum(len(c.answer_ids) for c in convs)
     say(f"capturing the final hidden states of {tokens} answer positions")
     with tqdm(total=len(convs), desc="hidden states", unit="conversation") as bar:
@@ -219,7 +228,9 @@ def _batch(step: int, n: int, size: int, seed: int) -> torch.Tensor:
 def train_draft(
     opts: TrainDraftOptions, engine_kwargs: dict[str, Any], say: Callable[[str], None] = print
 ) -> dict[str, Any]:
-    """Make or reuse the data, train (or resume), write the head folder; returns its summary."""
+    """Make or reuse the data, train (or resume), write the head folder; returns its summary.
+    With --algorithm EAGLE3, an EAGLE-3 draft instead (eagle3_training.py; its data is made
+    afresh each run)."""
     import radixlm
     from radixlm.runtime import model_loader
     from radixlm.runtime.speculative.medusa import float_lm_head, lm_head_sample
@@ -236,6 +247,13 @@ def train_draft(
         raise ValueError(f"train-draft: --resume, but {str(folder)!r} holds no {CHECKPOINT}")
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    if opts.algorithm.upper() == "EAGLE3":
+        from radixlm.runtime.speculative.eagle3_training import train_eagle3
+
+        with radixlm.Engine(**engine_kwargs) as engine:
+            summary = train_eagle3(opts, engine, folder, say)
+        summary["total_seconds"] = round(time.perf_counter() - started, 1)
+        return summary
     with radixlm.Engine(**engine_kwargs) as engine:
         model = engine.model
         weight = float_lm_head(model.lm_head)
