@@ -399,3 +399,42 @@ def test_train_draft_makes_an_eagle3_draft_the_loader_takes(tiny_model_folder, t
             tmp_path / "d", engine.model, engine.device, torch.float32, 64
         )
         assert draft.config.target_layers(engine.model.cfg) == (1, 1, 0)  # (a 2-layer target)
+
+
+def test_a_resumed_eagle3_run_ends_where_an_unbroken_one_does(tiny_model_folder, tmp_path, monkeypatch):  # fmt: skip
+    from safetensors.torch import load_file
+
+    from radixlm.runtime.speculative import eagle3_training, training
+    from radixlm.runtime.speculative.train_options import TrainDraftOptions
+
+    def opts(out, **kw):
+        return TrainDraftOptions(
+            output=str(out), algorithm="EAGLE3", num_heads=2, num_prompts=6, max_new_tokens=10,
+            held_out_fraction=0.34, batch_size=24, steps=6, lr=3e-3, save_every=3, log_every=1,
+            **kw,
+        )  # fmt: skip
+
+    engine_kwargs = {"model_path": tiny_model_folder, "device": "cpu", "dtype": "float32"}
+    training.train_draft(opts(tmp_path / "whole"), engine_kwargs, say=lambda _: None)
+    real, calls = eagle3_training.ttt_loss, []
+
+    def crash_at_5(*a, **kw):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(eagle3_training, "ttt_loss", crash_at_5)
+    with pytest.raises(KeyboardInterrupt):
+        training.train_draft(opts(tmp_path / "cut"), engine_kwargs, say=lambda _: None)
+    calls.clear()
+    monkeypatch.setattr(eagle3_training, "ttt_loss", lambda *a, **kw: calls.append(1) or real(*a, **kw))  # fmt: skip
+    training.train_draft(opts(tmp_path / "cut", resume=True), engine_kwargs, say=lambda _: None)
+    assert len(calls) == 3  # (steps 4-6: from the checkpoint of step 3)
+    whole = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    cut = load_file(str(tmp_path / "cut" / "model.safetensors"))
+    assert whole.keys() == cut.keys()
+    for name in whole:
+        torch.testing.assert_close(cut[name], whole[name], atol=1e-6, rtol=1e-5)
+    log = [json.loads(x) for x in (tmp_path / "cut" / training.LOG).read_text().splitlines()]
+    assert [e["step"] for e in log if "loss" in e] == [1, 2, 3, 4, 5, 6]
