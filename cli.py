@@ -390,12 +390,14 @@ def _build_parser() -> argparse.ArgumentParser:
 def _add_train_draft(commands) -> None:
     train = commands.add_parser(
         "train-draft",
-        help="train speculative draft heads (MEDUSA) on the model's own outputs",
-        description="Make draft heads for a model: generate data with the engine (the model's "
+        help="train a speculative draft (MEDUSA heads, an EAGLE3 draft) on the model's own outputs",
+        description="Make a draft for a model: generate data with the engine (the model's "
         "greedy answers to built-in or random-token prompts, under its chat template), capture "
-        "the final hidden states, train the heads through the frozen LM head, and write the "
-        "folder --speculative-draft-model-path takes. Resumable (--resume), reproducible from "
-        "--seed.",
+        "its hidden states (MEDUSA: the final ones along each answer; EAGLE3: three layers' "
+        "inputs at every position), train (MEDUSA: heads through the frozen LM head; EAGLE3: "
+        "one decoder layer with training-time test), and write the folder "
+        "--speculative-draft-model-path takes (EAGLE3: not yet drafted with). Resumable "
+        "(--resume), reproducible from --seed.",
         formatter_class=_HelpFormatter,
     )
     from radixlm.runtime.speculative.train_options import TrainDraftOptions
@@ -412,7 +414,7 @@ def _add_train_draft(commands) -> None:
         "--num-heads", type=int, default=d.num_heads,
         help="heads (MEDUSA), or the depth trained (EAGLE3): tokens a chain drafts",
     )  # fmt: skip
-    add("--num-layers", type=int, default=d.num_layers, help="residual blocks per head")
+    add("--num-layers", type=int, default=d.num_layers, help="residual blocks per head (MEDUSA)")
     add("--num-prompts", type=int, default=d.num_prompts, help="conversations generated")
     add(
         "--random-prompt-fraction", type=float, default=d.random_prompt_fraction,
@@ -425,7 +427,7 @@ def _add_train_draft(commands) -> None:
     )  # fmt: skip
     add("--epochs", type=float, default=d.epochs, help="passes over the training positions")
     add("--steps", type=int, default=None, help="optimizer steps (default: from --epochs)")
-    add("--batch-size", type=int, default=d.batch_size, help="positions a step")
+    add("--batch-size", type=int, default=d.batch_size, help="answer positions a step")
     add("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
     add("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
     add("--head-decay", type=float, default=d.head_decay, help="head i's loss weight: this**i")

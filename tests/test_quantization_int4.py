@@ -174,12 +174,13 @@ def test_gemv_refuses_int4_weights_without_their_scales():
 @pytest.mark.parametrize("rows", [1, SLOW(2)])
 def test_words_tiles_take_layers_of_part_tiles_and_refuse_other_weights(rows):
     """K = 576 in groups of 64 is four and a half `words` tiles of 128 columns: split in two, the
-    second split ends mid-tile and its last step is past K. A float weight is refused."""
+    second split ends mid-tile (a split is whole tiles, a step one group); prefetching, the load
+    after the last group lies past K. A float weight is refused."""
     _, packed, scale, zero = int4_weight(9, 576, 64, seed=3)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(3)).to(DEVICE, DTYPE)
     want = int4_linear_ref(x, packed, scale, zero, out_dtype=torch.float32)
-    for split in (1, 2):
-        tile = GemvConfig(8, 128, 4, 1, split, words=True)
+    for split, prefetch in ((1, False), (2, False), (2, True)):
+        tile = GemvConfig(8, 128, 4, 1, split, prefetch=prefetch, words=True)
         got = gemv(x, packed, None, tile, torch.float32, w_scale=scale, w_zero=zero)
         torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
     with pytest.raises(ValueError, match="a words tile reads packed INT4 weights"):

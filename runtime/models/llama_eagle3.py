@@ -19,10 +19,10 @@ attends over every position it has run: the context, from the target's features,
 draft steps. The embedding is the target's unless the checkpoint carries its own.
 
 `LlamaEagle3Draft.new` makes a draft to train for a target (its width, heads and MLP, the
-target's LM head as the start of its own), `save` writes the checkpoint `load` reads; training
-with training-time test is runtime/speculative/eagle3_training.py. Drafting with it inside the
-engine (`speculative_algorithm="EAGLE3"`) and a `radixlm train-draft` that makes one are not
-wired yet.
+target's LM head as the start of its own), `save` writes the checkpoint `load` reads; `radixlm
+train-draft --algorithm EAGLE3` trains one with training-time test
+(runtime/speculative/eagle3_training.py). Drafting with it inside the engine
+(`speculative_algorithm="EAGLE3"`) is not wired yet.
 """
 
 from __future__ import annotations
@@ -175,8 +175,8 @@ class Eagle3Layer(nn.Module):
 
 
 class LlamaEagle3Draft(nn.Module):
-    """An EAGLE-3 draft over the KV pool of its one layer (layer id 0). `embed_tokens` is the
-    target's (`share_embedding`) unless the checkpoint carried one."""
+    """An EAGLE-3 draft over the KV pool of its one layer (layer id 0). Its token embeddings
+    are the target's (`share_embedding`) unless the checkpoint carried its own."""
 
     def __init__(self, config: Eagle3Config, max_positions: int) -> None:
         super().__init__()
@@ -189,7 +189,10 @@ class LlamaEagle3Draft(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, config.draft_vocab_size, bias=False)
         # draft id -> target id offset (0 where the vocabularies are one)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        self.embed_tokens: nn.Embedding | None = None
+        # an embedding of the checkpoint's own (a submodule), else the target's (`_shared`, not a
+        # submodule: the draft's .to(), parameters() and state_dict() leave it alone)
+        self.own_embedding: nn.Embedding | None = None
+        self._shared: list[nn.Module] = []
         self._loaded: set[str] = set()  # the checkpoint names load_weights has copied
 
     @classmethod
@@ -210,24 +213,30 @@ class LlamaEagle3Draft(nn.Module):
         draft = cls(config, max_positions)
         for f in files:  # (every tensor of the layer must come: checked after the last file)
             draft.load_weights(load_file(str(f)).items(), check=f == files[-1])
-        width = target.embed_tokens.weight.shape[1]
-        if draft.embed_tokens is None and width != config.model.hidden_size:
+        width = target.cfg.hidden_size
+        if draft.own_embedding is None and width != config.model.hidden_size:
             raise ValueError(
                 f"the EAGLE-3 draft's layer is {config.model.hidden_size} wide and carries no "
                 f"embedding of its own; the target's embedding is {width} wide"
             )
+        draft = draft.to(device, dtype)
         draft.share_embedding(target.embed_tokens)
         draft.rope.build_tables(device)
-        return draft.to(device, dtype)
+        return draft
 
     @classmethod
     def new(cls, target: nn.Module, seed: int, aux_layers: tuple[int, ...] | None = None):
         """A draft to train for `target` (a LlamaForCausalLM, on its device, float32): its
         config from `config_for_target`, weights drawn from `seed` (std 0.02, norms 1), the LM
         head a copy of the target's; returns (draft, its config.json dict)."""
+        from radixlm.runtime.speculative.medusa import float_lm_head
+
         raw = config_for_target(target.cfg, aux_layers)
         config = Eagle3Config.from_dict(raw)
-        device = target.embed_tokens.weight.device
+        head = float_lm_head(target.lm_head)  # (a GGUF head's blocks dequantized)
+        if head.shape[0] < config.draft_vocab_size:
+            raise ValueError("an EAGLE-3 draft is made from the whole LM head (tp_size 1)")
+        device = head.device
         draft = cls(config, target.rope.max_positions).to(device, torch.float32)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         with torch.no_grad():
@@ -238,7 +247,7 @@ class LlamaEagle3Draft(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
                 else:
                     p.zero_()
-            draft.lm_head.weight.copy_(target.lm_head.weight[: config.draft_vocab_size].float())
+            draft.lm_head.weight.copy_(head[: config.draft_vocab_size].float())
         draft.share_embedding(target.embed_tokens)
         draft.rope.build_tables(device)
         return draft, raw
@@ -246,12 +255,13 @@ class LlamaEagle3Draft(nn.Module):
     def save(self, folder: str | Path, raw_config: dict) -> None:
         """Write the checkpoint folder `load` reads (and SGLang's EAGLE-3 loader): config.json
         and model.safetensors under the checkpoint's names (q, k, v and gate, up apart; the
-        target's embedding left out)."""
+        target's embedding left out, an embedding of the checkpoint's own kept)."""
         from safetensors.torch import save_file
 
         out: dict[str, torch.Tensor] = {}
         for name, p in self.named_parameters():
-            if name.startswith("embed_tokens"):
+            if name.startswith("own_embedding."):  # (the checkpoint's own, saved as it came)
+                out["embed_tokens.weight"] = p.detach()
                 continue
             parts = [(part, fused, i) for part, (fused, i) in self._STACKED.items()
                      if f".{fused}." in name]  # fmt: skip
@@ -271,20 +281,25 @@ class LlamaEagle3Draft(nn.Module):
 
     def share_embedding(self, embedding: nn.Module) -> None:
         """Read token embeddings through the target's (unless the checkpoint carried its own)."""
-        if self.embed_tokens is None:
-            self.embed_tokens = embedding
+        self._shared = [embedding]
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: the checkpoint's own, else the target's (`share_embedding`)."""
+        if self.own_embedding is not None:
+            return self.own_embedding(ids)
+        if not self._shared:
+            raise RuntimeError("the EAGLE-3 draft needs the target's embedding: share_embedding")
+        return self._shared[0](ids)
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, backend, hidden: torch.Tensor
+        self, batch: ForwardBatch, backend, hidden: torch.Tensor, from_target: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's token (batch.input_ids) at its position, with `hidden` (T, 3 x target
-        hidden: the target's features; or T x hidden: a draft step's own output) -> (logits
-        (L, draft vocab) float32 at batch.logits_indices, every row's output (T, hidden), the
-        next step's `hidden`)."""
-        if self.embed_tokens is None:
-            raise RuntimeError("the EAGLE-3 draft needs the target's embedding: share_embedding")
-        if hidden.shape[-1] != self.norm.weight.shape[0]:
+        """Each row's token (batch.input_ids) at its position, with `hidden`: the target's
+        features (T, 3 x target hidden; `from_target`, through fc) or a draft step's own output
+        (T, hidden) -> (logits (L, draft vocab) float32 at batch.logits_indices; every row's
+        output (T, hidden), the next draft step's `hidden`)."""
+        if from_target:
             hidden = self.fc(hidden)
         rope = self.rope.lookup(batch.positions)
         out = self.midlayer(rope, self.embed_tokens(batch.input_ids), hidden, batch, backend)
@@ -320,8 +335,8 @@ class LlamaEagle3Draft(nn.Module):
                 self.d2t.copy_(tensor.long())
                 continue
             if name == "embed_tokens.weight":
-                self.embed_tokens = nn.Embedding(*tensor.shape).to(tensor.dtype)
-                self.embed_tokens.weight.data.copy_(tensor)
+                self.own_embedding = nn.Embedding(*tensor.shape).to(tensor.dtype)
+                self.own_embedding.weight.data.copy_(tensor)
                 continue
             target, rows = name, None
             for part, (fused, index) in self._STACKED.items():
@@ -350,7 +365,7 @@ class LlamaEagle3Draft(nn.Module):
         """The checkpoint's name of every tensor the layer needs (q, k, v and gate, up apart)."""
         names = set()
         for name, _ in self.named_parameters():
-            if name.startswith("embed_tokens"):
+            if name.startswith("own_embedding."):
                 continue
             parts = [(p, fused) for p, (fused, _) in self._STACKED.items() if f".{fused}." in name]
             if parts:

@@ -176,11 +176,12 @@ class SequenceData:
 
 
 def _groups(order: list[int], data: SequenceData, positions: int) -> list[list[int]]:
-    """`order` cut into batches of about `positions` tokens (at least one sequence each)."""
+    """`order` cut into batches of about `positions` answer tokens (at least one sequence
+    each): what --batch-size counts, and --epochs over the training answers."""
     out, group, used = [], [], 0
     for i in order:
         group.append(i)
-        used += len(data.tokens[i])
+        used += len(data.tokens[i]) - data.starts[i]
         if used >= positions:
             out.append(group)
             group, used = [], 0
@@ -255,15 +256,22 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
     train_rows, held_rows = data.part(False), data.part(True)
     n = sum(len(c.answer_ids) for c, h in zip(convs, data.held_out) if not h)
     total = opts.steps or max(1, math.ceil(opts.epochs * n / opts.batch_size))
-    params = [p for name, p in draft.named_parameters() if not name.startswith("embed_tokens")]
+    params = list(draft.parameters())  # (the target's embedding is not one of them)
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=opts.weight_decay)
     start, log_path = 0, folder / training.LOG
+    fingerprint = _fingerprint(data)
     if opts.resume:
         state = torch.load(folder / training.CHECKPOINT, map_location=device, weights_only=True)
         training._check_same(state["options"], opts)
-        draft.load_state_dict(state["draft"], strict=False)
+        if state.get("data") != fingerprint:
+            raise ValueError(
+                "train-draft --resume: the model's answers made again differ from those the "
+                "checkpoint was trained on (another model, or decoding that differs from run to "
+                "run); start afresh in another --output"
+            )
+        draft.load_state_dict(state["draft"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
         say(f"resuming from step {start} of {total}")
@@ -277,7 +285,7 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
     t0 = time.perf_counter()
     rng = random.Random(opts.seed)
     batches: list[list[int]] = []
-    loss_value, accuracy = float("nan"), []
+    loss_value, accuracy = None, []
     with open(log_path, "a") as log, tqdm(total=total, initial=start, desc="steps") as bar:
         for step in range(total):
             if not batches:  # an epoch's batches, in a seeded order
@@ -293,19 +301,21 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
             loss, accuracy = ttt_loss(
                 draft, tokens, feats, lengths, opts.num_heads, opts.head_decay, starts
             )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            if loss.requires_grad:  # (a batch of empty answers teaches nothing)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
             loss_value = round(float(loss.detach()), 4)
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.3f}")
             done = step + 1
             if done % opts.log_every == 0 or done == total:
-                entry = {"step": done, "loss": loss_value, "depth_top1": accuracy}
+                top1 = [None if a != a else round(a, 4) for a in accuracy]  # (nan: no row)
+                entry = {"step": done, "loss": loss_value, "depth_top1": top1}
                 log.write(json.dumps(entry) + "\n")
                 log.flush()
             if done % opts.save_every == 0 and done < total:
-                _save_checkpoint(folder, draft, optimizer, done, opts)
+                _save_checkpoint(folder, draft, optimizer, done, opts, fingerprint)
     results = evaluate(draft, data, held_rows, opts.num_heads, device)
     with open(log_path, "a") as log:
         log.write(json.dumps({"step": total, "held_out": results}) + "\n")
@@ -319,7 +329,7 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
         "train_seconds": round(time.perf_counter() - t0, 1),
     }
     draft.save(folder, {**raw, "training": recipe})
-    _save_checkpoint(folder, draft, optimizer, total, opts)
+    _save_checkpoint(folder, draft, optimizer, total, opts, fingerprint)
     say(
         f"held out: top-1 by depth {results['depth_top1']}, top-1 chain "
         f"{results['chain_accept_length']} tokens a step; draft written to {folder}"
@@ -327,12 +337,21 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
     return recipe
 
 
-def _save_checkpoint(folder: Path, draft, optimizer, step: int, opts) -> None:
+def _fingerprint(data: SequenceData) -> str:
+    """What the training sequences are, in a few bytes: a resumed run must train on the same."""
+    import hashlib
+
+    text = json.dumps([data.tokens, data.starts, data.held_out])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _save_checkpoint(folder: Path, draft, optimizer, step: int, opts, fingerprint: str) -> None:
     state = {
         "step": step,
-        "draft": {k: v for k, v in draft.state_dict().items() if not k.startswith("embed_tokens")},
+        "draft": draft.state_dict(),
         "optimizer": optimizer.state_dict(),
         "options": asdict(opts),
+        "data": fingerprint,
     }
     from radixlm.runtime.speculative.training import CHECKPOINT
 
