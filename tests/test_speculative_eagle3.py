@@ -446,7 +446,7 @@ def test_a_resumed_eagle3_run_ends_where_an_unbroken_one_does(tiny_model_folder,
 
 def test_a_draft_for_the_default_model_reads_its_gguf_head_and_embedding(engine):
     """The default model runs its GGUF blocks on the CPU: the draft starts from its LM head
-    dequantized and embeds through its block embedding."""
+    dequantized, embeds through its block embedding, and its training data comes through."""
     from radixlm.runtime.speculative.medusa import float_lm_head
 
     target = engine.model
@@ -456,3 +456,10 @@ def test_a_draft_for_the_default_model_reads_its_gguf_head_and_embedding(engine)
     tokens = [1, 2, 3]
     embedded = draft.embed_tokens(torch.tensor(tokens))
     torch.testing.assert_close(embedded, target.embed_tokens(torch.tensor(tokens)))
+    # its features for training, through a KV pool of the model's dtype (not its head's bytes)
+    from radixlm.runtime.speculative.draft_data import Conversation, target_features
+
+    layers = draft.config.target_layers(target.cfg)
+    conv = Conversation([1, 2, 3, 4], [5, 6])
+    (got,) = target_features(target, target.cfg, [conv], layers, torch.device("cpu"))
+    assert got.shape == (6, 3 * 576) and bool(torch.isfinite(got).all())

@@ -226,7 +226,7 @@ def _teacher_forced(
     from radixlm.runtime.memory_pool import KVPool
 
     mc = model_config
-    dtype = model.lm_head.weight.dtype
+    dtype = model.norm.weight.dtype  # (the model's; a GGUF head's weight is its blocks, bytes)
     budget = max(max_tokens, max(map(len, seqs)))
     pool = KVPool(budget + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
     out: list[torch.Tensor] = []
