@@ -235,11 +235,11 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
     config.json. `opts.num_heads` is the depth trained (draft tokens a chain makes)."""
     from tqdm import tqdm
 
-    from radixlm.runtime.speculative import draft_data, training
+    from radixlm.runtime.speculative import draft_data, train_common
 
     target = engine.model
     device = engine.device
-    convs = training.conversations(engine, opts, say)
+    convs = train_common.conversations(engine, opts, say)
     draft, raw = LlamaEagle3Draft.new(target, opts.seed)
     layers = draft.config.target_layers(target.cfg)
     say(f"capturing the target's features (the input of layers {list(layers)}) at every position")
@@ -251,7 +251,7 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
         [c.prompt_ids + c.answer_ids for c in convs],
         features,
         [len(c.prompt_ids) for c in convs],
-        training._held_out(len(convs), opts.held_out_fraction, opts.seed),
+        train_common.held_out(len(convs), opts.held_out_fraction, opts.seed),
     )
     train_rows, held_rows = data.part(False), data.part(True)
     n = sum(len(c.answer_ids) for c, h in zip(convs, data.held_out) if not h)
@@ -260,11 +260,11 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=opts.weight_decay)
-    start, log_path = 0, folder / training.LOG
+    start, log_path = 0, folder / train_common.LOG
     fingerprint = _fingerprint(data)
     if opts.resume:
-        state = torch.load(folder / training.CHECKPOINT, map_location=device, weights_only=True)
-        training._check_same(state["options"], opts)
+        state = torch.load(folder / train_common.CHECKPOINT, map_location=device, weights_only=True)
+        train_common.check_same(state["options"], opts)
         if state.get("data") != fingerprint:
             raise ValueError(
                 "train-draft --resume: the model's answers made again differ from those the "
@@ -275,7 +275,7 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
         say(f"resuming from step {start} of {total}")
-        training._truncate_log(log_path, start)
+        train_common.truncate_log(log_path, start)
     elif log_path.exists():
         log_path.unlink()
     say(
@@ -296,7 +296,7 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
             if step < start:  # (a resumed run draws the same batches, and skips them)
                 continue
             for g in optimizer.param_groups:
-                g["lr"] = training._lr_at(step, total, opts.lr)
+                g["lr"] = train_common.lr_at(step, total, opts.lr)
             tokens, feats, lengths, starts = data.batch(group, device)
             loss, accuracy = ttt_loss(
                 draft, tokens, feats, lengths, opts.num_heads, opts.head_decay, starts
@@ -353,7 +353,7 @@ def _save_checkpoint(folder: Path, draft, optimizer, step: int, opts, fingerprin
         "options": asdict(opts),
         "data": fingerprint,
     }
-    from radixlm.runtime.speculative.training import CHECKPOINT
+    from radixlm.runtime.speculative.train_common import CHECKPOINT
 
     tmp = folder / (CHECKPOINT + ".tmp")
     torch.save(state, tmp)

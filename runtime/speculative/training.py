@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,10 +29,19 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.runtime.speculative.medusa import MedusaConfig, MedusaHeads, save_heads
-from radixlm.runtime.speculative.train_options import FREE_ON_RESUME, TrainDraftOptions
+from radixlm.runtime.speculative.train_common import (
+    CHECKPOINT,
+    LOG,
+    check_same,
+    conversations,
+    held_out,
+    lr_at,
+    truncate_log,
+    write_atomic,
+)
+from radixlm.runtime.speculative.train_options import TrainDraftOptions
 
 DATA_JSON, DATA_TENSORS = "data.json", "data.safetensors"
-CHECKPOINT, LOG = "checkpoint.pt", "train_log.jsonl"
 _IGNORE = -100
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -78,22 +86,6 @@ class DraftData:
         return tensors(parts[False]), tensors(parts[True])
 
 
-def conversations(engine, opts: TrainDraftOptions, say: Callable[[str], None]):
-    """The prompts the options ask for (seeded), and the engine's greedy answers to them."""
-    from tqdm import tqdm
-
-    from radixlm.runtime.speculative import draft_data
-
-    rng = random.Random(opts.seed)
-    num_random = round(opts.num_prompts * opts.random_prompt_fraction)
-    messages = draft_data.builtin_prompts(opts.num_prompts - num_random, rng)
-    messages += draft_data.random_prompts(num_random, rng, engine.tokenizer, (8, 48))
-    rng.shuffle(messages)
-    say(f"generating the model's answers to {len(messages)} prompts")
-    with tqdm(total=len(messages), desc="answers", unit="prompt") as bar:
-        return draft_data.generate_answers(engine, messages, opts.max_new_tokens, bar.update)
-
-
 def make_data(engine, opts: TrainDraftOptions, say: Callable[[str], None]) -> DraftData:
     from tqdm import tqdm
 
@@ -106,16 +98,9 @@ def make_data(engine, opts: TrainDraftOptions, say: Callable[[str], None]) -> Dr
         states = draft_data.hidden_states(
             engine.model, engine.model_config, convs, engine.device, progress=bar.update
         )
-    held = _held_out(len(convs), opts.held_out_fraction, opts.seed)
+    held = held_out(len(convs), opts.held_out_fraction, opts.seed)
     prompts = [c.prompt_ids for c in convs]
     return DraftData(torch.cat(states), prompts, [c.answer_ids for c in convs], held)
-
-
-def _held_out(n: int, fraction: float, seed: int) -> list[bool]:
-    order = list(range(n))
-    random.Random(seed + 1).shuffle(order)
-    held = set(order[: max(1, round(n * fraction))])
-    return [i in held for i in range(n)]
 
 
 def save_data(folder: Path, data: DraftData, settings: dict[str, Any], model_sample) -> None:
@@ -131,7 +116,7 @@ def save_data(folder: Path, data: DraftData, settings: dict[str, Any], model_sam
         "answers": data.answers,
         "held_out": data.held_out,
     }
-    _write_atomic(folder / DATA_JSON, json.dumps(meta))
+    write_atomic(folder / DATA_JSON, json.dumps(meta))
 
 
 def load_data(folder: Path, settings: dict[str, Any], model_sample) -> DraftData | None:
@@ -205,15 +190,6 @@ def evaluate(heads: MedusaHeads, lm_weight, part: dict[str, torch.Tensor], chunk
         "lm_head_top1": round(own / max(n, 1), 4),
         "chain_accept_length": round(chain_sum / max(n, 1), 4),
     }
-
-
-def _lr_at(step: int, total: int, peak: float) -> float:
-    """Linear warm-up over the first 5% of steps, then cosine decay to a tenth of the peak."""
-    warm = max(1, total // 20)
-    if step < warm:
-        return peak * (step + 1) / warm
-    t = (step - warm) / max(1, total - warm)
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
 
 
 def _batch(step: int, n: int, size: int, seed: int) -> torch.Tensor:
@@ -298,12 +274,12 @@ def _train(opts, folder, data, lm_weight, shape, model_name, say, sample) -> dic
     log_path = folder / LOG
     if opts.resume:
         state = torch.load(folder / CHECKPOINT, map_location=device, weights_only=True)
-        _check_same(state["options"], opts)
+        check_same(state["options"], opts)
         heads.load_state_dict(state["heads"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
         say(f"resuming from step {start} of {total}")
-        _truncate_log(log_path, start)
+        truncate_log(log_path, start)
     elif log_path.exists():
         log_path.unlink()
     say(
@@ -316,7 +292,7 @@ def _train(opts, folder, data, lm_weight, shape, model_name, say, sample) -> dic
     with open(log_path, "a") as log, tqdm(total=total, initial=start, desc="steps") as bar:
         for step in range(start, total):
             for group in optimizer.param_groups:
-                group["lr"] = _lr_at(step, total, opts.lr)
+                group["lr"] = lr_at(step, total, opts.lr)
             rows = _batch(step, n, opts.batch_size, opts.seed).to(device)
             per_head, _ = head_losses(heads, lm_weight, hidden[rows], targets[rows])
             loss = (weights * per_head).sum()
@@ -377,32 +353,3 @@ def _save_checkpoint(folder: Path, heads, optimizer, step: int, opts: TrainDraft
     tmp = folder / (CHECKPOINT + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, folder / CHECKPOINT)  # (a run killed while saving keeps the one before)
-
-
-def _check_same(saved: dict[str, Any], opts: TrainDraftOptions) -> None:
-    now = dataclasses.asdict(opts)
-    differ = sorted(k for k in now if k not in FREE_ON_RESUME and saved.get(k, now[k]) != now[k])
-    if differ:
-        was = ", ".join(f"{k}={saved.get(k)!r}" for k in differ)
-        raise ValueError(
-            f"train-draft --resume: the checkpoint was made with {was}; resume with the same "
-            "options, or start afresh in another --output"
-        )
-
-
-def _truncate_log(path: Path, step: int) -> None:
-    """Keep the log's entries up to `step` (a resumed run writes the later ones again)."""
-    if not path.is_file():
-        return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and "held_out" not in json.loads(line) and json.loads(line)["step"] <= step
-    ]
-    _write_atomic(path, "".join(line + "\n" for line in keep))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
