@@ -52,12 +52,15 @@ EXTEND_CASES = [  # name, prefix_lens, extend_lens
 
 
 def extend_tiles(heads: Heads, dtype: torch.dtype) -> list:
-    """The kernel's own tile for the shape first, then the others to compare."""
+    """The kernel's own tile for the shape first, then the others to compare (the engine's
+    tiles before 2026-12-06's sweep among them: (128, 64, 4 warps, 2) at head_dim 64, 8 warps at
+    128)."""
     from radixlm.kernels.triton_attention import TileConfig, _extend_config
 
     own = _extend_config(heads.dim, dtype, torch.device("cuda"))
     others = [
-        TileConfig(own.block_m, own.block_n, own.num_warps, own.num_stages, k_rows=True),
+        TileConfig(128, 64, 4, 2),
+        TileConfig(128, 64, 4, 2, k_rows=True),
         TileConfig(128, 64, 4, 3),
         TileConfig(128, 64, 8, 2),
         TileConfig(128, 128, 8, 2),

@@ -731,11 +731,11 @@ def _extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> T
         return TileConfig(block_m=32, block_n=32, num_warps=1, num_stages=1)
     if dtype == torch.float32:  # the exact path; fp32 tiles take twice the shared memory
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    if head_dim <= 64:  # (32 keys a tile: 15-24% faster than 64 on an H100 at SmolLM2's heads,
-        # each workload of benchmarks/attention_kernels.py --extend-tiles; not at head_dim 128)
-        return TileConfig(block_m=128, block_n=32, num_warps=4, num_stages=2)
     if head_dim <= 128:
-        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+        # 64 query rows, 64 keys, 3 stages, K a key a row: on an H100 1.4-2.0x the TFLOP/s of
+        # (128, 64) at SmolLM2's head_dim 64 and 1.3-1.9x at the 8B shape's 128, on every
+        # workload of benchmarks/attention_kernels.py --extend-tiles (benchmarks/RESULTS.md)
+        return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, k_rows=True)
     return TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
 
