@@ -543,9 +543,12 @@ def _int4_words(weight: torch.Tensor, group: int, config: GemvConfig) -> torch.T
             f"{group}, {config}"
         )
     if weight.stride(0) % 4 or weight.storage_offset() % 4 or weight.shape[1] % 4:
-        weight = weight.contiguous()  # (whole words a row from an aligned start)
-        if weight.shape[1] % 4:
-            raise ValueError(f"a words tile needs K / 2 to be a multiple of 4; got {weight.shape}")
+        # (no copy here: this runs at every call; tuning passes such a weight by)
+        raise ValueError(
+            f"a words tile reads whole int32 words a row from an aligned start; got a weight "
+            f"{tuple(weight.shape)} of row stride {weight.stride(0)}, offset "
+            f"{weight.storage_offset()}"
+        )
     return weight.view(torch.int32)
 
 

@@ -185,6 +185,11 @@ def test_words_tiles_take_layers_of_part_tiles_and_refuse_other_weights(rows):
         torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
     with pytest.raises(ValueError, match="a words tile reads packed INT4 weights"):
         gemv(x, torch.zeros(9, 576, device=DEVICE, dtype=DTYPE), None, tile)
+    # rows 2 bytes apart from row to row over: not whole words (tuning passes it by, no copy)
+    wide = torch.zeros(9, 288 + 2, dtype=torch.uint8, device=DEVICE)[:, :288]
+    wide.copy_(packed)
+    with pytest.raises(ValueError, match="whole int32 words a row from an aligned start"):
+        gemv(x, wide, None, tile, w_scale=scale, w_zero=zero)
 
 
 def test_dispatch_runs_the_gemv_over_int4_weights_where_chosen(count_launches):

@@ -325,9 +325,10 @@ def test_training_lowers_the_loss_on_a_targets_own_sequences(tmp_path):
 
 def test_a_new_draft_for_a_target_saves_as_a_checkpoint_that_loads_back(tmp_path):
     from radixlm.runtime.models.llama_eagle3 import config_for_target
+    from radixlm.runtime.speculative.eagle3_training import new_draft
 
     _, target = target_pair()
-    draft, raw = LlamaEagle3Draft.new(target, seed=0)
+    draft, raw = new_draft(target, seed=0)
     assert raw == config_for_target(target.cfg)
     assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]  # inputs of 2, 3, 3
     torch.testing.assert_close(draft.lm_head.weight, target.lm_head.weight)
@@ -447,10 +448,11 @@ def test_a_resumed_eagle3_run_ends_where_an_unbroken_one_does(tiny_model_folder,
 def test_a_draft_for_the_default_model_reads_its_gguf_head_and_embedding(engine):
     """The default model runs its GGUF blocks on the CPU: the draft starts from its LM head
     dequantized, embeds through its block embedding, and its training data comes through."""
+    from radixlm.runtime.speculative.eagle3_training import new_draft
     from radixlm.runtime.speculative.medusa import float_lm_head
 
     target = engine.model
-    draft, raw = LlamaEagle3Draft.new(target, seed=0)
+    draft, raw = new_draft(target, seed=0)
     assert raw["hidden_size"] == target.cfg.hidden_size == 576
     torch.testing.assert_close(draft.lm_head.weight, float_lm_head(target.lm_head).float())
     tokens = [1, 2, 3]

@@ -30,6 +30,15 @@ from radixlm.runtime.parallel import (
 )
 from radixlm.runtime.quantization.base import scheme_of
 
+# a checkpoint's projection -> (our fused parameter holding it, its index in the fused order)
+STACKED_PARTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
 
 class FusableMatmul(NamedTuple):
     """A matmul that runs with the op before it (see `PlainMatmuls`): op is "rms_norm",
@@ -224,14 +233,7 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights -------------------------------------------------------------------------
 
-    _STACKED = {
-        # our fused parameter: (hf name part, index in the fused order)
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    _STACKED = STACKED_PARTS
 
     def tie_weights_if_needed(self) -> None:
         # (a quantized head keeps its own weight: a GGUF's blocks of the embedding)

@@ -18,10 +18,9 @@ tokens); without `d2t` the two vocabularies are the same. The attention is the m
 attends over every position it has run: the context, from the target's features, then its own
 draft steps. The embedding is the target's unless the checkpoint carries its own.
 
-`LlamaEagle3Draft.new` makes a draft to train for a target (its width, heads and MLP, the
-target's LM head as the start of its own), `save` writes the checkpoint `load` reads; `radixlm
-train-draft --algorithm EAGLE3` trains one with training-time test
-(runtime/speculative/eagle3_training.py). Drafting with it inside the engine
+`save` writes the checkpoint `load` reads; `radixlm train-draft --algorithm EAGLE3` makes a
+draft for a target and trains it with training-time test (runtime/speculative/eagle3_training.py
+`new_draft`, `ttt_forward`). Drafting with it inside the engine
 (`speculative_algorithm="EAGLE3"`) is not wired yet.
 """
 
@@ -37,7 +36,7 @@ from torch import nn
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.layers import PlainMatmuls, RMSNorm, RotaryEmbedding
 from radixlm.runtime.model_config import ModelConfig
-from radixlm.runtime.models.llama import MLP, Attention
+from radixlm.runtime.models.llama import MLP, STACKED_PARTS, Attention
 from radixlm.runtime.parallel import ColumnParallelLinear, Comm, Partition
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -224,34 +223,6 @@ class LlamaEagle3Draft(nn.Module):
         draft.rope.build_tables(device)
         return draft
 
-    @classmethod
-    def new(cls, target: nn.Module, seed: int, aux_layers: tuple[int, ...] | None = None):
-        """A draft to train for `target` (a LlamaForCausalLM, on its device, float32): its
-        config from `config_for_target`, weights drawn from `seed` (std 0.02, norms 1), the LM
-        head a copy of the target's; returns (draft, its config.json dict)."""
-        from radixlm.runtime.speculative.medusa import float_lm_head
-
-        raw = config_for_target(target.cfg, aux_layers)
-        config = Eagle3Config.from_dict(raw)
-        head = float_lm_head(target.lm_head)  # (a GGUF head's blocks dequantized)
-        if head.shape[0] < config.draft_vocab_size:
-            raise ValueError("an EAGLE-3 draft is made from the whole LM head (tp_size 1)")
-        device = head.device
-        draft = cls(config, target.rope.max_positions).to(device, torch.float32)
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        with torch.no_grad():
-            for name, p in draft.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif p.dim() == 2:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-                else:
-                    p.zero_()
-            draft.lm_head.weight.copy_(head[: config.draft_vocab_size].float())
-        draft.share_embedding(target.embed_tokens)
-        draft.rope.build_tables(device)
-        return draft, raw
-
     def save(self, folder: str | Path, raw_config: dict) -> None:
         """Write the checkpoint folder `load` reads (and SGLang's EAGLE-3 loader): config.json
         and model.safetensors under the checkpoint's names (q, k, v and gate, up apart; the
@@ -259,18 +230,12 @@ class LlamaEagle3Draft(nn.Module):
         from safetensors.torch import save_file
 
         out: dict[str, torch.Tensor] = {}
-        for name, p in self.named_parameters():
-            if name.startswith("own_embedding."):  # (the checkpoint's own, saved as it came)
-                out["embed_tokens.weight"] = p.detach()
-                continue
-            parts = [(part, fused, i) for part, (fused, i) in self._STACKED.items()
-                     if f".{fused}." in name]  # fmt: skip
-            module = self.get_submodule(name.rpartition(".")[0])
-            for part, fused, index in parts:
-                start, end = module.part_rows(index)
-                out[name.replace(fused, part)] = p.detach()[start:end]
-            if not parts:
-                out[name] = p.detach()
+        if self.own_embedding is not None:  # (the checkpoint's own, saved as it came)
+            out["embed_tokens.weight"] = self.own_embedding.weight.detach()
+        params = dict(self.named_parameters())
+        for stored, (name, rows) in self._checkpoint_layout().items():
+            p = params[name].detach()
+            out[stored] = p if rows is None else p[rows[0] : rows[1]]
         out["d2t"] = self.d2t
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -312,20 +277,13 @@ class LlamaEagle3Draft(nn.Module):
 
     # ---- weights -------------------------------------------------------------------------
 
-    _STACKED = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-
     def load_weights(self, weights, check: bool = True) -> None:
         """Copy an EAGLE-3 checkpoint's named tensors in (names with or without "model.";
         `t2d` is not needed; an `embed_tokens` of its own replaces the target's), each of the
         shape its config implies; with `check`, every tensor of the layer must have come (in
         this call or an earlier one)."""
         params = dict(self.named_parameters())
+        layout = self._checkpoint_layout()
         loaded = self._loaded
         for name, tensor in weights:
             name = name.removeprefix("model.").replace("midlayers.0.", "midlayer.")
@@ -338,16 +296,10 @@ class LlamaEagle3Draft(nn.Module):
                 self.own_embedding = nn.Embedding(*tensor.shape).to(tensor.dtype)
                 self.own_embedding.weight.data.copy_(tensor)
                 continue
-            target, rows = name, None
-            for part, (fused, index) in self._STACKED.items():
-                if f".{part}." in name:
-                    target = name.replace(part, fused)
-                    module = self.get_submodule(target.rpartition(".")[0])
-                    rows = module.part_rows(index)
-                    break
-            param = params.get(target)
-            if param is None:
+            if name not in layout:
                 raise ValueError(f"unexpected weight {name!r} in an EAGLE-3 draft checkpoint")
+            target, rows = layout[name]
+            param = params[target]
             dest = param if rows is None else param[rows[0] : rows[1]]
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(
@@ -357,19 +309,22 @@ class LlamaEagle3Draft(nn.Module):
             with torch.no_grad():
                 dest.copy_(tensor)
             loaded.add(name)
-        missing = sorted(self._checkpoint_names() - loaded)
+        missing = sorted(set(layout) - loaded)
         if check and missing:
             raise ValueError(f"the EAGLE-3 draft checkpoint lacks {missing[:5]}")
 
-    def _checkpoint_names(self) -> set[str]:
-        """The checkpoint's name of every tensor the layer needs (q, k, v and gate, up apart)."""
-        names = set()
+    def _checkpoint_layout(self) -> dict[str, tuple[str, tuple[int, int] | None]]:
+        """Each tensor of the layer as the checkpoint names it -> (our parameter, its rows: the
+        part of a fused projection, None for a whole one); q, k, v and gate, up apart, as in
+        runtime/models/llama.py (`STACKED_PARTS`)."""
+        layout = {}
         for name, _ in self.named_parameters():
-            if name.startswith("own_embedding."):
+            if name.startswith("own_embedding."):  # (read and written as embed_tokens.weight)
                 continue
-            parts = [(p, fused) for p, (fused, _) in self._STACKED.items() if f".{fused}." in name]
-            if parts:
-                names.update(name.replace(fused, p) for p, fused in parts)
-            else:
-                names.add(name)
-        return names
+            parts = [(p, f, i) for p, (f, i) in STACKED_PARTS.items() if f".{f}." in name]
+            if not parts:
+                layout[name] = (name, None)
+            module = self.get_submodule(name.rpartition(".")[0])
+            for part, fused, index in parts:
+                layout[name.replace(fused, part)] = (name, module.part_rows(index))
+        return layout

@@ -65,7 +65,7 @@ _LINEARS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# our fused layers' parts, in order (runtime/models/llama.py _STACKED)
+# our fused layers' parts, in order (runtime/models/llama.py STACKED_PARTS)
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),

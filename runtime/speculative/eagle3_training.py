@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from collections.abc import Callable
@@ -30,8 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from radixlm.kernels.fused_ref import rms_norm_ref
-from radixlm.runtime.models.llama_eagle3 import LlamaEagle3Draft
+from radixlm.kernels.fused_ref import rms_norm_ref, rope_ref
+from radixlm.runtime.models.llama_eagle3 import Eagle3Config, LlamaEagle3Draft, config_for_target
 
 
 def _norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -39,11 +38,32 @@ def _norm(norm, x: torch.Tensor) -> torch.Tensor:
     return rms_norm_ref(x, norm.weight, norm.eps)[0]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rope of x (B, L, heads, D) by (L, D/2) cos/sin tables' rows: the half-split layout."""
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+def new_draft(target, seed: int, aux_layers: tuple[int, ...] | None = None):
+    """A draft to train for `target` (a LlamaForCausalLM) on its device, in float32: its config
+    from `config_for_target`, weights drawn from `seed` (std 0.02, norms 1), the LM head a copy
+    of the target's (a GGUF head's blocks dequantized); returns (draft, its config.json dict)."""
+    from radixlm.runtime.speculative.medusa import float_lm_head
+
+    raw = config_for_target(target.cfg, aux_layers)
+    config = Eagle3Config.from_dict(raw)
+    head = float_lm_head(target.lm_head)
+    if head.shape[0] < config.draft_vocab_size:
+        raise ValueError("an EAGLE-3 draft is made from the whole LM head (tp_size 1)")
+    device = head.device
+    draft = LlamaEagle3Draft(config, target.rope.max_positions).to(device, torch.float32)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            else:
+                p.zero_()
+        draft.lm_head.weight.copy_(head[: config.draft_vocab_size].float())
+    draft.share_embedding(target.embed_tokens)
+    draft.rope.build_tables(device)
+    return draft, raw
 
 
 def ttt_forward(
@@ -75,8 +95,10 @@ def ttt_forward(
         )
         positions = (index + j).clamp(max=draft.rope.cos.shape[0] - 1)
         cos, sin = draft.rope.cos[positions], draft.rope.sin[positions]
-        q = _rotate(q.view(b, length, heads, head_dim), cos, sin)
-        k = _rotate(k.view(b, length, kv_heads, head_dim), cos, sin)
+        # (the layout RotaryEmbedding.lookup gives rope_ref: (cos, cos), (-sin, sin) per row)
+        cos, sin = torch.cat([cos, cos], -1)[:, None], torch.cat([-sin, sin], -1)[:, None]
+        q = rope_ref(q.view(b, length, heads, head_dim), cos, sin)
+        k = rope_ref(k.view(b, length, kv_heads, head_dim), cos, sin)
         v = v.view(b, length, kv_heads, head_dim)
         k, v = (t.repeat_interleave(heads // kv_heads, dim=2) for t in (k, v))
         if j == 0:
@@ -110,6 +132,21 @@ def draft_targets(draft: LlamaEagle3Draft, tokens: torch.Tensor) -> torch.Tensor
     return lookup[tokens]
 
 
+def _depth_rows(
+    labels: torch.Tensor, depth: int, lengths: torch.Tensor, starts: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(want, keep), (B, L) each: depth `depth`'s label at each row t (the draft id of
+    x_{t+2+depth}) and whether the row counts: that token exists in its sequence, is in the
+    draft vocabulary, and (with `starts`) is at index starts[b] or later."""
+    length = labels.shape[1]
+    at = torch.arange(length, device=labels.device) + 2 + depth
+    want = labels[:, at.clamp(max=length - 1)]
+    keep = (at[None, :] < lengths[:, None]) & (want >= 0)
+    if starts is not None:
+        keep &= at[None, :] >= starts[:, None]
+    return want, keep
+
+
 def ttt_loss(
     draft: LlamaEagle3Draft,
     tokens: torch.Tensor,
@@ -125,15 +162,9 @@ def ttt_loss(
     conversation's answer, the target's own tokens; and each step's top-1 accuracy there."""
     outs = ttt_forward(draft, tokens, features, steps)
     labels = draft_targets(draft, tokens)
-    b, length = tokens.shape
-    index = torch.arange(length, device=tokens.device)
     total, weight, accuracy = tokens.new_zeros((), dtype=torch.float32), 0.0, []
     for j, out in enumerate(outs):
-        at = (index + 2 + j).clamp(max=length - 1)
-        want = labels[:, at]
-        keep = ((index + 2 + j)[None, :] < lengths[:, None]) & (want >= 0)
-        if starts is not None:
-            keep &= (index + 2 + j)[None, :] >= starts[:, None]
+        want, keep = _depth_rows(labels, j, lengths, starts)
         if not bool(keep.any()):
             accuracy.append(float("nan"))
             continue
@@ -201,13 +232,10 @@ def evaluate(draft, data: SequenceData, rows: list[int], depth: int, device) -> 
         tokens, features, lengths, starts = data.batch(group, device)
         outs = ttt_forward(draft, tokens, features, depth)
         labels = draft_targets(draft, tokens)
-        b, length = tokens.shape
-        index = torch.arange(length, device=device)
-        right = []
+        right, counted = [], None
         for j, out in enumerate(outs):
-            at = index + 2 + j
-            want = labels[:, at.clamp(max=length - 1)]
-            keep = (at[None, :] < lengths[:, None]) & (at[None, :] >= starts[:, None]) & (want >= 0)
+            want, keep = _depth_rows(labels, j, lengths, starts)
+            counted = keep if counted is None else counted  # (the rows a chain starts from)
             logits = draft.lm_head(_norm(draft.norm, out)).float()
             hit = (logits.argmax(-1) == want) & keep
             right.append(hit)
@@ -216,11 +244,9 @@ def evaluate(draft, data: SequenceData, rows: list[int], depth: int, device) -> 
                 losses[j] += float(F.cross_entropy(logits[keep], want[keep], reduction="sum"))
                 hits[j] += float(hit.sum())
                 counts[j] += n
-        first = (index + 2)[None, :]
-        rows_counted = (first < lengths[:, None]) & (first >= starts[:, None])
         lead = torch.cumprod(torch.stack(right, dim=-1).int(), dim=-1).sum(-1)
-        chain += float((1 + lead)[rows_counted].sum())
-        positions += int(rows_counted.sum())
+        chain += float((1 + lead)[counted].sum())
+        positions += int(counted.sum())
     return {
         "positions": positions,
         "depth_loss": [round(v / max(c, 1), 4) for v, c in zip(losses, counts)],
@@ -240,7 +266,7 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
     target = engine.model
     device = engine.device
     convs = train_common.conversations(engine, opts, say)
-    draft, raw = LlamaEagle3Draft.new(target, opts.seed)
+    draft, raw = new_draft(target, opts.seed)
     layers = draft.config.target_layers(target.cfg)
     say(f"capturing the target's features (the input of layers {list(layers)}) at every position")
     with tqdm(total=len(convs), desc="features", unit="conversation") as bar:
@@ -315,7 +341,9 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
                 log.write(json.dumps(entry) + "\n")
                 log.flush()
             if done % opts.save_every == 0 and done < total:
-                _save_checkpoint(folder, draft, optimizer, done, opts, fingerprint)
+                train_common.save_checkpoint(
+                    folder, done, optimizer, opts, draft=draft.state_dict(), data=fingerprint
+                )
     results = evaluate(draft, data, held_rows, opts.num_heads, device)
     with open(log_path, "a") as log:
         log.write(json.dumps({"step": total, "held_out": results}) + "\n")
@@ -329,7 +357,9 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
         "train_seconds": round(time.perf_counter() - t0, 1),
     }
     draft.save(folder, {**raw, "training": recipe})
-    _save_checkpoint(folder, draft, optimizer, total, opts, fingerprint)
+    train_common.save_checkpoint(
+        folder, total, optimizer, opts, draft=draft.state_dict(), data=fingerprint
+    )
     say(
         f"held out: top-1 by depth {results['depth_top1']}, top-1 chain "
         f"{results['chain_accept_length']} tokens a step; draft written to {folder}"
@@ -343,18 +373,3 @@ def _fingerprint(data: SequenceData) -> str:
 
     text = json.dumps([data.tokens, data.starts, data.held_out])
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _save_checkpoint(folder: Path, draft, optimizer, step: int, opts, fingerprint: str) -> None:
-    state = {
-        "step": step,
-        "draft": draft.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "options": asdict(opts),
-        "data": fingerprint,
-    }
-    from radixlm.runtime.speculative.train_common import CHECKPOINT
-
-    tmp = folder / (CHECKPOINT + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, folder / CHECKPOINT)  # (a run killed while saving keeps the one before)

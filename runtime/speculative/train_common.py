@@ -77,3 +77,19 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def save_checkpoint(folder: Path, step: int, optimizer, opts: TrainDraftOptions, **state) -> None:
+    """checkpoint.pt: the step, the optimizer's state, the options and `state` (the weights, and
+    whatever else a resumed run must find again), written whole or not at all."""
+    import torch
+
+    full = {
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "options": dataclasses.asdict(opts),
+        **state,
+    }
+    tmp = folder / (CHECKPOINT + ".tmp")
+    torch.save(full, tmp)
+    os.replace(tmp, folder / CHECKPOINT)  # (a run killed while saving keeps the one before)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from radixlm.runtime.speculative.train_common import (
     conversations,
     held_out,
     lr_at,
+    save_checkpoint,
     truncate_log,
     write_atomic,
 )
@@ -308,7 +308,7 @@ def _train(opts, folder, data, lm_weight, shape, model_name, say, sample) -> dic
                 log.write(json.dumps(entry) + "\n")
                 log.flush()
             if done % opts.save_every == 0 and done < total:
-                _save_checkpoint(folder, heads, optimizer, done, opts)
+                save_checkpoint(folder, done, optimizer, opts, heads=heads.state_dict())
     train_seconds = time.perf_counter() - t0
     heads.eval()
     results = evaluate(heads, lm_weight, held)
@@ -335,21 +335,9 @@ def _train(opts, folder, data, lm_weight, shape, model_name, say, sample) -> dic
         training=recipe,
     )
     save_heads(folder, heads, config, sample)
-    _save_checkpoint(folder, heads, optimizer, total, opts)
+    save_checkpoint(folder, total, optimizer, opts, heads=heads.state_dict())
     say(
         f"held out: head top-1 {results['head_top1']}, top-1 chain {results['chain_accept_length']}"
         f" tokens a step; heads written to {folder}"
     )
     return recipe
-
-
-def _save_checkpoint(folder: Path, heads, optimizer, step: int, opts: TrainDraftOptions) -> None:
-    state = {
-        "step": step,
-        "heads": heads.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "options": dataclasses.asdict(opts),
-    }
-    tmp = folder / (CHECKPOINT + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, folder / CHECKPOINT)  # (a run killed while saving keeps the one before)
