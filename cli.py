@@ -77,17 +77,19 @@ _ENGINE_HELP = {
     "json_fraction_digits": "digits after the point of a JSON number whose schema sets no "
     "multipleOf, written without exponent (-1: no limit)",
     "speculative_algorithm": "speculative decoding: NGRAM (drafts from earlier occurrences of "
-    "the context's own ending), MEDUSA (heads over the model's last hidden state) or STANDALONE "
-    "(a smaller model of the same tokenizer, --speculative-draft-model-path), verified in one "
-    "forward; EAGLE and EAGLE3 are not available yet (default: off)",
+    "the context's own ending), MEDUSA (heads over the model's last hidden state), STANDALONE "
+    "(a smaller model of the same tokenizer, --speculative-draft-model-path) or EAGLE3 (a "
+    "one-layer draft over the model's own features, --speculative-draft-model-path), verified "
+    "in one forward; EAGLE is not available yet (default: off)",
     "speculative_num_draft_tokens": "positions one verify step computes: the newest token and up "
     "to this many - 1 draft tokens (default: 12 with NGRAM; with MEDUSA one more than its heads; "
-    "5 with STANDALONE; --speculative-num-steps + 1 where that is given)",
-    "speculative_num_steps": "STANDALONE: the draft model's steps a round; MEDUSA: the heads "
-    "used (SGLang's name)",
+    "5 with STANDALONE; 4 with EAGLE3; --speculative-num-steps + 1 where that is given)",
+    "speculative_num_steps": "STANDALONE: the draft model's steps a round; EAGLE3: the draft's "
+    "steps a round; MEDUSA: the heads used (SGLang's name)",
     "speculative_draft_model_path": "MEDUSA: the heads' folder, as `radixlm train-draft` writes "
     "it (default: the heads shipped for the embedded default model); STANDALONE: the draft "
-    "model, a folder or a GGUF file (required)",
+    "model, a folder or a GGUF file (required); EAGLE3: the draft's folder, as `radixlm "
+    "train-draft --algorithm EAGLE3` writes it (required)",
     "speculative_ngram_min_match_window_size": "NGRAM: the shortest ending of the context matched "
     "(default: 1)",
     "speculative_ngram_max_match_window_size": "NGRAM: the longest ending of the context matched, "

@@ -4,12 +4,13 @@ NGRAM runs extraction prompts whose answers copy from their input; MEDUSA (the h
 the default model, or --draft-model-path) runs chat prompts unlike any the heads trained on (the
 built-in set of `radixlm train-draft` is instruction templates over a list of subjects), and so
 does STANDALONE (--draft-model-path; by default the default model drafting for itself, which
-shows what a drafting round costs: no smaller model of its tokenizer ships). Prints
+shows what a drafting round costs: no smaller model of its tokenizer ships), and EAGLE3 too
+(--draft-model-path, required: the folder `radixlm train-draft --algorithm EAGLE3` wrote). Prints
 tokens/s with speculation off and on, the mean accepted length (tokens per verify step: accepted
 draft tokens and the bonus token), the speed-up, and whether the outputs are token-for-token equal
 (they must be).
 
-    python -m benchmarks.speculative [--algorithm NGRAM|MEDUSA|STANDALONE] [--device cpu] [--new-tokens 64]
+    python -m benchmarks.speculative [--algorithm NGRAM|MEDUSA|STANDALONE|EAGLE3] [--device cpu] [--new-tokens 64]
         [--num-draft-tokens 8] [--draft-model-path DIR] [--dtype float32] [--batch 32]
         [--eagle-topk 2] [--no-adaptive]
 """
@@ -58,7 +59,7 @@ def chat(text: str) -> str:
 
 
 def prompts(algorithm: str = "NGRAM") -> list[str]:
-    if algorithm in ("MEDUSA", "STANDALONE"):
+    if algorithm in ("MEDUSA", "STANDALONE", "EAGLE3"):
         return [chat(text) for text in _CHATS]
     return [chat(f"{ask}\n{record}") for ask, record in zip(_ASKS, _RECORDS)]
 
@@ -134,14 +135,19 @@ def _profiled(engine, work, top: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--algorithm", default="NGRAM", choices=["NGRAM", "MEDUSA", "STANDALONE"])
+    ap.add_argument(
+        "--algorithm", default="NGRAM", choices=["NGRAM", "MEDUSA", "STANDALONE", "EAGLE3"]
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", help="float32: exact; bfloat16 on a GPU")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument(
         "--num-draft-tokens", type=int, default=None, help="default: 8 (NGRAM), the heads + 1"
     )
-    ap.add_argument("--draft-model-path", default=None, help="MEDUSA: the heads' folder")
+    ap.add_argument(
+        "--draft-model-path", default=None,
+        help="MEDUSA: the heads' folder; STANDALONE: the draft model; EAGLE3: the draft's folder",
+    )  # fmt: skip
     ap.add_argument(
         "--batch", type=int, default=1,
         help="the prompts repeated to this many requests, submitted at once (default: one at "
@@ -161,6 +167,8 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     algorithm = args.algorithm
+    if algorithm == "EAGLE3" and not args.draft_model_path:
+        ap.error("--algorithm EAGLE3 needs --draft-model-path (no EAGLE-3 draft ships yet)")
     plain_rate, plain_ids, _ = run(
         args.device, args.new_tokens, algorithm, args.dtype, batch=args.batch
     )
@@ -191,7 +199,7 @@ def main() -> None:
     )
     print(f"plain:        {plain_rate:7.1f} tok/s")
     print(
-        f"{algorithm} (k={k or ('heads + 1' if algorithm == 'MEDUSA' else 5)}, topk {args.eagle_topk}): {spec_rate:7.1f} tok/s, "
+        f"{algorithm} (k={k or ('heads + 1' if algorithm == 'MEDUSA' else 4 if algorithm == 'EAGLE3' else 5)}, topk {args.eagle_topk}): {spec_rate:7.1f} tok/s, "
         "mean accepted length "
         f"{sum(accepted) / len(accepted):.2f} ({', '.join(f'{a:.2f}' for a in accepted)})"
     )

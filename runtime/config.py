@@ -37,8 +37,10 @@ def _is_kind(value: Any, kind: str) -> bool:
 
 
 # SGLang's speculative algorithms that radixlm does not have yet
-_SPECULATIVE_LATER = ("EAGLE", "EAGLE3", "NEXTN")
-_SPECULATIVE = ("NGRAM", "MEDUSA", "STANDALONE")
+_SPECULATIVE_LATER = ("EAGLE", "NEXTN")
+# speculative_num_draft_tokens when neither it nor speculative_num_steps is set (MEDUSA: its heads)
+_DEFAULT_DRAFT_TOKENS = {"NGRAM": 12, "STANDALONE": 5, "EAGLE3": 4}
+_SPECULATIVE = ("NGRAM", "MEDUSA", "STANDALONE", "EAGLE3")
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as SGLang reads them
 
@@ -129,20 +131,22 @@ class EngineConfig:
     # speculative decoding, with SGLang's option names: None (off), NGRAM (drafts from earlier
     # occurrences of the context's own ending, runtime/speculative/) or MEDUSA (heads over the
     # model's last hidden state, runtime/speculative/medusa.py) or STANDALONE (a smaller model
-    # of the same tokenizer drafts, runtime/speculative/standalone.py); EAGLE and EAGLE3 are
-    # SGLang's names for algorithms not available here yet
+    # of the same tokenizer drafts, runtime/speculative/standalone.py) or EAGLE3 (a one-layer
+    # draft over the target's own features, runtime/speculative/eagle3.py); EAGLE is SGLang's
+    # name for an algorithm not available here yet
     speculative_algorithm: str | None = None
     # positions a verify step computes: the newest token and up to this many - 1 draft tokens
     # (default: 12 with NGRAM, as in SGLang; with MEDUSA one more than its heads; 5 with
-    # STANDALONE: four draft model steps)
+    # STANDALONE: four draft model steps; 4 with EAGLE3: three draft steps)
     speculative_num_draft_tokens: int | None = None
-    # draft steps a round runs (SGLang's name): STANDALONE's draft model steps, MEDUSA's heads
-    # used; a chain of this many steps verifies this many + 1 positions, the default of
+    # draft steps a round runs (SGLang's name): STANDALONE's draft model steps, EAGLE3's draft
+    # steps, MEDUSA's heads used; a chain of this many steps verifies this many + 1 positions, the default of
     # speculative_num_draft_tokens when that is unset
     speculative_num_steps: int | None = None
     # MEDUSA: the folder of the heads (`radixlm train-draft` writes one); default: the heads that
     # ship for the embedded default model. STANDALONE: the draft model (a folder or a GGUF
-    # file), required
+    # file), required. EAGLE3: the draft's folder (config.json and safetensors, SGLang's
+    # layout; `radixlm train-draft --algorithm EAGLE3` writes one), required
     speculative_draft_model_path: str | None = None
     # NGRAM: the context's last n tokens are matched, n from the max down to the min window (the
     # names SGLang used before its n-gram trie took max_trie_depth)
@@ -304,10 +308,10 @@ class EngineConfig:
                 "speculative_eagle_topk above 1 (draft trees) is not available with pp_size > 1 "
                 "yet (a tree's step runs as decode rows, which the stages do not take); use 1"
             )
-        if self.speculative_algorithm == "STANDALONE" and self.world_size > 1:
+        if self.speculative_algorithm in ("STANDALONE", "EAGLE3") and self.world_size > 1:
             bad(
-                "speculative_algorithm STANDALONE is not available with tp_size or pp_size above "
-                "1 yet (the draft model runs on rank 0 alone); use NGRAM"
+                f"speculative_algorithm {self.speculative_algorithm} is not available with tp_size "
+                "or pp_size above 1 yet (the draft runs on rank 0 alone); use NGRAM"
             )
         if self.pp_size > 1 and self.speculative_algorithm == "MEDUSA":
             bad(
@@ -322,12 +326,12 @@ class EngineConfig:
             if algorithm in _SPECULATIVE_LATER:
                 bad(
                     f"speculative_algorithm={self.speculative_algorithm!r} is not available yet; "
-                    "use NGRAM, MEDUSA or STANDALONE (or leave it unset)"
+                    "use NGRAM, MEDUSA, STANDALONE or EAGLE3 (or leave it unset)"
                 )
             if algorithm not in _SPECULATIVE:
                 bad(
                     f"speculative_algorithm={self.speculative_algorithm!r} is unknown; use NGRAM, "
-                    "MEDUSA or STANDALONE (or leave it unset)"
+                    "MEDUSA, STANDALONE or EAGLE3 (or leave it unset)"
                 )
             object.__setattr__(self, "speculative_algorithm", algorithm)
             steps = self.speculative_num_steps
@@ -351,19 +355,25 @@ class EngineConfig:
                     f"speculative_num_steps={steps}: a chain of {steps} draft steps verifies at "
                     f"most {steps + 1} positions; use at most {steps + 1}"
                 )
-            if self.speculative_num_draft_tokens is None and algorithm in ("NGRAM", "STANDALONE"):
+            if self.speculative_num_draft_tokens is None and algorithm != "MEDUSA":
                 object.__setattr__(
-                    self, "speculative_num_draft_tokens", 12 if algorithm == "NGRAM" else 5
+                    self, "speculative_num_draft_tokens", _DEFAULT_DRAFT_TOKENS[algorithm]
                 )
             if algorithm == "STANDALONE" and self.speculative_draft_model_path is None:
                 bad(
                     "speculative_algorithm=STANDALONE needs speculative_draft_model_path: the "
                     "draft model (a folder or a GGUF file, of the target's tokenizer)"
                 )
-            if algorithm == "STANDALONE" and self.speculative_eagle_topk > 1:
+            if algorithm == "EAGLE3" and self.speculative_draft_model_path is None:
                 bad(
-                    "speculative_eagle_topk above 1 is not available with STANDALONE yet (its "
-                    "draft model writes one chain); use 1"
+                    "speculative_algorithm=EAGLE3 needs speculative_draft_model_path: an EAGLE-3 "
+                    "draft folder made for this model (`radixlm train-draft --algorithm EAGLE3` "
+                    "writes one)"
+                )
+            if algorithm in ("STANDALONE", "EAGLE3") and self.speculative_eagle_topk > 1:
+                bad(
+                    f"speculative_eagle_topk above 1 is not available with {algorithm} yet (its "
+                    "draft writes one chain); use 1"
                 )
             if self.speculative_draft_model_path is not None and algorithm == "NGRAM":
                 bad(
@@ -371,14 +381,17 @@ class EngineConfig:
                     "context itself and takes none"
                 )
         elif self.speculative_num_steps is not None:
-            bad("speculative_num_steps needs speculative_algorithm (STANDALONE or MEDUSA)")
+            bad("speculative_num_steps needs speculative_algorithm (STANDALONE, EAGLE3 or MEDUSA)")
         elif self.speculative_num_draft_tokens is not None:
             bad(
-                "speculative_num_draft_tokens needs speculative_algorithm (NGRAM, MEDUSA or "
-                "STANDALONE)"
+                "speculative_num_draft_tokens needs speculative_algorithm (NGRAM, MEDUSA, "
+                "STANDALONE or EAGLE3)"
             )
         elif self.speculative_draft_model_path is not None:
-            bad("speculative_draft_model_path needs speculative_algorithm MEDUSA or STANDALONE")
+            bad(
+                "speculative_draft_model_path needs speculative_algorithm MEDUSA, STANDALONE or "
+                "EAGLE3"
+            )
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             bad(
                 f"speculative_num_draft_tokens={self.speculative_num_draft_tokens}; it counts the "

@@ -244,7 +244,8 @@ class DecodeGraphs(_BucketGraphs):
 class RowGraphs(_BucketGraphs):
     """CUDA graphs of steps run as decode rows, one per token: a speculative verify step (a
     request's newest token and its draft, beside other requests' decodes), or, when a drafter
-    reads the final hidden states, a decode step that keeps them.
+    reads the final hidden states (MEDUSA) or an EAGLE-3 draft the target's features, a decode
+    step that keeps them.
 
     A prompt-step graph computes such a step as an extend over the cached prefix, whose attention
     tiles and padding suit chunks of hundreds of tokens: for a verify step of a few tokens it
@@ -255,8 +256,10 @@ class RowGraphs(_BucketGraphs):
     (`ForwardBatch.store_kv_first`). One graph per bucket row count; the inputs are the step's
     token lists (tokens, positions, request rows, and the rows of `token_buf` a token is read
     from); each graph leaves every row's logits, their argmax (its own buffer: the rows of one
-    request would overwrite each other's in `token_buf`), and with `keep_hidden` the rows' final
-    hidden states. Padding rows point at the padding row with sequence length 0 and slot 0.
+    request would overwrite each other's in `token_buf`), with `keep_hidden` the rows' final
+    hidden states, and with `aux_layers` the rows' features (the input of those layers, side by
+    side: ForwardBatch.aux_hidden_states). Padding rows point at the padding row with sequence
+    length 0 and slot 0.
     """
 
     def __init__(
@@ -270,6 +273,7 @@ class RowGraphs(_BucketGraphs):
         capture: bool = True,
         padding_row: int | None = None,
         keep_hidden: bool = False,
+        aux_layers: tuple[int, ...] = (),
     ) -> None:
         """A step fits when it has at most `max_rows` tokens and no request has more than
         `max_item_tokens` (longer items, prompt chunks, are what extend attention is for)."""
@@ -277,12 +281,14 @@ class RowGraphs(_BucketGraphs):
         self.max_rows = n = self.buckets[-1]
         self.max_item_tokens = max_item_tokens
         self.keeps_hidden = keep_hidden
+        self.aux_layers = aux_layers
         self.hidden: torch.Tensor | None = None  # (rows, H) of the last run, if kept
+        self.features: torch.Tensor | None = None  # (rows, 3 H) of the last run, if kept
         self._inputs = torch.zeros((4, n), dtype=torch.int64, device=self.device)
         self._init_staging(4 * n, pinned=capture)
         self._all_rows = torch.arange(n, dtype=torch.int64, device=self.device)
         self._capturing = capture
-        if capture:  # (the outputs: logits, argmax, and the hidden states if kept)
+        if capture:  # (the outputs: logits, argmax, the hidden states and features if kept)
             self._capture("verify")
         self._capturing = False
 
@@ -308,8 +314,9 @@ class RowGraphs(_BucketGraphs):
         )
         self._inputs[:, :bucket].copy_(staging.view(4, bucket), non_blocking=True)
         self._copied()
-        logits, tokens, hidden = self._replay(bucket)
+        logits, tokens, hidden, features = self._replay(bucket)
         self.hidden = None if hidden is None else hidden[:n]
+        self.features = None if features is None else features[:n]
         return logits[:n], tokens[:n]
 
     # ---- capture --------------------------------------------------------------------------
@@ -322,10 +329,12 @@ class RowGraphs(_BucketGraphs):
             ids, positions, rows, slots, seq_lens,
             # (read by the CPU's torch backend only, which runs uncaptured)
             [0] * n if self._capturing else positions.tolist(),
-            hidden_indices=self._all_rows[:n] if self.keeps_hidden else None,
+            hidden_indices=self._all_rows[:n] if self.keeps_hidden or self.aux_layers else None,
         )  # fmt: skip
+        batch.aux_layers = self.aux_layers
         logits = self.model(batch, self.backend)
-        return logits, greedy_ids(logits), batch.hidden_states
+        hidden = batch.hidden_states if self.keeps_hidden else None
+        return logits, greedy_ids(logits), hidden, batch.aux_hidden_states
 
     def _padding_inputs(self, n: int) -> None:
         self._inputs.zero_()

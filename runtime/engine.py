@@ -164,6 +164,10 @@ class Engine:
                 draft_model = DraftModel.load(
                     config, self.tokenizer, self.dtype, self.device, self.context_len
                 )
+            elif config.speculative_algorithm == "EAGLE3":  # (its pool beside the target's)
+                from radixlm.runtime.speculative.eagle3 import Eagle3Drafter
+
+                draft_model = Eagle3Drafter.load(config, model, self.dtype, self.device)
             num_slots = rank_kv_tokens(config, local, self.dtype, self.device, self.context_len)
             if draft_model is not None:  # (its pool holds as many tokens: the room split)
                 num_slots = draft_model.kv_share(
@@ -172,7 +176,7 @@ class Engine:
             if tp is not None:
                 num_slots = tp.agree_kv_slots(num_slots)
             kv_pool = build_kv_pool(config, local, num_slots, self.dtype, self.device)
-            if draft_model is not None:
+            if config.speculative_algorithm == "STANDALONE":  # (EAGLE3's: in the engine core)
                 draft_model.make_cache(num_slots)
         except BaseException:
             if tp is not None:
@@ -306,8 +310,8 @@ class Engine:
                 return False
             self._core.release_free_kv()  # (the cached prefixes' memory, on a CPU)
             spec = self._core.speculative
-            if spec is not None and spec.standalone is not None:
-                spec.standalone.release_all()
+            if spec is not None and spec.draft_model is not None:
+                spec.draft_model.release_all()
             return True
 
         return self._core.call(flush)

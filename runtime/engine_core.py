@@ -109,11 +109,13 @@ def capture_graphs(
     token_buf: torch.Tensor,
     keep_hidden: bool = False,
     verify_tokens: int | None = None,
+    aux_layers: tuple[int, ...] = (),
 ):
     """The batch-1 matmul choices, then the decode and prompt-step CUDA graphs (the latter keeping
     the final hidden states with `keep_hidden`, for a drafter that reads them) and, with
     speculative decoding (`verify_tokens`: the most tokens a request verifies in a step), the
-    graphs of verify steps run as decode rows. (Every rank of a tensor-parallel group captures
+    graphs of verify steps run as decode rows (keeping the features an EAGLE-3 draft reads, the
+    input of `aux_layers`, where it drafts). (Every rank of a tensor-parallel group captures
     the same graphs in the same order: their warm-up runs and captures hold the group's
     collectives.)"""
     from radixlm.runtime.cuda_graph import DecodeGraphs, PrefillGraphs, RowGraphs, graph_buckets
@@ -134,7 +136,7 @@ def capture_graphs(
     if verify_tokens:
         row_graphs = RowGraphs(
             model, backend, rows.table, token_buf, max_rows, verify_tokens,
-            padding_row=rows.padding_row, keep_hidden=keep_hidden,
+            padding_row=rows.padding_row, keep_hidden=keep_hidden, aux_layers=aux_layers,
         )  # fmt: skip
     return graphs, prefill_graphs, row_graphs
 
@@ -153,7 +155,8 @@ class EngineCore:
     ) -> None:
         """`model_config` is this rank's (its own heads); `tp`, under tensor parallelism, is rank
         0's runtime.tp_worker.TensorParallelGroup, whose other ranks run each step's plan too;
-        `draft_model`: STANDALONE speculative decoding's (runtime/speculative/standalone.py)."""
+        `draft_model`: STANDALONE speculative decoding's (runtime/speculative/standalone.py) or
+        EAGLE3's (runtime/speculative/eagle3.py)."""
         self.config = config
         self.context_len = context_len
         self.kv_pool = kv_pool
@@ -180,6 +183,11 @@ class EngineCore:
         if config.speculative_algorithm is not None:
             from radixlm.runtime.speculative.worker import SpeculativeWorker
 
+            if config.speculative_algorithm == "EAGLE3":  # (its pool's slots are the target's)
+                draft_model.make_cache(
+                    kv_pool.num_slots, self.rows.table, config.speculative_num_draft_tokens - 2
+                )
+
             self.speculative = SpeculativeWorker(config, model, draft_model)
         self.scheduler = Scheduler(
             self.cache,
@@ -202,6 +210,7 @@ class EngineCore:
                 graphs, prefill_graphs, row_graphs = capture_graphs(
                     config, model, backend, self.rows, token_buf,
                     keep_hidden=spec is not None and spec.medusa is not None,
+                    aux_layers=() if spec is None or spec.eagle3 is None else spec.eagle3.aux_layers,
                     verify_tokens=None if spec is None else spec.num_draft_tokens,
                 )  # fmt: skip
         if row_graphs is not None:

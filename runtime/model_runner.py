@@ -25,6 +25,7 @@ import torch
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.sampler import Sampler, SamplingRow, logprobs_at
 from radixlm.runtime.scheduler import ScheduledReq, StepPlan
+from radixlm.runtime.speculative.worker import speculates
 from radixlm.runtime.tensors import int64_tensor, packed_to_device, to_device
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,13 @@ class StepLists:
     # a draft tree is among the items: the step must run as decode rows (its nodes' positions
     # are their depths, each on its path's request-table row)
     tree: bool = False
+    # an EAGLE-3 draft reads the input of these target layers at every token of the requests
+    # drafted for: their token rows, (item, first token row) of each such item, and the features
+    # the forward kept there, (len(feature_rows), 3 x H)
+    feature_layers: tuple[int, ...] = ()
+    feature_rows: list[int] = field(default_factory=list)
+    feature_items: list[tuple[int, int]] = field(default_factory=list)
+    features: torch.Tensor | None = None
 
 
 class StepHandle:
@@ -209,6 +217,7 @@ class ModelRunner:
             items = [plan_items[i] for i in order]
             lists = self._step_lists(items)
             lists.keep_hidden = self._keeps_hidden(items)
+            self._feature_rows(items, lists)
             which, logit_rows, input_lp_rows = lists.which, lists.sample_rows, lists.input_lp_rows
             use_graph = self._graph_for(lists)
             if self.mirror is not None:
@@ -224,6 +233,8 @@ class ModelRunner:
                 verified = self._verify(
                     logits, items, order, lists.drafts, lists.hidden, lists.argmax
                 )
+            if lists.features is not None:
+                self._keep_features(items, order, lists, verified)
             if logit_rows == list(range(len(logit_rows))):
                 row_logits = logits[: len(logit_rows)]  # (logits may have padding rows after)
             else:
@@ -389,6 +400,14 @@ class ModelRunner:
         (PrefillGraphs), or "" (none: it runs eagerly); "eager rows" for a step with a draft
         tree that no graph takes (it runs eagerly as decode rows)."""
         rg = self.row_graphs
+        if lists.feature_rows:  # (of the graphs, only the decode rows' keep them)
+            if (
+                rg is not None
+                and rg.aux_layers
+                and rg.can_run(len(lists.input_ids), max(lists.extend_lens))
+            ):
+                return "rows"
+            return ""
         if (
             rg is not None
             and (lists.drafts or lists.keep_hidden)
@@ -415,6 +434,10 @@ class ModelRunner:
                 lists.input_ids, lists.positions, lists.token_rows, lists.pending
             )
             hidden = self.row_graphs.hidden if lists.keep_hidden else None
+            if lists.feature_rows:
+                lists.features = self.row_graphs.features[
+                    to_device(int64_tensor(lists.feature_rows), logits.device)
+                ]
             at = lists.logits_rows
             if at != list(range(len(lists.input_ids))):  # (a verify step's are every row)
                 at_t = to_device(int64_tensor(at), logits.device)
@@ -438,7 +461,10 @@ class ModelRunner:
             return self.model.forward_lists(lists, self._to_batch, self.backend)
         batch = self._to_batch(lists)
         logits = self.model(batch, self.backend)
-        lists.hidden = batch.hidden_states
+        if lists.feature_rows:
+            lists.features = batch.aux_hidden_states
+        else:
+            lists.hidden = batch.hidden_states
         return logits
 
     def _lockstep(self) -> contextlib.AbstractContextManager:
@@ -465,7 +491,35 @@ class ModelRunner:
             and not plan.items
             and self.graphs.can_run(len(plan))
             and not self._keeps_hidden(plan.decodes)
+            and not (self.verifier is not None and self.verifier.feature_layers(plan.decodes))
         )
+
+    def _feature_rows(self, items: list[ScheduledReq], lists: StepLists) -> None:
+        """For an EAGLE-3 draft: the token rows of the items it drafts for, whose features the
+        forward keeps (every token: a prompt chunk's, a decode's, a verify step's)."""
+        if self.verifier is None:
+            return
+        lists.feature_layers = self.verifier.feature_layers(items)
+        if not lists.feature_layers:
+            return
+        offset = 0
+        for i, it in enumerate(items):
+            if speculates(it.req):
+                lists.feature_items.append((i, len(lists.feature_rows)))
+                lists.feature_rows.extend(range(offset, offset + it.num_tokens))
+            offset += it.num_tokens
+
+    def _keep_features(self, items, order, lists: StepLists, verified) -> None:
+        """Hand the step's features to the drafter: each item's from its first position, a
+        verify step's up to its last accepted draft token."""
+        spans = []
+        for i, row in lists.feature_items:
+            it = items[i]
+            count = it.num_tokens
+            if it.draft:  # (its own tokens, then the draft tokens it accepted)
+                count -= len(it.draft) - (len(verified[order[i]]) - 1)
+            spans.append((it.req, it.start, row, count))
+        self.verifier.keep_features(spans, lists.features)
 
     def _keeps_hidden(self, reqs) -> bool:
         """Whether a step of these requests keeps its final hidden states for the drafter (then
@@ -563,12 +617,14 @@ class ModelRunner:
             positions = positions + [0] * padding
             token_rows = token_rows + [0] * padding
             logits_rows = logits_rows + [0] * (_padded(len(logits_rows)) - len(logits_rows))
-        ids_t, pos_t, token_rows_t, req_rows, extend_t, prefix_t, logits_t = packed_to_device(
-            [
-                input_ids, positions, token_rows, lists.rows, lists.extend_lens,
-                lists.prefix_lens, logits_rows,
-            ],
-            self.device,
+        ids_t, pos_t, token_rows_t, req_rows, extend_t, prefix_t, logits_t, feature_t = (
+            packed_to_device(
+                [
+                    input_ids, positions, token_rows, lists.rows, lists.extend_lens,
+                    lists.prefix_lens, logits_rows, lists.feature_rows,
+                ],
+                self.device,
+            )
         )  # fmt: skip
         if lists.pending:
             flat = [x for pair in lists.pending for x in pair]
@@ -586,7 +642,12 @@ class ModelRunner:
             extend_lens=extend_t,
             seq_lens=prefix_t + extend_t,
             logits_indices=logits_t,
-            hidden_indices=logits_t if lists.keep_hidden else None,
+            hidden_indices=logits_t
+            if lists.keep_hidden
+            else feature_t
+            if lists.feature_rows
+            else None,
+            aux_layers=lists.feature_layers,
             extend_lens_cpu=lists.extend_lens,
             prefix_lens_cpu=lists.prefix_lens,
             num_multi=lists.num_multi,

@@ -428,24 +428,27 @@ def test_medusa_steps_through_prefill_graphs_keep_the_hidden_states(tiny_model_f
     assert outs[0] == outs[1]
 
 
-def install_row_graphs(eng, max_rows: int, max_item_tokens: int, keep_hidden: bool = False):
+def install_row_graphs(
+    eng, max_rows: int, max_item_tokens: int, keep_hidden: bool = False, aux_layers=()
+):
     """Give `eng`'s model runner verify-step graphs of its own (runtime/cuda_graph.py RowGraphs:
-    captured and replayed on a GPU, run eagerly on the CPU), noting each run's (rows, whether
-    hidden states came back); the list of notes."""
+    captured and replayed on a GPU, run eagerly on the CPU), noting each run's (rows, the shape
+    of the hidden states or features that came back); the list of notes."""
     from radixlm.runtime.cuda_graph import RowGraphs
 
     runner = eng._core.runner
     graphs = runner.row_graphs = RowGraphs(
         runner.model, runner.backend, runner.req_to_token, runner.token_buf,
         max_rows=max_rows, max_item_tokens=max_item_tokens, capture=CAPTURE,
-        padding_row=eng._core.rows.padding_row, keep_hidden=keep_hidden,
+        padding_row=eng._core.rows.padding_row, keep_hidden=keep_hidden, aux_layers=aux_layers,
     )  # fmt: skip
     notes, run = [], graphs.run
 
     def noting(*a):
         logits, argmax = run(*a)
         assert torch.equal(argmax, logits.argmax(dim=-1))
-        notes.append((len(a[0]), None if graphs.hidden is None else tuple(graphs.hidden.shape)))
+        kept = graphs.features if aux_layers else graphs.hidden
+        notes.append((len(a[0]), None if kept is None else tuple(kept.shape)))
         return logits, argmax
 
     graphs.run = noting
@@ -511,6 +514,49 @@ def test_medusa_steps_as_decode_rows_keep_the_hidden_states(tiny_model_folder, t
         plain = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
     assert notes and all(shape == (rows, hidden) for rows, shape in notes), notes
     assert any(rows > 2 for rows, _ in notes), "no verify step ran as decode rows"
+    assert outs[0] == outs[1] == plain
+
+
+def _recording(draft, made: list):
+    def recorded(reqs, num):
+        made.append(draft(reqs, num))
+        return made[-1]
+
+    return recorded
+
+
+def test_eagle3_steps_as_decode_rows_keep_the_targets_features(tiny_model_folder, tmp_path):
+    """EAGLE3's steps (its verify steps, and the plain decodes whose features it drafts from)
+    run as decode rows with every row's features kept: its drafts and tokens are those of the
+    eager steps, and the tokens plain decoding's."""
+    from radixlm.runtime.speculative.eagle3_training import new_draft
+
+    prompts = [[300 + (j % (4 + i)) for j in range(20 + 5 * i)] for i in range(2)]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with radixlm.Engine(tiny_model_folder, **EAGER, attention_backend="triton") as eng:
+        plain = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+        draft, raw = new_draft(eng.model, seed=0)
+        draft.save(tmp_path, raw)
+        width = 3 * eng.model.cfg.hidden_size
+    outs, drafts, notes = [], [], []
+    for graphs in (False, True):
+        with radixlm.Engine(
+            tiny_model_folder, **EAGER, attention_backend="triton",
+            speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path),
+            speculative_adaptive=False,
+        ) as eng:  # fmt: skip
+            drafter = eng._core.speculative.eagle3
+            if graphs:
+                notes = install_row_graphs(
+                    eng, max_rows=16, max_item_tokens=4, aux_layers=drafter.aux_layers
+                )
+            drafter.draft = _recording(drafter.draft, made := [])
+            got = eng.generate(input_ids=prompts, sampling_params=params)
+            outs.append([o["output_ids"] for o in got])
+            drafts.append(made)
+    assert notes and all(shape == (rows, width) for rows, shape in notes), notes
+    assert any(rows > 2 for rows, _ in notes), "no verify step ran as decode rows"
+    assert drafts[0] == drafts[1] and any(any(c) for c in drafts[0])
     assert outs[0] == outs[1] == plain
 
 

@@ -19,7 +19,7 @@ DRAFTING = {"speculative_algorithm": "STANDALONE", "speculative_adaptive": False
 
 
 def draft_of(engine):
-    return engine._core.speculative.standalone
+    return engine._core.speculative.draft_model
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_a_random_draft_model_changes_nothing_but_speed_and_a_failing_one_fails_
         draft.draft = broken
         worker = eng._core.speculative
         again = eng.generate(prompts[:3], params[:3])
-        assert worker.standalone is None  # drafting is off
+        assert worker.draft_model is None  # drafting is off
         assert eng.generate(prompts[3], params[3])["output_ids"] == plain[3]["output_ids"]
         assert eng.get_stats()["spec_verify_ct"] == stats["spec_verify_ct"]
     assert results(outs) == results(plain)

@@ -175,7 +175,20 @@ def test_ngram_takes_sglangs_defaults_and_any_case():
 @pytest.mark.parametrize(
     "kw, says",
     [
-        ({"speculative_algorithm": "EAGLE3"}, "not available yet"),
+        ({"speculative_algorithm": "EAGLE"}, "not available yet"),
+        ({"speculative_algorithm": "EAGLE3"}, "EAGLE3 needs speculative_draft_model_path"),
+        (
+            {
+                "speculative_algorithm": "EAGLE3",
+                "speculative_draft_model_path": "x",
+                "speculative_eagle_topk": 4,
+            },
+            "not available with EAGLE3",
+        ),  # fmt: skip
+        (
+            {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x", "pp_size": 2},
+            "EAGLE3 is not available with tp_size or pp_size",
+        ),
         ({"speculative_algorithm": "STANDALONE"}, "needs speculative_draft_model_path"),
         (
             {

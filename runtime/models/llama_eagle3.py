@@ -20,8 +20,8 @@ draft steps. The embedding is the target's unless the checkpoint carries its own
 
 `save` writes the checkpoint `load` reads; `radixlm train-draft --algorithm EAGLE3` makes a
 draft for a target and trains it with training-time test (runtime/speculative/eagle3_training.py
-`new_draft`, `ttt_forward`). Drafting with it inside the engine
-(`speculative_algorithm="EAGLE3"`) is not wired yet.
+`new_draft`, `ttt_forward`); the engine drafts with it under `speculative_algorithm="EAGLE3"`
+(runtime/speculative/eagle3.py).
 """
 
 from __future__ import annotations

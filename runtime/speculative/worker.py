@@ -10,8 +10,10 @@ tokens lose their KV slots as soon as the step is applied (`CacheManager.truncat
 accepted tokens are taken, so they never reach the prefix cache.
 
 Drafters: NGRAM copies what followed the latest earlier occurrence of the context's ending
-(ngram.py); MEDUSA runs its heads (medusa.py) over the final hidden state of the position that
-gave the request's newest token. The model runner hands that state over after each forward
+(ngram.py); STANDALONE runs a draft model (standalone.py) and EAGLE3 a one-layer draft over the
+target's own features (eagle3.py: the model runner hands them over, `keep_features`), both over
+the drafted-for requests at once in `prepare`; MEDUSA runs its heads (medusa.py) over the final
+hidden state of the position that gave the request's newest token. The model runner hands that state over after each forward
 (`wants_hidden`, `draft_from_hidden`, and `verify` for the accepted position of a draft); the
 state waits in `req.draft_index` with the context length it follows, so a context that changed
 since (jump-forward, a rewritten output) is not drafted for from a stale state. The heads run
@@ -82,11 +84,14 @@ def speculates(req: Req) -> bool:
 class SpeculativeWorker:
     def __init__(self, config, model=None, draft_model=None) -> None:
         """`model`: the target (MEDUSA's heads read its LM head and are checked against it);
-        `draft_model`: STANDALONE's (standalone.py `DraftModel`)."""
-        self.algorithm = config.speculative_algorithm  # NGRAM, MEDUSA or STANDALONE
-        self.standalone = draft_model
-        if self.algorithm == "STANDALONE" and draft_model is None:
-            raise ValueError("speculative_algorithm=STANDALONE needs its draft model")
+        `draft_model`: STANDALONE's (standalone.py `DraftModel`) or EAGLE3's (eagle3.py
+        `Eagle3Drafter`)."""
+        self.algorithm = config.speculative_algorithm  # NGRAM, MEDUSA, STANDALONE or EAGLE3
+        # the drafter that runs a model of its own over the requests at once (`prepare`)
+        self.draft_model = draft_model
+        if self.algorithm in ("STANDALONE", "EAGLE3") and draft_model is None:
+            raise ValueError(f"speculative_algorithm={self.algorithm} needs its draft model")
+        self.eagle3 = draft_model if self.algorithm == "EAGLE3" else None
         self.num_draft_tokens = config.speculative_num_draft_tokens
         self.min_window = config.speculative_ngram_min_match_window_size
         self.max_window = config.speculative_ngram_max_match_window_size
@@ -138,26 +143,29 @@ class SpeculativeWorker:
     # ---- drafting (the scheduler asks) -------------------------------------------------------
 
     def prepare(self, decoding: list[Req]) -> None:
-        """Before a drafting step's `propose` calls: STANDALONE runs its draft model over the
-        requests that may be drafted for, all at once (the others draft on their own)."""
-        if self.standalone is None:
+        """Before a drafting step's `propose` calls: STANDALONE's draft model (EAGLE3's draft)
+        runs over the requests that may be drafted for, all at once (the others draft on their
+        own)."""
+        if self.draft_model is None:
             return
         reqs = [r for r in decoding if not r.num_pending and speculates(r) and self._room(r) > 0]
         if not reqs:
             return
         num = max(self._room(r) for r in reqs)
         try:
-            chains = self.standalone.draft(reqs, num)
+            chains = self.draft_model.draft(reqs, num)
         except Exception:  # (out of memory, say): the requests decode on, without drafts
-            logger.exception("the draft model failed; STANDALONE drafting is off from now on")
-            self.standalone.release_all()
-            self.standalone = None  # (`propose` then drafts nothing)
+            logger.exception(
+                "the draft model failed; %s drafting is off from now on", self.algorithm
+            )
+            self.draft_model.release_all()
+            self.draft_model = self.eagle3 = None  # (`propose` then drafts nothing)
             return
         for req, chain in zip(reqs, chains):
             req.draft_index = (len(req.input_ids) + len(req.output_ids), [chain])
 
     def _draft_model_lost(self) -> bool:
-        return self.algorithm == "STANDALONE" and self.standalone is None
+        return self.algorithm in ("STANDALONE", "EAGLE3") and self.draft_model is None
 
     def _room(self, req: Req) -> int:
         return min(self.num_draft_tokens - 1, req.max_output_len - len(req.output_ids) - 1)
@@ -170,7 +178,7 @@ class SpeculativeWorker:
             return []
         # a tree for a request without a grammar (a constrained one verifies a chain)
         width = self.width if req.grammar is None else 1
-        if self.medusa is not None or self.standalone is not None:
+        if self.medusa is not None or self.draft_model is not None:
             # the chains the heads (the draft model) made for this context, if still its
             made = req.draft_index
             if made is None or made[0] != len(req.input_ids) + len(req.output_ids):
@@ -192,6 +200,26 @@ class SpeculativeWorker:
         if req.grammar is not None and draft:
             draft = _grammar_prefix(req.grammar, draft)
         return draft
+
+    # ---- the target's features (the model runner asks, for EAGLE3) -----------------------------
+
+    def feature_layers(self, reqs) -> tuple[int, ...]:
+        """The target layers whose input a step of these requests (Req or ScheduledReq) keeps
+        at every token of the requests drafted for (`keep_features`); () for none."""
+        if self.eagle3 is None or not any(speculates(getattr(r, "req", r)) for r in reqs):
+            return ()
+        return self.eagle3.aux_layers
+
+    def keep_features(self, spans, features: torch.Tensor) -> None:
+        """The target's features at the given positions of each request (eagle3.py)."""
+        if self.eagle3 is None:
+            return
+        try:
+            self.eagle3.keep_features(spans, features)
+        except Exception:  # (as a failing draft in `prepare`: drafting stops, no request fails)
+            logger.exception("the EAGLE-3 draft failed; drafting is off from now on")
+            self.eagle3.release_all()
+            self.draft_model = self.eagle3 = None
 
     # ---- hidden states (the model runner asks, for MEDUSA) ------------------------------------
 

@@ -1,0 +1,275 @@
+"""EAGLE-3 drafting inside the engine: the draft (runtime/models/llama_eagle3.py) reads the
+target's own features, kept by the target's forward, and drafts a chain the target verifies as
+it verifies any other (worker.py).
+
+The target keeps, for every token it runs of a request that may be drafted for (prompt chunks,
+decodes, the accepted positions of a verify step), the residual stream entering the draft's three
+layers (ForwardBatch.aux_layers; the model runner hands them over with `keep_features`). They
+wait, per request, for the next draft: the draft's cache entry at position t is its layer's K/V
+from (the features at t, token t + 1), so an entry can be made only once token t + 1 is known.
+
+A draft for a request whose newest token sits at position n (not yet run by the target) first
+catches up: one forward of the draft over the waiting positions ctx .. n - 1 (an extend over its
+cache), whose last row reads (features at n - 1, the newest token) and gives the first draft
+token. Each further draft step is a decode row at the next position, reading the token drafted
+before it and the draft's own output there (no fc), as training-time test taught it
+(eagle3_training.py). Draft steps write their K/V to scratch slots of the request's row; the next
+round drops them (the entries from the target's features replace them as the verify step's
+accepted positions come back).
+
+The draft's KV pool is one layer's, indexed by the target's own slots: a position's draft entry
+lives at the slot of the target's KV for it. The draft's request table copies the target's row
+before each catch-up, then points the draft steps' positions at the scratch slots. A prompt that
+starts from the prefix cache finds the draft's entries of that prefix where the request that
+computed it left them. Two of those may be stale: an entry that request never caught up on, and
+the prefix's last one, made with that request's next token, where the two requests differ there.
+A stale entry makes worse drafts, never other outputs, since the target verifies every token.
+
+Features that wait are bounded: a request whose waiting positions pass `_MAX_WAITING` (steps the
+gate kept plain, a long prompt) is caught up when its next features come, without drafting.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.request import Req
+from radixlm.runtime.tensors import int64_tensor, to_device
+
+logger = logging.getLogger(__name__)
+
+# positions a request's features may wait for before it is caught up without a draft
+_MAX_WAITING = 16
+
+
+@dataclass
+class _Entry:
+    """One request's place in the draft's cache: positions 0 .. ctx - 1 hold entries made from
+    the target's features; `waiting` holds the features of ctx .. end - 1, (position, (m, F))."""
+
+    req: Req
+    ctx: int = 0
+    waiting: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return self.ctx + sum(f.shape[0] for _, f in self.waiting)
+
+
+class Eagle3Drafter:
+    """An EAGLE-3 draft beside its target, drafting greedy chains. `load` builds it (before the
+    target's KV pool is sized: `kv_share`), `make_cache` gives it its KV pool once the target's
+    request table exists."""
+
+    def __init__(self, draft, target, config, device, dtype) -> None:
+        self.model = draft
+        self.config = config
+        self.device, self.dtype = device, dtype
+        self.aux_layers = draft.config.target_layers(target.cfg)
+        # target ids past this are padding, never drafted (a draft of the target's whole vocabulary)
+        self.sampled_vocab = getattr(target, "sampled_vocab", target.cfg.vocab_size)
+        self._entries: dict[int, _Entry] = {}  # by id(req)
+        self.table: torch.Tensor | None = None
+
+    @classmethod
+    def load(cls, config, target, dtype, device) -> Eagle3Drafter:
+        """The draft at `config.speculative_draft_model_path` for `target`; ValueError saying
+        what is missing or does not fit."""
+        from pathlib import Path
+
+        from radixlm.runtime.models.llama_eagle3 import LlamaEagle3Draft
+
+        path = config.speculative_draft_model_path
+        folder = Path(path).expanduser()
+        if not (folder / "config.json").is_file():
+            raise ValueError(
+                f"speculative_draft_model_path={path!r} is not an EAGLE-3 draft folder (no "
+                "config.json); pass the folder `radixlm train-draft --algorithm EAGLE3` writes, "
+                "or an EAGLE-3 checkpoint made for this model"
+            )
+        draft = LlamaEagle3Draft.load(folder, target, device, dtype, target.rope.max_positions)
+        return cls(draft.eval(), target, config, device, dtype)
+
+    def kv_share(self, num_slots: int, target_bytes_per_slot: int) -> int:
+        """The target's slots when it alone would have `num_slots`: the draft's pool has a slot
+        for each of the target's (one layer's), so the room is split in that ratio."""
+        if self.config.max_total_tokens is not None:
+            return num_slots
+        return max(
+            16, num_slots * target_bytes_per_slot // (target_bytes_per_slot + self._slot_bytes())
+        )
+
+    def _slot_bytes(self) -> int:
+        from radixlm.runtime.memory_pool import KVPool
+
+        m = self.model.config.model
+        return KVPool.bytes_per_slot(1, m.num_kv_heads, m.head_dim, self.dtype)
+
+    def make_cache(self, target_slots: int, target_table: torch.Tensor, max_steps: int) -> None:
+        """The draft's KV pool: a slot for each of the target pool's `target_slots` (its padding
+        slot 0 among them), then `max_steps` scratch slots for each request row (the draft
+        steps after the first); its request table, of the target's shape; its attention
+        backend."""
+        from radixlm.runtime.attention import create_backend
+        from radixlm.runtime.memory_pool import KVPool
+
+        m = self.model.config.model
+        self.target_table = target_table
+        rows = target_table.shape[0]
+        self.scratch_base, self.max_steps = target_slots, max(max_steps, 1)
+        self.kv_pool = KVPool(
+            self.scratch_base + rows * self.max_steps, 1, m.num_kv_heads, m.head_dim, self.dtype,
+            self.device,
+        )  # fmt: skip
+        self.kv_pool._buffer.zero_()  # (an entry never written reads as zeros, not garbage)
+        self.table = torch.zeros_like(target_table)
+        self.backend = create_backend(
+            self.config.attention_backend, self.kv_pool, self.table, self.device,
+            num_q_heads=m.num_heads,
+        )  # fmt: skip
+
+    # ---- features (the model runner hands them over) -------------------------------------------
+
+    def keep_features(self, spans: list[tuple[Req, int, int, int]], features: torch.Tensor) -> None:
+        """spans: (request, first position, first row of `features`, rows) for each request of a
+        step: the target's features at those positions, kept until the request's next draft."""
+        self._forget_finished()  # (their features, where the gate keeps drafting off)
+        overdue = []
+        for req, start, row, count in spans:
+            if count <= 0:
+                continue
+            e = self._entries.get(id(req))
+            if e is None:
+                e = self._entries[id(req)] = _Entry(req)
+            end = e.end
+            if start < end:  # (positions run again: a rewritten or recomputed context)
+                if start <= e.ctx:
+                    e.ctx, e.waiting = start, []
+                else:
+                    e.waiting = [(pos, f[: start - pos]) for pos, f in e.waiting if pos < start]
+            elif start > end:  # (the positions between came from the prefix cache)
+                e.ctx, e.waiting = start, []
+            elif end - e.ctx >= _MAX_WAITING:
+                overdue.append(e)
+            e.waiting.append((start, features[row : row + count]))
+        if overdue:  # all but their newest positions (this step's), without drafting
+            self._catch_up(overdue, lambda e: e.end - self._newest_rows(e), want_logits=False)
+
+    @staticmethod
+    def _newest_rows(e: _Entry) -> int:
+        return e.waiting[-1][1].shape[0] if e.waiting else 0
+
+    # ---- drafting ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def draft(self, reqs: list[Req], num: int) -> list[list[int]]:
+        """Each request's greedy chain of `num` draft tokens after its newest one ([] for a request
+        whose features do not reach its newest token)."""
+        self._forget_finished()
+        chains: list[list[int]] = [[] for _ in reqs]
+        ready, which = [], []
+        for i, req in enumerate(reqs):
+            e = self._entries.get(id(req))
+            newest = len(req.input_ids) + len(req.output_ids) - 1
+            if e is not None and e.waiting and e.end == newest:
+                ready.append(e)
+                which.append(i)
+        if not ready or num <= 0:
+            return chains
+        logits, hidden = self._catch_up(ready, lambda e: e.end, want_logits=True)
+        tokens = self._pick(logits)
+        drafted = [tokens]
+        positions = [e.ctx for e in ready]  # (the newest token's: caught up to it)
+        rows = [e.req.pool_row for e in ready]
+        for step in range(1, min(num, self.max_steps + 1)):
+            at = [p + step - 1 for p in positions]  # the position of draft token `step`
+            slots = [self.scratch_base + r * self.max_steps + step - 1 for r in rows]
+            rows_t, at_t, slots_t = (
+                to_device(int64_tensor(x), self.device) for x in (rows, at, slots)
+            )
+            self.table[rows_t, at_t] = slots_t.to(self.table.dtype)
+            batch = _extend_batch(tokens, at_t, rows_t, at_t, slots_t, self.device)
+            logits, hidden = self.model(batch, self.backend, hidden, from_target=False)
+            tokens = self._pick(logits)
+            drafted.append(tokens)
+        for i, chain in zip(which, torch.stack(drafted, dim=1).tolist()):
+            chains[i] = chain
+        return chains
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy draft token, as a target id."""
+        if logits.shape[-1] > self.sampled_vocab:
+            logits = logits[:, : self.sampled_vocab]
+        return self.model.target_ids(logits.argmax(dim=-1))
+
+    def _catch_up(self, entries: list[_Entry], upto, want_logits: bool):
+        """Run the draft over each entry's waiting positions ctx .. upto(e) - 1 (tokens ctx + 1 ..
+        upto(e), known on the host), writing their cache entries; with `want_logits`, the logits
+        and output at each entry's last position (the first draft step's)."""
+        ids, positions, feats, rows, prefix, extend, last = [], [], [], [], [], [], []
+        for e in entries:
+            stop = upto(e)
+            if stop <= e.ctx:
+                continue
+            req = e.req
+            rows.append(req.pool_row)
+            prefix.append(e.ctx)
+            extend.append(stop - e.ctx)
+            ids.extend(req.ids_slice(e.ctx + 1, stop + 1))
+            positions.extend(range(e.ctx, stop))
+            need, kept = stop - e.ctx, []
+            for pos, f in e.waiting:
+                take = min(need, f.shape[0])
+                if take:
+                    feats.append(f[:take])
+                if take < f.shape[0]:
+                    kept.append((pos + take, f[take:]))
+                need -= take
+            e.ctx, e.waiting = stop, kept
+            last.append(len(ids) - 1)
+        if not rows:
+            return None, None
+        ids_t, pos_t, rows_t, prefix_t, extend_t, last_t = (
+            to_device(int64_tensor(x), self.device)
+            for x in (ids, positions, rows, prefix, extend, last)
+        )
+        # the target's slots of every position the draft attends (and, past them, entries the
+        # draft steps overwrite with their scratch slots)
+        self.table[rows_t] = self.target_table[rows_t]
+        token_rows = torch.repeat_interleave(rows_t, extend_t)
+        slots = self.table[token_rows, pos_t].long()
+        batch = ForwardBatch(
+            input_ids=ids_t, positions=pos_t, out_cache_loc=slots, req_pool_indices=rows_t,
+            prefix_lens=prefix_t, extend_lens=extend_t, seq_lens=prefix_t + extend_t,
+            logits_indices=last_t, extend_lens_cpu=extend, prefix_lens_cpu=prefix,
+            num_multi=sum(n > 1 for n in extend),
+        )  # fmt: skip
+        logits, out = self.model(batch, self.backend, torch.cat(feats), from_target=True)
+        return (logits, out[last_t]) if want_logits else (None, None)
+
+    # ---- the cache ----------------------------------------------------------------------------
+
+    def _forget_finished(self) -> None:
+        for key in [k for k, e in self._entries.items() if e.req.is_finished]:
+            del self._entries[key]
+
+    def release_all(self) -> None:
+        """Forget every request (the engine's cache flush)."""
+        self._entries.clear()
+
+
+def _extend_batch(tokens, positions, rows, prefix, slots, device) -> ForwardBatch:
+    """A batch of one token per request at `positions` (after `prefix` = positions tokens),
+    written to `slots`, logits at every row."""
+    n = tokens.shape[0]
+    prefix_cpu = prefix.tolist()
+    ones = torch.ones(n, dtype=torch.long, device=device)
+    return ForwardBatch(
+        input_ids=tokens, positions=positions, out_cache_loc=slots, req_pool_indices=rows,
+        prefix_lens=prefix, extend_lens=ones, seq_lens=prefix + 1, logits_indices=None,
+        extend_lens_cpu=[1] * n, prefix_lens_cpu=prefix_cpu, num_multi=0,
+    )  # fmt: skip

@@ -1,0 +1,238 @@
+"""EAGLE-3 drafting in the engine (runtime/speculative/eagle3.py). The drafter's cache, fed the
+target's features the way the model runner feeds them (prompt chunks, verify steps that accept
+part of a draft, plain steps, a rewritten context, a prefix another request computed), drafts at
+every round the chain its draft computes from scratch over the whole context (training-time
+test's forward, itself checked against the draft layer in test_speculative_eagle3.py). In the
+engine, on the default model: greedy outputs are plain decoding's token for token, and the chains
+it drafts while a verifier accepts them are the ones the draft computes from the target's own
+features."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from radixlm.runtime.speculative.eagle3 import Eagle3Drafter
+from radixlm.runtime.speculative.eagle3_training import ttt_forward
+from tests.test_speculative_eagle3 import TARGET_HIDDEN, load_draft, target_pair, write_draft
+from tests.test_speculative_engine import kv_whole, results, start, workload
+
+CPU = torch.device("cpu")
+
+
+class FakeReq:
+    """What the drafter reads of a request."""
+
+    def __init__(self, prompt: list[int], row: int) -> None:
+        self.input_ids, self.output_ids, self.pool_row = list(prompt), [], row
+        self.is_finished = False
+
+    def ids_slice(self, start: int, end: int | None = None) -> list[int]:
+        return (self.input_ids + self.output_ids)[start:end]
+
+    @property
+    def newest(self) -> int:
+        return len(self.input_ids) + len(self.output_ids) - 1
+
+
+def reference_chain(draft, ids: list[int], features: torch.Tensor, chain: list[int]) -> list[int]:
+    """The draft's greedy tokens after context `ids` (its newest token last) with the target's
+    features at each position, each step fed the tokens of `chain` before it (teacher forcing:
+    equal to `chain` exactly when the chain is the draft's own)."""
+    n = len(ids) - 1
+    tokens = torch.tensor([ids + chain])
+    padded = torch.zeros(1, tokens.shape[1], features.shape[-1])
+    padded[0, :n] = features[:n]
+    with torch.no_grad():
+        outs = ttt_forward(draft, tokens, padded, steps=len(chain))
+        rows = torch.stack([out[0, n - 1] for out in outs])
+        logits = draft.lm_head(draft.norm(rows))
+    return draft.target_ids(logits.argmax(-1)).tolist()
+
+
+def test_the_cache_drafts_what_the_draft_computes_from_the_whole_context(tmp_path):
+    _, target = target_pair()
+    draft = load_draft(write_draft(tmp_path / "draft"), target)
+    config = SimpleNamespace(max_total_tokens=None, attention_backend="torch")
+    drafter = Eagle3Drafter(draft, target, config, CPU, torch.float32)
+    table = torch.zeros(4, 96, dtype=torch.int32)
+    drafter.make_cache(400, table, max_steps=3)
+    gen = torch.Generator().manual_seed(0)
+    features = {1: torch.randn(96, 3 * TARGET_HIDDEN, generator=gen)}  # by request row
+    next_slot = [1]
+
+    def slots(row: int, start: int, end: int) -> None:  # the target's slots for positions
+        table[row, start:end] = torch.arange(next_slot[0], next_slot[0] + end - start)
+        next_slot[0] += end - start
+
+    def hand(req: FakeReq, start: int, count: int) -> None:  # as the model runner does
+        rows = features[req.pool_row][start : start + count]
+        drafter.keep_features([(req, start, 0, count)], rows)
+
+    def check(req: FakeReq, num: int = 4) -> list[int]:
+        (chain,) = drafter.draft([req], num)
+        ids = req.input_ids + req.output_ids
+        assert len(chain) == num
+        assert chain == reference_chain(draft, ids, features[req.pool_row], chain)
+        return chain
+
+    r = FakeReq(torch.randint(0, 96, (10,), generator=gen).tolist(), 1)
+    slots(1, 0, 10)
+    hand(r, 0, 10)  # the prompt, its first token sampled
+    r.output_ids.append(5)
+    chain = check(r)
+    for accepted in (2, 0, 3):  # a verify step takes `accepted` draft tokens and its own
+        at = r.newest
+        slots(1, at, at + 1 + accepted)
+        r.output_ids += chain[:accepted] + [int(torch.randint(0, 96, (1,), generator=gen))]
+        hand(r, at, 1 + accepted)
+        chain = check(r)
+    for _ in range(20):  # plain steps (the gate's): caught up without drafts past 16 waiting
+        at = r.newest
+        slots(1, at, at + 1)
+        r.output_ids.append(int(torch.randint(0, 96, (1,), generator=gen)))
+        hand(r, at, 1)
+    assert drafter._entries[id(r)].ctx > len(r.input_ids)
+    check(r)
+    # the last three outputs rewritten (jump-forward's retokenizing): run again from there
+    del r.output_ids[-3:]
+    at = r.newest
+    features[1][at:] = torch.randn(96 - at, 3 * TARGET_HIDDEN, generator=gen)
+    slots(1, at, at + 3)
+    r.output_ids += [7, 8, 9]
+    hand(r, at, 3)
+    check(r, num=2)
+    # another request shares r's first eight prompt tokens and their slots (the prefix cache):
+    # its features start after them, and it drafts over the entries r made (the eighth, made
+    # with r's ninth token, is right where the two agree on it)
+    s = FakeReq(r.input_ids[:9] + [3, 1], 2)
+    features[2] = torch.cat([features[1][:8], torch.randn(88, 3 * TARGET_HIDDEN, generator=gen)])
+    table[2, :8] = table[1, :8]
+    slots(2, 8, 11)
+    hand(s, 8, 3)
+    s.output_ids.append(11)
+    check(s)
+    # a request without its features up to its newest token gets no draft
+    s.output_ids.append(12)
+    assert drafter.draft([s], 3) == [[]]
+    r.is_finished = True
+    drafter.draft([s], 3)
+    assert id(r) not in drafter._entries and id(s) in drafter._entries
+
+
+# ---- in the engine, on the default model --------------------------------------------------------
+
+EAGLE = {"speculative_algorithm": "EAGLE3", "speculative_adaptive": False}
+
+
+@pytest.fixture(scope="module")
+def random_draft(engine, tmp_path_factory) -> str:
+    """An untrained EAGLE-3 draft for the default model (its LM head, random layer)."""
+    from radixlm.runtime.speculative.eagle3_training import new_draft
+
+    folder = tmp_path_factory.mktemp("eagle3-draft")
+    draft, raw = new_draft(engine.model, seed=0)
+    draft.save(folder, raw)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def eagle_engine(default_model_folder, random_draft):
+    with start(default_model_folder, speculative_draft_model_path=random_draft, **EAGLE) as eng:
+        yield eng
+
+
+def test_greedy_outputs_are_plain_decodings_and_a_grammar_holds(eagle_engine, engine):
+    prompts, params = workload(eagle_engine.tokenizer)
+    plain = engine.generate(prompts, params)
+    outs = eagle_engine.generate(prompts, params)
+    assert results(outs) == results(plain)
+    stats = eagle_engine.get_stats()
+    assert stats["spec_verify_ct"] > 0 and stats["spec_num_proposed_drafts"] > 0, stats
+    assert kv_whole(stats), stats
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    constrained = {"temperature": 0, "max_new_tokens": 20, "json_schema": json.dumps(schema)}
+    got = eagle_engine.generate("A number as JSON: ", constrained)
+    assert set(json.loads(got["text"])) == {"n"}
+    sampled = {"temperature": 0.8, "max_new_tokens": 12, "seed": 3}
+    first = eagle_engine.generate(prompts[:2], sampled)
+    assert results(first) == results(eagle_engine.generate(prompts[:2], sampled))
+
+
+def test_the_engine_drafts_from_the_targets_own_features(eagle_engine, engine):
+    """The draft's chains are replaced by plain decoding's own next tokens (all of them, or the
+    first half), so that verify steps accept drafts; each chain the draft made is then checked
+    against the draft run from scratch over the target's features of the final sequence: its
+    token is the reference's best, or within rounding of it."""
+    from radixlm.runtime.speculative.draft_data import Conversation, target_features
+
+    prompts, params = workload(eagle_engine.tokenizer)
+    prompts, params = prompts[:3], [dict(p, max_new_tokens=24) for p in params[:3]]
+    plain = engine.generate(prompts, params)
+    tok = eagle_engine.tokenizer
+    prompt_ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    wanted = {tuple(ids): out["output_ids"] for ids, out in zip(prompt_ids, plain)}
+    drafter = eagle_engine._core.speculative.eagle3
+    made, rounds = [], [0]
+    own = drafter.draft
+
+    def drafting(reqs, num):
+        chains = own(reqs, num)
+        out = []
+        for req, chain in zip(reqs, chains):
+            made.append((tuple(req.input_ids), list(req.output_ids), chain))
+            future = wanted[tuple(req.input_ids)][len(req.output_ids) :][: len(chain)]
+            rounds[0] += 1
+            out.append(
+                future if rounds[0] % 3 else future[: len(future) // 2] + chain[len(future) // 2 :]
+            )
+        return out
+
+    drafter.draft = drafting
+    try:
+        outs = eagle_engine.generate(prompts, params)
+    finally:
+        del drafter.draft
+    assert results(outs) == results(plain)
+    assert sum(o["meta_info"]["spec_num_correct_drafts"] for o in outs) > 10
+    model = eagle_engine.model
+    convs = [Conversation(ids, out["output_ids"]) for ids, out in zip(prompt_ids, plain)]
+    feats = target_features(model, model.cfg, convs, drafter.aux_layers, CPU)
+    by_prompt = {tuple(c.prompt_ids): (c, f) for c, f in zip(convs, feats)}
+    checked = 0
+    for prompt, output, chain in made:
+        if not chain:
+            continue
+        conv, f = by_prompt[prompt]
+        ids = list(prompt) + output
+        n = len(ids) - 1
+        tokens = torch.tensor([ids + chain])
+        padded = torch.zeros(1, tokens.shape[1], f.shape[-1])
+        padded[0, :n] = f[:n]
+        with torch.no_grad():
+            outs_ = ttt_forward(drafter.model, tokens, padded, steps=len(chain))
+            logits = torch.stack(
+                [drafter.model.lm_head(drafter.model.norm(o[0, n - 1])) for o in outs_]
+            )[:, : drafter.sampled_vocab]
+        best = logits.max(-1).values
+        took = logits.gather(-1, torch.tensor(chain)[:, None])[:, 0]
+        assert torch.all(best - took <= 1e-3 * best.abs().clamp(min=1)), (prompt[-3:], chain)
+        checked += 1
+    assert checked >= 10
+
+
+def test_a_draft_made_for_another_model_is_refused_at_start(default_model_folder, tmp_path):
+    from radixlm import EngineConfig, cli
+
+    folder = write_draft(tmp_path / "tiny-draft")  # (a draft of a 48-wide target)
+    with pytest.raises(ValueError, match="target model's is 576: a draft made for another model"):
+        start(default_model_folder, speculative_draft_model_path=str(folder), **EAGLE)
+    args = cli._build_parser().parse_args(
+        ["serve", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d"]
+    )
+    assert (args.speculative_algorithm, args.speculative_draft_model_path) == ("EAGLE3", "d")
+    config = EngineConfig(speculative_algorithm="eagle3", speculative_draft_model_path="d")
+    assert config.speculative_num_draft_tokens == 4  # three draft steps
