@@ -233,7 +233,10 @@ def test_without_a_path_only_the_shipped_heads_of_the_model_are_taken(default_mo
             {"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "x"},
             "NGRAM drafts from the context",
         ),
-        ({"speculative_draft_model_path": "x"}, "needs speculative_algorithm MEDUSA, STANDALONE or"),
+        (
+            {"speculative_draft_model_path": "x"},
+            "needs speculative_algorithm MEDUSA, STANDALONE or",
+        ),
     ],
 )
 def test_a_draft_path_needs_medusa(kw, says):
