@@ -398,7 +398,7 @@ def _add_train_draft(commands) -> None:
         "its hidden states (MEDUSA: the final ones along each answer; EAGLE3: three layers' "
         "inputs at every position), train (MEDUSA: heads through the frozen LM head; EAGLE3: "
         "one decoder layer with training-time test), and write the folder "
-        "--speculative-draft-model-path takes (EAGLE3: not yet drafted with). Resumable "
+        "--speculative-draft-model-path takes. Resumable "
         "(--resume), reproducible from --seed.",
         formatter_class=_HelpFormatter,
     )
@@ -410,7 +410,7 @@ def _add_train_draft(commands) -> None:
     add(
         "--algorithm", default=d.algorithm,
         help="the draft kind: MEDUSA heads, or an EAGLE3 draft (one decoder layer over three "
-        "of the model's hidden states; not yet run by the engine)",
+        "of the model's hidden states)",
     )  # fmt: skip
     add(
         "--num-heads", type=int, default=d.num_heads,
@@ -433,6 +433,15 @@ def _add_train_draft(commands) -> None:
     add("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
     add("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
     add("--head-decay", type=float, default=d.head_decay, help="head i's loss weight: this**i")
+    add(
+        "--draft-vocab-size", type=int, default=None,
+        help="EAGLE3: the draft drafts only the this many tokens most frequent in the answers "
+        "(a smaller LM head, read at every draft step; default: the whole vocabulary)",
+    )  # fmt: skip
+    add(
+        "--intermediate-size", type=int, default=None,
+        help="EAGLE3: the draft layer's MLP width (default: the model's)",
+    )  # fmt: skip
     add("--seed", type=int, default=d.seed, help="seeds the prompts, the order and the init")
     add("--resume", action="store_true", help="continue from the checkpoint in --output")
     add("--save-every", type=int, default=d.save_every, help="steps between checkpoints")

@@ -406,6 +406,53 @@ def test_train_draft_makes_an_eagle3_draft_the_loader_takes(tiny_model_folder, t
         assert draft.config.target_layers(engine.model.cfg) == (1, 1, 0)  # (a 2-layer target)
 
 
+def test_a_draft_vocabulary_of_the_answers_most_frequent_tokens(tiny_model_folder, tmp_path):
+    """--draft-vocab-size: the draft's LM head has a row for each of the tokens most frequent in
+    the training answers (d2t maps them back), its MLP --intermediate-size wide; the engine
+    drafts with it, only tokens of that vocabulary, and its greedy outputs stay plain ones."""
+    import radixlm
+    from radixlm.runtime.speculative import train_common, training
+    from radixlm.runtime.speculative.eagle3_training import frequent_tokens
+    from radixlm.runtime.speculative.train_options import TrainDraftOptions
+
+    assert frequent_tokens([[5, 3, 5, 9], [3, 5, 7]], 2) == [3, 5]
+    assert frequent_tokens([[9, 4]], 3) == [4, 9]  # (ties: the lower id; fewer if fewer occur)
+    opts = TrainDraftOptions(
+        output=str(tmp_path / "d"), algorithm="EAGLE3", num_heads=2, num_prompts=6,
+        max_new_tokens=12, held_out_fraction=0.34, batch_size=24, steps=2,
+        draft_vocab_size=20, intermediate_size=16,
+    )  # fmt: skip
+    opts.check()
+    kwargs = {"model_path": tiny_model_folder, "device": "cpu", "dtype": "float32"}
+    training.train_draft(opts, kwargs, say=lambda _: None)
+    with radixlm.Engine(**kwargs) as engine:
+        convs = train_common.conversations(engine, opts, lambda _: None)
+        held = train_common.held_out(len(convs), opts.held_out_fraction, opts.seed)
+        want = frequent_tokens([c.answer_ids for c, h in zip(convs, held) if not h], 20)
+        draft = LlamaEagle3Draft.load(
+            tmp_path / "d", engine.model, engine.device, torch.float32, 64
+        )
+        assert draft.lm_head.weight.shape[0] == len(want) <= 20
+        assert draft.target_ids(torch.arange(len(want))).tolist() == want
+        assert draft.midlayer.mlp.down_proj.weight.shape[1] == 16
+        prompts = [[300 + (j % 7) for j in range(20)], list(range(400, 430))]
+        params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+        plain = engine.generate(input_ids=prompts, sampling_params=params)
+    with radixlm.Engine(
+        **kwargs, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path / "d"),
+        speculative_adaptive=False,
+    ) as engine:  # fmt: skip
+        drafter = engine._core.speculative.eagle3
+        made, own = [], drafter.draft
+        drafter.draft = lambda reqs, num: made.append(own(reqs, num)) or made[-1]
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+    drafted = {t for chains in made for chain in chains for t in chain}
+    assert drafted and drafted <= set(want)
+    with pytest.raises(ValueError, match="--draft-vocab-size is for an EAGLE3 draft"):
+        TrainDraftOptions(output="x", draft_vocab_size=8).check()
+
+
 def test_a_resumed_eagle3_run_ends_where_an_unbroken_one_does(tiny_model_folder, tmp_path, monkeypatch):  # fmt: skip
     from safetensors.torch import load_file
 

@@ -119,15 +119,21 @@ class Eagle3Config:
         return layers
 
 
-def config_for_target(target: ModelConfig, aux_layers: tuple[int, ...] | None = None) -> dict:
-    """The config.json of a new draft for `target`: a layer of the target's width, heads and
-    MLP, its whole vocabulary, reading the input of `aux_layers` (default: SGLang's three)."""
+def config_for_target(
+    target: ModelConfig,
+    aux_layers: tuple[int, ...] | None = None,
+    draft_vocab_size: int | None = None,
+    intermediate_size: int | None = None,
+) -> dict:
+    """The config.json of a new draft for `target`: a layer of the target's width and heads
+    (its MLP `intermediate_size` wide, default the target's), drafting `draft_vocab_size` of its
+    tokens (default: all), reading the input of `aux_layers` (default: SGLang's three)."""
     layers = aux_layers or default_aux_layers(target.num_layers)
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
         "hidden_size": target.hidden_size,
-        "intermediate_size": target.intermediate_size,
+        "intermediate_size": intermediate_size or target.intermediate_size,
         "num_hidden_layers": 1,
         "num_attention_heads": target.num_heads,
         "num_key_value_heads": target.num_kv_heads,
@@ -137,7 +143,7 @@ def config_for_target(target: ModelConfig, aux_layers: tuple[int, ...] | None = 
         "rope_scaling": target.rope_scaling,
         "max_position_embeddings": target.max_position_embeddings,
         "vocab_size": target.vocab_size,
-        "draft_vocab_size": target.vocab_size,
+        "draft_vocab_size": draft_vocab_size or target.vocab_size,
         "target_hidden_size": target.hidden_size,
         "tie_word_embeddings": False,
         # (named as SGLang names them: the layers whose output is read)

@@ -38,18 +38,31 @@ def _norm(norm, x: torch.Tensor) -> torch.Tensor:
     return rms_norm_ref(x, norm.weight, norm.eps)[0]
 
 
-def new_draft(target, seed: int, aux_layers: tuple[int, ...] | None = None):
+def new_draft(
+    target,
+    seed: int,
+    aux_layers: tuple[int, ...] | None = None,
+    vocab: list[int] | None = None,
+    intermediate_size: int | None = None,
+):
     """A draft to train for `target` (a LlamaForCausalLM) on its device, in float32: its config
     from `config_for_target`, weights drawn from `seed` (std 0.02, norms 1), the LM head a copy
-    of the target's (a GGUF head's blocks dequantized); returns (draft, its config.json dict)."""
+    of the target's rows (a GGUF head's blocks dequantized). `vocab`: the target ids the draft
+    drafts, ascending (draft id d is vocab[d]; default: all); returns (draft, its config.json
+    dict)."""
     from radixlm.runtime.speculative.medusa import float_lm_head
 
-    raw = config_for_target(target.cfg, aux_layers)
+    if vocab is not None and list(vocab) != sorted(set(vocab)):
+        raise ValueError("a draft vocabulary is a list of distinct target ids, ascending")
+    raw = config_for_target(
+        target.cfg, aux_layers, None if vocab is None else len(vocab), intermediate_size
+    )
     config = Eagle3Config.from_dict(raw)
     head = float_lm_head(target.lm_head)
-    if head.shape[0] < config.draft_vocab_size:
+    if head.shape[0] < target.cfg.vocab_size:
         raise ValueError("an EAGLE-3 draft is made from the whole LM head (tp_size 1)")
     device = head.device
+    ids = torch.arange(config.draft_vocab_size) if vocab is None else torch.tensor(vocab)
     draft = LlamaEagle3Draft(config, target.rope.max_positions).to(device, torch.float32)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
@@ -60,7 +73,8 @@ def new_draft(target, seed: int, aux_layers: tuple[int, ...] | None = None):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
             else:
                 p.zero_()
-        draft.lm_head.weight.copy_(head[: config.draft_vocab_size].float())
+        draft.lm_head.weight.copy_(head[ids.to(device)].float())
+        draft.d2t.copy_(ids - torch.arange(len(ids)))
     draft.share_embedding(target.embed_tokens)
     draft.rope.build_tables(device)
     return draft, raw
@@ -133,15 +147,22 @@ def draft_targets(draft: LlamaEagle3Draft, tokens: torch.Tensor) -> torch.Tensor
 
 
 def _depth_rows(
-    labels: torch.Tensor, depth: int, lengths: torch.Tensor, starts: torch.Tensor | None
+    labels: torch.Tensor,
+    depth: int,
+    lengths: torch.Tensor,
+    starts: torch.Tensor | None,
+    in_vocab: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(want, keep), (B, L) each: depth `depth`'s label at each row t (the draft id of
-    x_{t+2+depth}) and whether the row counts: that token exists in its sequence, is in the
-    draft vocabulary, and (with `starts`) is at index starts[b] or later."""
+    x_{t+2+depth}, -1 outside the draft vocabulary) and whether the row counts: that token
+    exists in its sequence, is (with `in_vocab`) in the draft vocabulary, and (with `starts`)
+    is at index starts[b] or later."""
     length = labels.shape[1]
     at = torch.arange(length, device=labels.device) + 2 + depth
     want = labels[:, at.clamp(max=length - 1)]
-    keep = (at[None, :] < lengths[:, None]) & (want >= 0)
+    keep = at[None, :] < lengths[:, None]
+    if in_vocab:
+        keep &= want >= 0
     if starts is not None:
         keep &= at[None, :] >= starts[:, None]
     return want, keep
@@ -223,10 +244,11 @@ def _groups(order: list[int], data: SequenceData, positions: int) -> list[list[i
 
 @torch.no_grad()
 def evaluate(draft, data: SequenceData, rows: list[int], depth: int, device) -> dict[str, Any]:
-    """Held-out results over the answer rows of `rows`: each depth's loss and top-1 accuracy,
-    and the tokens a verify step of the draft's top-1 chain would give (1 + the depths right
-    before the first miss, where each depth drafts after the ones before were right)."""
-    losses, hits, counts = [0.0] * depth, [0.0] * depth, [0] * depth
+    """Held-out results over the answer rows of `rows`: each depth's loss (over the tokens in
+    the draft vocabulary) and top-1 accuracy (a token outside it a miss), and the tokens a
+    verify step of the draft's top-1 chain would give (1 + the depths right before the first
+    miss, where each depth drafts after the ones before were right)."""
+    losses, hits, counts, seen = [0.0] * depth, [0.0] * depth, [0] * depth, [0] * depth
     chain, positions = 0.0, 0
     for group in _groups(rows, data, 4096):
         tokens, features, lengths, starts = data.batch(group, device)
@@ -234,14 +256,17 @@ def evaluate(draft, data: SequenceData, rows: list[int], depth: int, device) -> 
         labels = draft_targets(draft, tokens)
         right, counted = [], None
         for j, out in enumerate(outs):
-            want, keep = _depth_rows(labels, j, lengths, starts)
-            counted = keep if counted is None else counted  # (the rows a chain starts from)
+            want, rows_j = _depth_rows(labels, j, lengths, starts, in_vocab=False)
+            keep = rows_j & (want >= 0)
+            counted = rows_j if counted is None else counted  # (the rows a chain starts from)
             logits = draft.lm_head(_norm(draft.norm, out)).float()
-            hit = (logits.argmax(-1) == want) & keep
+            hit = (logits.argmax(-1) == want) & rows_j
             right.append(hit)
-            n = int(keep.sum())
+            n = int(rows_j.sum())
             if n:
-                losses[j] += float(F.cross_entropy(logits[keep], want[keep], reduction="sum"))
+                if bool(keep.any()):
+                    losses[j] += float(F.cross_entropy(logits[keep], want[keep], reduction="sum"))
+                    seen[j] += int(keep.sum())
                 hits[j] += float(hit.sum())
                 counts[j] += n
         lead = torch.cumprod(torch.stack(right, dim=-1).int(), dim=-1).sum(-1)
@@ -249,7 +274,7 @@ def evaluate(draft, data: SequenceData, rows: list[int], depth: int, device) -> 
         positions += int(counted.sum())
     return {
         "positions": positions,
-        "depth_loss": [round(v / max(c, 1), 4) for v, c in zip(losses, counts)],
+        "depth_loss": [round(v / max(c, 1), 4) for v, c in zip(losses, seen)],
         "depth_top1": [round(v / max(c, 1), 4) for v, c in zip(hits, counts)],
         "chain_accept_length": round(chain / max(positions, 1), 4),
     }
@@ -266,7 +291,13 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
     target = engine.model
     device = engine.device
     convs = train_common.conversations(engine, opts, say)
-    draft, raw = new_draft(target, opts.seed)
+    held = train_common.held_out(len(convs), opts.held_out_fraction, opts.seed)
+    vocab = None
+    if opts.draft_vocab_size:
+        answers = [c.answer_ids for c, h in zip(convs, held) if not h]
+        vocab = frequent_tokens(answers, opts.draft_vocab_size)
+        say(f"the draft's vocabulary: the {len(vocab)} tokens most frequent in the answers")
+    draft, raw = new_draft(target, opts.seed, vocab=vocab, intermediate_size=opts.intermediate_size)
     layers = draft.config.target_layers(target.cfg)
     say(f"capturing the target's features (the input of layers {list(layers)}) at every position")
     with tqdm(total=len(convs), desc="features", unit="conversation") as bar:
@@ -277,7 +308,7 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
         [c.prompt_ids + c.answer_ids for c in convs],
         features,
         [len(c.prompt_ids) for c in convs],
-        train_common.held_out(len(convs), opts.held_out_fraction, opts.seed),
+        held,
     )
     train_rows, held_rows = data.part(False), data.part(True)
     n = sum(len(c.answer_ids) for c, h in zip(convs, data.held_out) if not h)
@@ -365,6 +396,16 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
         f"{results['chain_accept_length']} tokens a step; draft written to {folder}"
     )
     return recipe
+
+
+def frequent_tokens(answers: list[list[int]], size: int) -> list[int]:
+    """The `size` tokens most frequent in `answers` (ties: the lower id first), ascending: an
+    EAGLE-3 draft vocabulary, as SpecForge picks one (fewer when fewer tokens occur)."""
+    from collections import Counter
+
+    counts = Counter(t for answer in answers for t in answer)
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    return sorted(top)
 
 
 def _fingerprint(data: SequenceData) -> str:

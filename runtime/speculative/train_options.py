@@ -34,6 +34,11 @@ class TrainDraftOptions:
     lr: float = 1e-3
     weight_decay: float = 0.0
     head_decay: float = 0.8  # head i's loss weight: head_decay ** i
+    # EAGLE3: the draft drafts the this many tokens most frequent in the answers (its LM head
+    # that many rows; default: the whole vocabulary), and its MLP is this wide (default: the
+    # target's)
+    draft_vocab_size: int | None = None
+    intermediate_size: int | None = None
     seed: int = 0
     resume: bool = False
     save_every: int = 200
@@ -60,6 +65,12 @@ class TrainDraftOptions:
             bad("--epochs must be positive")
         if self.lr <= 0 or self.weight_decay < 0 or not 0 < self.head_decay <= 1:
             bad("need --lr > 0, --weight-decay >= 0 and 0 < --head-decay <= 1")
+        for name in ("draft_vocab_size", "intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                bad(f"--{name.replace('_', '-')} must be at least 1")
+            if value is not None and self.algorithm.upper() != "EAGLE3":
+                bad(f"--{name.replace('_', '-')} is for an EAGLE3 draft")
         if self.save_every < 1 or self.log_every < 1:
             bad("--save-every and --log-every must be at least 1")
 
