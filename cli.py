@@ -89,7 +89,8 @@ _ENGINE_HELP = {
     "speculative_draft_model_path": "MEDUSA: the heads' folder, as `radixlm train-draft` writes "
     "it (default: the heads shipped for the embedded default model); STANDALONE: the draft "
     "model, a folder or a GGUF file (required); EAGLE3: the draft's folder, as `radixlm "
-    "train-draft --algorithm EAGLE3` writes it (required)",
+    "train-draft --algorithm EAGLE3` writes it (default: the draft shipped for the embedded "
+    "default model)",
     "speculative_ngram_min_match_window_size": "NGRAM: the shortest ending of the context matched "
     "(default: 1)",
     "speculative_ngram_max_match_window_size": "NGRAM: the longest ending of the context matched, "
@@ -437,6 +438,10 @@ def _add_train_draft(commands) -> None:
         "--draft-vocab-size", type=int, default=None,
         help="EAGLE3: the draft drafts only the this many tokens most frequent in the answers "
         "(a smaller LM head, read at every draft step; default: the whole vocabulary)",
+    )  # fmt: skip
+    add(
+        "--save-dtype", default=d.save_dtype, choices=["float32", "bfloat16", "float16"],
+        help="the written weights' dtype (bfloat16: half the bytes, for a draft to ship)",
     )  # fmt: skip
     add(
         "--intermediate-size", type=int, default=None,

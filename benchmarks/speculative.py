@@ -5,7 +5,7 @@ the default model, or --draft-model-path) runs chat prompts unlike any the heads
 built-in set of `radixlm train-draft` is instruction templates over a list of subjects), and so
 does STANDALONE (--draft-model-path; by default the default model drafting for itself, which
 shows what a drafting round costs: no smaller model of its tokenizer ships), and EAGLE3 too
-(--draft-model-path, required: the folder `radixlm train-draft --algorithm EAGLE3` wrote). Prints
+(the draft shipped for the default model, or --draft-model-path). Prints
 tokens/s with speculation off and on, the mean accepted length (tokens per verify step: accepted
 draft tokens and the bonus token), the speed-up, and whether the outputs are token-for-token equal
 (they must be).
@@ -167,8 +167,6 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     algorithm = args.algorithm
-    if algorithm == "EAGLE3" and not args.draft_model_path:
-        ap.error("--algorithm EAGLE3 needs --draft-model-path (no EAGLE-3 draft ships yet)")
     plain_rate, plain_ids, _ = run(
         args.device, args.new_tokens, algorithm, args.dtype, batch=args.batch
     )

@@ -146,7 +146,8 @@ class EngineConfig:
     # MEDUSA: the folder of the heads (`radixlm train-draft` writes one); default: the heads that
     # ship for the embedded default model. STANDALONE: the draft model (a folder or a GGUF
     # file), required. EAGLE3: the draft's folder (config.json and safetensors, SGLang's
-    # layout; `radixlm train-draft --algorithm EAGLE3` writes one), required
+    # layout; `radixlm train-draft --algorithm EAGLE3` writes one); default: the draft that
+    # ships for the embedded default model
     speculative_draft_model_path: str | None = None
     # NGRAM: the context's last n tokens are matched, n from the max down to the min window (the
     # names SGLang used before its n-gram trie took max_trie_depth)
@@ -363,12 +364,6 @@ class EngineConfig:
                 bad(
                     "speculative_algorithm=STANDALONE needs speculative_draft_model_path: the "
                     "draft model (a folder or a GGUF file, of the target's tokenizer)"
-                )
-            if algorithm == "EAGLE3" and self.speculative_draft_model_path is None:
-                bad(
-                    "speculative_algorithm=EAGLE3 needs speculative_draft_model_path: an EAGLE-3 "
-                    "draft folder made for this model (`radixlm train-draft --algorithm EAGLE3` "
-                    "writes one)"
                 )
             if algorithm in ("STANDALONE", "EAGLE3") and self.speculative_eagle_topk > 1:
                 bad(

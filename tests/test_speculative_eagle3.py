@@ -420,7 +420,7 @@ def test_a_draft_vocabulary_of_the_answers_most_frequent_tokens(tiny_model_folde
     opts = TrainDraftOptions(
         output=str(tmp_path / "d"), algorithm="EAGLE3", num_heads=2, num_prompts=6,
         max_new_tokens=12, held_out_fraction=0.34, batch_size=24, steps=2,
-        draft_vocab_size=20, intermediate_size=16,
+        draft_vocab_size=20, intermediate_size=16, save_dtype="bfloat16",
     )  # fmt: skip
     opts.check()
     kwargs = {"model_path": tiny_model_folder, "device": "cpu", "dtype": "float32"}
@@ -449,6 +449,10 @@ def test_a_draft_vocabulary_of_the_answers_most_frequent_tokens(tiny_model_folde
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
     drafted = {t for chains in made for chain in chains for t in chain}
     assert drafted and drafted <= set(want)
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert weights["fc.weight"].dtype == torch.bfloat16 and weights["d2t"].dtype == torch.long
     with pytest.raises(ValueError, match="--draft-vocab-size is for an EAGLE3 draft"):
         TrainDraftOptions(output="x", draft_vocab_size=8).check()
 

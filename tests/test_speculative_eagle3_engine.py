@@ -236,3 +236,26 @@ def test_a_draft_made_for_another_model_is_refused_at_start(default_model_folder
     assert (args.speculative_algorithm, args.speculative_draft_model_path) == ("EAGLE3", "d")
     config = EngineConfig(speculative_algorithm="eagle3", speculative_draft_model_path="d")
     assert config.speculative_num_draft_tokens == 4  # three draft steps
+
+
+def test_a_draft_is_found_for_its_model_without_a_path(
+    tiny_model_folder, random_draft, engine, tmp_path, monkeypatch
+):
+    """Without speculative_draft_model_path the engine takes the draft under draft_heads/ whose
+    config records the model's LM head; a model none was made for is told how to make one."""
+    from radixlm.runtime.speculative import eagle3, medusa
+
+    shipped = tmp_path / "heads"
+    (shipped / "other").mkdir(parents=True)  # (a folder of something else is passed over)
+    monkeypatch.setattr(medusa, "shipped_heads_dir", lambda: shipped)
+    with pytest.raises(ValueError, match="no EAGLE-3 draft ships for this model"):
+        start(tiny_model_folder, **EAGLE)
+    import shutil
+
+    shutil.copytree(random_draft, shipped / "default-eagle3")
+    config = json.loads((shipped / "default-eagle3" / "config.json").read_text())
+    config[eagle3.SAMPLE_KEY] = eagle3.target_sample(engine.model)
+    (shipped / "default-eagle3" / "config.json").write_text(json.dumps(config))
+    assert eagle3.find_shipped_draft(engine.model) == shipped / "default-eagle3"
+    with start(tiny_model_folder, disable_radix_cache=True) as tiny:
+        assert eagle3.find_shipped_draft(tiny.model) is None

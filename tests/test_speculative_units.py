@@ -176,7 +176,6 @@ def test_ngram_takes_sglangs_defaults_and_any_case():
     "kw, says",
     [
         ({"speculative_algorithm": "EAGLE"}, "not available yet"),
-        ({"speculative_algorithm": "EAGLE3"}, "EAGLE3 needs speculative_draft_model_path"),
         (
             {
                 "speculative_algorithm": "EAGLE3",

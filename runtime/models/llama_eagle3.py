@@ -229,10 +229,13 @@ class LlamaEagle3Draft(nn.Module):
         draft.rope.build_tables(device)
         return draft
 
-    def save(self, folder: str | Path, raw_config: dict) -> None:
+    def save(
+        self, folder: str | Path, raw_config: dict, dtype: torch.dtype = torch.float32
+    ) -> None:
         """Write the checkpoint folder `load` reads (and SGLang's EAGLE-3 loader): config.json
         and model.safetensors under the checkpoint's names (q, k, v and gate, up apart; the
-        target's embedding left out, an embedding of the checkpoint's own kept)."""
+        target's embedding left out, an embedding of the checkpoint's own kept), the weights
+        in `dtype`."""
         from safetensors.torch import save_file
 
         out: dict[str, torch.Tensor] = {}
@@ -245,7 +248,7 @@ class LlamaEagle3Draft(nn.Module):
         out["d2t"] = self.d2t
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.float().cpu().contiguous() if v.is_floating_point() else v.cpu().contiguous()
+        tensors = {k: v.to(dtype).cpu().contiguous() if v.is_floating_point() else v.cpu().contiguous()
                    for k, v in out.items()}  # fmt: skip
         save_file(tensors, str(folder / "model.safetensors"))
         (folder / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")

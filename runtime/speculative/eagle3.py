@@ -44,6 +44,44 @@ logger = logging.getLogger(__name__)
 
 # positions a request's features may wait for before it is caught up without a draft
 _MAX_WAITING = 16
+# config.json's record of the target a draft was made for: the first columns of a few LM head
+# rows (medusa.py `lm_head_sample`), by which a shipped draft is found for its model
+SAMPLE_KEY = "radixlm_target_sample"
+_SAMPLE_COLUMNS = 32
+
+
+def target_sample(target) -> list[list[float]]:
+    """What a draft's config.json records of the target it is made for (`SAMPLE_KEY`)."""
+    from radixlm.runtime.speculative.medusa import float_lm_head, lm_head_sample
+
+    rows = lm_head_sample(float_lm_head(target.lm_head))[:, :_SAMPLE_COLUMNS]
+    return [[round(v, 6) for v in row] for row in rows.tolist()]
+
+
+def find_shipped_draft(target):
+    """The folder under draft_heads/ of an EAGLE-3 draft made for `target`, if one ships."""
+    import json
+
+    from radixlm.runtime.models.llama_eagle3 import ARCHITECTURE
+    from radixlm.runtime.speculative.medusa import _SAMPLE_ATOL, _SAMPLE_RTOL, shipped_heads_dir
+
+    root = shipped_heads_dir()
+    sample = None
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        try:
+            raw = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if ARCHITECTURE not in (raw.get("architectures") or []) or not raw.get(SAMPLE_KEY):
+            continue
+        if sample is None:
+            sample = torch.tensor(target_sample(target))
+        stored = torch.tensor(raw[SAMPLE_KEY])
+        if stored.shape == sample.shape and torch.allclose(
+            stored, sample, _SAMPLE_RTOL, _SAMPLE_ATOL
+        ):
+            return folder
+    return None
 
 
 @dataclass
@@ -77,13 +115,22 @@ class Eagle3Drafter:
 
     @classmethod
     def load(cls, config, target, dtype, device) -> Eagle3Drafter:
-        """The draft at `config.speculative_draft_model_path` for `target`; ValueError saying
-        what is missing or does not fit."""
+        """The draft at `config.speculative_draft_model_path` for `target` (without a path, the
+        one that ships for it); ValueError saying what is missing or does not fit."""
         from pathlib import Path
 
         from radixlm.runtime.models.llama_eagle3 import LlamaEagle3Draft
 
         path = config.speculative_draft_model_path
+        if path is None:
+            path = find_shipped_draft(target)
+            if path is None:
+                raise ValueError(
+                    "speculative_algorithm=EAGLE3: no EAGLE-3 draft ships for this model (one "
+                    "ships for the embedded default model); make one with `radixlm train-draft "
+                    "--algorithm EAGLE3 --model-path MODEL --output DIR` and pass "
+                    "speculative_draft_model_path=DIR"
+                )
         folder = Path(path).expanduser()
         if not (folder / "config.json").is_file():
             raise ValueError(

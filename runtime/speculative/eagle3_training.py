@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from radixlm.kernels.fused_ref import rms_norm_ref, rope_ref
 from radixlm.runtime.models.llama_eagle3 import Eagle3Config, LlamaEagle3Draft, config_for_target
+from radixlm.runtime.speculative.eagle3 import SAMPLE_KEY, target_sample
 
 
 def _norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -387,7 +388,8 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
         "held_out": results,
         "train_seconds": round(time.perf_counter() - t0, 1),
     }
-    draft.save(folder, {**raw, "training": recipe})
+    raw = {**raw, SAMPLE_KEY: target_sample(target), "training": recipe}
+    draft.save(folder, raw, getattr(torch, opts.save_dtype))
     train_common.save_checkpoint(
         folder, total, optimizer, opts, draft=draft.state_dict(), data=fingerprint
     )

@@ -143,14 +143,19 @@ def lm_head_sample(lm_head_weight: torch.Tensor) -> torch.Tensor:
 
 
 def save_heads(
-    folder: Path, heads: MedusaHeads, config: MedusaConfig, sample: torch.Tensor
+    folder: Path,
+    heads: MedusaHeads,
+    config: MedusaConfig,
+    sample: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Write a head folder; `sample`: `lm_head_sample` of the target's LM head."""
+    """Write a head folder, the weights in `dtype`; `sample`: `lm_head_sample` of the target's
+    LM head (float32)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     weights = {
-        k: v.detach().float().cpu().contiguous() for k, v in heads.state_dict_medusa().items()
+        k: v.detach().to(dtype).cpu().contiguous() for k, v in heads.state_dict_medusa().items()
     }
     weights[SAMPLE_KEY] = sample.float().cpu().contiguous()
     save_file(weights, str(folder / WEIGHTS_FILE))

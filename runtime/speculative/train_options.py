@@ -15,7 +15,8 @@ DATA_KEYS = (
     "held_out_fraction",
 )
 # options a resumed run may change (they do not change what is computed)
-FREE_ON_RESUME = ("resume", "save_every", "log_every", "output")
+FREE_ON_RESUME = ("resume", "save_every", "log_every", "output", "save_dtype")
+SAVE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class TrainDraftOptions:
     # target's)
     draft_vocab_size: int | None = None
     intermediate_size: int | None = None
+    save_dtype: str = "float32"  # the written weights' (a draft to ship: bfloat16, half the bytes)
     seed: int = 0
     resume: bool = False
     save_every: int = 200
@@ -71,6 +73,8 @@ class TrainDraftOptions:
                 bad(f"--{name.replace('_', '-')} must be at least 1")
             if value is not None and self.algorithm.upper() != "EAGLE3":
                 bad(f"--{name.replace('_', '-')} is for an EAGLE3 draft")
+        if self.save_dtype not in SAVE_DTYPES:
+            bad(f"--save-dtype {self.save_dtype}: one of {', '.join(SAVE_DTYPES)}")
         if self.save_every < 1 or self.log_every < 1:
             bad("--save-every and --log-every must be at least 1")
 

@@ -334,7 +334,7 @@ def _train(opts, folder, data, lm_weight, shape, model_name, say, sample) -> dic
         base_model_name_or_path=model_name,
         training=recipe,
     )
-    save_heads(folder, heads, config, sample)
+    save_heads(folder, heads, config, sample, getattr(torch, opts.save_dtype))
     save_checkpoint(folder, total, optimizer, opts, heads=heads.state_dict())
     say(
         f"held out: head top-1 {results['head_top1']}, top-1 chain {results['chain_accept_length']}"
