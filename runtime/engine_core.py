@@ -185,8 +185,9 @@ class EngineCore:
 
             if config.speculative_algorithm == "EAGLE3":  # (its pool's slots are the target's)
                 draft_model.make_cache(
-                    kv_pool.num_slots, self.rows.table, config.speculative_num_draft_tokens - 2
-                )
+                    kv_pool.num_slots, self.rows.table, config.speculative_num_draft_tokens - 2,
+                    self.rows.padding_row,
+                )  # fmt: skip
 
             self.speculative = SpeculativeWorker(config, model, draft_model)
         self.scheduler = Scheduler(

@@ -53,13 +53,19 @@ def reference_chain(draft, ids: list[int], features: torch.Tensor, chain: list[i
     return draft.target_ids(logits.argmax(-1)).tolist()
 
 
-def test_the_cache_drafts_what_the_draft_computes_from_the_whole_context(tmp_path):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_cache_drafts_what_the_draft_computes_from_the_whole_context(tmp_path, graphs):
+    """(graphs: the draft steps after the first through the decode graphs' padded steps, run
+    eagerly on the CPU, replayed on a GPU, over the Triton backend they are captured with)"""
     _, target = target_pair()
     draft = load_draft(write_draft(tmp_path / "draft"), target)
-    config = SimpleNamespace(max_total_tokens=None, attention_backend="torch")
+    backend = "triton" if graphs else "torch"
+    config = SimpleNamespace(max_total_tokens=None, attention_backend=backend)
     drafter = Eagle3Drafter(draft, target, config, CPU, torch.float32)
     table = torch.zeros(4, 96, dtype=torch.int32)
-    drafter.make_cache(400, table, max_steps=3)
+    drafter.make_cache(400, table, max_steps=3, padding_row=3)
+    if graphs:
+        drafter.use_graphs(4, capture=False)
     gen = torch.Generator().manual_seed(0)
     features = {1: torch.randn(96, 3 * TARGET_HIDDEN, generator=gen)}  # by request row
     next_slot = [1]

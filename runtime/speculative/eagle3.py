@@ -25,16 +25,23 @@ computed it left them. Two of those may be stale: an entry that request never ca
 the prefix's last one, made with that request's next token, where the two requests differ there.
 A stale entry makes worse drafts, never other outputs, since the target verifies every token.
 
+On a GPU the draft steps after the first replay CUDA graphs of the draft's decode step
+(runtime/cuda_graph.py DecodeGraphs over `_ChainStep`): each step's argmax stays on the device
+as the next step's input, its output as the next step's hidden, and the chain comes to the host
+once, at the end. The catch-up runs eagerly.
+
 Features that wait are bounded: a request whose waiting positions pass `_MAX_WAITING` (steps the
 gate kept plain, a long prompt) is caught up when its next features come, without drafting.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.request import Req
@@ -112,6 +119,7 @@ class Eagle3Drafter:
         self.sampled_vocab = getattr(target, "sampled_vocab", target.cfg.vocab_size)
         self._entries: dict[int, _Entry] = {}  # by id(req)
         self.table: torch.Tensor | None = None
+        self.graphs = None  # the draft steps' graphs (`use_graphs`)
 
     @classmethod
     def load(cls, config, target, dtype, device) -> Eagle3Drafter:
@@ -156,11 +164,17 @@ class Eagle3Drafter:
         m = self.model.config.model
         return KVPool.bytes_per_slot(1, m.num_kv_heads, m.head_dim, self.dtype)
 
-    def make_cache(self, target_slots: int, target_table: torch.Tensor, max_steps: int) -> None:
+    def make_cache(
+        self,
+        target_slots: int,
+        target_table: torch.Tensor,
+        max_steps: int,
+        padding_row: int | None = None,
+    ) -> None:
         """The draft's KV pool: a slot for each of the target pool's `target_slots` (its padding
         slot 0 among them), then `max_steps` scratch slots for each request row (the draft
-        steps after the first); its request table, of the target's shape; its attention
-        backend."""
+        steps after the first); its request table, of the target's shape (`padding_row`: the
+        row no request has); its attention backend; on a GPU, the graphs of its draft steps."""
         from radixlm.runtime.attention import create_backend
         from radixlm.runtime.memory_pool import KVPool
 
@@ -177,6 +191,22 @@ class Eagle3Drafter:
         self.backend = create_backend(
             self.config.attention_backend, self.kv_pool, self.table, self.device,
             num_q_heads=m.num_heads,
+        )  # fmt: skip
+        self.padding_row = padding_row
+        config = self.config
+        if self.device.type == "cuda" and not getattr(config, "disable_cuda_graph", True):
+            self.use_graphs(config.cuda_graph_max_bs or min(config.max_running_requests, 256))
+
+    def use_graphs(self, max_batch: int, capture: bool = True) -> None:
+        """Run the draft steps after the first through DecodeGraphs of up to `max_batch`
+        requests; capture=False runs the same padded steps eagerly (a CPU test of this path)."""
+        from radixlm.runtime.cuda_graph import DecodeGraphs
+
+        self.chain_step = _ChainStep(self.model, max_batch, self.device, self.dtype)
+        self.token_buf = torch.zeros(self.table.shape[0], dtype=torch.int64, device=self.device)
+        self.graphs = DecodeGraphs(
+            self.chain_step, self.backend, self.table, self.token_buf, max_batch,
+            capture=capture, padding_row=self.padding_row,
         )  # fmt: skip
 
     # ---- features (the model runner hands them over) -------------------------------------------
@@ -228,13 +258,29 @@ class Eagle3Drafter:
         if not ready or num <= 0:
             return chains
         logits, hidden = self._catch_up(ready, lambda e: e.end, want_logits=True)
-        tokens = self._pick(logits)
-        drafted = [tokens]
         positions = [e.ctx for e in ready]  # (the newest token's: caught up to it)
         rows = [e.req.pool_row for e in ready]
-        for step in range(1, min(num, self.max_steps + 1)):
+        steps = min(num, self.max_steps + 1)
+        if self.graphs is not None and self.graphs.can_run(len(ready)):
+            drafted = self._stepped(logits, hidden, rows, positions, steps)
+        else:
+            drafted = self._eager_steps(logits, hidden, rows, positions, steps)
+        for i, chain in zip(which, torch.stack(drafted, dim=1).tolist()):
+            chains[i] = chain
+        return chains
+
+    def _scratch(self, rows: list[int], step: int) -> list[int]:
+        """The scratch slot of draft step `step` (1 ..) of each request row."""
+        return [self.scratch_base + r * self.max_steps + step - 1 for r in rows]
+
+    def _eager_steps(self, logits, hidden, rows, positions, steps) -> list[torch.Tensor]:
+        """The chain from the catch-up's logits and output: each further step a decode row at
+        the next position, reading the token before and its own output there."""
+        tokens = self._pick(logits)
+        drafted = [tokens]
+        for step in range(1, steps):
             at = [p + step - 1 for p in positions]  # the position of draft token `step`
-            slots = [self.scratch_base + r * self.max_steps + step - 1 for r in rows]
+            slots = self._scratch(rows, step)
             rows_t, at_t, slots_t = (
                 to_device(int64_tensor(x), self.device) for x in (rows, at, slots)
             )
@@ -243,9 +289,22 @@ class Eagle3Drafter:
             logits, hidden = self.model(batch, self.backend, hidden, from_target=False)
             tokens = self._pick(logits)
             drafted.append(tokens)
-        for i, chain in zip(which, torch.stack(drafted, dim=1).tolist()):
-            chains[i] = chain
-        return chains
+        return drafted
+
+    def _stepped(self, logits, hidden, rows, positions, steps) -> list[torch.Tensor]:
+        """`_eager_steps` through the draft steps' graphs: the first draft token (a draft id)
+        and the catch-up's output go into the graphs' buffers, each step leaves its argmax
+        there for the next."""
+        first = logits.argmax(dim=-1)
+        rows_t = to_device(int64_tensor(rows), self.device)
+        self.token_buf[rows_t] = first
+        self.chain_step.hidden[: len(rows)] = hidden
+        drafted = [first]
+        for step in range(1, steps):
+            seq_lens = [p + step for p in positions]
+            _, argmax = self.graphs.run(rows, seq_lens, int64_tensor(self._scratch(rows, step)))
+            drafted.append(argmax.clone())
+        return [self.model.target_ids(d) for d in drafted]
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's greedy draft token, as a target id."""
@@ -307,6 +366,25 @@ class Eagle3Drafter:
     def release_all(self) -> None:
         """Forget every request (the engine's cache flush)."""
         self._entries.clear()
+
+
+class _ChainStep(nn.Module):
+    """The draft's decode step as DecodeGraphs runs a model: its input ids are draft ids (the
+    graphs leave each step's argmax as the next step's input), and row i reads `hidden[i]` as
+    its hidden, which its output then replaces."""
+
+    def __init__(self, draft, max_batch: int, device, dtype) -> None:
+        super().__init__()
+        self.draft = draft
+        width = draft.config.model.hidden_size
+        self.hidden = torch.zeros(max_batch, width, device=device, dtype=dtype)
+
+    def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
+        n = batch.input_ids.shape[0]
+        batch = dataclasses.replace(batch, input_ids=self.draft.target_ids(batch.input_ids))
+        logits, out = self.draft(batch, backend, self.hidden[:n], from_target=False)
+        self.hidden[:n].copy_(out)
+        return logits
 
 
 def _extend_batch(tokens, positions, rows, prefix, slots, device) -> ForwardBatch:
