@@ -552,6 +552,7 @@ def test_eagle3_steps_as_decode_rows_keep_the_targets_features(tiny_model_folder
                 )
             drafter.draft = _recording(drafter.draft, made := [])
             got = eng.generate(input_ids=prompts, sampling_params=params)
+            assert eng._core.speculative.eagle3 is not None  # (drafting never failed)
             outs.append([o["output_ids"] for o in got])
             drafts.append(made)
     assert notes and all(shape == (rows, width) for rows, shape in notes), notes

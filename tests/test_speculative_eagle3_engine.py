@@ -78,12 +78,13 @@ def test_the_cache_drafts_what_the_draft_computes_from_the_whole_context(tmp_pat
         rows = features[req.pool_row][start : start + count]
         drafter.keep_features([(req, start, 0, count)], rows)
 
-    def check(req: FakeReq, num: int = 4) -> list[int]:
-        (chain,) = drafter.draft([req], num)
-        ids = req.input_ids + req.output_ids
-        assert len(chain) == num
-        assert chain == reference_chain(draft, ids, features[req.pool_row], chain)
-        return chain
+    def check(*reqs: FakeReq, num: int = 4) -> list[int]:
+        chains = drafter.draft(list(reqs), num)
+        for req, chain in zip(reqs, chains):
+            ids = req.input_ids + req.output_ids
+            assert len(chain) == num
+            assert chain == reference_chain(draft, ids, features[req.pool_row], chain)
+        return chains[0]
 
     r = FakeReq(torch.randint(0, 96, (10,), generator=gen).tolist(), 1)
     slots(1, 0, 10)
@@ -120,7 +121,11 @@ def test_the_cache_drafts_what_the_draft_computes_from_the_whole_context(tmp_pat
     slots(2, 8, 11)
     hand(s, 8, 3)
     s.output_ids.append(11)
-    check(s)
+    at = r.newest  # (and r one step on: a draft of both, one position and three to catch up)
+    slots(1, at, at + 1)
+    r.output_ids.append(6)
+    hand(r, at, 1)
+    check(r, s)
     # a request without its features up to its newest token gets no draft
     s.output_ids.append(12)
     assert drafter.draft([s], 3) == [[]]
@@ -156,6 +161,7 @@ def test_greedy_outputs_are_plain_decodings_and_a_grammar_holds(eagle_engine, en
     plain = engine.generate(prompts, params)
     outs = eagle_engine.generate(prompts, params)
     assert results(outs) == results(plain)
+    assert eagle_engine._core.speculative.eagle3 is not None  # (drafting never failed)
     stats = eagle_engine.get_stats()
     assert stats["spec_verify_ct"] > 0 and stats["spec_num_proposed_drafts"] > 0, stats
     assert kv_whole(stats), stats
@@ -203,6 +209,7 @@ def test_the_engine_drafts_from_the_targets_own_features(eagle_engine, engine):
     finally:
         del drafter.draft
     assert results(outs) == results(plain)
+    assert eagle_engine._core.speculative.eagle3 is not None
     assert sum(o["meta_info"]["spec_num_correct_drafts"] for o in outs) > 10
     model = eagle_engine.model
     convs = [Conversation(ids, out["output_ids"]) for ids, out in zip(prompt_ids, plain)]
@@ -265,3 +272,19 @@ def test_a_draft_is_found_for_its_model_without_a_path(
     assert eagle3.find_shipped_draft(engine.model) == shipped / "default-eagle3"
     with start(tiny_model_folder, disable_radix_cache=True) as tiny:
         assert eagle3.find_shipped_draft(tiny.model) is None
+
+
+def test_the_default_model_drafts_with_the_draft_that_ships_for_it(default_model_folder, engine):
+    """EAGLE3 without a path on the default model: the draft in draft_heads/ made for it, whose
+    drafts verify steps accept, and outputs plain decoding's."""
+    from radixlm.runtime.speculative.medusa import shipped_heads_dir
+
+    with start(default_model_folder, **EAGLE) as eng:
+        drafter = eng._core.speculative.eagle3
+        assert drafter.folder == shipped_heads_dir() / "smollm2-135m-instruct-eagle3"
+        prompts, params = workload(eng.tokenizer)
+        outs = eng.generate(prompts, params)
+        stats = eng.get_stats()
+        assert eng._core.speculative.eagle3 is not None  # (drafting never failed)
+    assert results(outs) == results(engine.generate(prompts, params))
+    assert stats["spec_verify_ct"] > 0 and stats["spec_accept_length"] > 1.1, stats

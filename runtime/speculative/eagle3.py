@@ -120,6 +120,7 @@ class Eagle3Drafter:
         self._entries: dict[int, _Entry] = {}  # by id(req)
         self.table: torch.Tensor | None = None
         self.graphs = None  # the draft steps' graphs (`use_graphs`)
+        self.folder = None  # where the draft was loaded from
 
     @classmethod
     def load(cls, config, target, dtype, device) -> Eagle3Drafter:
@@ -147,7 +148,9 @@ class Eagle3Drafter:
                 "or an EAGLE-3 checkpoint made for this model"
             )
         draft = LlamaEagle3Draft.load(folder, target, device, dtype, target.rope.max_positions)
-        return cls(draft.eval(), target, config, device, dtype)
+        drafter = cls(draft.eval(), target, config, device, dtype)
+        drafter.folder = folder
+        return drafter
 
     def kv_share(self, num_slots: int, target_bytes_per_slot: int) -> int:
         """The target's slots when it alone would have `num_slots`: the draft's pool has a slot
@@ -315,10 +318,14 @@ class Eagle3Drafter:
     def _catch_up(self, entries: list[_Entry], upto, want_logits: bool):
         """Run the draft over each entry's waiting positions ctx .. upto(e) - 1 (tokens ctx + 1 ..
         upto(e), known on the host), writing their cache entries; with `want_logits`, the logits
-        and output at each entry's last position (the first draft step's)."""
+        and output at each entry's last position (the first draft step's), in `entries`' order
+        (each then has a position to catch up on)."""
         ids, positions, feats, rows, prefix, extend, last = [], [], [], [], [], [], []
-        for e in entries:
-            stop = upto(e)
+        stops = [upto(e) for e in entries]
+        # (a batch holds its items of several tokens first: ForwardBatch's order)
+        order = sorted(range(len(entries)), key=lambda i: stops[i] - entries[i].ctx == 1)
+        for i in order:
+            e, stop = entries[i], stops[i]
             if stop <= e.ctx:
                 continue
             req = e.req
@@ -355,7 +362,12 @@ class Eagle3Drafter:
             num_multi=sum(n > 1 for n in extend),
         )  # fmt: skip
         logits, out = self.model(batch, self.backend, torch.cat(feats), from_target=True)
-        return (logits, out[last_t]) if want_logits else (None, None)
+        if not want_logits:
+            return None, None
+        back = to_device(
+            int64_tensor(sorted(range(len(order)), key=order.__getitem__)), self.device
+        )
+        return logits[back], out[last_t][back]
 
     # ---- the cache ----------------------------------------------------------------------------
 
