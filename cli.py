@@ -423,6 +423,12 @@ def _add_train_draft(commands) -> None:
         "--random-prompt-fraction", type=float, default=d.random_prompt_fraction,
         help="the share of prompts made of random tokens (the rest: built-in instructions)",
     )  # fmt: skip
+    add(
+        "--prompts-file", default=None,
+        help="user messages the model answers for the data instead of the built-in ones: JSON "
+        "Lines (\"prompt\"/\"text\"/\"content\", or the first user turn of \"messages\" or "
+        "ShareGPT \"conversations\") or text, one a line; up to --num-prompts, a seeded sample",
+    )  # fmt: skip
     add("--max-new-tokens", type=int, default=d.max_new_tokens, help="each answer's length")
     add(
         "--held-out-fraction", type=float, default=d.held_out_fraction,

@@ -517,3 +517,47 @@ def test_a_draft_for_the_default_model_reads_its_gguf_head_and_embedding(engine)
     conv = Conversation([1, 2, 3, 4], [5, 6])
     (got,) = target_features(target, target.cfg, [conv], layers, torch.device("cpu"))
     assert got.shape == (6, 3 * 576) and bool(torch.isfinite(got).all())
+
+
+def test_train_draft_answers_the_users_own_prompts(tiny_model_folder, tmp_path):
+    """--prompts-file: the user's messages (JSON Lines of several shapes, or text) replace the
+    built-in prompts, a seeded sample of --num-prompts of them; a line without one is named."""
+    import radixlm
+    from radixlm.runtime.speculative import train_common
+    from radixlm.runtime.speculative.draft_data import read_prompts
+    from radixlm.runtime.speculative.train_options import TrainDraftOptions
+
+    records = [
+        {"prompt": "alpha one"},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "beta two"}]},
+        {
+            "conversations": [
+                {"from": "human", "value": "gamma three"},
+                {"from": "gpt", "value": "x"},
+            ]
+        },
+        {"text": "delta four"},
+    ]
+    lines = [json.dumps(r) for r in records]
+    (tmp_path / "p.jsonl").write_text("\n".join(lines[:2] + [""] + lines[2:]) + "\n")
+    want = ["alpha one", "beta two", "gamma three", "delta four"]
+    assert read_prompts(str(tmp_path / "p.jsonl")) == want
+    (tmp_path / "p.txt").write_text("first line\n\nsecond line\n")
+    assert read_prompts(str(tmp_path / "p.txt")) == ["first line", "second line"]
+    (tmp_path / "bad.jsonl").write_text(lines[0] + '\n{"messages": [{"role": "assistant"}]}\n')
+    with pytest.raises(ValueError, match="bad.jsonl, line 2: no user message"):
+        read_prompts(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_prompts(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="--prompts-file .*missing.jsonl: no such file"):
+        TrainDraftOptions(output="x", prompts_file=str(tmp_path / "missing.jsonl")).check()
+    opts = TrainDraftOptions(
+        output="x", prompts_file=str(tmp_path / "p.jsonl"), num_prompts=3, max_new_tokens=4
+    )
+    with radixlm.Engine(tiny_model_folder, device="cpu", dtype="float32") as engine:
+        convs = train_common.conversations(engine, opts, lambda _: None)
+        again = train_common.conversations(engine, opts, lambda _: None)
+        texts = [engine.tokenizer.decode(c.prompt_ids) for c in convs]
+    asked = [next(p for p in want if p in t) for t in texts]
+    assert len(convs) == 3 and len(set(asked)) == 3
+    assert [c.prompt_ids for c in again] == [c.prompt_ids for c in convs]

@@ -13,6 +13,7 @@ import asyncio
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -130,6 +131,56 @@ def builtin_prompts(n: int, rng: random.Random) -> list[str]:
         rng.shuffle(combos)
         out.extend(combos[: n - len(out)])
     return out
+
+
+def read_prompts(path: str) -> list[str]:
+    """User messages from a file: JSON Lines whose records hold one as "prompt", "text" or
+    "content", or a conversation as "messages" (OpenAI's roles) or "conversations" (ShareGPT's
+    from/value) whose first user turn is taken; any other file, one message a line. Blank lines
+    are skipped; ValueError naming the line that holds none."""
+    import json
+
+    try:
+        lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompts-file {path}: cannot be read ({e})") from None
+    jsonl = str(path).endswith((".jsonl", ".json"))
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not jsonl:
+            out.append(line)
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"--prompts-file {path}, line {number}: not JSON ({e})") from None
+        text = _user_message(record) if isinstance(record, dict) else None
+        if not text:
+            raise ValueError(
+                f'--prompts-file {path}, line {number}: no user message (a "prompt", "text" or '
+                '"content" string, or "messages" / "conversations" with a user turn)'
+            )
+        out.append(text)
+    if not out:
+        raise ValueError(f"--prompts-file {path}: holds no prompt")
+    return out
+
+
+def _user_message(record: dict) -> str | None:
+    for key in ("prompt", "text", "content"):
+        if isinstance(record.get(key), str):
+            return record[key]
+    turns = record.get("messages") or record.get("conversations") or []
+    for turn in turns if isinstance(turns, list) else []:
+        if not isinstance(turn, dict):
+            continue
+        role = turn.get("role", turn.get("from"))
+        text = turn.get("content", turn.get("value"))
+        if role in ("user", "human") and isinstance(text, str):
+            return text
+    return None
 
 
 def random_prompts(n: int, rng: random.Random, tokenizer, length: tuple[int, int]) -> list[str]:

@@ -26,7 +26,12 @@ def conversations(engine, opts: TrainDraftOptions, say: Callable[[str], None]):
 
     rng = random.Random(opts.seed)
     num_random = round(opts.num_prompts * opts.random_prompt_fraction)
-    messages = draft_data.builtin_prompts(opts.num_prompts - num_random, rng)
+    if opts.prompts_file:  # (a seeded sample of the file's, if it holds more)
+        messages = draft_data.read_prompts(opts.prompts_file)
+        rng.shuffle(messages)
+        messages = messages[: opts.num_prompts - num_random]
+    else:
+        messages = draft_data.builtin_prompts(opts.num_prompts - num_random, rng)
     messages += draft_data.random_prompts(num_random, rng, engine.tokenizer, (8, 48))
     rng.shuffle(messages)
     say(f"generating the model's answers to {len(messages)} prompts")

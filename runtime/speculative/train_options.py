@@ -4,6 +4,7 @@ CLI builds its parser from them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # the options a data set depends on (a run with other values makes its own)
@@ -13,6 +14,7 @@ DATA_KEYS = (
     "random_prompt_fraction",
     "max_new_tokens",
     "held_out_fraction",
+    "prompts_file",
 )
 # options a resumed run may change (they do not change what is computed)
 FREE_ON_RESUME = ("resume", "save_every", "log_every", "output", "save_dtype")
@@ -27,6 +29,9 @@ class TrainDraftOptions:
     num_layers: int = 1  # residual blocks per head
     num_prompts: int = 256
     random_prompt_fraction: float = 0.0  # the share of prompts made of random tokens
+    # user messages to answer instead of the built-in ones (draft_data.read_prompts: JSON Lines
+    # or one a line), up to --num-prompts of them, a seeded sample
+    prompts_file: str | None = None
     max_new_tokens: int = 128  # each answer's length at most
     held_out_fraction: float = 0.1  # conversations kept out of training, for evaluation
     epochs: float = 2.0
@@ -73,6 +78,8 @@ class TrainDraftOptions:
                 bad(f"--{name.replace('_', '-')} must be at least 1")
             if value is not None and self.algorithm.upper() != "EAGLE3":
                 bad(f"--{name.replace('_', '-')} is for an EAGLE3 draft")
+        if self.prompts_file is not None and not Path(self.prompts_file).expanduser().is_file():
+            bad(f"--prompts-file {self.prompts_file}: no such file")
         if self.save_dtype not in SAVE_DTYPES:
             bad(f"--save-dtype {self.save_dtype}: one of {', '.join(SAVE_DTYPES)}")
         if self.save_every < 1 or self.log_every < 1:
