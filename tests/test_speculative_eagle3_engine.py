@@ -151,14 +151,20 @@ def random_draft(engine, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def reference(engine):
+    """The workload's plain greedy outputs (the shared default engine)."""
+    prompts, params = workload(engine.tokenizer)
+    return prompts, params, engine.generate(prompts, params)
+
+
+@pytest.fixture(scope="module")
 def eagle_engine(default_model_folder, random_draft):
     with start(default_model_folder, speculative_draft_model_path=random_draft, **EAGLE) as eng:
         yield eng
 
 
-def test_greedy_outputs_are_plain_decodings_and_a_grammar_holds(eagle_engine, engine):
-    prompts, params = workload(eagle_engine.tokenizer)
-    plain = engine.generate(prompts, params)
+def test_greedy_outputs_are_plain_decodings_and_a_grammar_holds(eagle_engine, reference):
+    prompts, params, plain = reference
     outs = eagle_engine.generate(prompts, params)
     assert results(outs) == results(plain)
     assert eagle_engine._core.speculative.eagle3 is not None  # (drafting never failed)
@@ -274,7 +280,7 @@ def test_a_draft_is_found_for_its_model_without_a_path(
         assert eagle3.find_shipped_draft(tiny.model) is None
 
 
-def test_the_default_model_drafts_with_the_draft_that_ships_for_it(default_model_folder, engine):
+def test_the_default_model_drafts_with_the_draft_that_ships_for_it(default_model_folder, reference):
     """EAGLE3 without a path on the default model: the draft in draft_heads/ made for it, whose
     drafts verify steps accept, and outputs plain decoding's."""
     from radixlm.runtime.speculative.medusa import shipped_heads_dir
@@ -282,9 +288,9 @@ def test_the_default_model_drafts_with_the_draft_that_ships_for_it(default_model
     with start(default_model_folder, **EAGLE) as eng:
         drafter = eng._core.speculative.eagle3
         assert drafter.folder == shipped_heads_dir() / "smollm2-135m-instruct-eagle3"
-        prompts, params = workload(eng.tokenizer)
+        prompts, params, plain = reference
         outs = eng.generate(prompts, params)
         stats = eng.get_stats()
         assert eng._core.speculative.eagle3 is not None  # (drafting never failed)
-    assert results(outs) == results(engine.generate(prompts, params))
+    assert results(outs) == results(plain)
     assert stats["spec_verify_ct"] > 0 and stats["spec_accept_length"] > 1.1, stats
