@@ -527,8 +527,8 @@ def _recording(draft, made: list):
 
 def test_eagle3_steps_as_decode_rows_keep_the_targets_features(tiny_model_folder, tmp_path):
     """EAGLE3's steps (its verify steps, and the plain decodes whose features it drafts from)
-    run as decode rows with every row's features kept: its drafts and tokens are those of the
-    eager steps, and the tokens plain decoding's."""
+    run as decode rows with every row's features kept: its tokens are those of the eager steps
+    and plain decoding's, and (on the CPU, where both compute alike) so are its drafts."""
     from radixlm.runtime.speculative.eagle3_training import new_draft
 
     prompts = [[300 + (j % (4 + i)) for j in range(20 + 5 * i)] for i in range(2)]
@@ -557,8 +557,10 @@ def test_eagle3_steps_as_decode_rows_keep_the_targets_features(tiny_model_folder
             drafts.append(made)
     assert notes and all(shape == (rows, width) for rows, shape in notes), notes
     assert any(rows > 2 for rows, _ in notes), "no verify step ran as decode rows"
-    assert drafts[0] == drafts[1] and any(any(c) for c in drafts[0])
     assert outs[0] == outs[1] == plain
+    assert any(any(c) for c in drafts[0]) and any(any(c) for c in drafts[1])
+    if not CAPTURE:  # (on a GPU the decode rows' features round apart from the extend's, and
+        assert drafts[0] == drafts[1]  # an untrained draft's best tokens are near ties)
 
 
 @pytest.mark.slow  # (the Triton interpreter on the CPU: tens of seconds)
