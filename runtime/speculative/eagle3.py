@@ -45,7 +45,7 @@ from torch import nn
 
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.request import Req
-from radixlm.runtime.tensors import int64_tensor, to_device
+from radixlm.runtime.tensors import int64_tensor, packed_to_device, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -284,9 +284,7 @@ class Eagle3Drafter:
         for step in range(1, steps):
             at = [p + step - 1 for p in positions]  # the position of draft token `step`
             slots = self._scratch(rows, step)
-            rows_t, at_t, slots_t = (
-                to_device(int64_tensor(x), self.device) for x in (rows, at, slots)
-            )
+            rows_t, at_t, slots_t = packed_to_device([rows, at, slots], self.device)
             self.table[rows_t, at_t] = slots_t.to(self.table.dtype)
             batch = _extend_batch(tokens, at_t, rows_t, at_t, slots_t, self.device)
             logits, hidden = self.model(batch, self.backend, hidden, from_target=False)
@@ -346,15 +344,15 @@ class Eagle3Drafter:
             last.append(len(ids) - 1)
         if not rows:
             return None, None
-        ids_t, pos_t, rows_t, prefix_t, extend_t, last_t = (
-            to_device(int64_tensor(x), self.device)
-            for x in (ids, positions, rows, prefix, extend, last)
-        )
+        token_rows = [r for r, n in zip(rows, extend) for _ in range(n)]
+        back = sorted(range(len(order)), key=order.__getitem__) if want_logits else []
+        ids_t, pos_t, rows_t, prefix_t, extend_t, last_t, token_rows_t, back_t = packed_to_device(
+            [ids, positions, rows, prefix, extend, last, token_rows, back], self.device
+        )  # (one copy)
         # the target's slots of every position the draft attends (and, past them, entries the
         # draft steps overwrite with their scratch slots)
         self.table[rows_t] = self.target_table[rows_t]
-        token_rows = torch.repeat_interleave(rows_t, extend_t)
-        slots = self.table[token_rows, pos_t].long()
+        slots = self.table[token_rows_t, pos_t].long()
         batch = ForwardBatch(
             input_ids=ids_t, positions=pos_t, out_cache_loc=slots, req_pool_indices=rows_t,
             prefix_lens=prefix_t, extend_lens=extend_t, seq_lens=prefix_t + extend_t,
@@ -364,10 +362,7 @@ class Eagle3Drafter:
         logits, out = self.model(batch, self.backend, torch.cat(feats), from_target=True)
         if not want_logits:
             return None, None
-        back = to_device(
-            int64_tensor(sorted(range(len(order)), key=order.__getitem__)), self.device
-        )
-        return logits[back], out[last_t][back]
+        return logits[back_t], out[last_t][back_t]
 
     # ---- the cache ----------------------------------------------------------------------------
 
