@@ -527,8 +527,9 @@ def _recording(draft, made: list):
 
 def test_eagle3_steps_as_decode_rows_keep_the_targets_features(tiny_model_folder, tmp_path):
     """EAGLE3's steps (its verify steps, and the plain decodes whose features it drafts from)
-    run as decode rows with every row's features kept: its tokens are those of the eager steps
-    and plain decoding's, and (on the CPU, where both compute alike) so are its drafts."""
+    run as decode rows with every row's features kept, and its draft's rounds through its own
+    graphs: its tokens are those of the eager steps and plain decoding's, and (on the CPU, where
+    both compute alike) so are its drafts."""
     from radixlm.runtime.speculative.eagle3_training import new_draft
 
     prompts = [[300 + (j % (4 + i)) for j in range(20 + 5 * i)] for i in range(2)]
@@ -546,10 +547,11 @@ def test_eagle3_steps_as_decode_rows_keep_the_targets_features(tiny_model_folder
             speculative_adaptive=False,
         ) as eng:  # fmt: skip
             drafter = eng._core.speculative.eagle3
-            if graphs:
+            if graphs:  # (the target's steps as decode rows, the draft's rounds through its own)
                 notes = install_row_graphs(
                     eng, max_rows=16, max_item_tokens=4, aux_layers=drafter.aux_layers
                 )
+                drafter.use_graphs(4, capture=CAPTURE)
             drafter.draft = _recording(drafter.draft, made := [])
             got = eng.generate(input_ids=prompts, sampling_params=params)
             assert eng._core.speculative.eagle3 is not None  # (drafting never failed)

@@ -55,8 +55,9 @@ def reference_chain(draft, ids: list[int], features: torch.Tensor, chain: list[i
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_the_cache_drafts_what_the_draft_computes_from_the_whole_context(tmp_path, graphs):
-    """(graphs: the draft steps after the first through the decode graphs' padded steps, run
-    eagerly on the CPU, replayed on a GPU, over the Triton backend they are captured with)"""
+    """(graphs: short catch-ups as decode rows and the draft steps after the first as decode
+    steps, through the graphs' padded steps, run eagerly on the CPU, replayed on a GPU, over the
+    Triton backend they are captured with)"""
     _, target = target_pair()
     draft = load_draft(write_draft(tmp_path / "draft"), target)
     backend = "triton" if graphs else "torch"
@@ -64,8 +65,11 @@ def test_the_cache_drafts_what_the_draft_computes_from_the_whole_context(tmp_pat
     drafter = Eagle3Drafter(draft, target, config, CPU, torch.float32)
     table = torch.zeros(4, 96, dtype=torch.int32)
     drafter.make_cache(400, table, max_steps=3, padding_row=3)
+    rows_runs: list[int] = []  # (the catch-ups run as decode rows: their positions)
     if graphs:
         drafter.use_graphs(4, capture=False)
+        run_rows = drafter.row_graphs.run
+        drafter.row_graphs.run = lambda *a: rows_runs.append(len(a[0])) or run_rows(*a)
     gen = torch.Generator().manual_seed(0)
     features = {1: torch.randn(96, 3 * TARGET_HIDDEN, generator=gen)}  # by request row
     next_slot = [1]
@@ -132,6 +136,8 @@ def test_the_cache_drafts_what_the_draft_computes_from_the_whole_context(tmp_pat
     r.is_finished = True
     drafter.draft([s], 3)
     assert id(r) not in drafter._entries and id(s) in drafter._entries
+    if graphs:  # (short catch-ups as decode rows, the prompts' eagerly)
+        assert rows_runs and max(rows_runs) > 1, rows_runs
 
 
 # ---- in the engine, on the default model --------------------------------------------------------

@@ -25,10 +25,12 @@ computed it left them. Two of those may be stale: an entry that request never ca
 the prefix's last one, made with that request's next token, where the two requests differ there.
 A stale entry makes worse drafts, never other outputs, since the target verifies every token.
 
-On a GPU the draft steps after the first replay CUDA graphs of the draft's decode step
-(runtime/cuda_graph.py DecodeGraphs over `_ChainStep`): each step's argmax stays on the device
-as the next step's input, its output as the next step's hidden, and the chain comes to the host
-once, at the end. The catch-up runs eagerly.
+On a GPU a round replays CUDA graphs: a catch-up of a few positions a request (what a verify
+step or a decode step leaves) as decode rows, every position a row (runtime/cuda_graph.py
+RowGraphs over `_CatchUpRows`, the features copied into its buffer first), and the draft steps
+after the first as decode steps (DecodeGraphs over `_ChainStep`), each step's argmax left on the
+device as the next step's input, its output as the next step's hidden; the chain comes to the
+host once, at the end. A longer catch-up (a prompt) runs eagerly.
 
 Features that wait are bounded: a request whose waiting positions pass `_MAX_WAITING` (steps the
 gate kept plain, a long prompt) is caught up when its next features come, without drafting.
@@ -51,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 # positions a request's features may wait for before it is caught up without a draft
 _MAX_WAITING = 16
+# the most positions a catch-up replayed as decode rows holds (more run eagerly)
+_MAX_CATCH_UP_ROWS = 256
 # config.json's record of the target a draft was made for: the first columns of a few LM head
 # rows (medusa.py `lm_head_sample`), by which a shipped draft is found for its model
 SAMPLE_KEY = "radixlm_target_sample"
@@ -120,6 +124,7 @@ class Eagle3Drafter:
         self._entries: dict[int, _Entry] = {}  # by id(req)
         self.table: torch.Tensor | None = None
         self.graphs = None  # the draft steps' graphs (`use_graphs`)
+        self.row_graphs = None  # the catch-ups' graphs, decode rows (`use_graphs`)
         self.folder = None  # where the draft was loaded from
 
     @classmethod
@@ -202,13 +207,22 @@ class Eagle3Drafter:
 
     def use_graphs(self, max_batch: int, capture: bool = True) -> None:
         """Run the draft steps after the first through DecodeGraphs of up to `max_batch`
-        requests; capture=False runs the same padded steps eagerly (a CPU test of this path)."""
-        from radixlm.runtime.cuda_graph import DecodeGraphs
+        requests, and catch-ups of up to `max_steps` + 2 positions a request (a verify step's
+        most) through RowGraphs; capture=False runs the same padded steps eagerly (a CPU test
+        of this path)."""
+        from radixlm.runtime.cuda_graph import DecodeGraphs, RowGraphs
 
         self.chain_step = _ChainStep(self.model, max_batch, self.device, self.dtype)
         self.token_buf = torch.zeros(self.table.shape[0], dtype=torch.int64, device=self.device)
         self.graphs = DecodeGraphs(
             self.chain_step, self.backend, self.table, self.token_buf, max_batch,
+            capture=capture, padding_row=self.padding_row,
+        )  # fmt: skip
+        per_request = self.max_steps + 2
+        max_rows = min(max_batch * per_request, _MAX_CATCH_UP_ROWS)
+        self.catch_up_rows = _CatchUpRows(self.model, max_rows, self.device, self.dtype)
+        self.row_graphs = RowGraphs(
+            self.catch_up_rows, self.backend, self.table, self.token_buf, max_rows, per_request,
             capture=capture, padding_row=self.padding_row,
         )  # fmt: skip
 
@@ -352,6 +366,15 @@ class Eagle3Drafter:
         # the target's slots of every position the draft attends (and, past them, entries the
         # draft steps overwrite with their scratch slots)
         self.table[rows_t] = self.target_table[rows_t]
+        rg = self.row_graphs
+        if rg is not None and rg.can_run(len(ids), max(extend)):  # (as decode rows)
+            rows_in = self.catch_up_rows
+            rows_in.features[: len(ids)] = torch.cat(feats)
+            logits, _ = rg.run(ids, positions, token_rows, [])
+            if not want_logits:
+                return None, None
+            at = last_t[back_t]
+            return logits[at], rows_in.out[at]
         slots = self.table[token_rows_t, pos_t].long()
         batch = ForwardBatch(
             input_ids=ids_t, positions=pos_t, out_cache_loc=slots, req_pool_indices=rows_t,
@@ -391,6 +414,26 @@ class _ChainStep(nn.Module):
         batch = dataclasses.replace(batch, input_ids=self.draft.target_ids(batch.input_ids))
         logits, out = self.draft(batch, backend, self.hidden[:n], from_target=False)
         self.hidden[:n].copy_(out)
+        return logits
+
+
+class _CatchUpRows(nn.Module):
+    """The draft over a catch-up's positions as RowGraphs runs a model, every position a decode
+    row: row i reads the target's features `features[i]`, and its output goes to `out[i]`."""
+
+    def __init__(self, draft, max_rows: int, device, dtype) -> None:
+        super().__init__()
+        self.draft = draft
+        cfg = draft.config
+        self.features = torch.zeros(
+            max_rows, 3 * cfg.target_hidden_size, device=device, dtype=dtype
+        )
+        self.out = torch.zeros(max_rows, cfg.model.hidden_size, device=device, dtype=dtype)
+
+    def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
+        n = batch.input_ids.shape[0]
+        logits, out = self.draft(batch, backend, self.features[:n], from_target=True)
+        self.out[:n].copy_(out)
         return logits
 
 
