@@ -300,3 +300,30 @@ def test_the_default_model_drafts_with_the_draft_that_ships_for_it(default_model
         assert eng._core.speculative.eagle3 is not None  # (drafting never failed)
     assert results(outs) == results(plain)
     assert stats["spec_verify_ct"] > 0 and stats["spec_accept_length"] > 1.1, stats
+
+
+def test_preemption_and_requests_beside_that_decode_plainly(
+    default_model_folder, reference, engine
+):
+    """A pool smaller than the workload's prompts, with requests that decode plainly (a
+    penalty, min_new_tokens) or within a grammar beside: requests are preempted and run again
+    (their features handed over again from where the prefix cache leaves them), and every
+    output is plain decoding's."""
+    from tests.test_speculative_engine import PLAIN_ONES
+
+    prompts, params, _ = reference
+    tok = engine.tokenizer
+    pool = sum(len(tok.encode(p, add_special_tokens=False)) for p in prompts) - 8
+    prompts, params = prompts + PLAIN_ONES[0], params + PLAIN_ONES[1]
+    with start(default_model_folder, disable_overlap_schedule=True) as eng:
+        plain = eng.generate(prompts, params)
+    with start(
+        default_model_folder, max_total_tokens=pool, max_running_requests=8, **EAGLE
+    ) as eng:  # fmt: skip
+        outs = eng.generate(prompts, params)
+        stats = eng.get_stats()
+        assert eng._core.speculative.eagle3 is not None  # (drafting never failed)
+    assert results(outs) == results(plain)
+    assert stats["num_preemptions"] > 0, stats
+    assert kv_whole(stats), stats
+    assert stats["spec_verify_ct"] > 0, stats
