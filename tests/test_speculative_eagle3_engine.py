@@ -136,6 +136,15 @@ def test_the_cache_drafts_what_the_draft_computes_from_the_whole_context(tmp_pat
     r.is_finished = True
     drafter.draft([s], 3)
     assert id(r) not in drafter._entries and id(s) in drafter._entries
+    # a request whose draft steps would pass the request table's last column gets no draft;
+    # one that fits, up to there
+    far = FakeReq(torch.randint(0, 96, (94,), generator=gen).tolist(), 0)
+    features[0] = torch.randn(96, 3 * TARGET_HIDDEN, generator=gen)
+    slots(0, 0, 94)
+    hand(far, 0, 94)
+    far.output_ids.append(5)  # (the newest token at position 94 of 0 .. 95)
+    assert drafter.draft([far], 4) == [[]]
+    check(far, num=2)
     if graphs:  # (short catch-ups as decode rows, the prompts' eagerly)
         assert rows_runs and max(rows_runs) > 1, rows_runs
 

@@ -212,7 +212,9 @@ class Eagle3Drafter:
         of this path)."""
         from radixlm.runtime.cuda_graph import DecodeGraphs, RowGraphs
 
-        self.chain_step = _ChainStep(self.model, max_batch, self.device, self.dtype)
+        self.chain_step = _ChainStep(
+            self.model, max_batch, self.device, self.dtype, self.sampled_vocab
+        )
         self.token_buf = torch.zeros(self.table.shape[0], dtype=torch.int64, device=self.device)
         self.graphs = DecodeGraphs(
             self.chain_step, self.backend, self.table, self.token_buf, max_batch,
@@ -249,7 +251,8 @@ class Eagle3Drafter:
                 e.ctx, e.waiting = start, []
             elif end - e.ctx >= _MAX_WAITING:
                 overdue.append(e)
-            e.waiting.append((start, features[row : row + count]))
+            # (a copy: a view would keep the whole step's features alive)
+            e.waiting.append((start, features[row : row + count].clone()))
         if overdue:  # all but their newest positions (this step's), without drafting
             self._catch_up(overdue, lambda e: e.end - self._newest_rows(e), want_logits=False)
 
@@ -265,11 +268,15 @@ class Eagle3Drafter:
         whose features do not reach its newest token)."""
         self._forget_finished()
         chains: list[list[int]] = [[] for _ in reqs]
+        steps = min(num, self.max_steps + 1)
+        # (a draft step's position must have a request-table column and a rope row: a request
+        # this close to the context's end is not drafted for)
+        last = min(self.table.shape[1], self.model.rope.cos.shape[0]) - 1
         ready, which = [], []
         for i, req in enumerate(reqs):
             e = self._entries.get(id(req))
             newest = len(req.input_ids) + len(req.output_ids) - 1
-            if e is not None and e.waiting and e.end == newest:
+            if e is not None and e.waiting and e.end == newest and newest + steps - 1 <= last:
                 ready.append(e)
                 which.append(i)
         if not ready or num <= 0:
@@ -277,7 +284,6 @@ class Eagle3Drafter:
         logits, hidden = self._catch_up(ready, lambda e: e.end, want_logits=True)
         positions = [e.ctx for e in ready]  # (the newest token's: caught up to it)
         rows = [e.req.pool_row for e in ready]
-        steps = min(num, self.max_steps + 1)
         if self.graphs is not None and self.graphs.can_run(len(ready)):
             drafted = self._stepped(logits, hidden, rows, positions, steps)
         else:
@@ -310,7 +316,7 @@ class Eagle3Drafter:
         """`_eager_steps` through the draft steps' graphs: the first draft token (a draft id)
         and the catch-up's output go into the graphs' buffers, each step leaves its argmax
         there for the next."""
-        first = logits.argmax(dim=-1)
+        first = logits[:, : self.sampled_vocab].argmax(dim=-1)
         rows_t = to_device(int64_tensor(rows), self.device)
         self.token_buf[rows_t] = first
         self.chain_step.hidden[: len(rows)] = hidden
@@ -390,8 +396,13 @@ class Eagle3Drafter:
     # ---- the cache ----------------------------------------------------------------------------
 
     def _forget_finished(self) -> None:
+        """Drop finished requests, and the waiting features of preempted ones (a preempted
+        request runs its context again, handing them over again)."""
         for key in [k for k, e in self._entries.items() if e.req.is_finished]:
             del self._entries[key]
+        for e in self._entries.values():
+            if e.waiting and e.req.pool_row is None:
+                e.waiting = []
 
     def release_all(self) -> None:
         """Forget every request (the engine's cache flush)."""
@@ -403,18 +414,19 @@ class _ChainStep(nn.Module):
     graphs leave each step's argmax as the next step's input), and row i reads `hidden[i]` as
     its hidden, which its output then replaces."""
 
-    def __init__(self, draft, max_batch: int, device, dtype) -> None:
+    def __init__(self, draft, max_batch: int, device, dtype, sampled_vocab: int) -> None:
         super().__init__()
         self.draft = draft
         width = draft.config.model.hidden_size
         self.hidden = torch.zeros(max_batch, width, device=device, dtype=dtype)
+        self.sampled_vocab = sampled_vocab  # (draft ids past it are padding, as in `_pick`)
 
     def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:
         n = batch.input_ids.shape[0]
         batch = dataclasses.replace(batch, input_ids=self.draft.target_ids(batch.input_ids))
         logits, out = self.draft(batch, backend, self.hidden[:n], from_target=False)
         self.hidden[:n].copy_(out)
-        return logits
+        return logits[:, : self.sampled_vocab]
 
 
 class _CatchUpRows(nn.Module):
