@@ -333,8 +333,7 @@ class RowGraphs(_BucketGraphs):
         )  # fmt: skip
         batch.aux_layers = self.aux_layers
         logits = self.model(batch, self.backend)
-        hidden = batch.hidden_states if self.keeps_hidden else None
-        return logits, greedy_ids(logits), hidden, batch.aux_hidden_states
+        return logits, greedy_ids(logits), batch.hidden_states, batch.aux_hidden_states
 
     def _padding_inputs(self, n: int) -> None:
         self._inputs.zero_()

@@ -42,7 +42,8 @@ class ForwardBatch:
     hidden_indices: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     # with hidden_indices, the layers whose input (the residual stream entering them: the
-    # embeddings for layer 0, else the layer before's output) the model also keeps at those rows,
+    # embeddings for layer 0, else the layer before's output) the model keeps at those rows
+    # instead of the final hidden states,
     # side by side in `aux_hidden_states` (len(hidden_indices), len(aux_layers) * hidden): the
     # features an EAGLE-3 draft reads (runtime/models/llama_eagle3.py)
     aux_layers: tuple[int, ...] = ()

@@ -461,10 +461,7 @@ class ModelRunner:
             return self.model.forward_lists(lists, self._to_batch, self.backend)
         batch = self._to_batch(lists)
         logits = self.model(batch, self.backend)
-        if lists.feature_rows:
-            lists.features = batch.aux_hidden_states
-        else:
-            lists.hidden = batch.hidden_states
+        lists.hidden, lists.features = batch.hidden_states, batch.aux_hidden_states
         return logits
 
     def _lockstep(self) -> contextlib.AbstractContextManager:

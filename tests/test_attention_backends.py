@@ -373,11 +373,7 @@ def test_speculative_verify_steps_through_prefill_graphs_match_eager(tiny_model_
     ]
     outs, runs, verifies = [], [], []
     for graphs in (False, True):
-        with radixlm.Engine(
-            tiny_model_folder, **EAGER, attention_backend="triton",
-            speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
-            speculative_adaptive=False,
-        ) as eng:  # fmt: skip
+        with drafting(tiny_model_folder, "NGRAM", speculative_num_draft_tokens=4) as eng:
             runner = eng._core.runner
             if graphs:
                 install_prefill_graphs(eng, max_tokens=32, max_reqs=16)
@@ -405,11 +401,9 @@ def test_medusa_steps_through_prefill_graphs_keep_the_hidden_states(tiny_model_f
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     outs, kept = [], []
     for graphs in (False, True):
-        with radixlm.Engine(
-            tiny_model_folder, **EAGER, attention_backend="triton",
-            speculative_algorithm="MEDUSA", speculative_draft_model_path=str(tmp_path),
-            speculative_adaptive=False,
-        ) as eng:  # fmt: skip
+        with drafting(
+            tiny_model_folder, "MEDUSA", speculative_draft_model_path=str(tmp_path)
+        ) as eng:
             runner = eng._core.runner
             if graphs:
                 install_prefill_graphs(eng, max_tokens=32, max_reqs=16, keep_hidden=True)
@@ -426,6 +420,14 @@ def test_medusa_steps_through_prefill_graphs_keep_the_hidden_states(tiny_model_f
     assert kept and all(shape == (rows, hidden) for rows, shape in kept), kept
     assert any(rows > 2 for rows, _ in kept), "no verify step replayed a graph"
     assert outs[0] == outs[1]
+
+
+def drafting(folder: str, algorithm: str, **kw) -> radixlm.Engine:
+    """An eager engine on the Triton backend drafting with `algorithm` at every step."""
+    return radixlm.Engine(
+        folder, **EAGER, attention_backend="triton", speculative_algorithm=algorithm,
+        speculative_adaptive=False, **kw,
+    )  # fmt: skip
 
 
 def install_row_graphs(
@@ -470,11 +472,7 @@ def test_verify_steps_as_decode_rows_match_eager(tiny_model_folder):
     ]
     outs, verifies, notes = [], [], []
     for graphs in (False, True):
-        with radixlm.Engine(
-            tiny_model_folder, **EAGER, attention_backend="triton",
-            speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
-            speculative_adaptive=False,
-        ) as eng:  # fmt: skip
+        with drafting(tiny_model_folder, "NGRAM", speculative_num_draft_tokens=4) as eng:
             if graphs:
                 notes = install_row_graphs(eng, max_rows=16, max_item_tokens=4)
             got = eng.generate(
@@ -499,10 +497,9 @@ def test_medusa_steps_as_decode_rows_keep_the_hidden_states(tiny_model_folder, t
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     outs, notes = [], []
     for graphs in (False, True):
-        with radixlm.Engine(
-            tiny_model_folder, **EAGER, attention_backend="triton",
-            speculative_algorithm="MEDUSA", speculative_draft_model_path=str(tmp_path),
-            speculative_adaptive=False, speculative_eagle_topk=topk,
+        with drafting(
+            tiny_model_folder, "MEDUSA", speculative_draft_model_path=str(tmp_path),
+            speculative_eagle_topk=topk,
         ) as eng:  # fmt: skip
             if graphs:
                 notes = install_row_graphs(
@@ -541,11 +538,9 @@ def test_eagle3_steps_as_decode_rows_keep_the_targets_features(tiny_model_folder
         width = 3 * eng.model.cfg.hidden_size
     outs, drafts, notes = [], [], []
     for graphs in (False, True):
-        with radixlm.Engine(
-            tiny_model_folder, **EAGER, attention_backend="triton",
-            speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path),
-            speculative_adaptive=False,
-        ) as eng:  # fmt: skip
+        with drafting(
+            tiny_model_folder, "EAGLE3", speculative_draft_model_path=str(tmp_path)
+        ) as eng:
             drafter = eng._core.speculative.eagle3
             if graphs:  # (the target's steps as decode rows, the draft's rounds through its own)
                 notes = install_row_graphs(

@@ -76,6 +76,7 @@ def test_the_target_keeps_the_stream_entering_the_layers_a_draft_reads():
     # in the order asked for, a layer named twice twice
     want = torch.cat([states[i][0, [1, 4, 6]] for i in (5, 0, 2, 2)], dim=-1)
     assert batch.aux_hidden_states.shape == (3, 4 * TARGET_HIDDEN)
+    assert batch.hidden_states is None  # (the features instead of the final hidden states)
     torch.testing.assert_close(batch.aux_hidden_states, want, atol=1e-5, rtol=1e-5)
     # none asked for, none kept
     batch, backend = prefill(ours, 6, 2, TARGET_HIDDEN // 4, tokens, hidden_indices=torch.tensor([6]))  # fmt: skip

@@ -254,11 +254,7 @@ class Eagle3Drafter:
             # (a copy: a view would keep the whole step's features alive)
             e.waiting.append((start, features[row : row + count].clone()))
         if overdue:  # all but their newest positions (this step's), without drafting
-            self._catch_up(overdue, lambda e: e.end - self._newest_rows(e), want_logits=False)
-
-    @staticmethod
-    def _newest_rows(e: _Entry) -> int:
-        return e.waiting[-1][1].shape[0] if e.waiting else 0
+            self._catch_up(overdue, lambda e: e.waiting[-1][0], want_logits=False)
 
     # ---- drafting ---------------------------------------------------------------------------------
 
@@ -306,7 +302,7 @@ class Eagle3Drafter:
             slots = self._scratch(rows, step)
             rows_t, at_t, slots_t = packed_to_device([rows, at, slots], self.device)
             self.table[rows_t, at_t] = slots_t.to(self.table.dtype)
-            batch = _extend_batch(tokens, at_t, rows_t, at_t, slots_t, self.device)
+            batch = ForwardBatch.decode_rows(tokens, at_t, rows_t, slots_t, at_t + 1, at)
             logits, hidden = self.model(batch, self.backend, hidden, from_target=False)
             tokens = self._pick(logits)
             drafted.append(tokens)
@@ -447,16 +443,3 @@ class _CatchUpRows(nn.Module):
         logits, out = self.draft(batch, backend, self.features[:n], from_target=True)
         self.out[:n].copy_(out)
         return logits
-
-
-def _extend_batch(tokens, positions, rows, prefix, slots, device) -> ForwardBatch:
-    """A batch of one token per request at `positions` (after `prefix` = positions tokens),
-    written to `slots`, logits at every row."""
-    n = tokens.shape[0]
-    prefix_cpu = prefix.tolist()
-    ones = torch.ones(n, dtype=torch.long, device=device)
-    return ForwardBatch(
-        input_ids=tokens, positions=positions, out_cache_loc=slots, req_pool_indices=rows,
-        prefix_lens=prefix, extend_lens=ones, seq_lens=prefix + 1, logits_indices=None,
-        extend_lens_cpu=[1] * n, prefix_lens_cpu=prefix_cpu, num_multi=0,
-    )  # fmt: skip
