@@ -395,7 +395,8 @@ def _add_train_draft(commands) -> None:
         "train-draft",
         help="train a speculative draft (MEDUSA heads, an EAGLE3 draft) on the model's own outputs",
         description="Make a draft for a model: generate data with the engine (the model's "
-        "greedy answers to built-in or random-token prompts, under its chat template), capture "
+        "greedy answers to built-in prompts, prompts it writes itself or random-token ones, "
+        "under its chat template), capture "
         "its hidden states (MEDUSA: the final ones along each answer; EAGLE3: three layers' "
         "inputs at every position), train (MEDUSA: heads through the frozen LM head; EAGLE3: "
         "one decoder layer with training-time test), and write the folder "
@@ -422,6 +423,11 @@ def _add_train_draft(commands) -> None:
     add(
         "--random-prompt-fraction", type=float, default=d.random_prompt_fraction,
         help="the share of prompts made of random tokens (the rest: built-in instructions)",
+    )  # fmt: skip
+    add(
+        "--model-prompt-fraction", type=float, default=d.model_prompt_fraction,
+        help="the share of prompts the model writes itself (asked, with sampling, for a "
+        "question or task about a built-in subject): more varied than the built-in ones",
     )  # fmt: skip
     add(
         "--prompts-file", default=None,

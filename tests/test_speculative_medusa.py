@@ -7,6 +7,7 @@ same seed makes the same data)."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -285,6 +286,26 @@ def test_the_same_seed_makes_the_same_data(tiny_engine, tmp_path):
         assert (own == part["next"]).float().mean() > 0.95
 
 
+def test_prompts_the_model_writes_repeat_from_the_seed_and_are_answered(tiny_engine, tmp_path):
+    from radixlm.runtime.speculative import draft_data
+
+    def written(seed):
+        return draft_data.model_prompts(tiny_engine, 4, random.Random(seed), max_new_tokens=8)
+
+    a, b, c = written(0), written(0), written(1)
+    assert a == b and a != c
+    assert len(a) == 4 and all(m and m == m.strip() for m in a)
+    # its first paragraph, unquoted
+    assert draft_data._first_paragraph('\n\n  "How do bees fly?"\n\nMore.') == "How do bees fly?"
+    # through the options: a third of the prompts written, the rest built-in and random
+    quiet = lambda _: None  # noqa: E731
+    opts = small(tmp_path, model_prompt_fraction=0.34, random_prompt_fraction=0.33)
+    data = training.make_data(tiny_engine, opts, quiet)
+    again = training.make_data(tiny_engine, opts, quiet)
+    assert len(data.prompts) == 6 and data.prompts == again.prompts
+    assert data.answers == again.answers
+
+
 def test_training_lowers_the_loss_and_a_resumed_run_ends_where_an_unbroken_one_does(
     tiny_engine, tmp_path, monkeypatch
 ):
@@ -362,6 +383,10 @@ def test_bad_train_draft_options_are_refused_before_the_model_loads(tmp_path):
         (["--num-heads", "0"], "--num-heads must be at least 1"),
         (["--algorithm", "NGRAM"], "MEDUSA heads or an EAGLE3 draft can be trained"),
         (["--held-out-fraction", "1"], "held-out-fraction"),
+        (
+            ["--random-prompt-fraction", "0.6", "--model-prompt-fraction", "0.6"],
+            "add up to more than 1",
+        ),
         (["--resume"], "holds no checkpoint.pt"),
     ]:
         with pytest.raises(ValueError, match=says):

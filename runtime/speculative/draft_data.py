@@ -1,5 +1,5 @@
 """Training data for draft heads, made by the target model itself: prompts (a built-in varied set,
-or random tokens), the model's own greedy answers under its chat template (through `radixlm.Engine`),
+messages the model writes itself, or random tokens), the model's own greedy answers under its chat template (through `radixlm.Engine`),
 and the final hidden states along each answer (a teacher-forced forward of prompt + answer).
 
 Heads trained on the model's own outputs learn what it will say, not what some corpus says: the
@@ -183,6 +183,56 @@ def _user_message(record: dict) -> str | None:
     return None
 
 
+# what the model is asked, to write a user message itself ({s}: a built-in subject)
+_WRITER_ASKS = (
+    "Write a question that someone might ask an AI assistant about {s}. Reply with the "
+    "question only.",
+    "Write a request that a user might send to a helpful assistant, related to {s}. Reply "
+    "with the request only.",
+    "Imagine you are chatting with an assistant about {s}. Write your first message to it, "
+    "and nothing else.",
+    "Write a task for an assistant (writing, explaining, planning or coding) that involves "
+    "{s}. Reply with the task only.",
+)
+
+
+def model_prompts(
+    engine, n: int, rng: random.Random, max_new_tokens: int = 64, progress=None
+) -> list[str]:
+    """`n` user messages written by the model itself, asked (under its chat template) for a
+    question, request or task about a built-in subject, sampled (temperature 0.8, top-p 0.95,
+    a seed from `rng` for each): prompts as varied as what the model can write, unlike any
+    template. A message comes out as its first non-empty paragraph, without surrounding
+    quotes; one that comes out empty is replaced by a built-in prompt."""
+    asks = [rng.choice(_WRITER_ASKS).format(s=rng.choice(_SUBJECTS)) for _ in range(n)]
+    seeds = [rng.randrange(2**31) for _ in range(n)]
+    outs = _answer(
+        engine,
+        asks,
+        lambda i: {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 0.8,
+            "top_p": 0.95,
+            "seed": seeds[i],
+        },
+        progress,
+    )
+    messages = [
+        _first_paragraph(engine.tokenizer.decode(o["output_ids"], skip_special_tokens=True))
+        for o in outs
+    ]
+    fill = iter(builtin_prompts(sum(not m for m in messages), rng))
+    return [m or next(fill) for m in messages]
+
+
+def _first_paragraph(text: str) -> str:
+    for part in text.replace("\r", "").split("\n\n"):
+        part = part.strip().strip('"\u201c\u201d').strip()
+        if part:
+            return part
+    return ""
+
+
 def random_prompts(n: int, rng: random.Random, tokenizer, length: tuple[int, int]) -> list[str]:
     """`n` user messages of random tokens (text decoded from ids drawn uniformly from the
     tokenizer's ordinary tokens): inputs the model never saw, answered in its own words."""
@@ -206,6 +256,15 @@ def generate_answers(
 ) -> list[Conversation]:
     """The engine's greedy answers to `messages` (user messages, under its chat template), all
     submitted at once (continuous batching), `progress(1)` called as each finishes."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0}
+    prompts, outs = _answer(engine, messages, lambda i: params, progress, with_prompts=True)
+    return [Conversation(p, list(o["output_ids"])) for p, o in zip(prompts, outs)]
+
+
+def _answer(engine, messages: Sequence[str], params, progress=None, with_prompts=False):
+    """The engine's outputs for `messages` (user messages under its chat template), request i
+    with sampling parameters `params(i)`, all submitted at once; with `with_prompts`, the
+    prompts' ids too."""
     from radixlm.protocol.prompt_tokens import encode_prompt
 
     prompts = [
@@ -214,19 +273,18 @@ def generate_answers(
         )
         for m in messages
     ]
-    params = {"max_new_tokens": max_new_tokens, "temperature": 0}
 
-    async def one(ids: list[int]) -> dict:
-        out = await engine.async_generate(input_ids=ids, sampling_params=params)
+    async def one(i: int, ids: list[int]) -> dict:
+        out = await engine.async_generate(input_ids=ids, sampling_params=params(i))
         if progress is not None:
             progress(1)
         return out
 
     async def run() -> list[dict]:
-        return await asyncio.gather(*(one(p) for p in prompts))
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
     outs = asyncio.run(run())
-    return [Conversation(p, list(o["output_ids"])) for p, o in zip(prompts, outs)]
+    return (prompts, outs) if with_prompts else outs
 
 
 def hidden_states(

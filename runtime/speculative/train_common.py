@@ -26,13 +26,19 @@ def conversations(engine, opts: TrainDraftOptions, say: Callable[[str], None]):
 
     rng = random.Random(opts.seed)
     num_random = round(opts.num_prompts * opts.random_prompt_fraction)
+    num_written = round(opts.num_prompts * opts.model_prompt_fraction)
+    rest = opts.num_prompts - num_random - num_written
     if opts.prompts_file:  # (a seeded sample of the file's, if it holds more)
         messages = draft_data.read_prompts(opts.prompts_file)
         rng.shuffle(messages)
-        messages = messages[: opts.num_prompts - num_random]
+        messages = messages[:rest]
     else:
-        messages = draft_data.builtin_prompts(opts.num_prompts - num_random, rng)
+        messages = draft_data.builtin_prompts(rest, rng)
     messages += draft_data.random_prompts(num_random, rng, engine.tokenizer, (8, 48))
+    if num_written:
+        say(f"the model writes {num_written} prompts")
+        with tqdm(total=num_written, desc="prompts", unit="prompt") as bar:
+            messages += draft_data.model_prompts(engine, num_written, rng, progress=bar.update)
     rng.shuffle(messages)
     say(f"generating the model's answers to {len(messages)} prompts")
     with tqdm(total=len(messages), desc="answers", unit="prompt") as bar:

@@ -12,6 +12,7 @@ DATA_KEYS = (
     "seed",
     "num_prompts",
     "random_prompt_fraction",
+    "model_prompt_fraction",
     "max_new_tokens",
     "held_out_fraction",
     "prompts_file",
@@ -29,6 +30,8 @@ class TrainDraftOptions:
     num_layers: int = 1  # residual blocks per head
     num_prompts: int = 256
     random_prompt_fraction: float = 0.0  # the share of prompts made of random tokens
+    # the share of prompts the model writes itself (draft_data.model_prompts)
+    model_prompt_fraction: float = 0.0
     # user messages to answer instead of the built-in ones (draft_data.read_prompts: JSON Lines
     # or one a line), up to --num-prompts of them, a seeded sample
     prompts_file: str | None = None
@@ -62,8 +65,11 @@ class TrainDraftOptions:
                 bad(f"--{name.replace('_', '-')} must be at least 1")
         if self.num_heads > 16:
             bad("--num-heads is at most 16 (a chain rarely survives past a few heads)")
-        if not 0.0 <= self.random_prompt_fraction <= 1.0:
-            bad("--random-prompt-fraction must lie in [0, 1]")
+        for name in ("random_prompt_fraction", "model_prompt_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                bad(f"--{name.replace('_', '-')} must lie in [0, 1]")
+        if self.random_prompt_fraction + self.model_prompt_fraction > 1.0:
+            bad("--random-prompt-fraction and --model-prompt-fraction add up to more than 1")
         if not 0.0 < self.held_out_fraction < 1.0:
             bad("--held-out-fraction must lie in (0, 1)")
         if self.steps is not None and self.steps < 1:

@@ -1,8 +1,8 @@
 """`radixlm train-draft`: draft heads trained on the target model's own outputs.
 
-1. Data (draft_data.py): prompts (built-in or random tokens), the model's greedy answers through
-   the engine, and the final hidden states along each answer; written to the output folder
-   (data.json, data.safetensors) and reused by a run with the same data settings.
+1. Data (draft_data.py): prompts (built-in, written by the model, or random tokens), the model's
+   greedy answers through the engine, and the final hidden states along each answer; written to
+   the output folder (data.json, data.safetensors) and reused by a run with the same data settings.
 2. Training: each Medusa head's residual block is trained through the frozen LM head, head i by
    cross-entropy against the answer token i places after the one the LM head predicts from the
    same state, the heads' losses weighted decay**i (later heads are harder and matter less:
