@@ -78,7 +78,9 @@ def run(
     `batch` above 1, the prompts repeated to that many requests, submitted at once."""
     params = {"max_new_tokens": new_tokens, "temperature": 0}
     with radixlm.Engine(device=device, dtype=dtype, **spec) as eng:
-        eng.generate(prompts(algorithm)[0], {"max_new_tokens": 4, "temperature": 0})  # warm-up
+        # warm-up: a whole request, so that the kernels of every step shape a round takes
+        # (prompt, draft, verify) compile and capture here, not inside the timed run
+        eng.generate(prompts(algorithm)[0], params)
         outs, tokens, seconds = [], 0, 0.0
         if batch > 1:
             many = [prompts(algorithm)[i % len(prompts(algorithm))] for i in range(batch)]
