@@ -82,6 +82,7 @@ def run(
         # (prompt, draft, verify) compile and capture here, not inside the timed run
         eng.generate(prompts(algorithm)[0], params)
         outs, tokens, seconds = [], 0, 0.0
+        before = eng.get_stats()
         if batch > 1:
             many = [prompts(algorithm)[i % len(prompts(algorithm))] for i in range(batch)]
             # once untimed: the kernels of this batch's step shapes compile now (a verify step at
@@ -97,6 +98,7 @@ def run(
             seconds += time.perf_counter() - t
             tokens += len(out["output_ids"])
             outs.append(out)
+        print(f"{spec.get('speculative_algorithm', 'plain')}: {_phases(before, eng.get_stats())}")
         if profile:
             _profiled(eng, lambda: [eng.generate(p, params) for p in prompts(algorithm)], profile)
         spec = eng._core.speculative
@@ -124,15 +126,19 @@ def _profiled(engine, work, top: int) -> None:
     engine._core.call(prof.enable)
     work()
     engine._core.call(prof.disable)
-    after = engine.get_stats()
+    print(f"\nprofiled: {_phases(before, engine.get_stats())}")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
+def _phases(before: dict, after: dict) -> str:
+    """The engine core's steps between two stats snapshots and its host time a step by phase."""
     steps = max(1, after["num_steps"] - before["num_steps"])
     phases = ", ".join(
         f"{k.removeprefix('host_seconds_')} {(after[k] - before[k]) / steps * 1e3:.2f}"
         for k in after
         if k.startswith("host_seconds_")
     )
-    print(f"\nprofiled: {steps} steps; host ms/step: {phases}")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    return f"{steps} steps; host ms/step: {phases}"
 
 
 def main() -> None:
