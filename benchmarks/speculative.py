@@ -12,7 +12,7 @@ draft tokens and the bonus token), the speed-up, and whether the outputs are tok
 
     python -m benchmarks.speculative [--algorithm NGRAM|MEDUSA|STANDALONE|EAGLE3] [--device cpu] [--new-tokens 64]
         [--num-draft-tokens 8] [--draft-model-path DIR] [--dtype float32] [--batch 32]
-        [--eagle-topk 2] [--no-adaptive]
+        [--eagle-topk 2] [--no-adaptive] [--prompts builtin]
 """
 
 from __future__ import annotations
@@ -58,7 +58,16 @@ def chat(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def prompts(algorithm: str = "NGRAM") -> list[str]:
+def prompts(algorithm: str = "NGRAM", prompt_set: str = "default") -> list[str]:
+    """The run's prompts: extraction prompts for NGRAM, chat prompts for the drafts, or with
+    prompt_set="builtin" 8 of `radixlm train-draft`'s built-in instructions (a seeded sample:
+    the distribution the shipped drafts trained on, some of them perhaps among their prompts)."""
+    if prompt_set == "builtin":
+        import random
+
+        from radixlm.runtime.speculative.draft_data import builtin_prompts
+
+        return [chat(text) for text in builtin_prompts(8, random.Random(12345))]
     if algorithm in ("MEDUSA", "STANDALONE", "EAGLE3"):
         return [chat(text) for text in _CHATS]
     return [chat(f"{ask}\n{record}") for ask, record in zip(_ASKS, _RECORDS)]
@@ -71,6 +80,7 @@ def run(
     dtype: str = "float32",
     profile: int = 0,
     batch: int = 1,
+    prompt_set: str = "default",
     **spec,
 ) -> tuple[float, list[list[int]], list[float]]:
     """(tokens/s over all prompts one at a time, each output, each accepted length); with
@@ -80,11 +90,12 @@ def run(
     with radixlm.Engine(device=device, dtype=dtype, **spec) as eng:
         # warm-up: a whole request, so that the kernels of every step shape a round takes
         # (prompt, draft, verify) compile and capture here, not inside the timed run
-        eng.generate(prompts(algorithm)[0], params)
+        texts = prompts(algorithm, prompt_set)
+        eng.generate(texts[0], params)
         outs, tokens, seconds = [], 0, 0.0
         before = eng.get_stats()
         if batch > 1:
-            many = [prompts(algorithm)[i % len(prompts(algorithm))] for i in range(batch)]
+            many = [texts[i % len(texts)] for i in range(batch)]
             # once untimed: the kernels of this batch's step shapes compile now (a verify step at
             # a new shape compiled for seconds inside the timed run), as a server's would have
             eng.generate(many, params)
@@ -92,7 +103,7 @@ def run(
             outs = eng.generate(many, params)
             seconds = time.perf_counter() - t
             tokens = sum(len(o["output_ids"]) for o in outs)
-        for prompt in prompts(algorithm) if batch == 1 else ():
+        for prompt in texts if batch == 1 else ():
             t = time.perf_counter()
             out = eng.generate(prompt, params)
             seconds += time.perf_counter() - t
@@ -100,7 +111,7 @@ def run(
             outs.append(out)
         print(f"{spec.get('speculative_algorithm', 'plain')}: {_phases(before, eng.get_stats())}")
         if profile:
-            _profiled(eng, lambda: [eng.generate(p, params) for p in prompts(algorithm)], profile)
+            _profiled(eng, lambda: [eng.generate(p, params) for p in texts], profile)
         spec = eng._core.speculative
         if spec is not None and spec.gate is not None:
             print(
@@ -170,14 +181,20 @@ def main() -> None:
         help="draft at every step (speculative_adaptive off): the verify path alone",
     )  # fmt: skip
     ap.add_argument(
+        "--prompts", default="default", choices=["default", "builtin"],
+        help="builtin: 8 of train-draft's built-in instructions (the drafts' training "
+        "distribution) instead of the extraction or chat prompts",
+    )  # fmt: skip
+    ap.add_argument(
         "--profile", type=int, default=0, metavar="N",
         help="then the speculative run once more under cProfile: its N costliest functions",
     )  # fmt: skip
     args = ap.parse_args()
     algorithm = args.algorithm
     plain_rate, plain_ids, _ = run(
-        args.device, args.new_tokens, algorithm, args.dtype, batch=args.batch
-    )
+        args.device, args.new_tokens, algorithm, args.dtype, batch=args.batch,
+        prompt_set=args.prompts,
+    )  # fmt: skip
     spec = {"speculative_algorithm": algorithm}
     k = args.num_draft_tokens or (8 if algorithm == "NGRAM" else None)
     if k is not None:
@@ -194,9 +211,12 @@ def main() -> None:
     if args.eagle_topk > 1:
         spec["speculative_eagle_topk"] = args.eagle_topk
     spec_rate, spec_ids, accepted = run(
-        args.device, args.new_tokens, algorithm, args.dtype, args.profile, args.batch, **spec
-    )
+        args.device, args.new_tokens, algorithm, args.dtype, args.profile, args.batch,
+        args.prompts, **spec,
+    )  # fmt: skip
     kind = "extraction" if algorithm == "NGRAM" else "chat"
+    if args.prompts == "builtin":
+        kind = "built-in instruction"
     print(f"device: {device_line()}; commit {commit()}")
     print(
         f"{len(plain_ids)} {kind} prompts, batch {args.batch}, greedy, {args.new_tokens} new "
@@ -217,10 +237,11 @@ def main() -> None:
             + ", ".join(f"{f} of {len(a)}" for f, a in zip(firsts, plain_ids))
         )
         if args.dtype != "float32" and args.batch == 1:
-            _near_ties(args.device, algorithm, plain_ids, spec_ids, firsts)
+            texts = prompts(algorithm, args.prompts)
+            _near_ties(args.device, texts, plain_ids, spec_ids, firsts)
 
 
-def _near_ties(device: str, algorithm: str, plain_ids, spec_ids, firsts) -> None:
+def _near_ties(device: str, texts: list[str], plain_ids, spec_ids, firsts) -> None:
     """Where bf16 outputs first differ, the float32 model's log-probabilities of the two tokens
     after the common prefix: a divergence the exactness rule allows sits at a near-tie of the
     float32 logits (the two tokens its top two, close together)."""
@@ -230,7 +251,7 @@ def _near_ties(device: str, algorithm: str, plain_ids, spec_ids, firsts) -> None
         for i, at in enumerate(firsts):
             if at is None:
                 continue
-            ids = eng.tokenizer.encode(prompts(algorithm)[i], add_special_tokens=False)
+            ids = eng.tokenizer.encode(texts[i], add_special_tokens=False)
             out = eng.generate(
                 input_ids=ids + plain_ids[i][:at], sampling_params=params, return_logprob=True,
                 top_logprobs_num=2,
