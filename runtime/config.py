@@ -40,6 +40,11 @@ def _is_kind(value: Any, kind: str) -> bool:
 _SPECULATIVE_LATER = ("EAGLE", "NEXTN")
 # speculative_num_draft_tokens when neither it nor speculative_num_steps is set (MEDUSA: its heads)
 _DEFAULT_DRAFT_TOKENS = {"NGRAM": 12, "STANDALONE": 5, "EAGLE3": 4}
+# an EAGLE3 tree (speculative_eagle_topk above 1): its main chain's draft steps unless
+# speculative_num_steps says, and the most positions its verify takes unless
+# speculative_num_draft_tokens says
+_EAGLE3_TREE_DEPTH = 3
+_EAGLE3_TREE_MAX_TOKENS = 16
 _SPECULATIVE = ("NGRAM", "MEDUSA", "STANDALONE", "EAGLE3")
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as SGLang reads them
@@ -137,7 +142,8 @@ class EngineConfig:
     speculative_algorithm: str | None = None
     # positions a verify step computes: the newest token and up to this many - 1 draft tokens
     # (default: 12 with NGRAM, as in SGLang; with MEDUSA one more than its heads; 5 with
-    # STANDALONE: four draft model steps; 4 with EAGLE3: three draft steps)
+    # STANDALONE: four draft model steps; 4 with EAGLE3: three draft steps; with an EAGLE3
+    # tree, 1 + its depth x speculative_eagle_topk, at most 16)
     speculative_num_draft_tokens: int | None = None
     # draft steps a round runs (SGLang's name): STANDALONE's draft model steps, EAGLE3's draft
     # steps, MEDUSA's heads used; a chain of this many steps verifies this many + 1 positions, the default of
@@ -155,8 +161,9 @@ class EngineConfig:
     speculative_ngram_max_match_window_size: int = 12
     # candidates a draft holds: 1, a chain; more, a tree of up to this many paths (MEDUSA: the
     # first head's top-k, each followed by the other heads' top-1; NGRAM: the continuations of
-    # matches of different lengths), verified in one step (runtime/speculative/tree.py); SGLang's
-    # name (its EAGLE's branching)
+    # matches of different lengths; EAGLE3: its main chain and, at each depth, the draft's next
+    # topk - 1 candidates, the likeliest nodes within speculative_num_draft_tokens - 1), verified
+    # in one step (runtime/speculative/tree.py); SGLang's name (its EAGLE's branching)
     speculative_eagle_topk: int = 1
     # draft only at the batch sizes where verifying was measured to give more tokens a second
     # than decoding plainly (runtime/speculative/gate.py); False: draft at every step
@@ -266,6 +273,16 @@ class EngineConfig:
         self._check_parallel(bad)
 
     @property
+    def speculative_draft_depth(self) -> int:
+        """EAGLE3's draft steps a round (the depth of its main chain): speculative_num_steps if
+        set; else as many as the draft tokens (a chain) or 3 (a tree)."""
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        if self.speculative_eagle_topk > 1:
+            return min(_EAGLE3_TREE_DEPTH, self.speculative_num_draft_tokens - 1)
+        return self.speculative_num_draft_tokens - 1
+
+    @property
     def world_size(self) -> int:
         """The processes the model is split over: tensor-parallel ranks or pipeline stages."""
         return self.tp_size * self.pp_size
@@ -344,6 +361,14 @@ class EngineConfig:
                 )
             if steps is not None and steps < 1:
                 bad(f"speculative_num_steps={steps}; it must be at least 1")
+            tree = algorithm == "EAGLE3" and self.speculative_eagle_topk > 1
+            if tree and self.speculative_num_draft_tokens is None:
+                # (its main chain and the other candidates at each depth, as SGLang's trees)
+                depth = steps or _EAGLE3_TREE_DEPTH
+                object.__setattr__(
+                    self, "speculative_num_draft_tokens",
+                    min(1 + depth * self.speculative_eagle_topk, _EAGLE3_TREE_MAX_TOKENS),
+                )  # fmt: skip
             if steps is not None and self.speculative_num_draft_tokens is None:
                 object.__setattr__(self, "speculative_num_draft_tokens", steps + 1)
             if (
@@ -365,10 +390,10 @@ class EngineConfig:
                     "speculative_algorithm=STANDALONE needs speculative_draft_model_path: the "
                     "draft model (a folder or a GGUF file, of the target's tokenizer)"
                 )
-            if algorithm in ("STANDALONE", "EAGLE3") and self.speculative_eagle_topk > 1:
+            if algorithm == "STANDALONE" and self.speculative_eagle_topk > 1:
                 bad(
-                    f"speculative_eagle_topk above 1 is not available with {algorithm} yet (its "
-                    "draft writes one chain); use 1"
+                    "speculative_eagle_topk above 1 is not available with STANDALONE yet (its "
+                    "draft model writes one chain); use 1"
                 )
             if self.speculative_draft_model_path is not None and algorithm == "NGRAM":
                 bad(

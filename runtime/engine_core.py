@@ -49,7 +49,10 @@ def tree_rows(config) -> int:
     borrows k - 1 for its step; a tree that finds too few left is verified as its first path)."""
     if config.speculative_algorithm is None or config.speculative_eagle_topk <= 1:
         return 0
-    return (config.speculative_eagle_topk - 1) * min(config.max_running_requests, 16)
+    paths = config.speculative_eagle_topk
+    if config.speculative_algorithm == "EAGLE3":  # (a leaf for each node off its main chain)
+        paths = config.speculative_num_draft_tokens - config.speculative_draft_depth
+    return (paths - 1) * min(config.max_running_requests, 16)
 
 
 def use_cuda_graphs(config, device, backend) -> bool:
@@ -185,7 +188,7 @@ class EngineCore:
 
             if config.speculative_algorithm == "EAGLE3":  # (its pool's slots are the target's)
                 draft_model.make_cache(
-                    kv_pool.num_slots, self.rows.table, config.speculative_num_draft_tokens - 2,
+                    kv_pool.num_slots, self.rows.table, config.speculative_draft_depth - 1,
                     self.rows.padding_row,
                 )  # fmt: skip
 

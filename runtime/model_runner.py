@@ -25,6 +25,7 @@ import torch
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.sampler import Sampler, SamplingRow, logprobs_at
 from radixlm.runtime.scheduler import ScheduledReq, StepPlan
+from radixlm.runtime.speculative.tree import Accepted
 from radixlm.runtime.speculative.worker import speculates
 from radixlm.runtime.tensors import int64_tensor, packed_to_device, to_device
 
@@ -407,7 +408,7 @@ class ModelRunner:
                 and rg.can_run(len(lists.input_ids), max(lists.extend_lens))
             ):
                 return "rows"
-            return ""
+            return "eager rows" if lists.tree else ""
         if (
             rg is not None
             and (lists.drafts or lists.keep_hidden)
@@ -448,7 +449,7 @@ class ModelRunner:
         if use_graph == "eager rows":
             batch = self._rows_batch(lists)
             logits = self.model(batch, self.backend)
-            lists.hidden = batch.hidden_states
+            lists.hidden, lists.features = batch.hidden_states, batch.aux_hidden_states
             return logits
         if use_graph:
             logits = self.prefill_graphs.run(
@@ -508,15 +509,28 @@ class ModelRunner:
 
     def _keep_features(self, items, order, lists: StepLists, verified) -> None:
         """Hand the step's features to the drafter: each item's from its first position, a
-        verify step's up to its last accepted draft token."""
-        spans = []
+        verify step's up to its last accepted draft token (a tree's: along the path it took)."""
+        spans, picked = [], []  # (picked: the rows of a step with a tree, in the spans' order)
         for i, row in lists.feature_items:
             it = items[i]
             count = it.num_tokens
             if it.draft:  # (its own tokens, then the draft tokens it accepted)
-                count -= len(it.draft) - (len(verified[order[i]]) - 1)
+                taken = verified[order[i]]
+                count -= len(it.draft) - (len(taken) - 1)
+                if isinstance(taken, Accepted):  # (a tree's nodes: depth-first, not a path)
+                    own = it.num_tokens - len(it.draft)
+                    picked.extend(range(row, row + own))
+                    picked.extend(row + own + node for node in taken.nodes)
+                    spans.append((it.req, it.start, len(picked) - count, count))
+                    continue
+            if lists.tree:
+                picked.extend(range(row, row + count))
+                row = len(picked) - count
             spans.append((it.req, it.start, row, count))
-        self.verifier.keep_features(spans, lists.features)
+        features = lists.features
+        if lists.tree:
+            features = features[to_device(int64_tensor(picked), features.device)]
+        self.verifier.keep_features(spans, features)
 
     def _keeps_hidden(self, reqs) -> bool:
         """Whether a step of these requests keeps its final hidden states for the drafter (then
@@ -655,17 +669,25 @@ class ModelRunner:
         """An eager step as decode rows, as RowGraphs computes one (runtime/cuda_graph.py): each
         token a row with the sequence length of its position, on its own request-table row,
         every row's K/V stored before any row attends."""
-        ids_t, pos_t, rows_t, logits_t = packed_to_device(
-            [lists.input_ids, lists.positions, lists.token_rows, lists.logits_rows], self.device
-        )
+        ids_t, pos_t, rows_t, logits_t, feature_t = packed_to_device(
+            [
+                lists.input_ids, lists.positions, lists.token_rows, lists.logits_rows,
+                lists.feature_rows,
+            ],
+            self.device,
+        )  # fmt: skip
         if lists.pending:
             flat = [x for pair in lists.pending for x in pair]
             at, pool_rows = to_device(int64_tensor(flat), self.device).view(-1, 2).unbind(1)
             ids_t[at] = self.token_buf[pool_rows]
-        return ForwardBatch.decode_rows(
+        batch = ForwardBatch.decode_rows(
             ids_t, pos_t, rows_t, self.req_to_token[rows_t, pos_t].long(), pos_t + 1,
-            lists.positions, logits_t, logits_t if lists.keep_hidden else None,
+            lists.positions, logits_t,
+            logits_t if lists.keep_hidden else feature_t if lists.feature_rows else None,
         )  # fmt: skip
+        if lists.feature_rows:  # (an EAGLE-3 draft's: the features at every token it keeps)
+            batch.aux_layers = lists.feature_layers
+        return batch
 
     @staticmethod
     def _input_logprob_positions(it: ScheduledReq) -> list[tuple[int, int]]:

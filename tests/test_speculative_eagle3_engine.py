@@ -38,6 +38,24 @@ class FakeReq:
         return len(self.input_ids) + len(self.output_ids) - 1
 
 
+def reference_logits(drafter, ids: list[int], features: torch.Tensor, chain: list[int]):
+    """The draft's logits at each step of `chain` after context `ids` (teacher-forced, as
+    `reference_chain`), by target id (-inf for ids outside its vocabulary)."""
+    draft = drafter.model
+    n = len(ids) - 1
+    tokens = torch.tensor([ids + chain])
+    padded = torch.zeros(1, tokens.shape[1], features.shape[-1])
+    padded[0, :n] = features[:n]
+    with torch.no_grad():
+        outs = ttt_forward(draft, tokens, padded, steps=len(chain))
+        rows = torch.stack([out[0, n - 1] for out in outs])
+        logits = draft.lm_head(draft.norm(rows))[:, : drafter.sampled_vocab]
+    targets = draft.target_ids(torch.arange(logits.shape[-1]))
+    full = torch.full((len(chain), drafter.sampled_vocab), float("-inf"))
+    full[:, targets] = logits
+    return full
+
+
 def reference_chain(draft, ids: list[int], features: torch.Tensor, chain: list[int]) -> list[int]:
     """The draft's greedy tokens after context `ids` (its newest token last) with the target's
     features at each position, each step fed the tokens of `chain` before it (teacher forcing:
@@ -212,8 +230,8 @@ def test_the_engine_drafts_from_the_targets_own_features(eagle_engine, engine):
     made, rounds = [], [0]
     own = drafter.draft
 
-    def drafting(reqs, num):
-        chains = own(reqs, num)
+    def drafting(reqs, num, *a):
+        chains = own(reqs, num, *a)
         out = []
         for req, chain in zip(reqs, chains):
             made.append((tuple(req.input_ids), list(req.output_ids), chain))
@@ -336,3 +354,67 @@ def test_preemption_and_requests_beside_that_decode_plainly(
     assert stats["num_preemptions"] > 0, stats
     assert kv_whole(stats), stats
     assert stats["spec_verify_ct"] > 0, stats
+
+
+def test_trees_of_the_draft_s_likeliest_paths_give_plain_decoding_s_outputs(
+    default_model_folder, reference, engine
+):
+    """speculative_eagle_topk=3 with the shipped draft: trees of its chain and, at each depth,
+    its two likeliest rivals (the 9 likeliest nodes). Greedy outputs are plain decoding's;
+    verify steps take trees and some accept a rival off the chain; and after those too the
+    draft's chains are what it computes from scratch over the final sequence's features (the
+    features kept along the path each verify took, not the tree's first rows). Without the
+    prefix cache: a prefix another request computed holds draft entries made with that
+    request's next token (eagle3.py), which this check would count against the draft."""
+    from radixlm.runtime.speculative.draft_data import Conversation, target_features
+    from radixlm.runtime.speculative.tree import Accepted, DraftTree
+
+    prompts, params, plain = reference
+    with start(
+        default_model_folder, speculative_eagle_topk=3, disable_radix_cache=True, **EAGLE
+    ) as eng:
+        spec = eng._core.speculative
+        drafter = spec.eagle3
+        made, own = [], drafter.draft
+
+        def drafting(reqs, num, *a):
+            out = own(reqs, num, *a)
+            made.extend((tuple(r.input_ids), list(r.output_ids), d) for r, d in zip(reqs, out))
+            return out
+
+        verified, verify = [], spec.verify
+
+        def verifying(*a, **k):
+            out = verify(*a, **k)
+            verified.extend(out)
+            return out
+
+        drafter.draft, spec.verify = drafting, verifying
+        outs = eng.generate(prompts, params)
+        stats = eng.get_stats()
+        assert spec.eagle3 is not None  # (drafting never failed)
+    assert results(outs) == results(plain)
+    assert kv_whole(stats), stats
+    trees = [d for _, _, d in made if isinstance(d, DraftTree)]
+    assert trees and all(len(d) <= 9 for _, _, d in made)
+    # a rival accepted: a path off the tree's first path (its nodes 0, 1, ...)
+    assert any(isinstance(v, Accepted) and v.nodes != list(range(len(v.nodes))) for v in verified)
+    tok = eng.tokenizer
+    convs = [
+        Conversation(tok.encode(p, add_special_tokens=False), o["output_ids"])
+        for p, o in zip(prompts, plain)
+    ]
+    feats = target_features(engine.model, engine.model.cfg, convs, drafter.aux_layers, CPU)
+    by_prompt = {tuple(c.prompt_ids): f for c, f in zip(convs, feats)}
+    checked = 0
+    for prompt, output, draft in made:
+        chain = list(draft.first_path()) if isinstance(draft, DraftTree) else list(draft)
+        if not chain or prompt not in by_prompt:
+            continue
+        ids = list(prompt) + output
+        want = reference_logits(drafter, ids, by_prompt[prompt], chain)
+        best = want.max(-1).values
+        took = want.gather(-1, torch.tensor(chain)[:, None])[:, 0]
+        assert torch.all(best - took <= 1e-3 * best.abs().clamp(min=1)), (prompt[-3:], chain)
+        checked += 1
+    assert checked >= 10

@@ -177,14 +177,6 @@ def test_ngram_takes_sglangs_defaults_and_any_case():
     [
         ({"speculative_algorithm": "EAGLE"}, "not available yet"),
         (
-            {
-                "speculative_algorithm": "EAGLE3",
-                "speculative_draft_model_path": "x",
-                "speculative_eagle_topk": 4,
-            },
-            "not available with EAGLE3",
-        ),  # fmt: skip
-        (
             {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x", "pp_size": 2},
             "EAGLE3 is not available with tp_size or pp_size",
         ),
@@ -491,3 +483,51 @@ def test_drafts_are_cut_to_the_rows_a_verify_graph_holds():
     assert _fit_rows([tree, (6, 7, 8)], 6) == [(1, 2), (6, 7)]
     rows = [len(d) + 1 for d in _fit_rows([(1,) * 7] * 128, 256)]
     assert sum(rows) <= 256 and set(rows) == {2}
+
+
+def test_an_eagle3_tree_takes_its_depth_and_its_size_from_sglangs_options():
+    tree = EngineConfig(speculative_algorithm="EAGLE3", speculative_eagle_topk=2)
+    assert (tree.speculative_draft_depth, tree.speculative_num_draft_tokens) == (3, 7)
+    wide = EngineConfig(
+        speculative_algorithm="EAGLE3", speculative_eagle_topk=8, speculative_num_steps=4
+    )
+    assert (wide.speculative_draft_depth, wide.speculative_num_draft_tokens) == (4, 16)
+    chain = EngineConfig(speculative_algorithm="EAGLE3")
+    assert (chain.speculative_draft_depth, chain.speculative_num_draft_tokens) == (3, 4)
+    small = EngineConfig(
+        speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=3
+    )
+    assert small.speculative_draft_depth == 2
+
+
+def test_an_eagle3_tree_keeps_the_likeliest_paths_of_its_chain_and_rivals():
+    from radixlm.runtime.speculative.eagle3 import draft_tree
+    from radixlm.runtime.speculative.tree import DraftTree
+
+    chain = [10, 11, 12]
+    probs = [[0.5, 0.4, 0.1], [0.9, 0.05, 0.05], [0.3, 0.2, 0.1]]
+    ids = [[10, 20, 30], [11, 21, 31], [12, 22, 32]]
+    # path scores: chain 0.5, 0.45, 0.135; rivals 0.4 (20), 0.1 (30), 0.025 (21, 31), 0.09 (22)
+    tree = draft_tree(chain, probs, ids, width=3, budget=5)
+    assert isinstance(tree, DraftTree)
+    # the chain's three nodes, then the rivals at depth 1 (0.4, 0.1); 22 (0.09) left out
+    assert list(tree) == [10, 11, 12, 20, 30]
+    assert tree.parents == (-1, 0, 1, -1, -1)
+    # with the budget of the chain alone, a likelier rival displaces the chain's last node
+    assert draft_tree(chain, probs, ids, width=3, budget=3) == DraftTree([10, 11, 20], [-1, 0, -1])
+    # one candidate a position: the chain, as a list
+    assert draft_tree(chain, probs, ids, width=1, budget=3) == [10, 11, 12]
+    # a rival that ties the chain's own token does not come before its parent
+    flat = draft_tree([1, 2], [[0.5, 0.5], [0.5, 0.5]], [[1, 9], [2, 8]], width=2, budget=4)
+    assert list(flat) == [1, 2, 8, 9] and flat.parents == (-1, 0, 0, -1)
+
+
+def test_a_tree_is_cut_to_a_requests_room_in_depth_first_order():
+    from radixlm.runtime.speculative.tree import DraftTree
+    from radixlm.runtime.speculative.worker import cut_tree
+
+    tree = DraftTree([10, 11, 12, 20, 30], [-1, 0, 1, -1, -1])
+    assert cut_tree(tree, 9) is tree
+    assert cut_tree(tree, 4) == DraftTree([10, 11, 12, 20], [-1, 0, 1, -1])
+    cut = cut_tree(tree, 2)
+    assert cut == (10, 11) and not isinstance(cut, DraftTree)

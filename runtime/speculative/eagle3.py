@@ -32,6 +32,12 @@ after the first as decode steps (DecodeGraphs over `_ChainStep`), each step's ar
 device as the next step's input, its output as the next step's hidden; the chain comes to the
 host once, at the end. A longer catch-up (a prompt) runs eagerly.
 
+With speculative_eagle_topk above 1 the draft steps are the same; each step's likeliest
+candidates besides its own token become leaves off the chain, and the likeliest nodes of the
+chain and those leaves (by the draft's probability of their paths, as EAGLE-2 ranks a tree's
+nodes) make a tree the target verifies in one step (tree.py). A verify that takes a leaf hands
+over the features along the path it took.
+
 Features that wait are bounded: a request whose waiting positions pass `_MAX_WAITING` (steps the
 gate kept plain, a long prompt) is caught up when its next features come, without drafting.
 """
@@ -47,6 +53,7 @@ from torch import nn
 
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.request import Req
+from radixlm.runtime.speculative.tree import merge_chains
 from radixlm.runtime.tensors import int64_tensor, packed_to_device, to_device
 
 logger = logging.getLogger(__name__)
@@ -259,12 +266,16 @@ class Eagle3Drafter:
     # ---- drafting ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def draft(self, reqs: list[Req], num: int) -> list[list[int]]:
+    def draft(
+        self, reqs: list[Req], num: int, width: int = 1, depth: int | None = None
+    ) -> list[list[int] | tuple[int, ...]]:
         """Each request's greedy chain of `num` draft tokens after its newest one ([] for a request
-        whose features do not reach its newest token)."""
+        whose features do not reach its newest token). With `width` above 1, a tree of `num`
+        nodes instead (`draft_tree`): the chain of `depth` steps and, at each of its positions,
+        the draft's next width - 1 candidates, the likeliest nodes kept."""
         self._forget_finished()
-        chains: list[list[int]] = [[] for _ in reqs]
-        steps = min(num, self.max_steps + 1)
+        chains: list[list[int] | tuple[int, ...]] = [[] for _ in reqs]
+        steps = min(num, self.max_steps + 1, depth or num)
         # (a draft step's position must have a request-table column and a rope row: a request
         # this close to the context's end is not drafted for)
         last = min(self.table.shape[1], self.model.rope.cos.shape[0]) - 1
@@ -280,22 +291,35 @@ class Eagle3Drafter:
         logits, hidden = self._catch_up(ready, lambda e: e.end, want_logits=True)
         positions = [e.ctx for e in ready]  # (the newest token's: caught up to it)
         rows = [e.req.pool_row for e in ready]
+        tops: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if width > 1 else None
         if self.graphs is not None and self.graphs.can_run(len(ready)):
-            drafted = self._stepped(logits, hidden, rows, positions, steps)
+            drafted = self._stepped(logits, hidden, rows, positions, steps, tops, width)
         else:
-            drafted = self._eager_steps(logits, hidden, rows, positions, steps)
-        for i, chain in zip(which, torch.stack(drafted, dim=1).tolist()):
-            chains[i] = chain
+            drafted = self._eager_steps(logits, hidden, rows, positions, steps, tops, width)
+        made = torch.stack(drafted, dim=1).tolist()
+        if tops is None:
+            for i, chain in zip(which, made):
+                chains[i] = chain
+            return chains
+        probs = torch.stack([p for p, _ in tops], dim=1).tolist()  # (requests, steps, width + 1)
+        ids = torch.stack([t for _, t in tops], dim=1).tolist()
+        for i, chain, p, t in zip(which, made, probs, ids):
+            chains[i] = draft_tree(chain, p, t, width, num)
         return chains
 
     def _scratch(self, rows: list[int], step: int) -> list[int]:
         """The scratch slot of draft step `step` (1 ..) of each request row."""
         return [self.scratch_base + r * self.max_steps + step - 1 for r in rows]
 
-    def _eager_steps(self, logits, hidden, rows, positions, steps) -> list[torch.Tensor]:
+    def _eager_steps(
+        self, logits, hidden, rows, positions, steps, tops=None, width=1
+    ) -> list[torch.Tensor]:
         """The chain from the catch-up's logits and output: each further step a decode row at
-        the next position, reading the token before and its own output there."""
+        the next position, reading the token before and its own output there. `tops`: each
+        step's likeliest width + 1 candidates are added to it (`_top`)."""
         tokens = self._pick(logits)
+        if tops is not None:
+            tops.append(self._top(logits, width))
         drafted = [tokens]
         for step in range(1, steps):
             at = [p + step - 1 for p in positions]  # the position of draft token `step`
@@ -305,23 +329,39 @@ class Eagle3Drafter:
             batch = ForwardBatch.decode_rows(tokens, at_t, rows_t, slots_t, at_t + 1, at)
             logits, hidden = self.model(batch, self.backend, hidden, from_target=False)
             tokens = self._pick(logits)
+            if tops is not None:
+                tops.append(self._top(logits, width))
             drafted.append(tokens)
         return drafted
 
-    def _stepped(self, logits, hidden, rows, positions, steps) -> list[torch.Tensor]:
+    def _stepped(
+        self, logits, hidden, rows, positions, steps, tops=None, width=1
+    ) -> list[torch.Tensor]:
         """`_eager_steps` through the draft steps' graphs: the first draft token (a draft id)
         and the catch-up's output go into the graphs' buffers, each step leaves its argmax
         there for the next."""
         first = logits[:, : self.sampled_vocab].argmax(dim=-1)
+        if tops is not None:
+            tops.append(self._top(logits, width))
         rows_t = to_device(int64_tensor(rows), self.device)
         self.token_buf[rows_t] = first
         self.chain_step.hidden[: len(rows)] = hidden
         drafted = [first]
         for step in range(1, steps):
             seq_lens = [p + step for p in positions]
-            _, argmax = self.graphs.run(rows, seq_lens, int64_tensor(self._scratch(rows, step)))
+            out, argmax = self.graphs.run(rows, seq_lens, int64_tensor(self._scratch(rows, step)))
+            if tops is not None:  # (before the next replay overwrites the graph's logits)
+                tops.append(self._top(out, width))
             drafted.append(argmax.clone())
         return [self.model.target_ids(d) for d in drafted]
+
+    def _top(self, logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's width + 1 likeliest draft tokens (its argmax and its rivals), as
+        (probabilities, target ids), likeliest first."""
+        if logits.shape[-1] > self.sampled_vocab:
+            logits = logits[:, : self.sampled_vocab]
+        probs, ids = logits.float().softmax(dim=-1).topk(width + 1, dim=-1)
+        return probs, self.model.target_ids(ids)
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's greedy draft token, as a target id."""
@@ -403,6 +443,38 @@ class Eagle3Drafter:
     def release_all(self) -> None:
         """Forget every request (the engine's cache flush)."""
         self._entries.clear()
+
+
+def draft_tree(
+    chain: list[int],
+    probs: list[list[float]],
+    ids: list[list[int]],
+    width: int,
+    budget: int,
+) -> list[int] | tuple[int, ...]:
+    """A draft tree of at most `budget` nodes from a drafted chain and each of its steps' likeliest
+    candidates (`probs[d]`, `ids[d]`: step d's, likeliest first): the chain's tokens and, at each
+    depth, the width - 1 likeliest others, each a leaf off the chain before it. A node's score is
+    the draft's probability of its path (the chain's tokens' probabilities before it, times its
+    own); the `budget` best are kept, as EAGLE-2 ranks its tree's nodes. A path's score never
+    exceeds its parent's, so the kept nodes are a tree: the chain cut at some depth, and leaves
+    off it. The chain alone (a list) where no other candidate is kept."""
+    scored: list[tuple[float, int, int, int]] = []  # (score, depth, 0 chain / 1 leaf, token)
+    path = 1.0
+    for d, token in enumerate(chain):
+        rivals = [(p, t) for p, t in zip(probs[d], ids[d]) if t != token][: width - 1]
+        scored.extend((path * p, d, 1, t) for p, t in rivals)
+        mine = max([p for p, t in zip(probs[d], ids[d]) if t == token], default=probs[d][0])
+        path *= mine
+        scored.append((path, d, 0, token))
+    scored.sort(key=lambda s: (-s[0], s[1], s[2]))
+    kept = scored[:budget]
+    depth = sum(1 for s in kept if s[2] == 0)  # (the chain's kept nodes: its first `depth`)
+    leaves = [(d, t) for _, d, kind, t in kept if kind == 1 and d <= depth]
+    if not leaves:
+        return list(chain[:depth])
+    chains = [chain[:depth]] + [chain[:d] + [t] for d, t in sorted(leaves, key=lambda x: x[0])]
+    return merge_chains(chains, budget)
 
 
 class _ChainStep(nn.Module):

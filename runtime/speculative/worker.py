@@ -21,7 +21,8 @@ over the waiting states of all requests at once when the scheduler first asks fo
 steps the gate keeps plain run no heads.
 
 With speculative_eagle_topk above 1 a request's draft (without a grammar) is a tree of that
-many candidate paths (tree.py: NGRAM's matches of different lengths, MEDUSA's first-head top-k),
+many candidate paths (tree.py: NGRAM's matches of different lengths, MEDUSA's first-head top-k;
+EAGLE3's chain with its rivals at each depth, the likeliest nodes, eagle3.py `draft_tree`),
 laid out on lent request-table rows so that its step runs as decode rows and each node sees only
 its ancestors; greedy acceptance follows the argmax down any branch (`accept_greedy`), sampled
 acceptance tries a node's children in turn (verify.py `rejection_sample_tree`).
@@ -93,6 +94,8 @@ class SpeculativeWorker:
             raise ValueError(f"speculative_algorithm={self.algorithm} needs its draft model")
         self.eagle3 = draft_model if self.algorithm == "EAGLE3" else None
         self.num_draft_tokens = config.speculative_num_draft_tokens
+        # EAGLE3's draft steps a round (its main chain's depth)
+        self.depth = config.speculative_draft_depth if self.eagle3 is not None else 0
         self.min_window = config.speculative_ngram_min_match_window_size
         self.max_window = config.speculative_ngram_max_match_window_size
         self.medusa = None
@@ -153,7 +156,10 @@ class SpeculativeWorker:
             return
         num = max(self._room(r) for r in reqs)
         try:
-            chains = self.draft_model.draft(reqs, num)
+            if self.eagle3 is not None:  # (a tree of `num` nodes where topk is above 1)
+                chains = self.eagle3.draft(reqs, num, self.width, self.depth)
+            else:
+                chains = self.draft_model.draft(reqs, num)
         except Exception:  # (out of memory, say): the requests decode on, without drafts
             logger.exception(
                 "the draft model failed; %s drafting is off from now on", self.algorithm
@@ -196,7 +202,12 @@ class SpeculativeWorker:
             return []
         if len(chains) > 1:
             return tree_of(chains, room)
-        draft = list(chains[0][:room])
+        made = chains[0]
+        if isinstance(made, DraftTree):  # (EAGLE3's; a constrained request verifies a chain)
+            if width > 1:
+                return cut_tree(made, room)
+            made = made.first_path()
+        draft = list(made[:room])
         if req.grammar is not None and draft:
             draft = _grammar_prefix(req.grammar, draft)
         return draft
@@ -363,6 +374,17 @@ def tree_of(chains: list[list[int]], room: int) -> tuple[int, ...]:
     share = max(1, room // (2 * (len(chains) - 1)))
     first = max(1, room - share * (len(chains) - 1))
     return merge_chains([chains[0][:first], *(c[:share] for c in chains[1:])], room)
+
+
+def cut_tree(tree: DraftTree, room: int) -> tuple[int, ...]:
+    """`tree`'s first `room` nodes (depth-first: every node's ancestors come before it), a
+    chain where that leaves one path."""
+    if len(tree) <= room:
+        return tree
+    parents = tree.parents[:room]
+    if all(p == j - 1 for j, p in enumerate(parents)):
+        return tuple(tree[:room])
+    return DraftTree(tree[:room], parents)
 
 
 def _grammar_prefix(grammar, draft: list[int]) -> list[int]:
