@@ -34,6 +34,10 @@ class CacheManager:
         self.rows = rows
         self.prefix_cache = prefix_cache
         self.stats = CacheStats()
+        # the last positions of a cached prefix a request computes again: 1 for an EAGLE-3
+        # draft, whose entry at a prefix's last position is made with the token after it, which
+        # the request that cached the prefix may not share (speculative/eagle3.py)
+        self.recompute_cached = 0
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -53,7 +57,12 @@ class CacheManager:
         limit = req.num_tokens - 1
         if req.wants_input_logprobs:
             limit = min(limit, max(req.logprob.logprob_start_len - 1, 0))
-        return self.prefix_cache.match_prefix(req.all_ids[:limit])
+        found = self.prefix_cache.match_prefix(req.all_ids[:limit])
+        if self.recompute_cached and len(found.slots):
+            found = self.prefix_cache.match_prefix(
+                req.all_ids[: max(0, len(found.slots) - self.recompute_cached)]
+            )
+        return found
 
     # ---- commands -------------------------------------------------------------------------
 

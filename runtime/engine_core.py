@@ -180,6 +180,8 @@ class EngineCore:
 
             prefix_cache = RadixCache()
         self.cache = CacheManager(self.allocator, self.rows, prefix_cache)
+        if config.speculative_algorithm == "EAGLE3":
+            self.cache.recompute_cached = 1
         # speculative decoding: the worker beside the plain decode path, drafting for the
         # scheduler and verifying for the model runner (runtime/speculative/)
         self.speculative = None

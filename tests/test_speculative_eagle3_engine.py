@@ -363,16 +363,17 @@ def test_trees_of_the_draft_s_likeliest_paths_give_plain_decoding_s_outputs(
     its two likeliest rivals (the 9 likeliest nodes). Greedy outputs are plain decoding's;
     verify steps take trees and some accept a rival off the chain; and after those too the
     draft's chains are what it computes from scratch over the final sequence's features (the
-    features kept along the path each verify took, not the tree's first rows). Without the
-    prefix cache: a prefix another request computed holds draft entries made with that
-    request's next token (eagle3.py), which this check would count against the draft."""
+    features kept along the path each verify took, not the tree's first rows). The requests
+    run one at a time with the prefix cache on: the chat prompts share their template's
+    beginning, cached by the first, and each later one computes its last position again and
+    catches up on it with its own next token (the entry the first made there, with another
+    token, gave other drafts). (Requests that compute a shared prefix in the same step still
+    share its last entry, eagle3.py.)"""
     from radixlm.runtime.speculative.draft_data import Conversation, target_features
     from radixlm.runtime.speculative.tree import Accepted, DraftTree
 
     prompts, params, plain = reference
-    with start(
-        default_model_folder, speculative_eagle_topk=3, disable_radix_cache=True, **EAGLE
-    ) as eng:
+    with start(default_model_folder, speculative_eagle_topk=3, **EAGLE) as eng:
         spec = eng._core.speculative
         drafter = spec.eagle3
         made, own = [], drafter.draft
@@ -390,7 +391,7 @@ def test_trees_of_the_draft_s_likeliest_paths_give_plain_decoding_s_outputs(
             return out
 
         drafter.draft, spec.verify = drafting, verifying
-        outs = eng.generate(prompts, params)
+        outs = [eng.generate(p, q) for p, q in zip(prompts, params)]  # (one at a time)
         stats = eng.get_stats()
         assert spec.eagle3 is not None  # (drafting never failed)
     assert results(outs) == results(plain)

@@ -21,9 +21,14 @@ The draft's KV pool is one layer's, indexed by the target's own slots: a positio
 lives at the slot of the target's KV for it. The draft's request table copies the target's row
 before each catch-up, then points the draft steps' positions at the scratch slots. A prompt that
 starts from the prefix cache finds the draft's entries of that prefix where the request that
-computed it left them. Two of those may be stale: an entry that request never caught up on, and
-the prefix's last one, made with that request's next token, where the two requests differ there.
-A stale entry makes worse drafts, never other outputs, since the target verifies every token.
+computed it left them, but for its last position, whose entry is made with the token after it,
+which the two requests need not share: with EAGLE3 the engine computes a cached prefix's last
+position again (CacheManager.recompute_cached), so the request hands over its features there and
+catches up on it with its own next token. Two kinds of entry stay stale: one the request that
+cached the prefix never caught up on (it finished before drafting), and the last shared one of
+requests that computed a prefix in the same step (the cache then keeps one request's slots for
+both, and the entry there is made with one of their next tokens): a worse draft, never another
+output, since the target verifies every token.
 
 On a GPU a round replays CUDA graphs: a catch-up of a few positions a request (what a verify
 step or a decode step leaves) as decode rows, every position a row (runtime/cuda_graph.py
