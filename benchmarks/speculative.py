@@ -82,8 +82,9 @@ def run(
     batch: int = 1,
     prompt_set: str = "default",
     **spec,
-) -> tuple[float, list[list[int]], list[float]]:
-    """(tokens/s over all prompts one at a time, each output, each accepted length); with
+) -> tuple[float, list[list[int]], list[float], int | None]:
+    """(tokens/s over all prompts one at a time, each output, each accepted length, the
+    positions a verify step computes); with
     `profile`, then all the prompts again under cProfile, whose top functions it prints. With
     `batch` above 1, the prompts repeated to that many requests, submitted at once."""
     params = {"max_new_tokens": new_tokens, "temperature": 0}
@@ -113,6 +114,7 @@ def run(
         if profile:
             _profiled(eng, lambda: [eng.generate(p, params) for p in texts], profile)
         spec = eng._core.speculative
+        verify_rows = spec.num_draft_tokens if spec is not None else None
         if spec is not None and spec.gate is not None:
             print(
                 f"the gate kept {spec.gate.plain_steps} steps from drafting (warm-up included); "
@@ -123,6 +125,7 @@ def run(
         tokens / seconds,
         [o["output_ids"] for o in outs],
         [o["meta_info"].get("spec_accept_length", 1.0) for o in outs],
+        verify_rows,
     )
 
 
@@ -191,7 +194,7 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     algorithm = args.algorithm
-    plain_rate, plain_ids, _ = run(
+    plain_rate, plain_ids, _, _ = run(
         args.device, args.new_tokens, algorithm, args.dtype, batch=args.batch,
         prompt_set=args.prompts,
     )  # fmt: skip
@@ -210,7 +213,7 @@ def main() -> None:
         spec["speculative_adaptive"] = False
     if args.eagle_topk > 1:
         spec["speculative_eagle_topk"] = args.eagle_topk
-    spec_rate, spec_ids, accepted = run(
+    spec_rate, spec_ids, accepted, verify_rows = run(
         args.device, args.new_tokens, algorithm, args.dtype, args.profile, args.batch,
         args.prompts, **spec,
     )  # fmt: skip
@@ -225,7 +228,7 @@ def main() -> None:
     )
     print(f"plain:        {plain_rate:7.1f} tok/s")
     print(
-        f"{algorithm} (k={k or ('heads + 1' if algorithm == 'MEDUSA' else 4 if algorithm == 'EAGLE3' else 5)}, topk {args.eagle_topk}): {spec_rate:7.1f} tok/s, "
+        f"{algorithm} (k={verify_rows}, topk {args.eagle_topk}): {spec_rate:7.1f} tok/s, "
         "mean accepted length "
         f"{sum(accepted) / len(accepted):.2f} ({', '.join(f'{a:.2f}' for a in accepted)})"
     )
