@@ -106,7 +106,8 @@ def test_fp8_on_the_real_model_agrees_with_the_unquantized_model(engine, default
     """The real default model with quantization="fp8": its teacher-forced top-1 next tokens agree
     with the unquantized model's (the shared default engine) on >= 95% of ~600 positions
     (benchmarks/quant_quality.py measures 98.0% over its whole text set), and greedy answers
-    start alike."""
+    part, if at all, where the unquantized model's top two nearly tie (which of them wins then
+    depends on the rounding: one CPU thread or two gave other answers)."""
     from tests.prompts import varied_prompts
 
     texts = [t for t in varied_prompts() if t.startswith(("Story:", "<|im_start|>system"))]
@@ -126,7 +127,19 @@ def test_fp8_on_the_real_model_agrees_with_the_unquantized_model(engine, default
     total = sum(len(x) for x in want)
     assert total > 400
     assert same / total >= 0.95, f"top-1 agreement {same}/{total}"
-    assert sum(a[:4] == b[:4] for a, b in zip(want_greedy, greedy)) >= 2, (want_greedy, greedy)
+    # greedy answers part only where the unquantized model nearly ties: at each first difference,
+    # its top two log-probabilities lie within 1 nat (FP8 weights move the logits by tenths)
+    for chat, a, b in zip(chats, want_greedy, greedy):
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is None:
+            continue
+        prompt = engine.tokenizer.encode(chat, add_special_tokens=False) + a[:at]
+        out = engine.generate(
+            input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0},
+            return_logprob=True, top_logprobs_num=2,
+        )  # fmt: skip
+        (first, t1, _), (second, t2, _) = out["meta_info"]["output_top_logprobs"][0]
+        assert {t1, t2} == {a[at], b[at]} and first - second <= 1.0, (at, first, second, t1, t2)
 
 
 @pytest.mark.parametrize(
