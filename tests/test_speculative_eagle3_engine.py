@@ -368,7 +368,8 @@ def test_trees_of_the_draft_s_likeliest_paths_give_plain_decoding_s_outputs(
     beginning, cached by the first, and each later one computes its last position again and
     catches up on it with its own next token (the entry the first made there, with another
     token, gave other drafts). (Requests that compute a shared prefix in the same step still
-    share its last entry, eagle3.py.)"""
+    share its last entry, eagle3.py.) Then the same all at once beside a constrained request and
+    seeded sampled ones: plain decoding's outputs, valid JSON, and samples that repeat."""
     from radixlm.runtime.speculative.draft_data import Conversation, target_features
     from radixlm.runtime.speculative.tree import Accepted, DraftTree
 
@@ -393,8 +394,19 @@ def test_trees_of_the_draft_s_likeliest_paths_give_plain_decoding_s_outputs(
         drafter.draft, spec.verify = drafting, verifying
         outs = [eng.generate(p, q) for p, q in zip(prompts, params)]  # (one at a time)
         stats = eng.get_stats()
+        drafter.draft, spec.verify = own, verify
+        # then all at once, beside a request within a grammar (drafted for as a chain) and
+        # seeded sampled ones (trees verified by rejection sampling), which repeat
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        constrained = {"temperature": 0, "max_new_tokens": 20, "json_schema": json.dumps(schema)}
+        sampled = {"temperature": 0.8, "max_new_tokens": 12, "seed": 3}
+        extra = ["A number as JSON: ", prompts[0], prompts[2]]
+        mixed = eng.generate(prompts + extra, params + [constrained, sampled, sampled])
+        again = eng.generate(extra[1:], [sampled, sampled])
         assert spec.eagle3 is not None  # (drafting never failed)
-    assert results(outs) == results(plain)
+    assert results(outs) == results(plain) == results(mixed[: len(prompts)])
+    assert set(json.loads(mixed[len(prompts)]["text"])) == {"n"}
+    assert results(mixed[len(prompts) + 1 :]) == results(again)
     assert kv_whole(stats), stats
     trees = [d for _, _, d in made if isinstance(d, DraftTree)]
     assert trees and all(len(d) <= 9 for _, _, d in made)
