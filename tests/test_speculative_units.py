@@ -304,6 +304,32 @@ def test_the_gate_measures_each_way_twice_then_drafts_where_tokens_come_faster()
     assert gate.rates() == before
 
 
+def test_the_gate_says_when_no_draft_comes_for_a_while():
+    """`quiet`: while plain decoding leads and the next try of drafting is more than `ahead`
+    steps away (EAGLE3 then keeps no features); never while measuring or where drafting leads."""
+    from radixlm.runtime.speculative.gate import SpeculationGate
+
+    gate = SpeculationGate(explore=4)
+    for verified, rate in ((True, 1000), (False, 3000), (True, 1000), (False, 3000)):
+        assert not gate.quiet(1, 2)  # (measuring)
+        assert gate.drafting(1) is verified
+        gate.observe(1, verified, 10, 10 / rate)
+    # plain leads 3x: drafting is tried 4 x 3 = 12 steps after measuring ended (step 16)
+    decisions, quiet = [], []
+    for _ in range(12):
+        quiet.append(gate.quiet(1, 2))  # (before the step: the gate's last decision's step)
+        decisions.append(gate.drafting(1))
+    assert decisions == [False] * 11 + [True]
+    # quiet while the try is more than 2 steps away: before steps 6 .. 14 (before step 5 the
+    # gate has not decided yet; before 15 and 16 the try is near)
+    assert quiet == [False] + [True] * 9 + [False] * 2
+    # a bucket where drafting leads is never quiet
+    for verified, rate in ((True, 3000), (False, 1000), (True, 3000), (False, 1000)):
+        gate.drafting(8)
+        gate.observe(8, verified, 10, 10 / rate)
+    assert not gate.quiet(8, 2)
+
+
 def test_the_gate_at_a_large_batch_where_verifying_costs_many_plain_steps():
     """A batch of 128 where a verify step gives 256 tokens at 9k tokens/s and a plain one 128 at
     90k (what the H100 measured), its first plain step slow (5k, a first replay): the gate

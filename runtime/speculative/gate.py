@@ -63,17 +63,31 @@ class SpeculationGate:
         if min(spec_n, plain_n) < self.first:  # (measuring: the way measured less, drafting first)
             draft = spec_n < plain_n if spec_n != plain_n else n % 2 == 1
         else:
-            spec, plain = self._rate[(b, True)], self._rate[(b, False)]
-            best = spec >= plain
-            # a step of the losing way costs about (winner / loser) steps of the winning way
-            ratio = max(spec, plain) / max(min(spec, plain), 1e-9)
-            factor = min(self.max_backoff, self._backoff.get(b, 1) * max(1, int(ratio)))
-            last = self._explored.setdefault(b, n - 1)  # (measuring ended at the step before)
+            self._explored.setdefault(b, n - 1)  # (measuring ended at the step before)
+            best, explore_at = self._decided(b)
             draft = best
-            if n - last >= self.explore * factor:
+            if n >= explore_at:
                 draft, self._explored[b] = not best, n
         self.plain_steps += not draft
         return draft
+
+    def _decided(self, b: int) -> tuple[bool, int]:
+        """A measured bucket's way (True: drafting) and the step that next tries the other."""
+        spec, plain = self._rate[(b, True)], self._rate[(b, False)]
+        # a step of the losing way costs about (winner / loser) steps of the winning way
+        ratio = max(spec, plain) / max(min(spec, plain), 1e-9)
+        factor = min(self.max_backoff, self._backoff.get(b, 1) * max(1, int(ratio)))
+        return spec >= plain, self._explored[b] + self.explore * factor
+
+    def quiet(self, batch: int, ahead: int) -> bool:
+        """Whether none of the next `ahead` steps of `batch` decoding requests will draft: plain
+        decoding leads and no try of drafting is due in that time. A drafter that prepares for
+        drafts at every step (EAGLE3 keeps the target's features) may rest meanwhile."""
+        b = self.bucket(batch)
+        if b not in self._explored:  # (still measuring)
+            return False
+        best, explore_at = self._decided(b)
+        return not best and self._steps.get(b, 0) + ahead < explore_at
 
     def observe(self, batch: int, verified: bool, tokens: int, seconds: float) -> None:
         """A step of `batch` decoding requests (`verified`: it checked drafts) gave `tokens`

@@ -58,6 +58,10 @@ from radixlm.runtime.speculative.verify import (
 
 logger = logging.getLogger(__name__)
 
+# EAGLE3: the steps before the gate's next try of drafting from which the target's features are
+# kept again (the draft's entries for positions the gate's plain stretch left out stay stale)
+_FEATURES_AHEAD = 16
+
 
 @dataclass(slots=True)
 class SpecTotals:
@@ -219,6 +223,8 @@ class SpeculativeWorker:
         at every token of the requests drafted for (`keep_features`); () for none."""
         if self.eagle3 is None or not any(speculates(getattr(r, "req", r)) for r in reqs):
             return ()
+        if self.gate is not None and self.gate.quiet(self._gate_batch, _FEATURES_AHEAD):
+            return ()  # (the gate keeps drafting off for a while: steps as plain decoding's)
         return self.eagle3.aux_layers
 
     def keep_features(self, spans, features: torch.Tensor) -> None:
