@@ -433,19 +433,27 @@ def test_trees_of_the_draft_s_likeliest_paths_give_plain_decoding_s_outputs(
     assert checked >= 10
 
 
-def test_the_gate_rests_the_features_while_drafting_does_not_pay(default_model_folder, reference):
-    """EAGLE3 with the gate on (the default) on the CPU, where a verify step costs about as many
-    decode steps as its rows and drafting loses: once the gate keeps drafting off, the steps keep
-    no features for the draft (they run as plain decoding's) until a try of drafting is near, and
-    the outputs are plain decoding's."""
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "MEDUSA"])
+def test_the_gate_rests_the_drafter_while_drafting_does_not_pay(
+    default_model_folder, reference, algorithm
+):
+    """EAGLE3 and MEDUSA with the gate on (the default) on the CPU, where a verify step costs about
+    as many decode steps as its rows and drafting loses: once the gate keeps drafting off, the
+    steps keep nothing for the drafter (EAGLE3's features, MEDUSA's hidden states: they run as
+    plain decoding's) until a try of drafting is near, and the outputs are plain decoding's."""
     prompts, params, plain = reference
-    with start(default_model_folder, speculative_algorithm="EAGLE3") as eng:
+    with start(default_model_folder, speculative_algorithm=algorithm) as eng:
         spec = eng._core.speculative
-        kept, own = [], spec.eagle3.keep_features
-        spec.eagle3.keep_features = lambda spans, f: kept.append(len(spans)) or own(spans, f)
+        kept = []
+        if algorithm == "EAGLE3":
+            own = spec.eagle3.keep_features
+            spec.eagle3.keep_features = lambda spans, f: kept.append(1) or own(spans, f)
+        else:
+            own = spec._draft
+            spec._draft = lambda *a: kept.append(1) or own(*a)
         outs = [eng.generate(p, q) for p, q in zip(prompts, params)]
         stats = eng.get_stats()
         rates = spec.gate.rates()
     assert results(outs) == results(plain)
     assert rates[(1, False)] > rates[(1, True)], rates  # (drafting lost, as on this CPU)
-    assert len(kept) < stats["num_steps"] / 2, (len(kept), stats["num_steps"])
+    assert 0 < len(kept) < stats["num_steps"] / 2, (len(kept), stats["num_steps"])

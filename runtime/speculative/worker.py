@@ -58,9 +58,10 @@ from radixlm.runtime.speculative.verify import (
 
 logger = logging.getLogger(__name__)
 
-# EAGLE3: the steps before the gate's next try of drafting from which the target's features are
-# kept again (the draft's entries for positions the gate's plain stretch left out stay stale)
-_FEATURES_AHEAD = 16
+# the steps before the gate's next try of drafting from which what a drafter reads is kept again
+# (EAGLE3's features: the draft's entries for positions a plain stretch left out stay stale;
+# MEDUSA's hidden state: its newest is all the heads need)
+_RESUME_AHEAD = 16
 
 
 @dataclass(slots=True)
@@ -223,9 +224,14 @@ class SpeculativeWorker:
         at every token of the requests drafted for (`keep_features`); () for none."""
         if self.eagle3 is None or not any(speculates(getattr(r, "req", r)) for r in reqs):
             return ()
-        if self.gate is not None and self.gate.quiet(self._gate_batch, _FEATURES_AHEAD):
-            return ()  # (the gate keeps drafting off for a while: steps as plain decoding's)
+        if self._resting():
+            return ()
         return self.eagle3.aux_layers
+
+    def _resting(self) -> bool:
+        """Whether the gate keeps drafting off for a while: steps then keep nothing for a
+        drafter (EAGLE3's features, MEDUSA's hidden states) and run as plain decoding's."""
+        return self.gate is not None and self.gate.quiet(self._gate_batch, _RESUME_AHEAD)
 
     def keep_features(self, spans, features: torch.Tensor) -> None:
         """The target's features at the given positions of each request (eagle3.py)."""
@@ -243,7 +249,7 @@ class SpeculativeWorker:
     def wants_hidden(self, reqs) -> bool:
         """Whether a step of these requests (Req or ScheduledReq) must keep the final hidden
         states at its logits rows: a drafter reads them, and one of them is drafted for."""
-        if self.medusa is None:
+        if self.medusa is None or self._resting():
             return False
         return any(speculates(getattr(r, "req", r)) for r in reqs)
 
