@@ -180,8 +180,6 @@ class EngineCore:
 
             prefix_cache = RadixCache()
         self.cache = CacheManager(self.allocator, self.rows, prefix_cache)
-        if config.speculative_algorithm == "EAGLE3":
-            self.cache.recompute_cached = 1
         # speculative decoding: the worker beside the plain decode path, drafting for the
         # scheduler and verifying for the model runner (runtime/speculative/)
         self.speculative = None
@@ -193,6 +191,8 @@ class EngineCore:
                     kv_pool.num_slots, self.rows.table, config.speculative_draft_depth - 1,
                     self.rows.padding_row,
                 )  # fmt: skip
+                # (its entry at a cached prefix's last position is made with the token after it)
+                self.cache.recompute_cached = 1
 
             self.speculative = SpeculativeWorker(config, model, draft_model)
         self.scheduler = Scheduler(

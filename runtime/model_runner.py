@@ -510,23 +510,21 @@ class ModelRunner:
     def _keep_features(self, items, order, lists: StepLists, verified) -> None:
         """Hand the step's features to the drafter: each item's from its first position, a
         verify step's up to its last accepted draft token (a tree's: along the path it took)."""
-        spans, picked = [], []  # (picked: the rows of a step with a tree, in the spans' order)
+        spans, picked = [], []  # (picked: a step with a tree keeps these rows, in this order)
         for i, row in lists.feature_items:
             it = items[i]
-            count = it.num_tokens
+            rows = range(row, row + it.num_tokens)
             if it.draft:  # (its own tokens, then the draft tokens it accepted)
                 taken = verified[order[i]]
-                count -= len(it.draft) - (len(taken) - 1)
-                if isinstance(taken, Accepted):  # (a tree's nodes: depth-first, not a path)
-                    own = it.num_tokens - len(it.draft)
-                    picked.extend(range(row, row + own))
-                    picked.extend(row + own + node for node in taken.nodes)
-                    spans.append((it.req, it.start, len(picked) - count, count))
-                    continue
+                own = it.num_tokens - len(it.draft)
+                # (a tree's nodes are depth-first: the path it took picks them; a chain's first)
+                nodes = taken.nodes if isinstance(taken, Accepted) else range(len(taken) - 1)
+                rows = [*range(row, row + own), *(row + own + node for node in nodes)]
             if lists.tree:
-                picked.extend(range(row, row + count))
-                row = len(picked) - count
-            spans.append((it.req, it.start, row, count))
+                spans.append((it.req, it.start, len(picked), len(rows)))
+                picked.extend(rows)
+            else:  # (the rows are a run from `row`)
+                spans.append((it.req, it.start, row, len(rows)))
         features = lists.features
         if lists.tree:
             features = features[to_device(int64_tensor(picked), features.device)]
@@ -653,11 +651,7 @@ class ModelRunner:
             extend_lens=extend_t,
             seq_lens=prefix_t + extend_t,
             logits_indices=logits_t,
-            hidden_indices=logits_t
-            if lists.keep_hidden
-            else feature_t
-            if lists.feature_rows
-            else None,
+            hidden_indices=_kept_rows(lists, logits_t, feature_t),
             aux_layers=lists.feature_layers,
             extend_lens_cpu=lists.extend_lens,
             prefix_lens_cpu=lists.prefix_lens,
@@ -682,11 +676,9 @@ class ModelRunner:
             ids_t[at] = self.token_buf[pool_rows]
         batch = ForwardBatch.decode_rows(
             ids_t, pos_t, rows_t, self.req_to_token[rows_t, pos_t].long(), pos_t + 1,
-            lists.positions, logits_t,
-            logits_t if lists.keep_hidden else feature_t if lists.feature_rows else None,
+            lists.positions, logits_t, _kept_rows(lists, logits_t, feature_t),
         )  # fmt: skip
-        if lists.feature_rows:  # (an EAGLE-3 draft's: the features at every token it keeps)
-            batch.aux_layers = lists.feature_layers
+        batch.aux_layers = lists.feature_layers
         return batch
 
     @staticmethod
@@ -741,6 +733,14 @@ def _sampling_row(req) -> SamplingRow:
         top_logprobs_num=req.logprob.top_logprobs_num if req.logprob.return_logprob else 0,
         grammar=req.grammar,
     )
+
+
+def _kept_rows(lists: StepLists, logits_t: torch.Tensor, feature_t: torch.Tensor):
+    """The rows whose hidden states an eager step keeps for a drafter: MEDUSA's, its logits
+    rows' final states; an EAGLE-3 draft's, its feature rows' features; else none."""
+    if lists.keep_hidden:
+        return logits_t
+    return feature_t if lists.feature_rows else None
 
 
 def _padded(n: int) -> int:

@@ -515,8 +515,8 @@ def test_medusa_steps_as_decode_rows_keep_the_hidden_states(tiny_model_folder, t
 
 
 def _recording(draft, made: list):
-    def recorded(reqs, num, *a):
-        made.append(draft(reqs, num, *a))
+    def recorded(reqs, num):
+        made.append(draft(reqs, num))
         return made[-1]
 
     return recorded

@@ -445,7 +445,7 @@ def test_a_draft_vocabulary_of_the_answers_most_frequent_tokens(tiny_model_folde
     ) as engine:  # fmt: skip
         drafter = engine._core.speculative.eagle3
         made, own = [], drafter.draft
-        drafter.draft = lambda reqs, num, *a: made.append(own(reqs, num, *a)) or made[-1]
+        drafter.draft = lambda reqs, num: made.append(own(reqs, num)) or made[-1]
         outs = engine.generate(input_ids=prompts, sampling_params=params)
         assert engine._core.speculative.eagle3 is not None  # (drafting never failed)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]

@@ -38,10 +38,10 @@ class FakeReq:
         return len(self.input_ids) + len(self.output_ids) - 1
 
 
-def reference_logits(drafter, ids: list[int], features: torch.Tensor, chain: list[int]):
-    """The draft's logits at each step of `chain` after context `ids` (teacher-forced, as
-    `reference_chain`), by target id (-inf for ids outside its vocabulary)."""
-    draft = drafter.model
+def _draft_logits(draft, ids: list[int], features: torch.Tensor, chain: list[int]):
+    """The draft's logits (over its own vocabulary) at each step of `chain` after context `ids`
+    (its newest token last), with the target's features at each position, each step fed the
+    tokens of `chain` before it (teacher forcing)."""
     n = len(ids) - 1
     tokens = torch.tensor([ids + chain])
     padded = torch.zeros(1, tokens.shape[1], features.shape[-1])
@@ -49,26 +49,24 @@ def reference_logits(drafter, ids: list[int], features: torch.Tensor, chain: lis
     with torch.no_grad():
         outs = ttt_forward(draft, tokens, padded, steps=len(chain))
         rows = torch.stack([out[0, n - 1] for out in outs])
-        logits = draft.lm_head(draft.norm(rows))[:, : drafter.sampled_vocab]
-    targets = draft.target_ids(torch.arange(logits.shape[-1]))
-    full = torch.full((len(chain), drafter.sampled_vocab), float("-inf"))
-    full[:, targets] = logits
-    return full
+        return draft.lm_head(draft.norm(rows))
 
 
 def reference_chain(draft, ids: list[int], features: torch.Tensor, chain: list[int]) -> list[int]:
-    """The draft's greedy tokens after context `ids` (its newest token last) with the target's
-    features at each position, each step fed the tokens of `chain` before it (teacher forcing:
-    equal to `chain` exactly when the chain is the draft's own)."""
-    n = len(ids) - 1
-    tokens = torch.tensor([ids + chain])
-    padded = torch.zeros(1, tokens.shape[1], features.shape[-1])
-    padded[0, :n] = features[:n]
-    with torch.no_grad():
-        outs = ttt_forward(draft, tokens, padded, steps=len(chain))
-        rows = torch.stack([out[0, n - 1] for out in outs])
-        logits = draft.lm_head(draft.norm(rows))
-    return draft.target_ids(logits.argmax(-1)).tolist()
+    """The draft's greedy tokens at each step of `chain` (`_draft_logits`): equal to `chain`
+    exactly when the chain is the draft's own."""
+    return draft.target_ids(_draft_logits(draft, ids, features, chain).argmax(-1)).tolist()
+
+
+def assert_the_drafts_own(drafter, ids: list[int], features: torch.Tensor, chain: list[int]):
+    """Each token of `chain`, drafted by the engine after `ids`, is the draft's best from
+    scratch over `features` (`_draft_logits`), or within rounding of it."""
+    logits = _draft_logits(drafter.model, ids, features, chain)[:, : drafter.sampled_vocab]
+    by_target = torch.full((len(chain), drafter.sampled_vocab), float("-inf"))
+    by_target[:, drafter.model.target_ids(torch.arange(logits.shape[-1]))] = logits
+    best = by_target.max(-1).values
+    took = by_target.gather(-1, torch.tensor(chain)[:, None])[:, 0]
+    assert torch.all(best - took <= 1e-3 * best.abs().clamp(min=1)), (ids[-3:], chain)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -79,7 +77,9 @@ def test_the_cache_drafts_what_the_draft_computes_from_the_whole_context(tmp_pat
     _, target = target_pair()
     draft = load_draft(write_draft(tmp_path / "draft"), target)
     backend = "triton" if graphs else "torch"
-    config = SimpleNamespace(max_total_tokens=None, attention_backend=backend)
+    config = SimpleNamespace(
+        max_total_tokens=None, attention_backend=backend, speculative_eagle_topk=1
+    )
     drafter = Eagle3Drafter(draft, target, config, CPU, torch.float32)
     table = torch.zeros(4, 96, dtype=torch.int32)
     drafter.make_cache(400, table, max_steps=3, padding_row=3)
@@ -230,8 +230,8 @@ def test_the_engine_drafts_from_the_targets_own_features(eagle_engine, engine):
     made, rounds = [], [0]
     own = drafter.draft
 
-    def drafting(reqs, num, *a):
-        chains = own(reqs, num, *a)
+    def drafting(reqs, num):
+        chains = own(reqs, num)
         out = []
         for req, chain in zip(reqs, chains):
             made.append((tuple(req.input_ids), list(req.output_ids), chain))
@@ -253,25 +253,12 @@ def test_the_engine_drafts_from_the_targets_own_features(eagle_engine, engine):
     model = eagle_engine.model
     convs = [Conversation(ids, out["output_ids"]) for ids, out in zip(prompt_ids, plain)]
     feats = target_features(model, model.cfg, convs, drafter.aux_layers, CPU)
-    by_prompt = {tuple(c.prompt_ids): (c, f) for c, f in zip(convs, feats)}
+    by_prompt = {tuple(c.prompt_ids): f for c, f in zip(convs, feats)}
     checked = 0
     for prompt, output, chain in made:
         if not chain:
             continue
-        conv, f = by_prompt[prompt]
-        ids = list(prompt) + output
-        n = len(ids) - 1
-        tokens = torch.tensor([ids + chain])
-        padded = torch.zeros(1, tokens.shape[1], f.shape[-1])
-        padded[0, :n] = f[:n]
-        with torch.no_grad():
-            outs_ = ttt_forward(drafter.model, tokens, padded, steps=len(chain))
-            logits = torch.stack(
-                [drafter.model.lm_head(drafter.model.norm(o[0, n - 1])) for o in outs_]
-            )[:, : drafter.sampled_vocab]
-        best = logits.max(-1).values
-        took = logits.gather(-1, torch.tensor(chain)[:, None])[:, 0]
-        assert torch.all(best - took <= 1e-3 * best.abs().clamp(min=1)), (prompt[-3:], chain)
+        assert_the_drafts_own(drafter, list(prompt) + output, by_prompt[prompt], chain)
         checked += 1
     assert checked >= 10
 
@@ -379,8 +366,8 @@ def test_trees_of_the_draft_s_likeliest_paths_give_plain_decoding_s_outputs(
         drafter = spec.eagle3
         made, own = [], drafter.draft
 
-        def drafting(reqs, num, *a):
-            out = own(reqs, num, *a)
+        def drafting(reqs, num):
+            out = own(reqs, num)
             made.extend((tuple(r.input_ids), list(r.output_ids), d) for r, d in zip(reqs, out))
             return out
 
@@ -424,11 +411,7 @@ def test_trees_of_the_draft_s_likeliest_paths_give_plain_decoding_s_outputs(
         chain = list(draft.first_path()) if isinstance(draft, DraftTree) else list(draft)
         if not chain or prompt not in by_prompt:
             continue
-        ids = list(prompt) + output
-        want = reference_logits(drafter, ids, by_prompt[prompt], chain)
-        best = want.max(-1).values
-        took = want.gather(-1, torch.tensor(chain)[:, None])[:, 0]
-        assert torch.all(best - took <= 1e-3 * best.abs().clamp(min=1)), (prompt[-3:], chain)
+        assert_the_drafts_own(drafter, list(prompt) + output, by_prompt[prompt], chain)
         checked += 1
     assert checked >= 10
 

@@ -1,6 +1,7 @@
 """Training data for draft heads, made by the target model itself: prompts (a built-in varied set,
-messages the model writes itself, or random tokens), the model's own greedy answers under its chat template (through `radixlm.Engine`),
-and the final hidden states along each answer (a teacher-forced forward of prompt + answer).
+messages the model writes itself, or random tokens), the model's own greedy answers under its
+chat template (through `radixlm.Engine`), and the final hidden states along each answer (a
+teacher-forced forward of prompt + answer).
 
 Heads trained on the model's own outputs learn what it will say, not what some corpus says: the
 data is the distribution speculation is verified against (Medusa's self-distillation). The same

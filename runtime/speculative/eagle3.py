@@ -131,6 +131,8 @@ class Eagle3Drafter:
         self.config = config
         self.device, self.dtype = device, dtype
         self.aux_layers = draft.config.target_layers(target.cfg)
+        # candidates a draft holds (speculative_eagle_topk): 1, a chain; more, a tree
+        self.width = config.speculative_eagle_topk
         # target ids past this are padding, never drafted (a draft of the target's whole vocabulary)
         self.sampled_vocab = getattr(target, "sampled_vocab", target.cfg.vocab_size)
         self._entries: dict[int, _Entry] = {}  # by id(req)
@@ -271,16 +273,16 @@ class Eagle3Drafter:
     # ---- drafting ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def draft(
-        self, reqs: list[Req], num: int, width: int = 1, depth: int | None = None
-    ) -> list[list[int] | tuple[int, ...]]:
+    def draft(self, reqs: list[Req], num: int) -> list[list[int] | tuple[int, ...]]:
         """Each request's greedy chain of `num` draft tokens after its newest one ([] for a request
-        whose features do not reach its newest token). With `width` above 1, a tree of `num`
-        nodes instead (`draft_tree`): the chain of `depth` steps and, at each of its positions,
-        the draft's next width - 1 candidates, the likeliest nodes kept."""
+        whose features do not reach its newest token), at most `max_steps` + 1 (the draft's
+        depth). With `width` above 1, a tree of `num` nodes instead (`draft_tree`): that chain
+        and, at each of its positions, the draft's next width - 1 candidates, the likeliest
+        nodes kept."""
         self._forget_finished()
         chains: list[list[int] | tuple[int, ...]] = [[] for _ in reqs]
-        steps = min(num, self.max_steps + 1, depth or num)
+        width = self.width
+        steps = min(num, self.max_steps + 1)
         # (a draft step's position must have a request-table column and a rope row: a request
         # this close to the context's end is not drafted for)
         last = min(self.table.shape[1], self.model.rope.cos.shape[0]) - 1
@@ -345,7 +347,7 @@ class Eagle3Drafter:
         """`_eager_steps` through the draft steps' graphs: the first draft token (a draft id)
         and the catch-up's output go into the graphs' buffers, each step leaves its argmax
         there for the next."""
-        first = logits[:, : self.sampled_vocab].argmax(dim=-1)
+        first = self._sampled(logits).argmax(dim=-1)
         if tops is not None:
             tops.append(self._top(logits, width))
         rows_t = to_device(int64_tensor(rows), self.device)
@@ -363,16 +365,17 @@ class Eagle3Drafter:
     def _top(self, logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's width + 1 likeliest draft tokens (its argmax and its rivals), as
         (probabilities, target ids), likeliest first."""
-        if logits.shape[-1] > self.sampled_vocab:
-            logits = logits[:, : self.sampled_vocab]
-        probs, ids = logits.float().softmax(dim=-1).topk(width + 1, dim=-1)
+        probs, ids = self._sampled(logits).float().softmax(dim=-1).topk(width + 1, dim=-1)
         return probs, self.model.target_ids(ids)
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's greedy draft token, as a target id."""
-        if logits.shape[-1] > self.sampled_vocab:
-            logits = logits[:, : self.sampled_vocab]
-        return self.model.target_ids(logits.argmax(dim=-1))
+        return self.model.target_ids(self._sampled(logits).argmax(dim=-1))
+
+    def _sampled(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits without the padding ids past the sampled vocabulary (a draft of
+        the target's whole vocabulary has them)."""
+        return logits[:, : self.sampled_vocab] if logits.shape[-1] > self.sampled_vocab else logits
 
     def _catch_up(self, entries: list[_Entry], upto, want_logits: bool):
         """Run the draft over each entry's waiting positions ctx .. upto(e) - 1 (tokens ctx + 1 ..

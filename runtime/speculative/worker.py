@@ -99,8 +99,6 @@ class SpeculativeWorker:
             raise ValueError(f"speculative_algorithm={self.algorithm} needs its draft model")
         self.eagle3 = draft_model if self.algorithm == "EAGLE3" else None
         self.num_draft_tokens = config.speculative_num_draft_tokens
-        # EAGLE3's draft steps a round (its main chain's depth)
-        self.depth = config.speculative_draft_depth if self.eagle3 is not None else 0
         self.min_window = config.speculative_ngram_min_match_window_size
         self.max_window = config.speculative_ngram_max_match_window_size
         self.medusa = None
@@ -161,10 +159,7 @@ class SpeculativeWorker:
             return
         num = max(self._room(r) for r in reqs)
         try:
-            if self.eagle3 is not None:  # (a tree of `num` nodes where topk is above 1)
-                chains = self.eagle3.draft(reqs, num, self.width, self.depth)
-            else:
-                chains = self.draft_model.draft(reqs, num)
+            chains = self.draft_model.draft(reqs, num)  # (EAGLE3's: trees where topk > 1)
         except Exception:  # (out of memory, say): the requests decode on, without drafts
             logger.exception(
                 "the draft model failed; %s drafting is off from now on", self.algorithm
