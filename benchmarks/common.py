@@ -177,7 +177,7 @@ def write_tiny_llama(out: Path, tokenizer_folder: str | Path | None = None) -> P
 KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention, decode rows", ("_decode_partial_kernel", "_decode_merge_kernel")),
     ("attention, prompt rows", ("_extend_kernel", "flash", "fmha", "attention")),
-    ("Triton GEMV, INT4 matmul", ("_gemv_kernel", "_sum_splits_kernel", "_int4_gemm_kernel")),
+    ("Triton GEMV, INT4 matmul", ("_gemv_kernel", "_sum_splits_kernel", "_grouped_gemm_kernel")),
     ("matmul (cuBLAS)", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "splitkreduce")),
     (
         "norm, rotary, SiLU, KV store",

@@ -135,7 +135,8 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--profile", action="store_true",
-        help="with --shape: where the time goes, by step kind and by kernel (two more runs)",
+        help="with --shape: where the time goes, by step kind and by kernel (two more runs; "
+        "with --quantization, of the quantized engine too)",
     )  # fmt: skip
     args = ap.parse_args()
     if args.shape:
@@ -307,8 +308,9 @@ def gpu_workload(args) -> None:
     )
     if args.quantization:
         q_rates, q_stats = ours_offline(
-            args, folder, prompts, params, quantization=args.quantization
-        )
+            args, folder, prompts, params, quantization=args.quantization,
+            profile_bandwidth=bandwidth,
+        )  # fmt: skip
         quant = statistics.median(q_rates)
         print(f"  engine stats ({args.quantization}): {q_stats}")
         print(

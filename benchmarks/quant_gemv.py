@@ -8,12 +8,13 @@ weights also the fastest `words` tile (kernels/gemv.py INT4_CONFIGS: int32 words
 of the tiles that read bytes, the A/B of the two ways to read the same weights.
 
     python -m benchmarks.quant_gemv [--shapes llama-3.1-8b] [--schemes none,fp8,w4a16] [--rows 1]
-    python -m benchmarks.quant_gemv --schemes none,q4_0,q4_1,q4_k   # GGUF blocks (random)
+    python -m benchmarks.quant_gemv --schemes none,q4_0,q4_1,q4_k,q8_0,q6_k   # GGUF blocks
 
-GGUF 4-bit blocks (q4_0, q4_1, q4_k: random blocks with finite scales) are held as a GPU holds them
-(runtime/quantization/gguf.py: the INT4 layout, groups of 32); their rows also time the path a
-GPU ran before that, the blocks dequantized to float32 at every call and multiplied ("dequantize
-us").
+GGUF blocks (random blocks with finite scales) are held as a GPU holds them
+(runtime/quantization/gguf.py: the 4-bit types in the INT4 layout, groups of 32; q8_0 and q6_k
+in the int8 layout, groups of 32 and 16); their rows also time the blocks dequantized to float32
+at every call and multiplied ("dequantize us"), the path a GPU ran before those layouts. (Q8_0
+and Q6_K layers ran as bf16 ones just before the int8 layout: the "none" rows.)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from radixlm.runtime.quantization.fp8 import Fp8Linear
 from radixlm.runtime.quantization.gguf import GgufLinear
 from radixlm.runtime.quantization.int4 import Int4Linear
 
-GGUF_TYPES = {"q4_0": 2, "q4_1": 3, "q4_k": 12}
+GGUF_TYPES = {"q4_0": 2, "q4_1": 3, "q4_k": 12, "q8_0": 8, "q6_k": 14}
 
 
 def linear_shapes(name: str) -> list[tuple[str, int, int]]:
@@ -48,9 +49,10 @@ def gguf_blocks(gtype: int, n: int, k: int) -> torch.Tensor:
     """(n, row bytes) random blocks of `gtype` on the GPU, their float16 scales finite (~0.02)."""
     _, qk, nbytes = gguf_ref.BLOCK_TYPES[gtype]
     raw = torch.randint(0, 256, (n, k // qk, nbytes), dtype=torch.uint8, device="cuda")
-    halves = 2 if gtype == 2 else 4  # d (and m, or dmin) lead each block
+    # d (and m, or dmin) lead each block; Q6_K's d ends it
+    start, halves = (nbytes - 2, 2) if gtype == 14 else (0, 2 if gtype in (2, 8) else 4)
     scales = (torch.randn(n, k // qk, halves // 2, device="cuda") * 0.02).half()
-    raw[..., :halves] = scales.view(torch.uint8).view(n, k // qk, halves)
+    raw[..., start : start + halves] = scales.view(torch.uint8).view(n, k // qk, halves)
     return raw.view(n, -1)
 
 

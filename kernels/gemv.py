@@ -20,7 +20,9 @@ A packed INT4 weight (runtime/quantization/int4.py: two values a byte, a float32
 point per group of columns) is read as stored too; its `words` tiles (INT4_CONFIGS) read it as int32
 words of eight values: about six instructions a weight in the sm_90 code Triton 3.9 builds for
 256 rows by a group, against about eighteen for the byte tiles (8 x 512), whose nibbles are
-reshaped and shuffled (the oracle: `int4_linear_ref`).
+reshaped and shuffled (the oracle: `grouped_linear_ref`). An int8 weight with a scale and zero
+point per group (GGUF's Q8_0 and Q6_K on a GPU: kernels/gguf_ref.py `as_int8`) is read a byte a
+value and dequantized in registers (`_int8_tile`).
 
 The prologues round as their plain-torch twins in kernels/fused_ref.py do: the sum to x's dtype,
 the norm in float32 rounded to x's dtype before the weight, the product rounded again. They call the rounding helpers of
@@ -308,6 +310,26 @@ def _int4_dot_accumulate(
 
 
 @triton.jit
+def _int8_tile(
+    w_ptr, ws_ptr, wz_ptr, rows_n, k0, k_end, N, stride_wn, stride_sn,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr,
+):  # fmt: skip
+    """An int8 grouped weight's tile at columns k0 .. k0 + BLOCK_K, read as stored (a byte a
+    value) and dequantized, (q - zero) * scale group by group: (BLOCK_N, BLOCK_K) float32."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    mask = (rows_n[:, None] < N) & (k[None, :] < k_end)
+    q = tl.load(w_ptr + rows_n[:, None] * stride_wn + k[None, :], mask=mask, other=0)
+    q = tl.reshape(q.to(tl.float32), (BLOCK_N, TILE_GROUPS, GROUP_COLS))
+    groups = k0 // GROUP + tl.arange(0, TILE_GROUPS)
+    g_mask = (rows_n[:, None] < N) & (groups[None, :] * GROUP < k_end)
+    g_at = rows_n[:, None] * stride_sn + groups[None, :]
+    scale = tl.load(ws_ptr + g_at, mask=g_mask, other=0.0)
+    zero = tl.load(wz_ptr + g_at, mask=g_mask, other=0.0)
+    return tl.reshape((q - zero[:, :, None]) * scale[:, :, None], (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def _int4_accumulate(
     acc, a, lo, hi, scale, zero,
     BLOCK_M: tl.constexpr, TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr,
@@ -330,7 +352,8 @@ def _gemv_kernel(
     M, N, K, k_per_split, eps,
     stride_xm, stride_rm, stride_wn, stride_sn, stride_ym,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    W_SCALED: tl.constexpr, W_INT4: tl.constexpr, GROUP: tl.constexpr, W_CONVERT: tl.constexpr,
+    W_SCALED: tl.constexpr, W_INT4: tl.constexpr, W_INT8: tl.constexpr, GROUP: tl.constexpr,
+    W_CONVERT: tl.constexpr,
     TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr, INT4_MMA: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, LATE_SUM: tl.constexpr, PREFETCH: tl.constexpr,
@@ -346,7 +369,9 @@ def _gemv_kernel(
     with a float32 scale and zero point per GROUP columns of a row (ws_ptr, wz_ptr: `_int4_tile`),
     through tl.dot as stored where a tile is one group and x is not bfloat16 (INT4_MMA,
     `_int4_dot_accumulate`), dequantized otherwise, else multiplied group by group (`_int4_accumulate`; no prefetch or
-    late sum), or with WORDS read as int32 words (`_int4_word_sums`). W_CONVERT: a weight tile is turned into x's type for tl.dot (float8 and INT4
+    late sum), or with WORDS read as int32 words (`_int4_word_sums`). With W_INT8 they are int8
+    with a scale and zero point per GROUP columns as INT4's, dequantized as read (`_int8_tile`; no
+    prefetch). W_CONVERT: a weight tile is turned into x's type for tl.dot (float8, INT4 and int8
     weights)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -386,6 +411,11 @@ def _gemv_kernel(
             k = k0 + cols
             if W_INT4:
                 lo, hi, scale, zero = _int4_tile(
+                    w_ptr, ws_ptr, wz_ptr, rows_n, k0, k_end, N, stride_wn, stride_sn,
+                    GROUP, BLOCK_N, BLOCK_K, TILE_GROUPS, GROUP_COLS,
+                )  # fmt: skip
+            elif W_INT8:
+                w_tile = _int8_tile(
                     w_ptr, ws_ptr, wz_ptr, rows_n, k0, k_end, N, stride_wn, stride_sn,
                     GROUP, BLOCK_N, BLOCK_K, TILE_GROUPS, GROUP_COLS,
                 )  # fmt: skip
@@ -479,7 +509,8 @@ def _launch(
 ) -> torch.Tensor:
     m = x.shape[0]
     n = weight.shape[0]
-    int4 = w_zero is not None
+    grouped = w_zero is not None  # packed INT4 or int8, a scale and zero point a group
+    int4 = grouped and weight.dtype == torch.uint8
     if (
         m > (MAX_ROWS if config.dot else MAX_ROWS_WITHOUT_DOT)
         or x.stride(-1) != 1
@@ -512,15 +543,16 @@ def _launch(
         w_zero if w_zero is not None else weight, bias if bias is not None else weight,
         part, m, n, k, k_per_split, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0),
-        w_scale.stride(0) if int4 else 0, y.stride(0),
+        w_scale.stride(0) if grouped else 0, y.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        W_SCALED=w_scale is not None and not int4, W_INT4=int4, GROUP=group,
+        W_SCALED=w_scale is not None and not grouped, W_INT4=int4, W_INT8=grouped and not int4,
+        GROUP=group,
         W_CONVERT=w_scale is not None, **_int4_tiling(group, config.block_k),
         INT4_MMA=int4 and config.dot and int4_mma(group, config.block_k, x.dtype),
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NORM_BLOCK=_norm_block(k, rows, config),
         LATE_SUM=config.late_sum and not (config.dot or int4),
-        PREFETCH=config.prefetch and not config.dot and (config.words or not int4),
+        PREFETCH=config.prefetch and not config.dot and (config.words or not grouped),
         DOT=config.dot, ROWS=rows, WORDS=config.words,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )  # fmt: skip
@@ -536,7 +568,13 @@ def _launch(
 def _int4_words(weight: torch.Tensor, group: int, config: GemvConfig) -> torch.Tensor:
     """A packed INT4 weight (uint8, N x K/2) as the int32 words a `words` tile reads (the same
     bytes); ValueError for another weight or a tile that is not whole groups."""
-    if not group or config.dot or config.block_k % group or group % 8:
+    if (
+        weight.dtype != torch.uint8
+        or not group
+        or config.dot
+        or config.block_k % group
+        or group % 8
+    ):
         raise ValueError(
             f"a words tile reads packed INT4 weights in whole groups of a multiple of 8 columns "
             f"(block_k a multiple of the group, no dot); got a {weight.dtype} weight, group "
@@ -573,14 +611,14 @@ def _int4_tiling(group: int, block_k: int) -> dict[str, int]:
 def _check_w_scale(
     weight: torch.Tensor, k: int, w_scale: torch.Tensor | None, w_zero: torch.Tensor | None
 ) -> int:
-    """A float8 weight comes with its float32 scale per row (N,); a packed INT4 one (uint8) with
-    float32 scales and zero points (N, K // group); a weight of x's type with neither. Returns
-    the INT4 group (0 for other weights)."""
-    if weight.dtype == torch.uint8 or w_zero is not None:
+    """A float8 weight comes with its float32 scale per row (N,); a packed INT4 one (uint8) or an
+    int8 one with float32 scales and zero points (N, K // group); a weight of x's type with
+    neither. Returns the group (0 for other weights)."""
+    if weight.dtype in (torch.uint8, torch.int8) or w_zero is not None:
         n = weight.shape[0]
         groups = w_scale.shape[1] if w_scale is not None and w_scale.dim() == 2 else 0
         ok = (
-            weight.dtype == torch.uint8
+            weight.dtype in (torch.uint8, torch.int8)
             and w_scale is not None
             and w_zero is not None
             and groups > 0
@@ -591,8 +629,9 @@ def _check_w_scale(
         )
         if not ok:
             raise ValueError(
-                "gemv takes a packed INT4 weight (uint8, N x K/2) with float32 scales and zero "
-                f"points, contiguous, (N, K // group) each; got a {weight.dtype} weight, "
+                "gemv takes a packed INT4 weight (uint8, N x K/2) or an int8 one (N x K) with "
+                "float32 scales and zero points, contiguous, (N, K // group) each; got a "
+                f"{weight.dtype} weight, "
                 f"w_scale {None if w_scale is None else tuple(w_scale.shape)}, "
                 f"w_zero {None if w_zero is None else tuple(w_zero.shape)}"
             )
@@ -630,8 +669,8 @@ def gemv(
     sums unrounded). A float8_e4m3fn weight comes
     with `w_scale` (N,) float32: x @ (W * w_scale[:, None]).T, x unquantized (the oracle:
     kernels/quant_ref.py `fp8_linear_ref(..., act_quant=False)`). A packed INT4 weight (uint8,
-    (N, K // 2)) comes with `w_scale` and `w_zero` (N, K // group) float32 (the oracle:
-    `int4_linear_ref`)."""
+    (N, K // 2)) or an int8 one (N, K) comes with `w_scale` and `w_zero` (N, K // group) float32
+    (the oracle: `grouped_linear_ref`)."""
     return _launch(
         _NONE.value, x, x.shape[1], weight, bias, config, out_dtype=out_dtype, w_scale=w_scale,
         w_zero=w_zero,
@@ -653,7 +692,7 @@ def gemv_rms_norm(
     """(rmsnorm(x + residual) * norm_weight) @ W.T + b, and x + residual (None without a residual),
     as RMSNorm then a linear layer would give them. x and residual (M, K), norm_weight (K,) of x's
     dtype. The product is in `out_dtype` (default x's; float32: the float32 sums unrounded). A
-    float8 or INT4 weight comes with `w_scale` (and `w_zero`), as in `gemv`."""
+    float8, INT4 or int8 weight comes with `w_scale` (and `w_zero`), as in `gemv`."""
     if norm_weight.dtype != x.dtype or (residual is not None and residual.shape != x.shape):
         raise ValueError(
             "gemv_rms_norm takes a norm weight of x's dtype and a residual of its shape"
@@ -679,9 +718,9 @@ def gemv_silu_and_mul(
     w_scale: torch.Tensor | None = None,
     w_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(silu(gate) * up) @ W.T + b for gate_up (M, 2K) = [gate | up], weight (N, K); a float8
-    or INT4 weight comes with `w_scale` (and `w_zero`), as in `gemv`."""
-    k = weight.shape[1] * (2 if w_zero is not None else 1)
+    """(silu(gate) * up) @ W.T + b for gate_up (M, 2K) = [gate | up], weight (N, K); a float8,
+    INT4 or int8 weight comes with `w_scale` (and `w_zero`), as in `gemv`."""
+    k = weight.shape[1] * (2 if weight.dtype == torch.uint8 else 1)
     if gate_up.shape[1] != 2 * k:
         raise ValueError(
             f"gemv_silu_and_mul takes gate_up (M, 2K) for a weight (N, K); got "

@@ -73,17 +73,24 @@ def dequantize(w: torch.Tensor, gtype: int, k: int) -> torch.Tensor:
         q = _nibbles(b[..., 16:].reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32).float()
         y = (d * scale).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)
         return y.reshape(n, k)
-    # Q6_K
+    q, s = _q6k(b)  # Q6_K
+    return (s.unsqueeze(-1) * q.float()).reshape(n, k)
+
+
+def _q6k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K blocks (N, blocks, 210) -> their integers q - 32 (N, K // 16, 16) int8 and each
+    sub-block's scale d * scale (N, K // 16) float32 (exact: an 11-bit float16 times an int8)."""
+    n = b.shape[0]
     ql = b[..., :128].reshape(n, -1, 2, 64)
     qh = b[..., 128:192].reshape(n, -1, 2, 1, 32)
     scales = b[..., 192:208].view(torch.int8).float()
     d = _half(b[..., 208:210]).unsqueeze(-1)
     # per half of 128: the low nibbles of bytes 0-31, of 32-63, then their high nibbles
     low = _nibbles(ql).reshape(n, -1, 2, 4, 32)
-    shifts = torch.tensor([0, 2, 4, 6], device=w.device, dtype=torch.uint8).view(4, 1)
+    shifts = torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.uint8).view(4, 1)
     high = (qh >> shifts) & 3  # (N, blocks, 2, 4, 32)
-    q = ((low | (high << 4)).view(torch.int8) - 32).float().reshape(n, -1, 16, 16)
-    return ((d * scales).unsqueeze(-1) * q).reshape(n, k)
+    q = ((low | (high << 4)).view(torch.int8) - 32).reshape(n, -1, 16)
+    return q, (d * scales).reshape(n, -1)
 
 
 # the 4-bit block types whose values are s * q + c over groups of 32 columns (`as_int4`)
@@ -97,6 +104,14 @@ def as_int4(w: torch.Tensor, gtype: int, k: int) -> tuple[torch.Tensor, torch.Te
     s * q + c: the same 4-bit integers, in another order, with zero = -c / s. A group whose s
     is 0 holds the one value c: its integers become 0, its scale 1 and its zero point -c.
     On the device `w` is on (a GPU converts a model's layers at load in milliseconds)."""
+    q, scale, zero = _int4_groups(w, gtype, k)
+    return pack_int4(q), scale, zero
+
+
+def _int4_groups(
+    w: torch.Tensor, gtype: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`as_int4` before packing: the integers (N, K) uint8 in [0, 15], scales and zero points."""
     if gtype not in INT4_TYPES:
         raise ValueError(f"GGUF block type {BLOCK_TYPES[gtype][0]} is not 4-bit: no INT4 layout")
     _, qk, nbytes = BLOCK_TYPES[gtype]
@@ -120,7 +135,46 @@ def as_int4(w: torch.Tensor, gtype: int, k: int) -> tuple[torch.Tensor, torch.Te
     q = torch.where(flat.unsqueeze(-1), torch.zeros_like(q), q)
     zero = torch.where(flat, -c, -c / torch.where(flat, torch.ones_like(s), s))
     scale = torch.where(flat, torch.ones_like(s), s)
-    return pack_int4(q.reshape(n, k)), scale.contiguous(), zero.contiguous()
+    return q.reshape(n, k), scale.contiguous(), zero.contiguous()
+
+
+# the columns a group of `as_int8` has, by block type
+INT8_GROUPS = {2: 32, 3: 32, 8: 32, 12: 32, 14: 16}
+
+
+def as_int8(
+    w: torch.Tensor, gtype: int, k: int, group: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The raw blocks `w` (N, row bytes) of any type here in the int8 layout of
+    kernels/quant_ref.py: (N, K) int8 integers with a float32 scale and zero point (N, K // group)
+    each, (q - zero) * scale being the block's value. Q8_0 (groups of 32) and Q6_K (16) are
+    d * q and (d * scale) * (q - 32): their integers as they are, the scales exact, zero points 0,
+    so the layout holds the file's values exactly; the 4-bit types are `as_int4`'s integers,
+    scales and zero points. `group`: the columns of a group, a divisor of the type's own
+    (INT8_GROUPS), its scale and zero point repeated (the layer of a Q4_K_M file whose v is
+    Q6_K: one group size for all its parts). On the device `w` is on."""
+    if gtype not in BLOCK_TYPES:
+        raise ValueError(f"GGUF block type {gtype} is not supported")
+    own = INT8_GROUPS[gtype]
+    group = group or own
+    if own % group:
+        raise ValueError(f"groups of {group} columns do not split {BLOCK_TYPES[gtype][0]}'s {own}")
+    _, qk, nbytes = BLOCK_TYPES[gtype]
+    n = w.shape[0]
+    if gtype in INT4_TYPES:
+        q, scale, zero = _int4_groups(w, gtype, k)
+        q = q.to(torch.int8)
+    else:
+        b = w[:, : row_bytes(gtype, k)].reshape(n, k // qk, nbytes)
+        if gtype == 8:  # Q8_0
+            q, scale = b[..., 2:].contiguous().view(torch.int8).reshape(n, k), _half(b[..., :2])
+        else:  # Q6_K
+            q, scale = _q6k(b)
+            q = q.reshape(n, k)
+        zero = torch.zeros_like(scale)
+    if group != own:
+        scale, zero = (t.repeat_interleave(own // group, dim=1) for t in (scale, zero))
+    return q.contiguous(), scale.contiguous(), zero.contiguous()
 
 
 def gguf_package_dequantize(w: torch.Tensor, gtype: int, k: int) -> torch.Tensor:

@@ -68,6 +68,9 @@ def fp8_linear_ref(
 # [0, 15] with a float32 scale s and zero point z (an integer in [0, 15], kept as float32), so
 # w ~ (q - z) * s. Stored packed along K: byte j of a row holds column 2j in its low four bits and
 # column 2j + 1 in its high four, (N, K // 2) uint8; scales and zeros (N, K // group).
+# The same with a byte a value: an int8 weight (N, K) of integers with float32 scales and zero
+# points (N, K // group): the layout GGUF's Q8_0 and Q6_K blocks are run in on a GPU
+# (kernels/gguf_ref.py `as_int8`). The functions below that take a grouped weight take either.
 
 INT4_GROUP = 128
 
@@ -98,18 +101,28 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
 
 
-def dequantize_int4_groups(
+def group_integers(weight: torch.Tensor) -> torch.Tensor:
+    """A grouped weight's integers (N, K): a packed INT4 weight's unpacked, an int8 one's own."""
+    if weight.dtype == torch.uint8:
+        return unpack_int4(weight)
+    if weight.dtype == torch.int8:
+        return weight
+    raise ValueError(f"a grouped weight is packed INT4 (uint8) or int8; got {weight.dtype}")
+
+
+def dequantize_groups(
     packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 ) -> torch.Tensor:
-    """The float32 weight (N, K) of a packed INT4 one: (q - zero) * scale, group by group."""
-    q = unpack_int4(packed).float()
+    """The float32 weight (N, K) of a grouped one (packed INT4 or int8): (q - zero) * scale, group
+    by group."""
+    q = group_integers(packed).float()
     n, k = q.shape
     group = k // scale.shape[1]
     g = q.reshape(n, -1, group)
     return ((g - zero.float()[..., None]) * scale.float()[..., None]).reshape(n, k)
 
 
-def int4_linear_ref(
+def grouped_linear_ref(
     x: torch.Tensor,
     packed: torch.Tensor,
     scale: torch.Tensor,
@@ -118,12 +131,12 @@ def int4_linear_ref(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x (..., K) @ dequantize(packed, scale, zero).T + bias in float32, then `out_dtype` (default
-    x's): W4A16, x as it is. The weight is dequantized in pieces of the output."""
+    x's): W4A16 (or W8A16 for an int8 weight), x as it is. The weight is dequantized in pieces of
+    the output."""
     shape = x.shape
     a = x.reshape(-1, shape[-1]).float()
     pieces = [
-        a
-        @ dequantize_int4_groups(packed[i : i + 8192], scale[i : i + 8192], zero[i : i + 8192]).t()
+        a @ dequantize_groups(packed[i : i + 8192], scale[i : i + 8192], zero[i : i + 8192]).t()
         for i in range(0, packed.shape[0], 8192)
     ]
     y = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]

@@ -129,7 +129,8 @@ class LinearDispatch(PlainMatmuls):
         plain, kernel, oracle = self._candidate_calls(op, linear, rows, norm, float32)
         want = oracle(linear).float()
         base = graph_ms(plain, linear)
-        candidates = CONFIGS + (INT4_CONFIGS if "w_zero" in _weights(linear)[1] else [])
+        packed = _weights(linear)[0].dtype == torch.uint8  # INT4: its words tiles too
+        candidates = CONFIGS + (INT4_CONFIGS if packed else [])
         if op != "linear":
             ranked = self.timings.get(choice_key("linear", rows, linear), [])
             fastest = [c for _, c in ranked[:2]]

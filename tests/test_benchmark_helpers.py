@@ -15,7 +15,9 @@ def test_kernel_groups_by_name():
     assert kernel_group("_extend_kernel_0d1d2d") == "attention, prompt rows"
     assert kernel_group("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT") == "matmul (cuBLAS)"
     assert kernel_group("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul (cuBLAS)"
-    assert kernel_group("_int4_gemm_kernel") == "Triton GEMV, INT4 matmul"  # (not cuBLAS's "gemm")
+    assert (
+        kernel_group("_grouped_gemm_kernel") == "Triton GEMV, INT4 matmul"
+    )  # (not cuBLAS's "gemm")
     assert kernel_group("_rope_store_kv_kernel") == "norm, rotary, SiLU, KV store"
     assert kernel_group("_argmax_rows_kernel") == "sampling"
     assert kernel_group("Memcpy HtoD (Pinned -> Device)") == "copies and fills"

@@ -19,13 +19,13 @@ import torch
 import radixlm
 from radixlm.kernels import gguf_cpu, gguf_ref
 from radixlm.kernels.gguf_ref import BLOCK_TYPES
-from radixlm.kernels.quant_ref import dequantize_int4_groups
+from radixlm.kernels.quant_ref import dequantize_groups
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.model_loader import default_model_path
 from radixlm.runtime.parallel import ColumnParallelLinear, Part
-from radixlm.runtime.quantization.base import UNQUANTIZED, scheme_of
+from radixlm.runtime.quantization.base import scheme_of
 from radixlm.runtime.quantization.gguf import GgufLinear, GgufWeights, read_tensor_table
-from radixlm.runtime.quantization.int4 import Int4Linear
+from radixlm.runtime.quantization.int4 import Int4Linear, Int8GroupsLinear
 from radixlm.runtime.quantization.plan import plan_for
 from tests.test_gguf_conversion import TINY, tokenizer_fields, weights, write_gguf  # noqa: F401
 
@@ -160,7 +160,7 @@ def test_int4_layout_holds_the_blocks_values(gtype):
     packed, scale, zero = gguf_ref.as_int4(w, int(gtype), k)
     assert packed.shape == (9, k // 2) and scale.shape == zero.shape == (9, k // 32)
     want = gguf_ref.gguf_package_dequantize(w, int(gtype), k)
-    got = dequantize_int4_groups(packed, scale, zero)
+    got = dequantize_groups(packed, scale, zero)
     assert (want[0, :32] == want[0, 0]).all()  # (the flat group: one value)
     # the same values up to float32 rounding of (q - (-c / s)) * s against s * q + c
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
@@ -209,20 +209,48 @@ def test_gguf_layer_of_four_bit_blocks_becomes_an_int4_layer():
     check_converted_layer(layer, package_weight(blocks, types, k), row_tol=1e-6)
 
 
-def test_gguf_layer_of_other_blocks_on_a_gpu_is_dequantized_once():
+def test_int8_layout_holds_the_blocks_values():
+    """Q8_0's and Q6_K's values exactly (their integers and scales as they are), in groups of
+    their own or of 16 columns (a mixed layer's); the 4-bit types' as their INT4 layout holds
+    them."""
+    k = 512
+    for gtype in [*FOUR_BIT, Q.Q8_0, Q.Q6_K]:
+        w = blocks_with_a_flat_group(int(gtype), 9, k, seed=4)
+        want = gguf_ref.gguf_package_dequantize(w, int(gtype), k)
+        q, scale, zero = gguf_ref.as_int8(w, int(gtype), k)
+        group = gguf_ref.INT8_GROUPS[int(gtype)]
+        assert q.dtype == torch.int8 and q.shape == (9, k)
+        assert scale.shape == zero.shape == (9, k // group)
+        got = dequantize_groups(q, scale, zero)
+        if gtype in (Q.Q8_0, Q.Q6_K):
+            assert torch.equal(got, want), Q(gtype).name
+            assert not zero.any()
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+        q16, scale16, zero16 = gguf_ref.as_int8(w, int(gtype), k, group=16)
+        assert torch.equal(q16, q) and scale16.shape == (9, k // 16)
+        assert torch.equal(dequantize_groups(q16, scale16, zero16), got)
+    with pytest.raises(ValueError, match="do not split"):
+        gguf_ref.as_int8(w, int(Q.Q6_K), k, group=32)
+
+
+def test_gguf_layer_of_other_blocks_on_a_gpu_is_an_int8_layer():
     """A fused layer with a Q6_K part beside a Q4_K one, and a Q8_0 layer, as a GPU holds them
-    (`_to_dense`, which loading runs where the weights are on a GPU and not all 4-bit): the
-    weight dequantized once, then an unquantized layer, against the gguf package's values."""
+    (`_to_int8`, which loading runs where the weights are on a GPU and not all 4-bit): int8
+    integers with a scale and zero point a group (16 columns for the mixed layer), computed by
+    the INT4 paths, against the gguf package's values (Q8_0's exactly)."""
     k = 256
     for sizes, types in (([16, 8], (int(Q.Q4_K), int(Q.Q6_K))), ([12], (int(Q.Q8_0),))):
         blocks = [random_blocks(t, n, k, seed=i) for i, (t, n) in enumerate(zip(types, sizes))]
         layer = gguf_layer(k, types, blocks)
-        layer.quant_scheme._to_dense(layer)
-        assert layer.quant_scheme is UNQUANTIZED
-        assert layer.weight.dtype == torch.float32 and layer.weight.shape == (sum(sizes), k)
+        layer.quant_scheme._to_int8(layer)
+        assert isinstance(layer.quant_scheme, Int8GroupsLinear)
+        assert layer.weight.dtype == torch.int8 and layer.weight.shape == (sum(sizes), k)
+        assert layer.weight_scale.shape == (sum(sizes), k // (16 if len(types) > 1 else 32))
         weight = package_weight(blocks, types, k)
-        assert torch.equal(layer.weight, weight)
-        check_converted_layer(layer, weight, row_tol=0)
+        if len(types) == 1:
+            assert torch.equal(layer.quant_scheme.dequantized_weight(layer), weight)
+        check_converted_layer(layer, weight, row_tol=1e-6)
 
 
 # ---- whole models --------------------------------------------------------------------------
@@ -438,8 +466,8 @@ def test_speculative_steps_in_one_call_equal_the_layers(monkeypatch, algorithm):
 @pytest.mark.gpu
 def test_default_model_on_a_gpu_runs_its_four_bit_blocks_as_int4():
     """On a GPU the default model's Q4_1 layers are held in the INT4 layout and run the INT4
-    kernels (the GEMV tuned per shape, CUDA graphs), its Q8_0 head dequantized once at load; in
-    float32 its greedy text is the float32 dequantization's."""
+    kernels (the GEMV tuned per shape, CUDA graphs), its Q8_0 head in the int8 layout through
+    the same kernels; in float32 its greedy text is the float32 dequantization's."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     kw = {"max_total_tokens": 4096, "device": "cuda", "dtype": "float32"}
@@ -449,7 +477,7 @@ def test_default_model_on_a_gpu_runs_its_four_bit_blocks_as_int4():
         down = eng.model.layers[0].mlp.down_proj
         assert isinstance(down.quant_scheme, Int4Linear)
         assert down.weight.shape[1] == down.in_features // 2
-        head = eng.model.lm_head  # (Q8_0: not 4-bit, dequantized once at load)
-        assert head.quant_scheme is UNQUANTIZED and head.weight.dtype == torch.float32
+        head = eng.model.lm_head  # (Q8_0: int8 integers, a scale a group of 32)
+        assert isinstance(head.quant_scheme, Int8GroupsLinear) and head.weight.dtype == torch.int8
         got = [o["output_ids"] for o in greedy(eng, 16, PROMPTS)]
     assert got == want

@@ -14,10 +14,10 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 import radixlm  # noqa: E402
 from radixlm.kernels.gemv import GemvConfig, gemv, gemv_rms_norm, gemv_silu_and_mul  # noqa: E402
-from radixlm.kernels.quant_gemm import int4_gemm  # noqa: E402
+from radixlm.kernels.quant_gemm import grouped_gemm  # noqa: E402
 from radixlm.kernels.quant_ref import (  # noqa: E402
-    dequantize_int4_groups,
-    int4_linear_ref,
+    dequantize_groups,
+    grouped_linear_ref,
     pack_int4,
     quantize_int4_groups,
     unpack_int4,
@@ -83,10 +83,10 @@ def test_groups_round_min_max_to_sixteen_levels():
     torch.testing.assert_close(scale, torch.tensor([[3.0 / 15, 3.0 / 15]]))
     assert zero.tolist() == [[5.0, 0.0]]  # -min / scale = 5; a group >= 0 keeps 0 at level 0
     assert unpack_int4(packed).tolist() == [[0, 5, 8, 15, 0, 0, 0, 15]]  # 0.65 / 0.2 + 5 -> 8
-    back = dequantize_int4_groups(packed, scale, zero)
+    back = dequantize_groups(packed, scale, zero)
     torch.testing.assert_close(back, torch.tensor([[-1.0, 0.0, 0.6, 2.0, 0.0, 0.0, 0.0, 3.0]]))
     w, packed, scale, zero = (t.cpu() for t in int4_weight(16, 256, 128, seed=1))
-    err = (dequantize_int4_groups(packed, scale, zero) - w).abs().reshape(16, 2, 128)
+    err = (dequantize_groups(packed, scale, zero) - w).abs().reshape(16, 2, 128)
     assert bool((err <= scale[..., None] / 2 + 1e-6).all())  # half a level at most
 
 
@@ -107,17 +107,17 @@ def test_gemv_reads_packed_int4_weights_as_the_oracle_does(size, rows, torch_pat
     res = torch.randn(rows, k, generator=gen).to(DEVICE, DTYPE)
     norm = RMSNorm(k, 1e-5).to(DEVICE, DTYPE)
     gate_up = (torch.randn(rows, 2 * k, generator=gen) * 3).to(DEVICE, DTYPE)
-    want = int4_linear_ref(x, packed, scale, zero, b, out_dtype=torch.float32)
+    want = grouped_linear_ref(x, packed, scale, zero, b, out_dtype=torch.float32)
     normed, summed = norm(x, res)
-    want_norm = int4_linear_ref(normed, packed, scale, zero, out_dtype=torch.float32)
+    want_norm = grouped_linear_ref(normed, packed, scale, zero, out_dtype=torch.float32)
     # the fused prologue keeps silu(gate) * up in float32 (silu_and_mul would round it to x's
     # dtype): against that, within the output's rounding and what rounding the activation to
     # x's dtype moves a sum (a dot tile's operands are), three standard deviations of it
     gate, up = gate_up.float().chunk(2, dim=-1)
     act = torch.nn.functional.silu(gate) * up
-    want_silu = int4_linear_ref(act, packed, scale, zero, out_dtype=torch.float32)
+    want_silu = grouped_linear_ref(act, packed, scale, zero, out_dtype=torch.float32)
     unit = torch.finfo(DTYPE).eps / 2  # (the unit roundoff)
-    w = dequantize_int4_groups(packed, scale, zero).float()
+    w = dequantize_groups(packed, scale, zero).float()
     spread = 3 * unit * ((act * act) @ (w * w).t()).sqrt()
     quant = {"w_scale": scale, "w_zero": zero}
     for tile in TILES:
@@ -143,14 +143,14 @@ def test_int4_tiles_of_one_group_go_into_the_mma_as_stored(dtype):
     _, packed, scale, zero = int4_weight(n, k, group, seed=9)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(6, k, generator=gen).to(DEVICE, dtype)
-    want = int4_linear_ref(x, packed, scale, zero, out_dtype=torch.float32)
+    want = grouped_linear_ref(x, packed, scale, zero, out_dtype=torch.float32)
     size = want.abs().amax()
     tiles = [(16, 128, 1), (16, 64, 3), (16, 256, 1)] if not ON_GPU else [(32, 128, 1), (32, 64, 4), (32, 256, 1)]  # fmt: skip
     for block_n, block_k, split in tiles:
         tile = GemvConfig(block_n, block_k, 4, 2, split, dot=True)
         got = gemv(x[:3], packed, None, tile, torch.float32, w_scale=scale, w_zero=zero)
         torch.testing.assert_close(got / size, want[:3] / size, atol=1e-3, rtol=0)
-    got = int4_gemm(x, packed, scale, zero, None, (16, 16, 64) if not ON_GPU else (64, 64, 64))
+    got = grouped_gemm(x, packed, scale, zero, None, (16, 16, 64) if not ON_GPU else (64, 64, 64))
     torch.testing.assert_close(got.float() / size, want / size, atol=2e-3, rtol=0)
 
 
@@ -162,13 +162,61 @@ def test_int4_gemm_for_larger_batches_matches_the_oracle(size, rows):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k + 3, generator=gen).to(DEVICE, DTYPE)[:, :k]
     b = torch.randn(n, generator=gen).to(DEVICE, DTYPE)
-    want = int4_linear_ref(x, packed, scale, zero, b, out_dtype=torch.float32)
+    want = grouped_linear_ref(x, packed, scale, zero, b, out_dtype=torch.float32)
     block = (16, 16, 32) if not ON_GPU else (64, 64, 64)  # (the interpreter's time grows with it)
-    got = int4_gemm(x, packed, scale, zero, b, block)
+    got = grouped_gemm(x, packed, scale, zero, b, block)
     assert got.dtype == DTYPE
     torch.testing.assert_close(got.float(), want, atol=TOL, rtol=TOL)
-    with pytest.raises(ValueError, match="int4_gemm takes x"):
-        int4_gemm(x, packed, scale[:, :1].contiguous(), zero, b, block)
+    with pytest.raises(ValueError, match="grouped_gemm takes x"):
+        grouped_gemm(x, packed, scale[:, :1].contiguous(), zero, b, block)
+
+
+def int8_weight(n: int, k: int, group: int, seed: int):
+    """int8 integers with a scale and zero point a group (the layout GGUF's Q8_0 and Q6_K run in
+    on a GPU), zero points not 0 (as a mixed layer's 4-bit parts have them)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, k // group, generator=gen) * 0.02 / k**0.5 + 1e-4
+    zero = torch.randint(-8, 9, (n, k // group), generator=gen).float()
+    return q.to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
+
+
+@pytest.mark.parametrize("rows", [1, SLOW(3), SLOW(6)])
+@pytest.mark.parametrize("group", [16, 32])
+def test_gemv_and_matmul_read_int8_groups_as_the_oracle_does(group, rows):
+    """The GEMV's tiles (plain, split, late sum, tl.dot; a prefetching tile reads as the plain
+    one) alone and with the SiLU prologue, and the matmul for more rows, over int8 weights: each
+    against the oracle. The words tiles, which read packed INT4, refuse them."""
+    n, k = (37, 128) if not ON_GPU else (4096, 14336)
+    q, scale, zero = int8_weight(n, k, group, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k + 3, generator=gen).to(DEVICE, DTYPE)[:, :k]
+    b = torch.randn(n, generator=gen).to(DEVICE, DTYPE)
+    gate_up = torch.randn(rows, 2 * k, generator=gen).to(DEVICE, DTYPE)
+    want = grouped_linear_ref(x, q, scale, zero, b, out_dtype=torch.float32)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want_silu = grouped_linear_ref(
+        torch.nn.functional.silu(gate) * up, q, scale, zero, out_dtype=torch.float32
+    )
+    size, size_silu = want.abs().amax(), want_silu.abs().amax()
+    quant = {"w_scale": scale, "w_zero": zero}
+    for tile in TILES:
+        if tile.words:
+            with pytest.raises(ValueError, match="a words tile reads packed INT4 weights"):
+                gemv(x[:1], q, b, tile, **quant)
+            continue
+        if rows > 4 and not tile.dot:
+            continue
+        got = gemv(x, q, b, tile, torch.float32, **quant)
+        torch.testing.assert_close(got / size, want / size, atol=TOL, rtol=0)
+        got = gemv_silu_and_mul(gate_up, q, None, tile, **quant).float()
+        torch.testing.assert_close(got / size_silu, want_silu / size_silu, atol=TOL, rtol=0)
+    block = (16, 16, 32) if not ON_GPU else (64, 64, 64)
+    got = grouped_gemm(x, q, scale, zero, b, block)
+    assert got.dtype == DTYPE
+    torch.testing.assert_close(got.float() / size, want / size, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="gemv takes a packed INT4 weight"):
+        gemv(x[:1], q, None, TILES[0], w_scale=scale, w_zero=zero[:, :1])
 
 
 def test_gemv_refuses_int4_weights_without_their_scales():
@@ -187,7 +235,7 @@ def test_words_tiles_take_layers_of_part_tiles_and_refuse_other_weights(rows):
     after the last group lies past K. A float weight is refused."""
     _, packed, scale, zero = int4_weight(9, 576, 64, seed=3)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(3)).to(DEVICE, DTYPE)
-    want = int4_linear_ref(x, packed, scale, zero, out_dtype=torch.float32)
+    want = grouped_linear_ref(x, packed, scale, zero, out_dtype=torch.float32)
     for split, prefetch in ((1, False), (2, False), (2, True)):
         tile = GemvConfig(8, 128, 4, 1, split, prefetch=prefetch, words=True)
         got = gemv(x, packed, None, tile, torch.float32, w_scale=scale, w_zero=zero)
@@ -232,7 +280,7 @@ def hf_with_int4_oracle(folder: str):
             packed, scale, zero = quantize_int4_groups(w, int4_group(w.shape[1]))
 
             def forward(x, _p=packed, _s=scale, _z=zero, _b=module.bias):
-                return int4_linear_ref(x, _p, _s, _z, _b)
+                return grouped_linear_ref(x, _p, _s, _z, _b)
 
             module.forward = forward
     return model

@@ -14,10 +14,12 @@ to a seventh of float32's bytes, and multiplies by them.
   (runtime/quantization/int4.py): the Triton GEMV at batch 1-4, the dequantizing Triton matmul
   past that. That reads 6 bits a weight (4, plus a float32 scale and zero point a group of 32)
   against the file's 4.5-5. A layer with a Q8_0 or Q6_K part (a Q4_K_M file's fused q/k/v, whose
-  v is Q6_K; the default model's Q8_0 LM head) is dequantized once at load, to the model's dtype,
-  and runs as an unquantized layer: not as stored, until a GPU kernel reads those blocks
-  (dequantizing blocks at every call, as before, measured 19-25x a bf16 matmul's time at batch
-  1 for the 4-bit types: benchmarks/quant_gemv.py).
+  v is Q6_K; the default model's Q8_0 LM head) is put in the int8 layout at load (`as_int8`: the
+  file's integers a byte each with a float32 scale a group, 32 columns for Q8_0 and 16 for Q6_K,
+  the values exactly the file's) and computed by the same kernels, which read int8 tiles too:
+  9 or 10 bits a weight against the file's 8.5 or 6.6, and bf16's 16. (Dequantizing blocks at
+  every call, as before the INT4 layout, measured 19-25x a bf16 matmul's time at batch 1 for the
+  4-bit types: benchmarks/quant_gemv.py.)
 
 The oracle (`reference`) is the gguf package's own dequantization and F.linear (`as_int4`'s test
 holds the INT4 layout to it).
@@ -45,12 +47,11 @@ from torch import nn
 from radixlm.kernels import gguf_ref
 from radixlm.kernels.gguf_ref import BLOCK_TYPES, row_bytes
 from radixlm.runtime.quantization.base import (
-    UNQUANTIZED,
     LinearScheme,
     replace_parameter,
     scheme_of,
 )
-from radixlm.runtime.quantization.int4 import Int4Linear
+from radixlm.runtime.quantization.int4 import Int4Linear, Int8GroupsLinear
 
 SUPPORTED_TYPES = ", ".join(name for name, _, _ in BLOCK_TYPES.values())
 _TYPE_IDS = {name: gtype for gtype, (name, _, _) in BLOCK_TYPES.items()}
@@ -133,7 +134,7 @@ class GgufLinear(LinearScheme):
             if all(gtype in gguf_ref.INT4_TYPES for *_, gtype in self.bounds):
                 self._to_int4(layer)
             else:
-                self._to_dense(layer)
+                self._to_int8(layer)
             return
         # each run of rows of one type as a tensor of its own (contiguous: what the kernels read)
         self.runs = [
@@ -156,19 +157,21 @@ class GgufLinear(LinearScheme):
         replace_parameter(layer, "weight_zero", zero)
         layer.quant_scheme = Int4Linear()
 
-    def _to_dense(self, layer: nn.Linear) -> None:
-        """On a GPU, a layer with a Q8_0 or Q6_K part (no GPU kernel reads those blocks yet): its
-        weight dequantized once, in the model's dtype, and from then on an unquantized layer.
-        (Dequantizing at every call instead: 19-25x a bf16 matmul's time, benchmarks/quant_gemv.py
-        on the 4-bit types.)"""
-        weight = torch.cat(
-            [
-                gguf_ref.dequantize(layer.weight.data[start:end], gtype, self.k)
-                for start, end, gtype in self.bounds
-            ]
-        )
-        replace_parameter(layer, "weight", weight.to(layer.compute_dtype))
-        layer.quant_scheme = UNQUANTIZED
+    def _to_int8(self, layer: nn.Linear) -> None:
+        """On a GPU, a layer with a Q8_0 or Q6_K part: in the int8 layout at load (each run of
+        rows converted by its type, exactly; the 4-bit parts of a mixed layer as `as_int4` puts
+        them, a byte a value), and from then on computed as INT4 layers are
+        (`Int8GroupsLinear`)."""
+        group = min(gguf_ref.INT8_GROUPS[gtype] for *_, gtype in self.bounds)
+        parts = [
+            gguf_ref.as_int8(layer.weight.data[start:end], gtype, self.k, group)
+            for start, end, gtype in self.bounds
+        ]
+        values, scale, zero = (torch.cat(t) if len(t) > 1 else t[0] for t in zip(*parts))
+        replace_parameter(layer, "weight", values)
+        replace_parameter(layer, "weight_scale", scale)
+        replace_parameter(layer, "weight_zero", zero)
+        layer.quant_scheme = Int8GroupsLinear()
 
     def apply(self, layer, x, out_dtype=None):
         kernels = _cpu_kernels() if not x.is_cuda else None

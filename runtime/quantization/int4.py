@@ -9,7 +9,7 @@ j, each offset by 8: read as bytes, exactly this module's layout; zero points pa
 along the rows, or none, that is 8), an AWQ or a GPTQ one (unpacked and packed again, transposed:
 `_awq_gptq_tensor`). At batch 1-4 the Triton GEMV (kernels/gemv.py with `w_scale` and `w_zero`)
 reads the packed bytes, an eighth of float32's, and dequantizes in registers; larger
-batches dequantize the layer and multiply (kernels/quant_ref.py `int4_linear_ref`, also the
+batches dequantize the layer and multiply (kernels/quant_ref.py `grouped_linear_ref`, also the
 oracle) on the CPU; on a GPU the Triton matmul kernels/quant_gemm.py dequantizes tiles as it
 reads them (an untuned tile for now).
 """
@@ -21,8 +21,8 @@ from torch import nn
 
 from radixlm.kernels.quant_ref import (
     INT4_GROUP,
-    dequantize_int4_groups,
-    int4_linear_ref,
+    dequantize_groups,
+    grouped_linear_ref,
     pack_int4,
     quantize_int4_groups,
 )
@@ -143,19 +143,19 @@ class Int4Linear(LinearScheme):
 
     def apply(self, layer, x, out_dtype=None):
         if x.is_cuda:  # the Triton matmul that dequantizes as it reads (kernels/quant_gemm.py)
-            from radixlm.kernels.quant_gemm import int4_gemm
+            from radixlm.kernels.quant_gemm import grouped_gemm
 
             x2 = x.reshape(-1, x.shape[-1])
             x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
             w, s, z = layer.weight, layer.weight_scale, layer.weight_zero
-            y = int4_gemm(x2, w, s, z, layer.bias).view(*x.shape[:-1], w.shape[0])
+            y = grouped_gemm(x2, w, s, z, layer.bias).view(*x.shape[:-1], w.shape[0])
             return y if out_dtype is None else y.to(out_dtype)
-        return int4_linear_ref(
+        return grouped_linear_ref(
             x, layer.weight, layer.weight_scale, layer.weight_zero, layer.bias, out_dtype
         )
 
     def reference(self, layer, x):
-        return int4_linear_ref(
+        return grouped_linear_ref(
             x, layer.weight, layer.weight_scale, layer.weight_zero, layer.bias, torch.float32
         )
 
@@ -164,9 +164,22 @@ class Int4Linear(LinearScheme):
 
     def dequantized_weight(self, layer: nn.Linear):
         """The float32 weight the layer stands for (tests and quality checks)."""
-        return dequantize_int4_groups(layer.weight, layer.weight_scale, layer.weight_zero)
+        return dequantize_groups(layer.weight, layer.weight_scale, layer.weight_zero)
 
     def dequantized_rows(self, layer: nn.Linear, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize_int4_groups(
-            layer.weight[ids], layer.weight_scale[ids], layer.weight_zero[ids]
-        )
+        return dequantize_groups(layer.weight[ids], layer.weight_scale[ids], layer.weight_zero[ids])
+
+
+class Int8GroupsLinear(Int4Linear):
+    """Weights held as int8 integers with a float32 scale and zero point per group of columns
+    (kernels/quant_ref.py's int8 layout): GGUF's Q8_0 and Q6_K blocks on a GPU, put in it at load
+    exactly (kernels/gguf_ref.py `as_int8`; runtime/quantization/gguf.py). Computed by INT4's
+    paths, which read either layout: the Triton GEMV at batch 1-4, the dequantizing Triton matmul
+    past that, the plain torch twin on the CPU. A byte a weight and 8 bytes a group (32 columns
+    for Q8_0, 16 for Q6_K) against bf16's two bytes a weight. Never quantized here: a layer
+    becomes one only by that conversion."""
+
+    name = "w8a16"
+
+    def process_after_loading(self, layer: nn.Linear) -> None:
+        raise ValueError("int8 grouped weights are converted from GGUF blocks, not quantized here")
