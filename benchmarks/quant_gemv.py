@@ -130,8 +130,8 @@ def words_and_bytes(timed) -> str:
 def dequantize_us(n: int, k: int, scheme: str, rows: int) -> str:
     """For GGUF blocks: microseconds a call of the path a GPU ran before the INT4 layout (the
     blocks dequantized to float32 at every call, then F.linear), timed as the tiles are."""
-    if scheme not in GGUF_TYPES:
-        return "-"
+    if scheme not in GGUF_TYPES or GGUF_TYPES[scheme] not in gguf_ref.INT4_TYPES:
+        return "-"  # (Q8_0 and Q6_K ran as bf16 layers before their int8 layout: the "none" rows)
     gtype = GGUF_TYPES[scheme]
     raw = nn.Linear(1, 1, bias=False)  # (a holder of the blocks graph_ms can copy)
     raw.weight = nn.Parameter(gguf_blocks(gtype, n, k), requires_grad=False)

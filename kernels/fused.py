@@ -330,11 +330,22 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _fp8_rows_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):  # fmt: skip
+    """A row a program. ONE_PASS: the whole row in one tile, read once and kept in registers;
+    else tiles of BLOCK, read twice (for the scale, then the values: the second time from L2)."""
     pdl_start(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        mask = cols < K
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+        q = fp8_e4m3_round(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0))
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
+        return
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
@@ -356,11 +367,19 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
+        width = triton.next_power_of_2(k)
+        one_pass = width <= _FP8_ONE_PASS_COLUMNS
         _fp8_rows_kernel[(rows,)](
-            x, q, scale, k, x.stride(0), q.stride(0), BLOCK=min(2048, triton.next_power_of_2(k)),
-            num_warps=4, **pdl_options(x),
+            x, q, scale, k, x.stride(0), q.stride(0), BLOCK=width if one_pass else 2048,
+            ONE_PASS=one_pass, num_warps=min(max(width // 1024, 4), 16) if one_pass else 4,
+            **pdl_options(x),
         )  # fmt: skip
     return q, scale
+
+
+# rows up to this wide are quantized in one pass, the row in registers (8 values a thread at 16
+# warps); wider ones in tiles, read twice
+_FP8_ONE_PASS_COLUMNS = 16384
 
 
 @triton.jit

@@ -767,6 +767,17 @@ INT4_CONFIGS = [
         (512, 128, 4, 1, 1), (512, 128, 4, 1, 4), (512, 128, 8, 1, 2),
     ]
 ]  # fmt: skip
+# Float8 weights also try these: a byte a weight, so a tile of CONFIGS' block_k has half a bf16
+# tile's bytes in flight; wider tiles (and more of them a program) load as much as bf16's do.
+FP8_CONFIGS = [
+    GemvConfig(*c)
+    for c in [
+        (4, 4096, 4, 2, 1), (4, 4096, 8, 2, 1), (8, 4096, 8, 2, 1), (2, 4096, 4, 2, 1),
+        (4, 4096, 4, 3, 1), (8, 2048, 4, 3, 1), (4, 4096, 4, 2, 2), (8, 4096, 8, 2, 4),
+        (4, 2048, 4, 3, 2), (4, 2048, 4, 1, 1, _T, _T), (8, 2048, 8, 1, 1, _T, _T),
+        (4, 4096, 8, 1, 1, _F, _T),
+    ]
+]  # fmt: skip
 # The fused kernels try the fastest two tiles of the plain kernel for the shape, and these: more
 # output rows per program spread the prologue's work (a norm, exp) over more weight rows.
 FUSED_CONFIGS = [

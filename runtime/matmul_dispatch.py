@@ -23,6 +23,7 @@ import torch
 from radixlm.kernels import gemv
 from radixlm.kernels.gemv import (
     CONFIGS,
+    FP8_CONFIGS,
     FUSED_CONFIGS,
     INT4_CONFIGS,
     MAX_ROWS,
@@ -129,8 +130,10 @@ class LinearDispatch(PlainMatmuls):
         plain, kernel, oracle = self._candidate_calls(op, linear, rows, norm, float32)
         want = oracle(linear).float()
         base = graph_ms(plain, linear)
-        packed = _weights(linear)[0].dtype == torch.uint8  # INT4: its words tiles too
-        candidates = CONFIGS + (INT4_CONFIGS if packed else [])
+        stored = _weights(linear)[0].dtype  # packed INT4 and float8 weights: their tiles too
+        candidates = CONFIGS + {torch.uint8: INT4_CONFIGS, torch.float8_e4m3fn: FP8_CONFIGS}.get(
+            stored, []
+        )
         if op != "linear":
             ranked = self.timings.get(choice_key("linear", rows, linear), [])
             fastest = [c for _, c in ranked[:2]]

@@ -97,10 +97,17 @@ def test_w8a8_oracle_rounds_each_token_at_its_own_scale():
     torch.testing.assert_close(weight_only, x @ dequantize_fp8_rows(values, scale).t())
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_activation_kernel_rounds_each_token_as_the_oracle_does_bit_for_bit(dtype):
+def test_the_activation_kernel_rounds_each_token_as_the_oracle_does_bit_for_bit(
+    dtype, one_pass, monkeypatch
+):
+    """The row in registers (rows up to 16k wide), or in tiles read twice (wider ones)."""
+    from radixlm.kernels import fused
     from radixlm.kernels.fused import fp8_quantize_rows
 
+    if not one_pass:
+        monkeypatch.setattr(fused, "_FP8_ONE_PASS_COLUMNS", 0)
     gen = torch.Generator().manual_seed(3)
     k = 4096 if ON_GPU else 300  # (wider than a tile on the GPU: two passes over the row)
     x = torch.randn(6, k + 5, generator=gen) * torch.logspace(-4, 4, k + 5)  # wide magnitudes
