@@ -78,25 +78,28 @@ _ENGINE_HELP = {
     "multipleOf, written without exponent (-1: no limit)",
     "speculative_algorithm": "speculative decoding: NGRAM (drafts from earlier occurrences of "
     "the context's own ending), MEDUSA (heads over the model's last hidden state), STANDALONE "
-    "(a smaller model of the same tokenizer, --speculative-draft-model-path) or EAGLE3 (a "
-    "one-layer draft over the model's own features, --speculative-draft-model-path), verified "
-    "in one forward; EAGLE is not available yet (default: off)",
+    "(a smaller model of the same tokenizer, --speculative-draft-model-path), EAGLE3 (a "
+    "one-layer draft over three of the model's layers, --speculative-draft-model-path) or EAGLE "
+    "(an EAGLE-1/2 draft over the model's final hidden state, --speculative-draft-model-path), "
+    "verified in one forward (default: off)",
     "speculative_num_draft_tokens": "positions one verify step computes: the newest token and up "
     "to this many - 1 draft tokens (default: 12 with NGRAM; with MEDUSA one more than its heads; "
-    "5 with STANDALONE; 4 with EAGLE3; --speculative-num-steps + 1 where that is given)",
-    "speculative_num_steps": "STANDALONE: the draft model's steps a round; EAGLE3: the draft's "
+    "5 with STANDALONE; 4 with EAGLE and EAGLE3; --speculative-num-steps + 1 where that is "
+    "given)",
+    "speculative_num_steps": "STANDALONE: the draft model's steps a round; EAGLE, EAGLE3: the draft's "
     "steps a round; MEDUSA: the heads used (SGLang's name)",
     "speculative_draft_model_path": "MEDUSA: the heads' folder, as `radixlm train-draft` writes "
     "it (default: the heads shipped for the embedded default model); STANDALONE: the draft "
     "model, a folder or a GGUF file (required); EAGLE3: the draft's folder, as `radixlm "
     "train-draft --algorithm EAGLE3` writes it (default: the draft shipped for the embedded "
-    "default model)",
+    "default model); EAGLE: the same for an EAGLE-1/2 draft (`train-draft --algorithm EAGLE`)",
     "speculative_ngram_min_match_window_size": "NGRAM: the shortest ending of the context matched "
     "(default: 1)",
     "speculative_ngram_max_match_window_size": "NGRAM: the longest ending of the context matched, "
     "tried first (default: 12)",
     "speculative_eagle_topk": "candidate paths a draft holds: 1, a chain; more, a tree verified "
-    "in one step (MEDUSA: the first head's top-k; NGRAM: matches of different lengths)",
+    "in one step (MEDUSA: the first head's top-k; NGRAM: matches of different lengths; EAGLE, "
+    "EAGLE3: the chain and the draft's next topk - 1 candidates at each depth)",
     "speculative_adaptive": "speculation only at the batch sizes where verify steps were "
     "measured to give more tokens a second than plain decode steps (--no-speculative-adaptive: "
     "at every step)",
@@ -393,13 +396,15 @@ def _build_parser() -> argparse.ArgumentParser:
 def _add_train_draft(commands) -> None:
     train = commands.add_parser(
         "train-draft",
-        help="train a speculative draft (MEDUSA heads, an EAGLE3 draft) on the model's own outputs",
+        help="train a speculative draft (MEDUSA heads, an EAGLE or EAGLE3 draft) on the model's "
+        "own outputs",
         description="Make a draft for a model: generate data with the engine (the model's "
         "greedy answers to built-in prompts, prompts it writes itself or random-token ones, "
         "under its chat template), capture "
         "its hidden states (MEDUSA: the final ones along each answer; EAGLE3: three layers' "
-        "inputs at every position), train (MEDUSA: heads through the frozen LM head; EAGLE3: "
-        "one decoder layer with training-time test), and write the folder "
+        "inputs at every position; EAGLE: the final ones at every position), train (MEDUSA: "
+        "heads through the frozen LM head; EAGLE, EAGLE3: one decoder layer with training-time "
+        "test), and write the folder "
         "--speculative-draft-model-path takes. Resumable "
         "(--resume), reproducible from --seed.",
         formatter_class=_HelpFormatter,
@@ -411,12 +416,13 @@ def _add_train_draft(commands) -> None:
     add("--output", required=True, help="the head folder to write (data and checkpoint too)")
     add(
         "--algorithm", default=d.algorithm,
-        help="the draft kind: MEDUSA heads, or an EAGLE3 draft (one decoder layer over three "
-        "of the model's hidden states)",
+        help="the draft kind: MEDUSA heads, an EAGLE3 draft (one decoder layer over three of "
+        "the model's hidden states) or an EAGLE one (EAGLE-1/2: one layer over the final "
+        "hidden state, drafting through the model's LM head)",
     )  # fmt: skip
     add(
         "--num-heads", type=int, default=d.num_heads,
-        help="heads (MEDUSA), or the depth trained (EAGLE3): tokens a chain drafts",
+        help="heads (MEDUSA), or the depth trained (EAGLE, EAGLE3): tokens a chain drafts",
     )  # fmt: skip
     add("--num-layers", type=int, default=d.num_layers, help="residual blocks per head (MEDUSA)")
     add("--num-prompts", type=int, default=d.num_prompts, help="conversations generated")
@@ -457,7 +463,7 @@ def _add_train_draft(commands) -> None:
     )  # fmt: skip
     add(
         "--intermediate-size", type=int, default=None,
-        help="EAGLE3: the draft layer's MLP width (default: the model's)",
+        help="EAGLE, EAGLE3: the draft layer's MLP width (default: the model's)",
     )  # fmt: skip
     add("--seed", type=int, default=d.seed, help="seeds the prompts, the order and the init")
     add("--resume", action="store_true", help="continue from the checkpoint in --output")

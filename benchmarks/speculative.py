@@ -68,7 +68,7 @@ def prompts(algorithm: str = "NGRAM", prompt_set: str = "default") -> list[str]:
         from radixlm.runtime.speculative.draft_data import builtin_prompts
 
         return [chat(text) for text in builtin_prompts(8, random.Random(12345))]
-    if algorithm in ("MEDUSA", "STANDALONE", "EAGLE3"):
+    if algorithm in ("MEDUSA", "STANDALONE", "EAGLE", "EAGLE3"):
         return [chat(text) for text in _CHATS]
     return [chat(f"{ask}\n{record}") for ask, record in zip(_ASKS, _RECORDS)]
 
@@ -158,7 +158,7 @@ def _phases(before: dict, after: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument(
-        "--algorithm", default="NGRAM", choices=["NGRAM", "MEDUSA", "STANDALONE", "EAGLE3"]
+        "--algorithm", default="NGRAM", choices=["NGRAM", "MEDUSA", "STANDALONE", "EAGLE", "EAGLE3"]
     )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", help="float32: exact; bfloat16 on a GPU")

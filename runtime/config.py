@@ -37,15 +37,19 @@ def _is_kind(value: Any, kind: str) -> bool:
 
 
 # SGLang's speculative algorithms that radixlm does not have yet
-_SPECULATIVE_LATER = ("EAGLE", "NEXTN")
+_SPECULATIVE_LATER = ("NEXTN",)
+# the algorithms whose one-layer draft reads the target's own features (runtime/speculative/
+# eagle3.py): EAGLE (EAGLE-1/2 checkpoints: the final hidden state) and EAGLE3 (three layers')
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 # speculative_num_draft_tokens when neither it nor speculative_num_steps is set (MEDUSA: its heads)
-_DEFAULT_DRAFT_TOKENS = {"NGRAM": 12, "STANDALONE": 5, "EAGLE3": 4}
-# an EAGLE3 tree (speculative_eagle_topk above 1): its main chain's draft steps unless
+_DEFAULT_DRAFT_TOKENS = {"NGRAM": 12, "STANDALONE": 5, "EAGLE": 4, "EAGLE3": 4}
+# an EAGLE or EAGLE3 tree (speculative_eagle_topk above 1): its main chain's draft steps unless
 # speculative_num_steps says, and the most positions its verify takes unless
 # speculative_num_draft_tokens says
-_EAGLE3_TREE_DEPTH = 3
-_EAGLE3_TREE_MAX_TOKENS = 16
-_SPECULATIVE = ("NGRAM", "MEDUSA", "STANDALONE", "EAGLE3")
+_EAGLE_TREE_DEPTH = 3
+_EAGLE_TREE_MAX_TOKENS = 16
+_SPECULATIVE = ("NGRAM", "MEDUSA", "STANDALONE", "EAGLE", "EAGLE3")
+_NAMES = "NGRAM, MEDUSA, STANDALONE, EAGLE or EAGLE3"
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as SGLang reads them
 
@@ -137,15 +141,15 @@ class EngineConfig:
     # occurrences of the context's own ending, runtime/speculative/) or MEDUSA (heads over the
     # model's last hidden state, runtime/speculative/medusa.py) or STANDALONE (a smaller model
     # of the same tokenizer drafts, runtime/speculative/standalone.py) or EAGLE3 (a one-layer
-    # draft over the target's own features, runtime/speculative/eagle3.py); EAGLE is SGLang's
-    # name for an algorithm not available here yet
+    # draft over three of the target's layers' features, runtime/speculative/eagle3.py) or EAGLE
+    # (EAGLE-1/2 drafts: one layer over the target's final hidden state, the same machinery)
     speculative_algorithm: str | None = None
     # positions a verify step computes: the newest token and up to this many - 1 draft tokens
     # (default: 12 with NGRAM, as in SGLang; with MEDUSA one more than its heads; 5 with
-    # STANDALONE: four draft model steps; 4 with EAGLE3: three draft steps; with an EAGLE3
-    # tree, 1 + its depth x speculative_eagle_topk, at most 16)
+    # STANDALONE: four draft model steps; 4 with EAGLE and EAGLE3: three draft steps; with an
+    # EAGLE or EAGLE3 tree, 1 + its depth x speculative_eagle_topk, at most 16)
     speculative_num_draft_tokens: int | None = None
-    # draft steps a round runs (SGLang's name): STANDALONE's draft model steps, EAGLE3's draft
+    # draft steps a round runs (SGLang's name): STANDALONE's draft model steps, EAGLE's draft
     # steps, MEDUSA's heads used; a chain of this many steps verifies this many + 1 positions, the default of
     # speculative_num_draft_tokens when that is unset
     speculative_num_steps: int | None = None
@@ -153,7 +157,8 @@ class EngineConfig:
     # ship for the embedded default model. STANDALONE: the draft model (a folder or a GGUF
     # file), required. EAGLE3: the draft's folder (config.json and safetensors, SGLang's
     # layout; `radixlm train-draft --algorithm EAGLE3` writes one); default: the draft that
-    # ships for the embedded default model
+    # ships for the embedded default model. EAGLE: the same for an EAGLE-1/2 draft
+    # (LlamaForCausalLMEagle, as SGLang reads it; `train-draft --algorithm EAGLE`)
     speculative_draft_model_path: str | None = None
     # NGRAM: the context's last n tokens are matched, n from the max down to the min window (the
     # names SGLang used before its n-gram trie took max_trie_depth)
@@ -161,7 +166,7 @@ class EngineConfig:
     speculative_ngram_max_match_window_size: int = 12
     # candidates a draft holds: 1, a chain; more, a tree of up to this many paths (MEDUSA: the
     # first head's top-k, each followed by the other heads' top-1; NGRAM: the continuations of
-    # matches of different lengths; EAGLE3: its main chain and, at each depth, the draft's next
+    # matches of different lengths; EAGLE, EAGLE3: its main chain and, at each depth, the next
     # topk - 1 candidates, the likeliest nodes within speculative_num_draft_tokens - 1), verified
     # in one step (runtime/speculative/tree.py); SGLang's name (its EAGLE's branching)
     speculative_eagle_topk: int = 1
@@ -274,12 +279,13 @@ class EngineConfig:
 
     @property
     def speculative_draft_depth(self) -> int:
-        """EAGLE3's draft steps a round (the depth of its main chain): speculative_num_steps if
-        set; else as many as the draft tokens (a chain) or 3 (a tree)."""
+        """EAGLE's and EAGLE3's draft steps a round (the depth of its main chain):
+        speculative_num_steps if set; else as many as the draft tokens (a chain) or 3 (a
+        tree)."""
         if self.speculative_num_steps is not None:
             return self.speculative_num_steps
         if self.speculative_eagle_topk > 1:
-            return min(_EAGLE3_TREE_DEPTH, self.speculative_num_draft_tokens - 1)
+            return min(_EAGLE_TREE_DEPTH, self.speculative_num_draft_tokens - 1)
         return self.speculative_num_draft_tokens - 1
 
     @property
@@ -326,7 +332,7 @@ class EngineConfig:
                 "speculative_eagle_topk above 1 (draft trees) is not available with pp_size > 1 "
                 "yet (a tree's step runs as decode rows, which the stages do not take); use 1"
             )
-        if self.speculative_algorithm in ("STANDALONE", "EAGLE3") and self.world_size > 1:
+        if self.speculative_algorithm in ("STANDALONE", *EAGLE_ALGORITHMS) and self.world_size > 1:
             bad(
                 f"speculative_algorithm {self.speculative_algorithm} is not available with tp_size "
                 "or pp_size above 1 yet (the draft runs on rank 0 alone); use NGRAM"
@@ -344,12 +350,12 @@ class EngineConfig:
             if algorithm in _SPECULATIVE_LATER:
                 bad(
                     f"speculative_algorithm={self.speculative_algorithm!r} is not available yet; "
-                    "use NGRAM, MEDUSA, STANDALONE or EAGLE3 (or leave it unset)"
+                    f"use {_NAMES} (or leave it unset)"
                 )
             if algorithm not in _SPECULATIVE:
                 bad(
-                    f"speculative_algorithm={self.speculative_algorithm!r} is unknown; use NGRAM, "
-                    "MEDUSA, STANDALONE or EAGLE3 (or leave it unset)"
+                    f"speculative_algorithm={self.speculative_algorithm!r} is unknown; use "
+                    f"{_NAMES} (or leave it unset)"
                 )
             object.__setattr__(self, "speculative_algorithm", algorithm)
             steps = self.speculative_num_steps
@@ -361,13 +367,13 @@ class EngineConfig:
                 )
             if steps is not None and steps < 1:
                 bad(f"speculative_num_steps={steps}; it must be at least 1")
-            tree = algorithm == "EAGLE3" and self.speculative_eagle_topk > 1
+            tree = algorithm in EAGLE_ALGORITHMS and self.speculative_eagle_topk > 1
             if tree and self.speculative_num_draft_tokens is None:
                 # (its main chain and the other candidates at each depth, as SGLang's trees)
-                depth = steps or _EAGLE3_TREE_DEPTH
+                depth = steps or _EAGLE_TREE_DEPTH
                 object.__setattr__(
                     self, "speculative_num_draft_tokens",
-                    min(1 + depth * self.speculative_eagle_topk, _EAGLE3_TREE_MAX_TOKENS),
+                    min(1 + depth * self.speculative_eagle_topk, _EAGLE_TREE_MAX_TOKENS),
                 )  # fmt: skip
             if steps is not None and self.speculative_num_draft_tokens is None:
                 object.__setattr__(self, "speculative_num_draft_tokens", steps + 1)
@@ -401,16 +407,16 @@ class EngineConfig:
                     "context itself and takes none"
                 )
         elif self.speculative_num_steps is not None:
-            bad("speculative_num_steps needs speculative_algorithm (STANDALONE, EAGLE3 or MEDUSA)")
-        elif self.speculative_num_draft_tokens is not None:
             bad(
-                "speculative_num_draft_tokens needs speculative_algorithm (NGRAM, MEDUSA, "
-                "STANDALONE or EAGLE3)"
+                "speculative_num_steps needs speculative_algorithm (STANDALONE, EAGLE, EAGLE3 or "
+                "MEDUSA)"
             )
+        elif self.speculative_num_draft_tokens is not None:
+            bad(f"speculative_num_draft_tokens needs speculative_algorithm ({_NAMES})")
         elif self.speculative_draft_model_path is not None:
             bad(
-                "speculative_draft_model_path needs speculative_algorithm MEDUSA, STANDALONE or "
-                "EAGLE3"
+                "speculative_draft_model_path needs speculative_algorithm MEDUSA, STANDALONE, "
+                "EAGLE or EAGLE3"
             )
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             bad(

@@ -31,7 +31,7 @@ from radixlm.protocol.prompt_tokens import encode_prompt
 from radixlm.protocol.sampling_params import SamplingParams, check_priority
 from radixlm.protocol.stats import EngineStats
 from radixlm.runtime import gc_freeze, startup
-from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.config import EAGLE_ALGORITHMS, EngineConfig
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.engine_core import EngineCore, kv_bytes_per_slot
 from radixlm.runtime.memory_pool import KVPool
@@ -164,7 +164,7 @@ class Engine:
                 draft_model = DraftModel.load(
                     config, self.tokenizer, self.dtype, self.device, self.context_len
                 )
-            elif config.speculative_algorithm == "EAGLE3":  # (its pool beside the target's)
+            elif config.speculative_algorithm in EAGLE_ALGORITHMS:  # (its pool beside the target's)
                 from radixlm.runtime.speculative.eagle3 import Eagle3Drafter
 
                 draft_model = Eagle3Drafter.load(config, model, self.dtype, self.device)

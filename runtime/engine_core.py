@@ -24,6 +24,7 @@ from radixlm.radix_cache.base import NoPrefixCache
 from radixlm.runtime import gc_freeze
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.cache_manager import CacheManager
+from radixlm.runtime.config import EAGLE_ALGORITHMS
 from radixlm.runtime.host_memory import page_size, trim_free_heap
 from radixlm.runtime.memory_pool import (
     KVPool,
@@ -50,7 +51,7 @@ def tree_rows(config) -> int:
     if config.speculative_algorithm is None or config.speculative_eagle_topk <= 1:
         return 0
     paths = config.speculative_eagle_topk
-    if config.speculative_algorithm == "EAGLE3":  # (a leaf for each node off its main chain)
+    if config.speculative_algorithm in EAGLE_ALGORITHMS:  # (a leaf a node off its main chain)
         paths = config.speculative_num_draft_tokens - config.speculative_draft_depth
     return (paths - 1) * min(config.max_running_requests, 16)
 
@@ -186,7 +187,7 @@ class EngineCore:
         if config.speculative_algorithm is not None:
             from radixlm.runtime.speculative.worker import SpeculativeWorker
 
-            if config.speculative_algorithm == "EAGLE3":  # (its pool's slots are the target's)
+            if config.speculative_algorithm in EAGLE_ALGORITHMS:  # (its slots are the target's)
                 draft_model.make_cache(
                     kv_pool.num_slots, self.rows.table, config.speculative_draft_depth - 1,
                     self.rows.padding_row,
@@ -216,7 +217,7 @@ class EngineCore:
                 graphs, prefill_graphs, row_graphs = capture_graphs(
                     config, model, backend, self.rows, token_buf,
                     keep_hidden=spec is not None and spec.medusa is not None,
-                    aux_layers=() if spec is None or spec.eagle3 is None else spec.eagle3.aux_layers,
+                    aux_layers=() if spec is None or spec.eagle is None else spec.eagle.aux_layers,
                     verify_tokens=None if spec is None else spec.num_draft_tokens,
                 )  # fmt: skip
         if row_graphs is not None:

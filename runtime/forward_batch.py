@@ -42,10 +42,11 @@ class ForwardBatch:
     hidden_indices: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     # with hidden_indices, the layers whose input (the residual stream entering them: the
-    # embeddings for layer 0, else the layer before's output) the model keeps at those rows
-    # instead of the final hidden states,
-    # side by side in `aux_hidden_states` (len(hidden_indices), len(aux_layers) * hidden): the
-    # features an EAGLE-3 draft reads (runtime/models/llama_eagle3.py)
+    # embeddings for layer 0, else the layer before's output; for the number of layers, the
+    # final norm's output, what the LM head reads) the model keeps at those rows instead of the
+    # final hidden states, side by side in `aux_hidden_states` (len(hidden_indices),
+    # len(aux_layers) * hidden): the features an EAGLE-3 draft reads (three layers':
+    # runtime/models/llama_eagle3.py) or an EAGLE one (the final norm's: llama_eagle.py)
     aux_layers: tuple[int, ...] = ()
     aux_hidden_states: torch.Tensor | None = None
     # decode rows of which several may be one request's, at consecutive positions (a verify step

@@ -541,7 +541,7 @@ def test_eagle3_steps_as_decode_rows_keep_the_targets_features(tiny_model_folder
         with drafting(
             tiny_model_folder, "EAGLE3", speculative_draft_model_path=str(tmp_path)
         ) as eng:
-            drafter = eng._core.speculative.eagle3
+            drafter = eng._core.speculative.eagle
             if graphs:  # (the target's steps as decode rows, the draft's rounds through its own)
                 notes = install_row_graphs(
                     eng, max_rows=16, max_item_tokens=4, aux_layers=drafter.aux_layers
@@ -549,7 +549,7 @@ def test_eagle3_steps_as_decode_rows_keep_the_targets_features(tiny_model_folder
                 drafter.use_graphs(4, capture=CAPTURE)
             drafter.draft = _recording(drafter.draft, made := [])
             got = eng.generate(input_ids=prompts, sampling_params=params)
-            assert eng._core.speculative.eagle3 is not None  # (drafting never failed)
+            assert eng._core.speculative.eagle is not None  # (drafting never failed)
             outs.append([o["output_ids"] for o in got])
             drafts.append(made)
     assert notes and all(shape == (rows, width) for rows, shape in notes), notes

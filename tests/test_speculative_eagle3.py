@@ -443,11 +443,11 @@ def test_a_draft_vocabulary_of_the_answers_most_frequent_tokens(tiny_model_folde
         **kwargs, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path / "d"),
         speculative_adaptive=False,
     ) as engine:  # fmt: skip
-        drafter = engine._core.speculative.eagle3
+        drafter = engine._core.speculative.eagle
         made, own = [], drafter.draft
         drafter.draft = lambda reqs, num: made.append(own(reqs, num)) or made[-1]
         outs = engine.generate(input_ids=prompts, sampling_params=params)
-        assert engine._core.speculative.eagle3 is not None  # (drafting never failed)
+        assert engine._core.speculative.eagle is not None  # (drafting never failed)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
     drafted = {t for chains in made for chain in chains for t in chain}
     assert drafted and drafted <= set(want)

@@ -1,11 +1,12 @@
-"""EAGLE-3 drafting in the engine (runtime/speculative/eagle3.py). The drafter's cache, fed the
-target's features the way the model runner feeds them (prompt chunks, verify steps that accept
-part of a draft, plain steps, a rewritten context, a prefix another request computed), drafts at
-every round the chain its draft computes from scratch over the whole context (training-time
-test's forward, itself checked against the draft layer in test_speculative_eagle3.py). In the
-engine, on the default model: greedy outputs are plain decoding's token for token, and the chains
-it drafts while a verifier accepts them are the ones the draft computes from the target's own
-features."""
+"""EAGLE-3 drafting in the engine (runtime/speculative/eagle3.py), and EAGLE-1/2 drafting (the
+same machinery over the target's final hidden state: the engine tests below run both). The
+drafter's cache, fed the target's features the way the model runner feeds them (prompt chunks,
+verify steps that accept part of a draft, plain steps, a rewritten context, a prefix another
+request computed), drafts at every round the chain its draft computes from scratch over the
+whole context (training-time test's forward, itself checked against the draft layer in
+test_speculative_eagle3.py). In the engine, on the default model: greedy outputs are plain
+decoding's token for token, and the chains it drafts while a verifier accepts them are the ones
+the draft computes from the target's own features."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from radixlm.runtime.speculative.eagle3 import Eagle3Drafter
+from radixlm.runtime.speculative.eagle3_training import _draft_logits as draft_logits
 from radixlm.runtime.speculative.eagle3_training import ttt_forward
 from tests.test_speculative_eagle3 import TARGET_HIDDEN, load_draft, target_pair, write_draft
 from tests.test_speculative_engine import kv_whole, results, start, workload
@@ -49,7 +51,7 @@ def _draft_logits(draft, ids: list[int], features: torch.Tensor, chain: list[int
     with torch.no_grad():
         outs = ttt_forward(draft, tokens, padded, steps=len(chain))
         rows = torch.stack([out[0, n - 1] for out in outs])
-        return draft.lm_head(draft.norm(rows))
+        return draft_logits(draft, rows)
 
 
 def reference_chain(draft, ids: list[int], features: torch.Tensor, chain: list[int]) -> list[int]:
@@ -190,9 +192,19 @@ def reference(engine):
     return prompts, params, engine.generate(prompts, params)
 
 
-@pytest.fixture(scope="module")
-def eagle_engine(default_model_folder, random_draft):
-    with start(default_model_folder, speculative_draft_model_path=random_draft, **EAGLE) as eng:
+@pytest.fixture(scope="module", params=["EAGLE3", "EAGLE"])
+def eagle_engine(request, default_model_folder, random_draft, engine, tmp_path_factory):
+    """The default model drafting with an untrained draft: EAGLE-3's (`random_draft`), or an
+    EAGLE-1/2 one (the same machinery over the target's final hidden state)."""
+    from radixlm.runtime.speculative.eagle3_training import new_draft
+
+    folder = random_draft
+    if request.param == "EAGLE":
+        folder = tmp_path_factory.mktemp("eagle-draft")
+        draft, raw = new_draft(engine.model, seed=0, algorithm="EAGLE")
+        draft.save(folder, raw)
+    kw = {**EAGLE, "speculative_algorithm": request.param}
+    with start(default_model_folder, speculative_draft_model_path=str(folder), **kw) as eng:
         yield eng
 
 
@@ -200,7 +212,7 @@ def test_greedy_outputs_are_plain_decodings_and_a_grammar_holds(eagle_engine, re
     prompts, params, plain = reference
     outs = eagle_engine.generate(prompts, params)
     assert results(outs) == results(plain)
-    assert eagle_engine._core.speculative.eagle3 is not None  # (drafting never failed)
+    assert eagle_engine._core.speculative.eagle is not None  # (drafting never failed)
     stats = eagle_engine.get_stats()
     assert stats["spec_verify_ct"] > 0 and stats["spec_num_proposed_drafts"] > 0, stats
     assert kv_whole(stats), stats
@@ -226,7 +238,7 @@ def test_the_engine_drafts_from_the_targets_own_features(eagle_engine, engine):
     tok = eagle_engine.tokenizer
     prompt_ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
     wanted = {tuple(ids): out["output_ids"] for ids, out in zip(prompt_ids, plain)}
-    drafter = eagle_engine._core.speculative.eagle3
+    drafter = eagle_engine._core.speculative.eagle
     made, rounds = [], [0]
     own = drafter.draft
 
@@ -248,7 +260,7 @@ def test_the_engine_drafts_from_the_targets_own_features(eagle_engine, engine):
     finally:
         del drafter.draft
     assert results(outs) == results(plain)
-    assert eagle_engine._core.speculative.eagle3 is not None
+    assert eagle_engine._core.speculative.eagle is not None
     assert sum(o["meta_info"]["spec_num_correct_drafts"] for o in outs) > 10
     model = eagle_engine.model
     convs = [Conversation(ids, out["output_ids"]) for ids, out in zip(prompt_ids, plain)]
@@ -306,12 +318,12 @@ def test_the_default_model_drafts_with_the_draft_that_ships_for_it(default_model
     from radixlm.runtime.speculative.medusa import shipped_heads_dir
 
     with start(default_model_folder, **EAGLE) as eng:
-        drafter = eng._core.speculative.eagle3
+        drafter = eng._core.speculative.eagle
         assert drafter.folder == shipped_heads_dir() / "smollm2-135m-instruct-eagle3"
         prompts, params, plain = reference
         outs = eng.generate(prompts, params)
         stats = eng.get_stats()
-        assert eng._core.speculative.eagle3 is not None  # (drafting never failed)
+        assert eng._core.speculative.eagle is not None  # (drafting never failed)
     assert results(outs) == results(plain)
     assert stats["spec_verify_ct"] > 0 and stats["spec_accept_length"] > 1.1, stats
 
@@ -336,7 +348,7 @@ def test_preemption_and_requests_beside_that_decode_plainly(
     ) as eng:  # fmt: skip
         outs = eng.generate(prompts, params)
         stats = eng.get_stats()
-        assert eng._core.speculative.eagle3 is not None  # (drafting never failed)
+        assert eng._core.speculative.eagle is not None  # (drafting never failed)
     assert results(outs) == results(plain)
     assert stats["num_preemptions"] > 0, stats
     assert kv_whole(stats), stats
@@ -363,7 +375,7 @@ def test_trees_of_the_draft_s_likeliest_paths_give_plain_decoding_s_outputs(
     prompts, params, plain = reference
     with start(default_model_folder, speculative_eagle_topk=3, **EAGLE) as eng:
         spec = eng._core.speculative
-        drafter = spec.eagle3
+        drafter = spec.eagle
         made, own = [], drafter.draft
 
         def drafting(reqs, num):
@@ -390,7 +402,7 @@ def test_trees_of_the_draft_s_likeliest_paths_give_plain_decoding_s_outputs(
         extra = ["A number as JSON: ", prompts[0], prompts[2]]
         mixed = eng.generate(prompts + extra, params + [constrained, sampled, sampled])
         again = eng.generate(extra[1:], [sampled, sampled])
-        assert spec.eagle3 is not None  # (drafting never failed)
+        assert spec.eagle is not None  # (drafting never failed)
     assert results(outs) == results(plain) == results(mixed[: len(prompts)])
     assert set(json.loads(mixed[len(prompts)]["text"])) == {"n"}
     assert results(mixed[len(prompts) + 1 :]) == results(again)
@@ -429,8 +441,8 @@ def test_the_gate_rests_the_drafter_while_drafting_does_not_pay(
         spec = eng._core.speculative
         kept = []
         if algorithm == "EAGLE3":
-            own = spec.eagle3.keep_features
-            spec.eagle3.keep_features = lambda spans, f: kept.append(1) or own(spans, f)
+            own = spec.eagle.keep_features
+            spec.eagle.keep_features = lambda spans, f: kept.append(1) or own(spans, f)
         else:
             own = spec._draft
             spec._draft = lambda *a: kept.append(1) or own(*a)

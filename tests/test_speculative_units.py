@@ -175,10 +175,14 @@ def test_ngram_takes_sglangs_defaults_and_any_case():
 @pytest.mark.parametrize(
     "kw, says",
     [
-        ({"speculative_algorithm": "EAGLE"}, "not available yet"),
+        ({"speculative_algorithm": "NEXTN"}, "not available yet"),
         (
             {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x", "pp_size": 2},
             "EAGLE3 is not available with tp_size or pp_size",
+        ),
+        (
+            {"speculative_algorithm": "eagle", "speculative_draft_model_path": "x", "tp_size": 2},
+            "EAGLE is not available with tp_size or pp_size",
         ),
         ({"speculative_algorithm": "STANDALONE"}, "needs speculative_draft_model_path"),
         (
@@ -524,6 +528,11 @@ def test_an_eagle3_tree_takes_its_depth_and_its_size_from_sglangs_options():
         speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=3
     )
     assert small.speculative_draft_depth == 2
+    # EAGLE (EAGLE-1/2 drafts) takes the same defaults
+    eagle = EngineConfig(speculative_algorithm="eagle", speculative_eagle_topk=2)
+    assert eagle.speculative_algorithm == "EAGLE"
+    assert (eagle.speculative_draft_depth, eagle.speculative_num_draft_tokens) == (3, 7)
+    assert EngineConfig(speculative_algorithm="EAGLE").speculative_num_draft_tokens == 4
 
 
 def test_an_eagle3_tree_keeps_the_likeliest_paths_of_its_chain_and_rivals():

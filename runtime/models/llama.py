@@ -189,7 +189,10 @@ class LlamaForCausalLM(nn.Module):
             if keep is not None and i in batch.aux_layers:  # (an EAGLE-3 draft's features)
                 aux[i] = x[keep] if residual is None else x[keep] + residual[keep]
             x, residual = layer(rope, x, residual, batch, backend)
-        if aux:  # an EAGLE-3 draft's (in the order asked for; a layer named twice, twice)
+        last = len(self.layers)
+        if keep is not None and last in batch.aux_layers:  # (an EAGLE draft's: the final norm's)
+            aux[last] = self.final_hidden(x, residual, keep)
+        if aux:  # an EAGLE draft's (in the order asked for; a layer named twice, twice)
             batch.aux_hidden_states = torch.cat([aux[i] for i in batch.aux_layers], dim=-1)
         elif keep is not None:  # MEDUSA's
             batch.hidden_states = self.final_hidden(x, residual, keep)

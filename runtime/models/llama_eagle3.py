@@ -36,7 +36,8 @@ from torch import nn
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.layers import PlainMatmuls, RMSNorm, RotaryEmbedding
 from radixlm.runtime.model_config import ModelConfig
-from radixlm.runtime.models.llama import MLP, STACKED_PARTS, Attention
+from radixlm.runtime.models.eagle_draft import OneLayerDraft
+from radixlm.runtime.models.llama import MLP, Attention
 from radixlm.runtime.parallel import ColumnParallelLinear, Comm, Partition
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -59,6 +60,11 @@ class Eagle3Config:
     draft_vocab_size: int
     fc_bias: bool
     aux_layers: tuple[int, ...] | None  # None: `default_aux_layers` of the target
+
+    @property
+    def features_size(self) -> int:
+        """The width of the target features the draft reads at a position (three layers')."""
+        return 3 * self.target_hidden_size
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Eagle3Config:
@@ -179,9 +185,12 @@ class Eagle3Layer(nn.Module):
         return self.mlp(gate_up) + summed
 
 
-class LlamaEagle3Draft(nn.Module):
+class LlamaEagle3Draft(OneLayerDraft):
     """An EAGLE-3 draft over the KV pool of its one layer (layer id 0). Its token embeddings
-    are the target's (`share_embedding`) unless the checkpoint carried its own."""
+    are the target's (`share_target`) unless the checkpoint carried its own."""
+
+    kind = "EAGLE-3"
+    config_class = Eagle3Config
 
     def __init__(self, config: Eagle3Config, max_positions: int) -> None:
         super().__init__()
@@ -194,76 +203,6 @@ class LlamaEagle3Draft(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, config.draft_vocab_size, bias=False)
         # draft id -> target id offset (0 where the vocabularies are one)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        # an embedding of the checkpoint's own (a submodule), else the target's (`_shared`, not a
-        # submodule: the draft's .to(), parameters() and state_dict() leave it alone)
-        self.own_embedding: nn.Embedding | None = None
-        self._shared: list[nn.Module] = []
-        self._loaded: set[str] = set()  # the checkpoint names load_weights has copied
-
-    @classmethod
-    def load(
-        cls, folder: str | Path, target: nn.Module, device: torch.device, dtype: torch.dtype,
-        max_positions: int,
-    ) -> LlamaEagle3Draft:  # fmt: skip
-        """The draft in checkpoint folder `folder` (config.json and *.safetensors) for the target
-        model `target` (a LlamaForCausalLM: its config checked, its embedding shared), on
-        `device` in `dtype`; ValueError saying what does not fit."""
-        from safetensors.torch import load_file
-
-        config = Eagle3Config.from_folder(folder)
-        config.target_layers(target.cfg)
-        files = sorted(Path(folder).glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"{folder}: no *.safetensors file of EAGLE-3 draft weights")
-        draft = cls(config, max_positions)
-        for f in files:  # (every tensor of the layer must come: checked after the last file)
-            draft.load_weights(load_file(str(f)).items(), check=f == files[-1])
-        width = target.cfg.hidden_size
-        if draft.own_embedding is None and width != config.model.hidden_size:
-            raise ValueError(
-                f"the EAGLE-3 draft's layer is {config.model.hidden_size} wide and carries no "
-                f"embedding of its own; the target's embedding is {width} wide"
-            )
-        draft = draft.to(device, dtype)
-        draft.share_embedding(target.embed_tokens)
-        draft.rope.build_tables(device)
-        return draft
-
-    def save(
-        self, folder: str | Path, raw_config: dict, dtype: torch.dtype = torch.float32
-    ) -> None:
-        """Write the checkpoint folder `load` reads (and SGLang's EAGLE-3 loader): config.json
-        and model.safetensors under the checkpoint's names (q, k, v and gate, up apart; the
-        target's embedding left out, an embedding of the checkpoint's own kept), the weights
-        in `dtype`."""
-        from safetensors.torch import save_file
-
-        out: dict[str, torch.Tensor] = {}
-        if self.own_embedding is not None:  # (the checkpoint's own, saved as it came)
-            out["embed_tokens.weight"] = self.own_embedding.weight.detach()
-        params = dict(self.named_parameters())
-        for stored, (name, rows) in self._checkpoint_layout().items():
-            p = params[name].detach()
-            out[stored] = p if rows is None else p[rows[0] : rows[1]]
-        out["d2t"] = self.d2t
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.to(dtype).cpu().contiguous() if v.is_floating_point() else v.cpu().contiguous()
-                   for k, v in out.items()}  # fmt: skip
-        save_file(tensors, str(folder / "model.safetensors"))
-        (folder / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")
-
-    def share_embedding(self, embedding: nn.Module) -> None:
-        """Read token embeddings through the target's (unless the checkpoint carried its own)."""
-        self._shared = [embedding]
-
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings: the checkpoint's own, else the target's (`share_embedding`)."""
-        if self.own_embedding is not None:
-            return self.own_embedding(ids)
-        if not self._shared:
-            raise RuntimeError("the EAGLE-3 draft needs the target's embedding: share_embedding")
-        return self._shared[0](ids)
 
     @torch.inference_mode()
     def forward(
@@ -284,56 +223,25 @@ class LlamaEagle3Draft(nn.Module):
         """Draft vocabulary ids -> the target's."""
         return draft_ids + self.d2t[draft_ids]
 
-    # ---- weights -------------------------------------------------------------------------
+    @property
+    def layer(self) -> Eagle3Layer:
+        return self.midlayer
 
-    def load_weights(self, weights, check: bool = True) -> None:
-        """Copy an EAGLE-3 checkpoint's named tensors in (names with or without "model.";
-        `t2d` is not needed; an `embed_tokens` of its own replaces the target's), each of the
-        shape its config implies; with `check`, every tensor of the layer must have come (in
-        this call or an earlier one)."""
-        params = dict(self.named_parameters())
-        layout = self._checkpoint_layout()
-        loaded = self._loaded
-        for name, tensor in weights:
-            name = name.removeprefix("model.").replace("midlayers.0.", "midlayer.")
-            if name == "t2d":
-                continue
-            if name == "d2t":
-                self.d2t.copy_(tensor.long())
-                continue
-            if name == "embed_tokens.weight":
-                self.own_embedding = nn.Embedding(*tensor.shape).to(tensor.dtype)
-                self.own_embedding.weight.data.copy_(tensor)
-                continue
-            if name not in layout:
-                raise ValueError(f"unexpected weight {name!r} in an EAGLE-3 draft checkpoint")
-            target, rows = layout[name]
-            param = params[target]
-            dest = param if rows is None else param[rows[0] : rows[1]]
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}; the draft's config "
-                    f"implies {tuple(dest.shape)}"
-                )
-            with torch.no_grad():
-                dest.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(layout) - loaded)
-        if check and missing:
-            raise ValueError(f"the EAGLE-3 draft checkpoint lacks {missing[:5]}")
+    # ---- weights (`OneLayerDraft.load_weights`, `save`) ----------------------------------------
 
-    def _checkpoint_layout(self) -> dict[str, tuple[str, tuple[int, int] | None]]:
-        """Each tensor of the layer as the checkpoint names it -> (our parameter, its rows: the
-        part of a fused projection, None for a whole one); q, k, v and gate, up apart, as in
-        runtime/models/llama.py (`STACKED_PARTS`)."""
-        layout = {}
-        for name, _ in self.named_parameters():
-            if name.startswith("own_embedding."):  # (read and written as embed_tokens.weight)
-                continue
-            parts = [(p, f, i) for p, (f, i) in STACKED_PARTS.items() if f".{f}." in name]
-            if not parts:
-                layout[name] = (name, None)
-            module = self.get_submodule(name.rpartition(".")[0])
-            for part, fused, index in parts:
-                layout[name.replace(fused, part)] = (name, module.part_rows(index))
-        return layout
+    def _checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> str | None:
+        """`t2d` is not needed; `d2t` is kept; an `embed_tokens` of its own replaces the
+        target's."""
+        name = name.removeprefix("model.").replace("midlayers.0.", "midlayer.")
+        if name == "t2d":
+            return None
+        if name == "d2t":
+            self.d2t.copy_(tensor.long())
+            return None
+        if name == "embed_tokens.weight":
+            self._take_embedding(tensor)
+            return None
+        return name
+
+    def _saved_extra(self) -> dict[str, torch.Tensor]:
+        return {"d2t": self.d2t}

@@ -1,6 +1,9 @@
 """EAGLE-3 drafting inside the engine: the draft (runtime/models/llama_eagle3.py) reads the
 target's own features, kept by the target's forward, and drafts a chain the target verifies as
-it verifies any other (worker.py).
+it verifies any other (worker.py). An EAGLE-1/2 draft (speculative_algorithm="EAGLE",
+runtime/models/llama_eagle.py) drafts here the same way: its features are the target's final
+hidden state (ForwardBatch.aux_layers names it as the layer past the last), and it reads them,
+and its own outputs, through its fc at every step.
 
 The target keeps, for every token it runs of a request that may be drafted for (prompt chunks,
 decodes, the accepted positions of a verify step), the residual stream entering the draft's three
@@ -81,12 +84,14 @@ def target_sample(target) -> list[list[float]]:
     return [[round(v, 6) for v in row] for row in rows.tolist()]
 
 
-def find_shipped_draft(target):
-    """The folder under draft_heads/ of an EAGLE-3 draft made for `target`, if one ships."""
+def find_shipped_draft(target, algorithm: str = "EAGLE3"):
+    """The folder under draft_heads/ of a draft of `algorithm` (EAGLE3, EAGLE) made for
+    `target`, if one ships."""
     import json
 
-    from radixlm.runtime.models.llama_eagle3 import ARCHITECTURE
     from radixlm.runtime.speculative.medusa import _SAMPLE_ATOL, _SAMPLE_RTOL, shipped_heads_dir
+
+    architecture = _architecture(algorithm)
 
     root = shipped_heads_dir()
     sample = None
@@ -95,7 +100,7 @@ def find_shipped_draft(target):
             raw = json.loads((folder / "config.json").read_text())
         except (OSError, ValueError):
             continue
-        if ARCHITECTURE not in (raw.get("architectures") or []) or not raw.get(SAMPLE_KEY):
+        if architecture not in (raw.get("architectures") or []) or not raw.get(SAMPLE_KEY):
             continue
         if sample is None:
             sample = torch.tensor(target_sample(target))
@@ -121,10 +126,30 @@ class _Entry:
         return self.ctx + sum(f.shape[0] for _, f in self.waiting)
 
 
+def _draft_class(algorithm: str):
+    """The draft model class of `algorithm`: EAGLE3's or EAGLE's (EAGLE-1/2)."""
+    if algorithm == "EAGLE":
+        from radixlm.runtime.models.llama_eagle import LlamaEagleDraft
+
+        return LlamaEagleDraft
+    from radixlm.runtime.models.llama_eagle3 import LlamaEagle3Draft
+
+    return LlamaEagle3Draft
+
+
+def _architecture(algorithm: str) -> str:
+    """The architecture a draft config of `algorithm` names."""
+    if algorithm == "EAGLE":
+        from radixlm.runtime.models.llama_eagle import ARCHITECTURE
+    else:
+        from radixlm.runtime.models.llama_eagle3 import ARCHITECTURE
+    return ARCHITECTURE
+
+
 class Eagle3Drafter:
-    """An EAGLE-3 draft beside its target, drafting greedy chains. `load` builds it (before the
-    target's KV pool is sized: `kv_share`), `make_cache` gives it its KV pool once the target's
-    request table exists."""
+    """An EAGLE-3 draft (or an EAGLE-1/2 one: the same drafting over other features) beside its
+    target, drafting greedy chains. `load` builds it (before the target's KV pool is sized:
+    `kv_share`), `make_cache` gives it its KV pool once the target's request table exists."""
 
     def __init__(self, draft, target, config, device, dtype) -> None:
         self.model = draft
@@ -143,30 +168,31 @@ class Eagle3Drafter:
 
     @classmethod
     def load(cls, config, target, dtype, device) -> Eagle3Drafter:
-        """The draft at `config.speculative_draft_model_path` for `target` (without a path, the
-        one that ships for it); ValueError saying what is missing or does not fit."""
+        """The draft of config.speculative_algorithm (EAGLE3 or EAGLE) at
+        `config.speculative_draft_model_path` for `target` (without a path, the one that ships
+        for it); ValueError saying what is missing or does not fit."""
         from pathlib import Path
 
-        from radixlm.runtime.models.llama_eagle3 import LlamaEagle3Draft
-
+        algorithm = config.speculative_algorithm
+        draft_class = _draft_class(algorithm)
         path = config.speculative_draft_model_path
         if path is None:
-            path = find_shipped_draft(target)
+            path = find_shipped_draft(target, algorithm)
             if path is None:
                 raise ValueError(
-                    "speculative_algorithm=EAGLE3: no EAGLE-3 draft ships for this model (one "
-                    "ships for the embedded default model); make one with `radixlm train-draft "
-                    "--algorithm EAGLE3 --model-path MODEL --output DIR` and pass "
-                    "speculative_draft_model_path=DIR"
+                    f"speculative_algorithm={algorithm}: no {draft_class.kind} draft ships for "
+                    "this model (one ships for the embedded default model); make one with "
+                    f"`radixlm train-draft --algorithm {algorithm} --model-path MODEL --output "
+                    "DIR` and pass speculative_draft_model_path=DIR"
                 )
         folder = Path(path).expanduser()
         if not (folder / "config.json").is_file():
             raise ValueError(
-                f"speculative_draft_model_path={path!r} is not an EAGLE-3 draft folder (no "
-                "config.json); pass the folder `radixlm train-draft --algorithm EAGLE3` writes, "
-                "or an EAGLE-3 checkpoint made for this model"
+                f"speculative_draft_model_path={path!r} is not an {draft_class.kind} draft folder "
+                f"(no config.json); pass the folder `radixlm train-draft --algorithm {algorithm}` "
+                f"writes, or an {draft_class.kind} checkpoint made for this model"
             )
-        draft = LlamaEagle3Draft.load(folder, target, device, dtype, target.rope.max_positions)
+        draft = draft_class.load(folder, target, device, dtype, target.rope.max_positions)
         drafter = cls(draft.eval(), target, config, device, dtype)
         drafter.folder = folder
         return drafter
@@ -513,9 +539,7 @@ class _CatchUpRows(nn.Module):
         super().__init__()
         self.draft = draft
         cfg = draft.config
-        self.features = torch.zeros(
-            max_rows, 3 * cfg.target_hidden_size, device=device, dtype=dtype
-        )
+        self.features = torch.zeros(max_rows, cfg.features_size, device=device, dtype=dtype)
         self.out = torch.zeros(max_rows, cfg.model.hidden_size, device=device, dtype=dtype)
 
     def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:

@@ -1,9 +1,9 @@
-"""Training an EAGLE-3 draft (runtime/models/llama_eagle3.py) with training-time test: the draft
-learns on its own outputs, as it will draft.
+"""Training an EAGLE-3 draft (runtime/models/llama_eagle3.py), or an EAGLE-1/2 one
+(llama_eagle.py), with training-time test: the draft learns on its own outputs, as it will draft.
 
 For a sequence x_0 .. x_{L-1} the target ran, with its features f_t at each position, step 0 is
 the draft reading (f_t, x_{t+1}) at position t, predicting x_{t+2}: what it does over a context.
-Step j > 0 reads, at each t, its own output of step j - 1 there (no fc) with token x_{t+1+j} at
+Step j > 0 reads, at each t, its own output of step j - 1 there (EAGLE-3: no fc) with token x_{t+1+j} at
 position t + j, predicting x_{t+2+j}: what its j-th draft step does after a context ending at t,
 had it drafted the tokens the sequence holds. Each step's query at t attends to the step-0 keys of
 positions 0 .. t (the context) and to the keys of steps 1 .. j at t (the draft steps before it
@@ -12,7 +12,9 @@ a sequence of L tokens teaches L positions at each of `steps` depths in one pass
 
 `ttt_forward` is that pass, in plain torch (autograd through everything but the target's frozen
 embedding); `ttt_loss` the cross-entropy of each step's logits against the tokens, over the
-draft vocabulary (targets outside it are not counted).
+draft vocabulary (targets outside it are not counted). An EAGLE draft's features are the target's
+final hidden state, each step's input fc(embedding, hidden), its logits the target's frozen LM
+head's over its output (a float copy: `new_draft`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.kernels.fused_ref import rms_norm_ref, rope_ref
+from radixlm.runtime.models import llama_eagle
+from radixlm.runtime.models.llama_eagle import LlamaEagleDraft
 from radixlm.runtime.models.llama_eagle3 import Eagle3Config, LlamaEagle3Draft, config_for_target
 from radixlm.runtime.speculative.eagle3 import SAMPLE_KEY, target_sample
 
@@ -45,14 +49,18 @@ def new_draft(
     aux_layers: tuple[int, ...] | None = None,
     vocab: list[int] | None = None,
     intermediate_size: int | None = None,
+    algorithm: str = "EAGLE3",
 ):
-    """A draft to train for `target` (a LlamaForCausalLM) on its device, in float32: its config
-    from `config_for_target`, weights drawn from `seed` (std 0.02, norms 1), the LM head a copy
-    of the target's rows (a GGUF head's blocks dequantized). `vocab`: the target ids the draft
-    drafts, ascending (draft id d is vocab[d]; default: all); returns (draft, its config.json
-    dict)."""
+    """A draft of `algorithm` (EAGLE3, EAGLE) to train for `target` (a LlamaForCausalLM) on its
+    device, in float32: its config from `config_for_target`, weights drawn from `seed` (std
+    0.02, norms 1, biases 0), the LM head a copy of the target's rows (a GGUF head's blocks
+    dequantized; EAGLE's, frozen and not saved: the engine reads the target's own). `vocab`
+    (EAGLE3): the target ids the draft drafts, ascending (draft id d is vocab[d]; default: all);
+    returns (draft, its config.json dict)."""
     from radixlm.runtime.speculative.medusa import float_lm_head
 
+    if algorithm == "EAGLE":
+        return _new_eagle_draft(target, seed, intermediate_size)
     if vocab is not None and list(vocab) != sorted(set(vocab)):
         raise ValueError("a draft vocabulary is a list of distinct target ids, ascending")
     raw = config_for_target(
@@ -65,6 +73,38 @@ def new_draft(
     device = head.device
     ids = torch.arange(config.draft_vocab_size) if vocab is None else torch.tensor(vocab)
     draft = LlamaEagle3Draft(config, target.rope.max_positions).to(device, torch.float32)
+    _init_weights(draft, seed)
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(head[ids.to(device)].float())
+        draft.d2t.copy_(ids - torch.arange(len(ids)))
+    draft.share_embedding(target.embed_tokens)
+    draft.rope.build_tables(device)
+    return draft, raw
+
+
+def _new_eagle_draft(target, seed: int, intermediate_size: int | None):
+    """`new_draft` of an EAGLE (EAGLE-1/2) draft."""
+    from radixlm.runtime.speculative.medusa import float_lm_head
+
+    raw = llama_eagle.config_for_target(target.cfg, intermediate_size)
+    head = float_lm_head(target.lm_head)
+    if head.shape[0] < target.cfg.vocab_size:
+        raise ValueError("an EAGLE draft is trained through the whole LM head (tp_size 1)")
+    device = head.device
+    draft = LlamaEagleDraft(llama_eagle.EagleConfig.from_dict(raw), target.rope.max_positions)
+    draft = draft.to(device, torch.float32)
+    _init_weights(draft, seed)
+    frozen = torch.nn.Linear(head.shape[1], head.shape[0], bias=False, device=device)
+    frozen.weight.data.copy_(head.float())
+    frozen.weight.requires_grad_(False)
+    draft.share_embedding(target.embed_tokens)
+    draft.share_head(frozen)
+    draft.rope.build_tables(device)
+    return draft, raw
+
+
+def _init_weights(draft, seed: int) -> None:
+    """Weights drawn from `seed`: matrices std 0.02, norms 1, biases 0."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, p in draft.named_parameters():
@@ -74,24 +114,29 @@ def new_draft(
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
             else:
                 p.zero_()
-        draft.lm_head.weight.copy_(head[ids.to(device)].float())
-        draft.d2t.copy_(ids - torch.arange(len(ids)))
-    draft.share_embedding(target.embed_tokens)
-    draft.rope.build_tables(device)
-    return draft, raw
+
+
+def _draft_logits(draft, out: torch.Tensor) -> torch.Tensor:
+    """The draft's logits over its outputs `out` (float32), with autograd: EAGLE-3's own head
+    after its norm; EAGLE's the target's (the frozen float copy `new_draft` gave it)."""
+    if isinstance(draft, LlamaEagleDraft):
+        return draft.logits(out)
+    return draft.lm_head(_norm(draft.norm, out)).float()
 
 
 def ttt_forward(
-    draft: LlamaEagle3Draft, tokens: torch.Tensor, features: torch.Tensor, steps: int
+    draft, tokens: torch.Tensor, features: torch.Tensor, steps: int
 ) -> list[torch.Tensor]:
-    """tokens (B, L) and the target's features (B, L, 3 x target hidden) at each position ->
-    each step's (B, L, hidden) outputs; step j's row t is the draft's output after reading token
-    x_{t+1+j} (index clamped at L - 1: those rows teach nothing, `ttt_loss` skips them)."""
-    layer = draft.midlayer
+    """tokens (B, L) and the target's features (B, L, F) at each position -> each step's (B, L,
+    hidden) outputs; step j's row t is the draft's output after reading token x_{t+1+j} (index
+    clamped at L - 1: those rows teach nothing, `ttt_loss` skips them). F: 3 x target hidden
+    (EAGLE-3) or the target's hidden (EAGLE)."""
+    layer = draft.layer
     attn = layer.self_attn
     b, length = tokens.shape
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    hidden = draft.fc(features)
+    eagle = isinstance(draft, LlamaEagleDraft)
+    hidden = features if eagle else draft.fc(features)
     with torch.no_grad():
         embeds = draft.embed_tokens(tokens).to(hidden.dtype)  # (the target's: frozen)
     index = torch.arange(length, device=tokens.device)
@@ -101,10 +146,16 @@ def ttt_forward(
     chain: list[tuple[torch.Tensor, torch.Tensor]] = []
     for j in range(steps):
         token_at = (index + 1 + j).clamp(max=length - 1)
-        both = torch.cat(
-            [_norm(layer.input_layernorm, embeds[:, token_at]), _norm(layer.hidden_norm, hidden)],
-            dim=-1,
-        )
+        if eagle:  # fc over the embedding and the hidden state, every step; its output the residual
+            both = hidden = draft.fc(torch.cat([embeds[:, token_at], hidden], dim=-1))
+        else:
+            both = torch.cat(
+                [
+                    _norm(layer.input_layernorm, embeds[:, token_at]),
+                    _norm(layer.hidden_norm, hidden),
+                ],
+                dim=-1,
+            )
         q, k, v = F.linear(both, attn.qkv_proj.weight, attn.qkv_proj.bias).split(
             [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
         )
@@ -138,11 +189,11 @@ def ttt_forward(
     return outs
 
 
-def draft_targets(draft: LlamaEagle3Draft, tokens: torch.Tensor) -> torch.Tensor:
+def draft_targets(draft, tokens: torch.Tensor) -> torch.Tensor:
     """Target ids -> draft ids (-1 where the draft vocabulary lacks the token)."""
     vocab = draft.config.model.vocab_size
     lookup = torch.full((vocab,), -1, dtype=torch.long, device=tokens.device)
-    draft_ids = torch.arange(draft.d2t.shape[0], device=tokens.device)
+    draft_ids = torch.arange(draft.config.draft_vocab_size, device=tokens.device)
     lookup[draft.target_ids(draft_ids)] = draft_ids
     return lookup[tokens]
 
@@ -170,7 +221,7 @@ def _depth_rows(
 
 
 def ttt_loss(
-    draft: LlamaEagle3Draft,
+    draft,
     tokens: torch.Tensor,
     features: torch.Tensor,
     lengths: torch.Tensor,
@@ -190,14 +241,14 @@ def ttt_loss(
         if not bool(keep.any()):
             accuracy.append(float("nan"))
             continue
-        logits = draft.lm_head(_norm(draft.norm, out[keep])).float()
+        logits = _draft_logits(draft, out[keep])
         total = total + decay**j * F.cross_entropy(logits, want[keep])
         weight += decay**j
         accuracy.append(float((logits.argmax(-1) == want[keep]).float().mean()))
     return total / max(weight, 1e-9), accuracy
 
 
-# ---- `radixlm train-draft --algorithm EAGLE3` ---------------------------------------------------
+# ---- `radixlm train-draft --algorithm EAGLE3` (or EAGLE) ------------------------------------------
 
 
 @dataclass
@@ -206,7 +257,7 @@ class SequenceData:
     where each answer starts, and which are held out."""
 
     tokens: list[list[int]]
-    features: list[torch.Tensor]  # (len, 3 x hidden) float32, on the CPU
+    features: list[torch.Tensor]  # (len, F) float32, on the CPU
     starts: list[int]
     held_out: list[bool]
 
@@ -260,7 +311,7 @@ def evaluate(draft, data: SequenceData, rows: list[int], depth: int, device) -> 
             want, rows_j = _depth_rows(labels, j, lengths, starts, in_vocab=False)
             keep = rows_j & (want >= 0)
             counted = rows_j if counted is None else counted  # (the rows a chain starts from)
-            logits = draft.lm_head(_norm(draft.norm, out)).float()
+            logits = _draft_logits(draft, out)
             hit = (logits.argmax(-1) == want) & rows_j
             right.append(hit)
             n = int(rows_j.sum())
@@ -282,9 +333,10 @@ def evaluate(draft, data: SequenceData, rows: list[int], depth: int, device) -> 
 
 
 def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict[str, Any]:
-    """Train (or resume) an EAGLE-3 draft for the engine's model on its own answers; write the
-    checkpoint folder `LlamaEagle3Draft.load` reads, with the recipe and held-out results in its
-    config.json. `opts.num_heads` is the depth trained (draft tokens a chain makes)."""
+    """Train (or resume) an EAGLE-3 draft (an EAGLE one with opts.algorithm EAGLE) for the
+    engine's model on its own answers; write the checkpoint folder `LlamaEagle3Draft.load`
+    (`LlamaEagleDraft.load`) reads, with the recipe and held-out results in its config.json.
+    `opts.num_heads` is the depth trained (draft tokens a chain makes)."""
     from tqdm import tqdm
 
     from radixlm.runtime.speculative import draft_data, train_common
@@ -298,9 +350,16 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
         answers = [c.answer_ids for c, h in zip(convs, held) if not h]
         vocab = frequent_tokens(answers, opts.draft_vocab_size)
         say(f"the draft's vocabulary: the {len(vocab)} tokens most frequent in the answers")
-    draft, raw = new_draft(target, opts.seed, vocab=vocab, intermediate_size=opts.intermediate_size)
+    draft, raw = new_draft(
+        target, opts.seed, vocab=vocab, intermediate_size=opts.intermediate_size,
+        algorithm=opts.algorithm.upper(),
+    )  # fmt: skip
     layers = draft.config.target_layers(target.cfg)
-    say(f"capturing the target's features (the input of layers {list(layers)}) at every position")
+    what = (
+        "the final hidden state" if isinstance(draft, LlamaEagleDraft)
+        else f"the input of layers {list(layers)}"
+    )  # fmt: skip
+    say(f"capturing the target's features ({what}) at every position")
     with tqdm(total=len(convs), desc="features", unit="conversation") as bar:
         features = draft_data.target_features(
             target, engine.model_config, convs, layers, device, progress=bar.update
@@ -337,7 +396,7 @@ def train_eagle3(opts, engine, folder: Path, say: Callable[[str], None]) -> dict
     elif log_path.exists():
         log_path.unlink()
     say(
-        f"training an EAGLE-3 draft {opts.num_heads} tokens deep on {n} answer positions "
+        f"training an {draft.kind} draft {opts.num_heads} tokens deep on {n} answer positions "
         f"({len(held_rows)} conversations held out), {total} steps of ~{opts.batch_size}"
     )
     t0 = time.perf_counter()

@@ -58,8 +58,11 @@ class TrainDraftOptions:
         def bad(msg: str) -> None:
             raise ValueError(f"train-draft: {msg}")
 
-        if self.algorithm.upper() not in ("MEDUSA", "EAGLE3"):
-            bad(f"--algorithm {self.algorithm}: MEDUSA heads or an EAGLE3 draft can be trained")
+        if self.algorithm.upper() not in ("MEDUSA", "EAGLE", "EAGLE3"):
+            bad(
+                f"--algorithm {self.algorithm}: MEDUSA heads, an EAGLE or an EAGLE3 draft can be "
+                "trained"
+            )
         for name in ("num_heads", "num_layers", "num_prompts", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 bad(f"--{name.replace('_', '-')} must be at least 1")
@@ -78,12 +81,15 @@ class TrainDraftOptions:
             bad("--epochs must be positive")
         if self.lr <= 0 or self.weight_decay < 0 or not 0 < self.head_decay <= 1:
             bad("need --lr > 0, --weight-decay >= 0 and 0 < --head-decay <= 1")
-        for name in ("draft_vocab_size", "intermediate_size"):
+        for name, kinds in (
+            ("draft_vocab_size", ("EAGLE3",)),
+            ("intermediate_size", ("EAGLE", "EAGLE3")),
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 bad(f"--{name.replace('_', '-')} must be at least 1")
-            if value is not None and self.algorithm.upper() != "EAGLE3":
-                bad(f"--{name.replace('_', '-')} is for an EAGLE3 draft")
+            if value is not None and self.algorithm.upper() not in kinds:
+                bad(f"--{name.replace('_', '-')} is for an {' or '.join(kinds)} draft")
         if self.prompts_file is not None and not Path(self.prompts_file).expanduser().is_file():
             bad(f"--prompts-file {self.prompts_file}: no such file")
         if self.save_dtype not in SAVE_DTYPES:

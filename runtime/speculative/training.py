@@ -223,7 +223,7 @@ def train_draft(
         raise ValueError(f"train-draft: --resume, but {str(folder)!r} holds no {CHECKPOINT}")
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    if opts.algorithm.upper() == "EAGLE3":
+    if opts.algorithm.upper() in ("EAGLE", "EAGLE3"):
         from radixlm.runtime.speculative.eagle3_training import train_eagle3
 
         with radixlm.Engine(**engine_kwargs) as engine:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.protocol.histogram import Histogram
+from radixlm.runtime.config import EAGLE_ALGORITHMS
 from radixlm.runtime.request import Req
 from radixlm.runtime.speculative.gate import SpeculationGate
 from radixlm.runtime.speculative.ngram import NgramIndex
@@ -62,6 +63,8 @@ logger = logging.getLogger(__name__)
 # (EAGLE3's features: the draft's entries for positions a plain stretch left out stay stale;
 # MEDUSA's hidden state: its newest is all the heads need)
 _RESUME_AHEAD = 16
+# the algorithms that draft with a model of their own (`prepare`)
+_OWN_MODEL = ("STANDALONE", *EAGLE_ALGORITHMS)
 
 
 @dataclass(slots=True)
@@ -90,14 +93,15 @@ def speculates(req: Req) -> bool:
 class SpeculativeWorker:
     def __init__(self, config, model=None, draft_model=None) -> None:
         """`model`: the target (MEDUSA's heads read its LM head and are checked against it);
-        `draft_model`: STANDALONE's (standalone.py `DraftModel`) or EAGLE3's (eagle3.py
-        `Eagle3Drafter`)."""
-        self.algorithm = config.speculative_algorithm  # NGRAM, MEDUSA, STANDALONE or EAGLE3
+        `draft_model`: STANDALONE's (standalone.py `DraftModel`) or EAGLE's and EAGLE3's
+        (eagle3.py `Eagle3Drafter`)."""
+        self.algorithm = config.speculative_algorithm  # NGRAM, MEDUSA, STANDALONE, EAGLE, EAGLE3
         # the drafter that runs a model of its own over the requests at once (`prepare`)
         self.draft_model = draft_model
-        if self.algorithm in ("STANDALONE", "EAGLE3") and draft_model is None:
+        if self.algorithm in _OWN_MODEL and draft_model is None:
             raise ValueError(f"speculative_algorithm={self.algorithm} needs its draft model")
-        self.eagle3 = draft_model if self.algorithm == "EAGLE3" else None
+        # the drafter over the target's features (EAGLE, EAGLE3)
+        self.eagle = draft_model if self.algorithm in EAGLE_ALGORITHMS else None
         self.num_draft_tokens = config.speculative_num_draft_tokens
         self.min_window = config.speculative_ngram_min_match_window_size
         self.max_window = config.speculative_ngram_max_match_window_size
@@ -165,13 +169,13 @@ class SpeculativeWorker:
                 "the draft model failed; %s drafting is off from now on", self.algorithm
             )
             self.draft_model.release_all()
-            self.draft_model = self.eagle3 = None  # (`propose` then drafts nothing)
+            self.draft_model = self.eagle = None  # (`propose` then drafts nothing)
             return
         for req, chain in zip(reqs, chains):
             req.draft_index = (len(req.input_ids) + len(req.output_ids), [chain])
 
     def _draft_model_lost(self) -> bool:
-        return self.algorithm in ("STANDALONE", "EAGLE3") and self.draft_model is None
+        return self.algorithm in _OWN_MODEL and self.draft_model is None
 
     def _room(self, req: Req) -> int:
         return min(self.num_draft_tokens - 1, req.max_output_len - len(req.output_ids) - 1)
@@ -217,11 +221,11 @@ class SpeculativeWorker:
     def feature_layers(self, reqs) -> tuple[int, ...]:
         """The target layers whose input a step of these requests (Req or ScheduledReq) keeps
         at every token of the requests drafted for (`keep_features`); () for none."""
-        if self.eagle3 is None or not any(speculates(getattr(r, "req", r)) for r in reqs):
+        if self.eagle is None or not any(speculates(getattr(r, "req", r)) for r in reqs):
             return ()
         if self._resting():
             return ()
-        return self.eagle3.aux_layers
+        return self.eagle.aux_layers
 
     def _resting(self) -> bool:
         """Whether the gate keeps drafting off for a while: steps then keep nothing for a
@@ -230,14 +234,14 @@ class SpeculativeWorker:
 
     def keep_features(self, spans, features: torch.Tensor) -> None:
         """The target's features at the given positions of each request (eagle3.py)."""
-        if self.eagle3 is None:
+        if self.eagle is None:
             return
         try:
-            self.eagle3.keep_features(spans, features)
+            self.eagle.keep_features(spans, features)
         except Exception:  # (as a failing draft in `prepare`: drafting stops, no request fails)
             logger.exception("the EAGLE-3 draft failed; drafting is off from now on")
-            self.eagle3.release_all()
-            self.draft_model = self.eagle3 = None
+            self.eagle.release_all()
+            self.draft_model = self.eagle = None
 
     # ---- hidden states (the model runner asks, for MEDUSA) ------------------------------------
 
