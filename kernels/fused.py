@@ -129,7 +129,8 @@ def fp8_e4m3_round(x):
     bits = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20
     r = bits.to(tl.float32, bitcast=True)
     r = tl.where(small, r - 0.015625, r)
-    return tl.where(x < 0, -r, r)
+    # (the sign bit, so that -0.0 stays -0.0 as torch's cast keeps it: a norm's output can be one)
+    return tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)
 
 
 @triton.jit
@@ -155,11 +156,13 @@ def _rotate_half_split(base, c, s, mask, HALF: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, FP8_OUT: tl.constexpr,
 ):  # fmt: skip
+    """FP8_OUT: the normed row, rounded to x's dtype, is stored rounded to float8 at a scale of
+    its own (s_ptr), as `fp8_quantize_rows` would store it: out_ptr is then float8."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -173,7 +176,11 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     out = norm_then_weight(x, rstd, w)
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8_OUT:
+        normed = out.to(x.dtype).to(tl.float32)
+        _fp8_row_store(normed, mask, out_ptr + row * stride_out + cols, s_ptr + row)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
@@ -185,16 +192,42 @@ def rms_norm(
     res_out = torch.empty_like(x) if residual is not None else None
     if rows == 0:
         return out, res_out
+    _launch_rms_norm(x, weight, eps, residual, out, res_out, None)
+    return out, res_out
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`rms_norm` whose output, rounded to x's dtype as it would be, is stored rounded to float8
+    with a float32 scale per row, as `fp8_quantize_rows` of it gives them, bit for bit: (values
+    (T, N) float8_e4m3fn, scales (T, 1), x + residual or None). The activations of an FP8 W8A8
+    matmul after a norm, without the norm's output in memory between two kernels. The weight
+    is of x's dtype."""
+    rows, n = x.shape
+    if weight.dtype != x.dtype:
+        raise ValueError("rms_norm_fp8 takes a norm weight of x's dtype")
+    q = torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if rows:
+        _launch_rms_norm(x, weight, eps, residual, q, res_out, scale)
+    return q, scale, res_out
+
+
+def _launch_rms_norm(x, weight, eps, residual, out, res_out, scale) -> None:
+    """`_rms_norm_kernel` over x's rows into `out` (with `scale`: float8 values and their scales)."""
+    rows, n = x.shape
     res = residual if residual is not None else x
     _rms_norm_kernel[(rows,)](
         x, res, weight, out, res_out if res_out is not None else out,
+        scale if scale is not None else weight,
         x.stride(0), res.stride(0), out.stride(0),
         res_out.stride(0) if res_out is not None else 0,
         n, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
-        num_warps=4 if n <= 2048 else 8, **pdl_options(x),
+        num_warps=4 if n <= 2048 else 8, FP8_OUT=scale is not None, **pdl_options(x),
     )  # fmt: skip
-    return out, res_out
 
 
 @triton.jit
@@ -329,6 +362,51 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _silu_and_mul_fp8_kernel(
+    gu_ptr, q_ptr, s_ptr, stride_gu, stride_q, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
+):  # fmt: skip
+    """A row a program: silu(gate) * up rounded to gate_up's dtype, stored as float8 at a scale
+    of the row's own (`_fp8_row_store`)."""
+    pdl_start(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
+    up = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0)
+    act = silu_mul_rounded(gate, up).to(tl.float32)
+    _fp8_row_store(act, mask, q_ptr + row * stride_q + cols, s_ptr + row)
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_quantize_rows(silu_and_mul(gate_up))` in one kernel, bit for bit: (float8 values
+    (T, I), float32 scales (T, 1)). Rows up to 16k values (`fp8_one_pass`; ValueError past)."""
+    rows, width = gate_up.shape
+    n = width // 2
+    if not fp8_one_pass(n):
+        raise ValueError(f"silu_and_mul_fp8 takes rows of up to {_FP8_ONE_PASS_COLUMNS} values")
+    q = torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
+    if rows:
+        block = triton.next_power_of_2(n)
+        _silu_and_mul_fp8_kernel[(rows,)](
+            gate_up, q, scale, gate_up.stride(0), q.stride(0), n, BLOCK=block,
+            num_warps=min(max(block // 1024, 4), 16), **pdl_options(gate_up),
+        )  # fmt: skip
+    return q, scale
+
+
+@triton.jit
+def _fp8_row_store(x, mask, q_at, s_at):
+    """Store a row of float32 values `x` (masked columns 0) as float8 at the row's scale (its
+    largest magnitude / 448, at least 1e-12), as kernels/quant_ref.py `quantize_fp8_rows`
+    rounds: the values at q_at, the scale at s_at."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+    q = fp8_e4m3_round(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0))
+    tl.store(q_at, q.to(q_at.dtype.element_ty), mask=mask)
+    tl.store(s_at, scale)
+
+
+@triton.jit
 def _fp8_rows_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ONE_PASS: tl.constexpr,
@@ -341,10 +419,7 @@ def _fp8_rows_kernel(
     if ONE_PASS:
         mask = cols < K
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
-        q = fp8_e4m3_round(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0))
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row, scale)
+        _fp8_row_store(x, mask, q_ptr + row * stride_q + cols, s_ptr + row)
         return
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
@@ -368,7 +443,7 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
         width = triton.next_power_of_2(k)
-        one_pass = width <= _FP8_ONE_PASS_COLUMNS
+        one_pass = fp8_one_pass(k)
         _fp8_rows_kernel[(rows,)](
             x, q, scale, k, x.stride(0), q.stride(0), BLOCK=width if one_pass else 2048,
             ONE_PASS=one_pass, num_warps=min(max(width // 1024, 4), 16) if one_pass else 4,
@@ -377,9 +452,14 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-# rows up to this wide are quantized in one pass, the row in registers (8 values a thread at 16
+# rows up to this wide are quantized in one pass, the row in registers (32 values a thread at 16
 # warps); wider ones in tiles, read twice
 _FP8_ONE_PASS_COLUMNS = 16384
+
+
+def fp8_one_pass(n: int) -> bool:
+    """Whether a row of n values is rounded to float8 from registers, in one pass."""
+    return triton.next_power_of_2(n) <= _FP8_ONE_PASS_COLUMNS
 
 
 @triton.jit

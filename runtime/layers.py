@@ -78,6 +78,10 @@ class PlainMatmuls:
         if rows is not None:  # normalize only the rows that are used (a norm is per row)
             x = x[rows]
             residual = None if residual is None else residual[rows]
+        if rows is None and not float32:  # (FP8: the norm's kernel rounds to float8)
+            done = scheme_of(linear).norm_apply(linear, x, residual, norm)
+            if done is not None:
+                return done
         if residual is None:
             h, residual = norm(x), x
         else:
@@ -91,6 +95,9 @@ class PlainMatmuls:
 
     def silu_linear(self, gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         """linear(silu(gate) * up) for gate_up = [gate | up] along the last dimension."""
+        done = scheme_of(linear).silu_apply(linear, gate_up)  # (FP8: SiLU rounds to float8)
+        if done is not None:
+            return done
         return self(silu_and_mul(gate_up), linear)
 
 

@@ -119,6 +119,67 @@ def test_the_activation_kernel_rounds_each_token_as_the_oracle_does_bit_for_bit(
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+# (the CPU interpreter computes bfloat16 wrongly: bfloat16 on a GPU only)
+HALVES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_the_norm_and_silu_kernels_round_to_float8_as_the_oracle_does_bit_for_bit(dtype):
+    """rms_norm_fp8 and silu_and_mul_fp8: the op's output (rounded to x's dtype), rounded to
+    float8 at its row's scale, as quantize_fp8_rows of the op's own output gives them."""
+    from radixlm.kernels.fused import rms_norm_fp8, silu_and_mul_fp8
+    from radixlm.kernels.fused_ref import rms_norm_ref, silu_and_mul_ref
+
+    gen = torch.Generator().manual_seed(5)
+    k = 4096 if ON_GPU else 300
+    x = (torch.randn(6, k, generator=gen) * torch.logspace(-3, 3, k)).to(DEVICE, dtype)
+    x[1] = 0.0  # (an all-zero token keeps its finite scale)
+    res = torch.randn(6, k, generator=gen).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(DEVICE, dtype)
+    for residual in (None, res):
+        got, got_scale, summed = rms_norm_fp8(x, weight, 1e-6, residual)
+        normed, want_sum = rms_norm_ref(x, weight, 1e-6, residual)
+        want, want_scale = quantize_fp8_rows(normed)
+        assert torch.equal(got_scale, want_scale)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert summed is None if residual is None else torch.equal(summed, want_sum)
+    gate_up = (torch.randn(6, 2 * k, generator=gen) * 3).to(DEVICE, dtype)
+    got, got_scale = silu_and_mul_fp8(gate_up)
+    want, want_scale = quantize_fp8_rows(silu_and_mul_ref(gate_up))
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(ValueError, match="rms_norm_fp8 takes a norm weight of x's dtype"):
+        rms_norm_fp8(x, weight.float(), 1e-6)
+
+
+def test_a_norm_or_silu_before_an_fp8_layer_rounds_to_float8_in_its_kernel_on_a_gpu():
+    """PlainMatmuls.norm_linear and silu_linear over an FP8 layer: on a GPU the norm's (the
+    SiLU's) kernel rounds the activations to float8 (`norm_apply`, `silu_apply`), the result
+    the norm (the SiLU) then `apply`'s exactly; elsewhere those decline and the two run apart."""
+    layer, _ = fp8_layer(256, 512, bias=True, seed=7)
+    norm = RMSNorm(512, 1e-6).to(DEVICE, DTYPE)
+    with torch.no_grad():
+        norm.weight.add_(
+            0.1 * torch.randn(512, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+        )
+    x, res = (torch.randn(40, 512, device=DEVICE, dtype=DTYPE) for _ in range(2))
+    gate_up = torch.randn(40, 1024, device=DEVICE, dtype=DTYPE)
+    scheme, plain = layer.quant_scheme, PlainMatmuls()
+    fused_norm = scheme.norm_apply(layer, x, res, norm)
+    fused_silu = scheme.silu_apply(layer, gate_up)
+    assert (fused_norm is not None) == ON_GPU and (fused_silu is not None) == ON_GPU
+    normed, summed = norm(x, res)
+    want = scheme.apply(layer, normed)
+    got, got_sum = plain.norm_linear(x, res, norm, layer)
+    assert torch.equal(got, want) and torch.equal(got_sum, summed)
+    assert torch.equal(
+        plain.silu_linear(gate_up, layer), scheme.apply(layer, silu_and_mul(gate_up))
+    )
+    if ON_GPU:
+        assert torch.equal(fused_norm[0], want) and torch.equal(fused_silu, got_silu := fused_silu)
+        assert got_silu.dtype == DTYPE
+
+
 # ---- the GEMV over float8 weights -----------------------------------------------------------
 
 

@@ -46,6 +46,17 @@ class LinearScheme:
         y = F.linear(x, layer.weight, layer.bias)
         return y if out_dtype is None else y.to(out_dtype)
 
+    def norm_apply(self, layer: nn.Linear, x, residual, norm):
+        """`apply` after `norm` (an RMSNorm) of x + residual, where the scheme has a kernel that
+        does both better than the two apart: (y, x + residual, or x without one); None (the
+        default): the norm runs, then `apply` (runtime/layers.py PlainMatmuls.norm_linear)."""
+        return None
+
+    def silu_apply(self, layer: nn.Linear, gate_up: torch.Tensor):
+        """`apply` to silu(gate) * up of gate_up = [gate | up], where the scheme has a kernel
+        that does both better; None (the default): SiLU, then `apply`."""
+        return None
+
     def reference(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """The float32 result the batch-1 GEMV must match (its oracle, with its numerics)."""
         b = layer.bias

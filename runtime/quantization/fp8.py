@@ -82,14 +82,32 @@ class Fp8Linear(LinearScheme):
         if x.is_cuda and out in _HALF and _scaled_mm_fits(x, w):
             x2 = x.reshape(-1, x.shape[-1])
             xq, x_scale = _activation_rows(x2)  # (T, K) float8, (T, 1) float32
-            # (row-wise scales write bfloat16: a float16 model's output is rounded once more)
-            y = torch._scaled_mm(
-                xq, w.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16
-            ).to(out)  # (T, N)
-            if b is not None:
-                y = y + b
-            return y.view(*x.shape[:-1], w.shape[0])
+            return _scaled(layer, xq, x_scale, out).view(*x.shape[:-1], w.shape[0])
         return fp8_linear_ref(x, w, scale, b, act_quant=True, out_dtype=out)
+
+    def norm_apply(self, layer, x, residual, norm):
+        """`apply` after `norm` (an RMSNorm) of x + residual, the norm's output rounded to float8
+        by the norm's kernel (kernels/fused.py `rms_norm_fp8`, bit for bit what `apply` would
+        round it to): (y, x + residual, or x without a residual). None where that kernel does
+        not run (then the norm runs, then `apply`)."""
+        if not (_fused_rows(x, layer) and norm.weight.dtype == x.dtype):
+            return None
+        from radixlm.kernels.fused import rms_norm_fp8
+
+        xq, x_scale, summed = rms_norm_fp8(x, norm.weight, norm.eps, residual)
+        return _scaled(layer, xq, x_scale, x.dtype), x if summed is None else summed
+
+    def silu_apply(self, layer, gate_up):
+        """`apply` to silu(gate) * up, rounded to float8 by the SiLU kernel
+        (`silu_and_mul_fp8`); None where that kernel does not run."""
+        from radixlm.kernels.fused import fp8_one_pass
+
+        if not (_fused_rows(gate_up, layer) and fp8_one_pass(gate_up.shape[1] // 2)):
+            return None
+        from radixlm.kernels.fused import silu_and_mul_fp8
+
+        xq, x_scale = silu_and_mul_fp8(gate_up)
+        return _scaled(layer, xq, x_scale, gate_up.dtype)
 
     def reference(self, layer, x):
         return fp8_linear_ref(
@@ -109,6 +127,32 @@ class Fp8Linear(LinearScheme):
 
 
 _HALF = (torch.bfloat16, torch.float16)
+
+
+def _scaled(layer, xq: torch.Tensor, x_scale: torch.Tensor, out: torch.dtype) -> torch.Tensor:
+    """xq (T, K) float8 at scales x_scale (T, 1) times the layer's float8 weight, through
+    `torch._scaled_mm` (row-wise scales write bfloat16: a float16 model's output is rounded once
+    more), plus its bias: (T, N) in `out`."""
+    w, b = layer.weight, layer.bias
+    y = torch._scaled_mm(
+        xq, w.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1), out_dtype=torch.bfloat16
+    ).to(out)
+    return y if b is None else y + b
+
+
+def _fused_rows(x: torch.Tensor, layer) -> bool:
+    """Whether x (T, K), of a half dtype on a GPU that runs row-wise scaled float8 matmuls,
+    goes into an FP8 layer through a kernel that rounds it to float8 as it makes it."""
+    from radixlm.kernels import fused
+
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and x.stride(-1) == 1
+        and x.dtype in _HALF
+        and fused.enabled(x)
+        and _scaled_mm_fits(x, layer.weight)
+    )
 
 
 def _activation_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
