@@ -220,6 +220,11 @@ def _depth_rows(
     return want, keep
 
 
+# an EAGLE draft's loss: the distance to the target's hidden state plus this x the cross-entropy
+# (EAGLE's own weights: 1 and 0.1)
+EAGLE_TOKEN_WEIGHT = 0.1
+
+
 def ttt_loss(
     draft,
     tokens: torch.Tensor,
@@ -232,9 +237,17 @@ def ttt_loss(
     """The mean over steps (step j weighted decay**j) of each step's cross-entropy against
     x_{t+2+j}, over the rows t of each sequence (its `lengths`) that have that token, in the
     draft vocabulary, and (with `starts`, (B,)) whose token is at index starts[b] or later: a
-    conversation's answer, the target's own tokens; and each step's top-1 accuracy there."""
+    conversation's answer, the target's own tokens; and each step's top-1 accuracy there.
+
+    An EAGLE draft's output goes into the target's LM head without a norm, so its step j at t
+    also learns the target's own hidden state at t + 1 + j (what the head reads to predict
+    x_{t+2+j}): EAGLE's loss, a smooth L1 distance to it plus `EAGLE_TOKEN_WEIGHT` x the
+    cross-entropy. (The cross-entropy alone diverged on the default model: the output's scale is
+    free, and the head's logits with it.)"""
     outs = ttt_forward(draft, tokens, features, steps)
     labels = draft_targets(draft, tokens)
+    eagle = isinstance(draft, LlamaEagleDraft)
+    length = tokens.shape[1]
     total, weight, accuracy = tokens.new_zeros((), dtype=torch.float32), 0.0, []
     for j, out in enumerate(outs):
         want, keep = _depth_rows(labels, j, lengths, starts)
@@ -242,7 +255,12 @@ def ttt_loss(
             accuracy.append(float("nan"))
             continue
         logits = _draft_logits(draft, out[keep])
-        total = total + decay**j * F.cross_entropy(logits, want[keep])
+        loss = F.cross_entropy(logits, want[keep])
+        if eagle:  # (keep's rows have x_{t+2+j}, so t + 1 + j is in the sequence)
+            ahead = (torch.arange(length, device=tokens.device) + 1 + j).clamp(max=length - 1)
+            goal = features[:, ahead][keep].to(out.dtype)
+            loss = F.smooth_l1_loss(out[keep], goal) + EAGLE_TOKEN_WEIGHT * loss
+        total = total + decay**j * loss
         weight += decay**j
         accuracy.append(float((logits.argmax(-1) == want[keep]).float().mean()))
     return total / max(weight, 1e-9), accuracy
