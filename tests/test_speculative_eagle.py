@@ -273,3 +273,6 @@ def test_train_draft_makes_an_eagle_draft_the_engine_drafts_with(tiny_model_fold
         assert eng._core.speculative.eagle is not None  # (drafting never failed)
     assert results(outs) == results(plain)
     assert stats["spec_verify_ct"] > 0, stats
+    # without a path: no EAGLE draft ships for a model, and the message says how to make one
+    with pytest.raises(ValueError, match="no EAGLE draft ships for this model; make one with"):
+        radixlm.Engine(tiny_model_folder, **spec, **kw)

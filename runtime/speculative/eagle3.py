@@ -179,11 +179,14 @@ class Eagle3Drafter:
         if path is None:
             path = find_shipped_draft(target, algorithm)
             if path is None:
+                shipped = (
+                    " (one ships for the embedded default model)" if algorithm == "EAGLE3" else ""
+                )
                 raise ValueError(
                     f"speculative_algorithm={algorithm}: no {draft_class.kind} draft ships for "
-                    "this model (one ships for the embedded default model); make one with "
-                    f"`radixlm train-draft --algorithm {algorithm} --model-path MODEL --output "
-                    "DIR` and pass speculative_draft_model_path=DIR"
+                    f"this model{shipped}; make one with `radixlm train-draft --algorithm "
+                    f"{algorithm} --model-path MODEL --output DIR` and pass "
+                    "speculative_draft_model_path=DIR"
                 )
         folder = Path(path).expanduser()
         if not (folder / "config.json").is_file():
