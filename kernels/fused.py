@@ -120,15 +120,16 @@ def fp8_e4m3_round(x):
     to the cast because Triton's CPU interpreter rounds float8 casts wrongly (a carry out of the
     mantissa is dropped: 7.95 becomes 4)."""
     a = tl.minimum(tl.abs(x), 448.0)
-    # below float8's smallest normal (2^-6) its step is a fixed 2^-9: offset by 2^-6, the value
-    # rounds at that step as a normal one of exponent -6 does
-    small = a < 0.015625
-    b = tl.where(small, a + 0.015625, a)
-    bits = b.to(tl.int32, bitcast=True)
+    bits = a.to(tl.int32, bitcast=True)
     # keep 3 of float32's 23 mantissa bits, to nearest even (a carry moves into the exponent)
     bits = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20
     r = bits.to(tl.float32, bitcast=True)
-    r = tl.where(small, r - 0.015625, r)
+    # below float8's smallest normal (2^-6) its step is a fixed 2^-9: a * 512 (exact) rounded to
+    # an integer, to nearest even, by float32's own addition at 2^23, where the step is 1 (one
+    # rounding: adding 2^-6 first, as this did before, rounded twice, and a value just short of
+    # a tie went the tie's way)
+    steps = (a * 512.0 + 8388608.0) - 8388608.0
+    r = tl.where(a < 0.015625, steps * 0.001953125, r)
     # (the sign bit, so that -0.0 stays -0.0 as torch's cast keeps it: a norm's output can be one)
     return tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)
 
@@ -362,40 +363,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_fp8_kernel(
-    gu_ptr, q_ptr, s_ptr, stride_gu, stride_q, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
-):  # fmt: skip
-    """A row a program: silu(gate) * up rounded to gate_up's dtype, stored as float8 at a scale
-    of the row's own (`_fp8_row_store`)."""
-    pdl_start(PDL)
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
-    up = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0)
-    act = silu_mul_rounded(gate, up).to(tl.float32)
-    _fp8_row_store(act, mask, q_ptr + row * stride_q + cols, s_ptr + row)
-
-
-def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fp8_quantize_rows(silu_and_mul(gate_up))` in one kernel, bit for bit: (float8 values
-    (T, I), float32 scales (T, 1)). Rows up to 16k values (`fp8_one_pass`; ValueError past)."""
-    rows, width = gate_up.shape
-    n = width // 2
-    if not fp8_one_pass(n):
-        raise ValueError(f"silu_and_mul_fp8 takes rows of up to {_FP8_ONE_PASS_COLUMNS} values")
-    q = torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=gate_up.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
-    if rows:
-        block = triton.next_power_of_2(n)
-        _silu_and_mul_fp8_kernel[(rows,)](
-            gate_up, q, scale, gate_up.stride(0), q.stride(0), n, BLOCK=block,
-            num_warps=min(max(block // 1024, 4), 16), **pdl_options(gate_up),
-        )  # fmt: skip
-    return q, scale
-
-
-@triton.jit
 def _fp8_row_store(x, mask, q_at, s_at):
     """Store a row of float32 values `x` (masked columns 0) as float8 at the row's scale (its
     largest magnitude / 448, at least 1e-12), as kernels/quant_ref.py `quantize_fp8_rows`
@@ -417,9 +384,9 @@ def _fp8_rows_kernel(
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     if ONE_PASS:
-        mask = cols < K
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        _fp8_row_store(x, mask, q_ptr + row * stride_q + cols, s_ptr + row)
+        whole = cols < K
+        values = tl.load(x_ptr + row * stride_x + cols, mask=whole, other=0.0).to(tl.float32)
+        _fp8_row_store(values, whole, q_ptr + row * stride_q + cols, s_ptr + row)
         return
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):

@@ -95,9 +95,6 @@ class PlainMatmuls:
 
     def silu_linear(self, gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         """linear(silu(gate) * up) for gate_up = [gate | up] along the last dimension."""
-        done = scheme_of(linear).silu_apply(linear, gate_up)  # (FP8: SiLU rounds to float8)
-        if done is not None:
-            return done
         return self(silu_and_mul(gate_up), linear)
 
 

@@ -236,7 +236,7 @@ def test_without_a_path_only_the_shipped_heads_of_the_model_are_taken(default_mo
         ),
         (
             {"speculative_draft_model_path": "x"},
-            "needs speculative_algorithm MEDUSA, STANDALONE or",
+            "needs speculative_algorithm MEDUSA, STANDALONE, EAGLE or EAGLE3",
         ),
     ],
 )
@@ -381,7 +381,7 @@ def test_the_train_draft_command_writes_heads_the_engine_takes(
 def test_bad_train_draft_options_are_refused_before_the_model_loads(tmp_path):
     for argv, says in [
         (["--num-heads", "0"], "--num-heads must be at least 1"),
-        (["--algorithm", "NGRAM"], "MEDUSA heads or an EAGLE3 draft can be trained"),
+        (["--algorithm", "NGRAM"], "MEDUSA heads, an EAGLE or an EAGLE3 draft can be trained"),
         (["--held-out-fraction", "1"], "held-out-fraction"),
         (
             ["--random-prompt-fraction", "0.6", "--model-prompt-fraction", "0.6"],

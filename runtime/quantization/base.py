@@ -52,11 +52,6 @@ class LinearScheme:
         default): the norm runs, then `apply` (runtime/layers.py PlainMatmuls.norm_linear)."""
         return None
 
-    def silu_apply(self, layer: nn.Linear, gate_up: torch.Tensor):
-        """`apply` to silu(gate) * up of gate_up = [gate | up], where the scheme has a kernel
-        that does both better; None (the default): SiLU, then `apply`."""
-        return None
-
     def reference(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """The float32 result the batch-1 GEMV must match (its oracle, with its numerics)."""
         b = layer.bias

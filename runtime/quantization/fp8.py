@@ -97,18 +97,6 @@ class Fp8Linear(LinearScheme):
         xq, x_scale, summed = rms_norm_fp8(x, norm.weight, norm.eps, residual)
         return _scaled(layer, xq, x_scale, x.dtype), x if summed is None else summed
 
-    def silu_apply(self, layer, gate_up):
-        """`apply` to silu(gate) * up, rounded to float8 by the SiLU kernel
-        (`silu_and_mul_fp8`); None where that kernel does not run."""
-        from radixlm.kernels.fused import fp8_one_pass
-
-        if not (_fused_rows(gate_up, layer) and fp8_one_pass(gate_up.shape[1] // 2)):
-            return None
-        from radixlm.kernels.fused import silu_and_mul_fp8
-
-        xq, x_scale = silu_and_mul_fp8(gate_up)
-        return _scaled(layer, xq, x_scale, gate_up.dtype)
-
     def reference(self, layer, x):
         return fp8_linear_ref(
             x, layer.weight, layer.weight_scale, layer.bias, act_quant=False,
