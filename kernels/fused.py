@@ -410,7 +410,7 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
         width = triton.next_power_of_2(k)
-        one_pass = fp8_one_pass(k)
+        one_pass = width <= _FP8_ONE_PASS_COLUMNS
         _fp8_rows_kernel[(rows,)](
             x, q, scale, k, x.stride(0), q.stride(0), BLOCK=width if one_pass else 2048,
             ONE_PASS=one_pass, num_warps=min(max(width // 1024, 4), 16) if one_pass else 4,
@@ -422,11 +422,6 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # rows up to this wide are quantized in one pass, the row in registers (32 values a thread at 16
 # warps); wider ones in tiles, read twice
 _FP8_ONE_PASS_COLUMNS = 16384
-
-
-def fp8_one_pass(n: int) -> bool:
-    """Whether a row of n values is rounded to float8 from registers, in one pass."""
-    return triton.next_power_of_2(n) <= _FP8_ONE_PASS_COLUMNS
 
 
 @triton.jit
