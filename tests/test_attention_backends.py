@@ -522,24 +522,27 @@ def _recording(draft, made: list):
     return recorded
 
 
-def test_eagle3_steps_as_decode_rows_keep_the_targets_features(tiny_model_folder, tmp_path):
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "EAGLE"])
+def test_eagle3_steps_as_decode_rows_keep_the_targets_features(
+    tiny_model_folder, tmp_path, algorithm
+):
     """EAGLE3's steps (its verify steps, and the plain decodes whose features it drafts from)
     run as decode rows with every row's features kept, and its draft's rounds through its own
     graphs: its tokens are those of the eager steps and plain decoding's, and (on the CPU, where
-    both compute alike) so are its drafts."""
+    both compute alike) so are its drafts. EAGLE alike, its features the final hidden state."""
     from radixlm.runtime.speculative.eagle3_training import new_draft
 
     prompts = [[300 + (j % (4 + i)) for j in range(20 + 5 * i)] for i in range(2)]
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     with radixlm.Engine(tiny_model_folder, **EAGER, attention_backend="triton") as eng:
         plain = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
-        draft, raw = new_draft(eng.model, seed=0)
+        draft, raw = new_draft(eng.model, seed=0, algorithm=algorithm)
         draft.save(tmp_path, raw)
-        width = 3 * eng.model.cfg.hidden_size
+        width = (3 if algorithm == "EAGLE3" else 1) * eng.model.cfg.hidden_size
     outs, drafts, notes = [], [], []
     for graphs in (False, True):
         with drafting(
-            tiny_model_folder, "EAGLE3", speculative_draft_model_path=str(tmp_path)
+            tiny_model_folder, algorithm, speculative_draft_model_path=str(tmp_path)
         ) as eng:
             drafter = eng._core.speculative.eagle
             if graphs:  # (the target's steps as decode rows, the draft's rounds through its own)
