@@ -92,7 +92,8 @@ _ENGINE_HELP = {
     "it (default: the heads shipped for the embedded default model); STANDALONE: the draft "
     "model, a folder or a GGUF file (required); EAGLE3: the draft's folder, as `radixlm "
     "train-draft --algorithm EAGLE3` writes it (default: the draft shipped for the embedded "
-    "default model); EAGLE: the same for an EAGLE-1/2 draft (`train-draft --algorithm EAGLE`)",
+    "default model); EAGLE: an EAGLE-1/2 draft's folder (required: none ships; `train-draft "
+    "--algorithm EAGLE` makes one)",
     "speculative_ngram_min_match_window_size": "NGRAM: the shortest ending of the context matched "
     "(default: 1)",
     "speculative_ngram_max_match_window_size": "NGRAM: the longest ending of the context matched, "

@@ -77,9 +77,11 @@ def grouped_gemm(
     zero: torch.Tensor,
     bias: torch.Tensor | None = None,
     block: tuple[int, int, int] = (64, 64, 64),
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x (M, K), unit stride along K, @ the packed INT4 weight (N, K // 2) uint8, or the int8 one
-    (N, K), with float32 scales and zero points (N, K // group) -> (M, N) in x's dtype. `block`:
+    (N, K), with float32 scales and zero points (N, K // group) -> (M, N) in `out_dtype` (default
+    x's; float32: the float32 sums unrounded, an LM head's logits). `block`:
     (BLOCK_M, BLOCK_N, BLOCK_K), powers of two (each column of a tile reads its own group's
     scale)."""
     m, k = x.shape
@@ -102,7 +104,7 @@ def grouped_gemm(
             f"(N, K), with contiguous scales and zeros (N, K // group); got x {tuple(x.shape)}, weight "
             f"{tuple(packed.shape)} {packed.dtype}, scales {tuple(scale.shape)}"
         )
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
     bm, bn, bk = block

@@ -157,8 +157,9 @@ class EngineConfig:
     # ship for the embedded default model. STANDALONE: the draft model (a folder or a GGUF
     # file), required. EAGLE3: the draft's folder (config.json and safetensors, SGLang's
     # layout; `radixlm train-draft --algorithm EAGLE3` writes one); default: the draft that
-    # ships for the embedded default model. EAGLE: the same for an EAGLE-1/2 draft
-    # (LlamaForCausalLMEagle, as SGLang reads it; `train-draft --algorithm EAGLE`)
+    # ships for the embedded default model. EAGLE: an EAGLE-1/2 draft's folder, required (none
+    # ships; LlamaForCausalLMEagle as SGLang reads it, or an EAGLE authors' release;
+    # `train-draft --algorithm EAGLE` makes one)
     speculative_draft_model_path: str | None = None
     # NGRAM: the context's last n tokens are matched, n from the max down to the min window (the
     # names SGLang used before its n-gram trie took max_trie_depth)

@@ -78,7 +78,8 @@ class PlainMatmuls:
         if rows is not None:  # normalize only the rows that are used (a norm is per row)
             x = x[rows]
             residual = None if residual is None else residual[rows]
-        if rows is None and not float32:  # (FP8: the norm's kernel rounds to float8)
+        if rows is None and not float32 and not self.has_kernel(x, linear):
+            # (FP8: the norm's kernel rounds to float8; a GEMV tuned for the layer goes first)
             done = scheme_of(linear).norm_apply(linear, x, residual, norm)
             if done is not None:
                 return done
@@ -88,6 +89,11 @@ class PlainMatmuls:
             h, residual = norm(x, residual)
         y = self.float32(h, linear) if float32 else self(h, linear)
         return y, None if rows is not None else residual
+
+    def has_kernel(self, x: torch.Tensor, linear: nn.Linear) -> bool:
+        """Whether `self(x, linear)` runs a kernel chosen for the layer (LinearDispatch's tuned
+        GEMV) rather than the scheme's plain path."""
+        return False
 
     def float32(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         """linear(x) with a float32 output (the LM head's logits): `float32_linear`."""

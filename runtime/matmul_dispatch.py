@@ -66,6 +66,9 @@ class LinearDispatch(PlainMatmuls):
             return None  # (only the dot tiles take that many rows)
         return config
 
+    def has_kernel(self, x: torch.Tensor, linear: torch.nn.Linear) -> bool:
+        return self._chosen("linear", x, linear) is not None
+
     def __call__(self, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
         config = self._chosen("linear", x, linear)
         if config is not None:

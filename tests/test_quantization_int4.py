@@ -198,7 +198,10 @@ def test_gemv_and_matmul_read_int8_groups_as_the_oracle_does(group, rows):
     want_silu = grouped_linear_ref(
         torch.nn.functional.silu(gate) * up, q, scale, zero, out_dtype=torch.float32
     )
+    norm = RMSNorm(k, 1e-5).to(DEVICE, DTYPE)
+    want_norm = grouped_linear_ref(norm(x), q, scale, zero, out_dtype=torch.float32)
     size, size_silu = want.abs().amax(), want_silu.abs().amax()
+    size_norm = want_norm.abs().amax()
     quant = {"w_scale": scale, "w_zero": zero}
     for tile in TILES:
         if tile.words:
@@ -211,10 +214,16 @@ def test_gemv_and_matmul_read_int8_groups_as_the_oracle_does(group, rows):
         torch.testing.assert_close(got / size, want / size, atol=TOL, rtol=0)
         got = gemv_silu_and_mul(gate_up, q, None, tile, **quant).float()
         torch.testing.assert_close(got / size_silu, want_silu / size_silu, atol=TOL, rtol=0)
+        y, _ = gemv_rms_norm(x, None, norm.weight, norm.eps, q, None, tile, torch.float32, **quant)
+        torch.testing.assert_close(y / size_norm, want_norm / size_norm, atol=TOL, rtol=0)
     block = (16, 16, 32) if not ON_GPU else (64, 64, 64)
     got = grouped_gemm(x, q, scale, zero, b, block)
     assert got.dtype == DTYPE
     torch.testing.assert_close(got.float() / size, want / size, atol=TOL, rtol=0)
+    # float32 out (an LM head's logits): the sums unrounded
+    got = grouped_gemm(x, q, scale, zero, b, block, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got / size, want / size, atol=1e-5 if not ON_GPU else TOL, rtol=0)
     with pytest.raises(ValueError, match="gemv takes a packed INT4 weight"):
         gemv(x[:1], q, None, TILES[0], w_scale=scale, w_zero=zero[:, :1])
 

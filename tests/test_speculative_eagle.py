@@ -193,6 +193,20 @@ def test_drafts_that_do_not_fit_and_checkpoints_that_lack_a_weight_are_refused(t
     tensors = {f"model.{k}": v for k, v in draft_tensors().items()}
     draft = load_draft(write_draft(tmp_path / "d", tensors=tensors), target_model)
     torch.testing.assert_close(draft.fc.bias, draft_tensors()["fc.bias"])
+    # the EAGLE authors' releases: LlamaForCausalLM in config.json, PyTorch's pytorch_model.bin
+    authors = tmp_path / "e"
+    authors.mkdir()
+    (authors / "config.json").write_text(
+        json.dumps(draft_config(architectures=["LlamaForCausalLM"]))
+    )
+    torch.save(draft_tensors(), authors / "pytorch_model.bin")
+    draft = load_draft(authors, target_model)
+    torch.testing.assert_close(draft.fc.weight, draft_tensors()["fc.weight"])
+    with pytest.raises(ValueError, match="no \\*.safetensors or \\*.bin file"):
+        (authors / "pytorch_model.bin").unlink()
+        load_draft(authors, target_model)
+    with pytest.raises(ValueError, match="lack 'LlamaForCausalLMEagle'"):
+        EagleConfig.from_dict(draft_config(architectures=["Qwen2ForCausalLM"]))
 
 
 def test_training_time_test_sees_at_each_depth_what_drafting_sees(tmp_path):

@@ -36,19 +36,26 @@ class OneLayerDraft(nn.Module):
         cls, folder: str | Path, target: nn.Module, device: torch.device, dtype: torch.dtype,
         max_positions: int,
     ) -> OneLayerDraft:  # fmt: skip
-        """The draft in checkpoint folder `folder` (config.json and *.safetensors) for the target
-        model `target` (a LlamaForCausalLM: its config checked, its embedding shared), on
-        `device` in `dtype`; ValueError saying what does not fit."""
+        """The draft in checkpoint folder `folder` (config.json and *.safetensors, else
+        *.bin, PyTorch's, read as tensors only) for the target model `target` (a
+        LlamaForCausalLM: its config checked, its embedding shared), on `device` in `dtype`;
+        ValueError saying what does not fit."""
         from safetensors.torch import load_file
 
         config = cls.config_class.from_folder(folder)
         config.target_layers(target.cfg)
         files = sorted(Path(folder).glob("*.safetensors"))
+        read = lambda f: load_file(str(f))  # noqa: E731
+        if not files:  # (the EAGLE authors' releases: pytorch_model.bin)
+            files = sorted(Path(folder).glob("*.bin"))
+            read = lambda f: torch.load(f, map_location="cpu", weights_only=True)  # noqa: E731
         if not files:
-            raise ValueError(f"{folder}: no *.safetensors file of {cls.kind} draft weights")
+            raise ValueError(
+                f"{folder}: no *.safetensors or *.bin file of {cls.kind} draft weights"
+            )
         draft = cls(config, max_positions)
         for f in files:  # (every tensor of the layer must come: checked after the last file)
-            draft.load_weights(load_file(str(f)).items(), check=f == files[-1])
+            draft.load_weights(read(f).items(), check=f == files[-1])
         width = target.cfg.hidden_size
         if draft.own_embedding is None and width != config.model.hidden_size:
             raise ValueError(

@@ -1,6 +1,7 @@
 """An EAGLE-1/2 draft (Li et al., 2024) for a Llama-family target: one decoder layer over the
-target's final hidden state, in the checkpoint layout of the EAGLE authors' releases and of
-SGLang's `LlamaForCausalLMEagle` (speculative_algorithm="EAGLE").
+target's final hidden state, in the checkpoint layout of the EAGLE authors' releases (config.json
+naming LlamaForCausalLM, pytorch_model.bin) and of SGLang's `LlamaForCausalLMEagle`
+(speculative_algorithm="EAGLE").
 
 The draft reads, at position t, the target's last hidden state there (the final norm's output:
 what the target's LM head reads; ForwardBatch.aux_layers names it as layer `num_layers`) and the
@@ -46,10 +47,7 @@ class EagleConfig:
 
     model: ModelConfig
     fc_bias: bool
-
-    @property
-    def target_hidden_size(self) -> int:
-        return self.model.hidden_size
+    architecture = ARCHITECTURE  # (what a config of this kind names)
 
     @property
     def draft_vocab_size(self) -> int:
@@ -75,11 +73,14 @@ class EagleConfig:
     def from_dict(cls, raw: dict, where: str = "the draft config") -> EagleConfig:
         from types import SimpleNamespace
 
-        if ARCHITECTURE not in (raw.get("architectures") or []):
+        names = raw.get("architectures") or []
+        # (the EAGLE authors' releases name LlamaForCausalLM; SGLang's conversions the Eagle one)
+        if ARCHITECTURE not in names and names != ["LlamaForCausalLM"]:
             raise ValueError(
                 f"{where}: architectures {raw.get('architectures')} lack {ARCHITECTURE!r}; an "
-                "EAGLE (EAGLE-1/2) draft's config names it, as SGLang reads it (an EAGLE-3 "
-                "draft, LlamaForCausalLMEagle3, runs under speculative_algorithm=EAGLE3)"
+                "EAGLE (EAGLE-1/2) draft's config names it, as SGLang reads it, or "
+                "LlamaForCausalLM, as the EAGLE authors' releases do (an EAGLE-3 draft, "
+                "LlamaForCausalLMEagle3, runs under speculative_algorithm=EAGLE3)"
             )
         layers = raw.get("num_hidden_layers", 1)
         if layers != 1:

@@ -60,6 +60,7 @@ class Eagle3Config:
     draft_vocab_size: int
     fc_bias: bool
     aux_layers: tuple[int, ...] | None  # None: `default_aux_layers` of the target
+    architecture = ARCHITECTURE  # (what a config of this kind names)
 
     @property
     def features_size(self) -> int:

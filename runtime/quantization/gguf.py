@@ -17,7 +17,7 @@ to a seventh of float32's bytes, and multiplies by them.
   v is Q6_K; the default model's Q8_0 LM head) is put in the int8 layout at load (`as_int8`: the
   file's integers a byte each with a float32 scale a group, 32 columns for Q8_0 and 16 for Q6_K,
   the values exactly the file's) and computed by the same kernels, which read int8 tiles too:
-  9 or 10 bits a weight against the file's 8.5 or 6.6, and bf16's 16. (Dequantizing blocks at
+  10 or 12 bits a weight against the file's 8.5 or 6.6, and bf16's 16. (Dequantizing blocks at
   every call, as before the INT4 layout, measured 19-25x a bf16 matmul's time at batch 1 for the
   4-bit types: benchmarks/quant_gemv.py.)
 

@@ -148,8 +148,8 @@ class Int4Linear(LinearScheme):
             x2 = x.reshape(-1, x.shape[-1])
             x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
             w, s, z = layer.weight, layer.weight_scale, layer.weight_zero
-            y = grouped_gemm(x2, w, s, z, layer.bias).view(*x.shape[:-1], w.shape[0])
-            return y if out_dtype is None else y.to(out_dtype)
+            y = grouped_gemm(x2, w, s, z, layer.bias, out_dtype=out_dtype)
+            return y.view(*x.shape[:-1], w.shape[0])
         return grouped_linear_ref(
             x, layer.weight, layer.weight_scale, layer.weight_zero, layer.bias, out_dtype
         )

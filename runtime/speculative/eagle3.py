@@ -91,7 +91,7 @@ def find_shipped_draft(target, algorithm: str = "EAGLE3"):
 
     from radixlm.runtime.speculative.medusa import _SAMPLE_ATOL, _SAMPLE_RTOL, shipped_heads_dir
 
-    architecture = _architecture(algorithm)
+    architecture = _draft_class(algorithm).config_class.architecture
 
     root = shipped_heads_dir()
     sample = None
@@ -135,15 +135,6 @@ def _draft_class(algorithm: str):
     from radixlm.runtime.models.llama_eagle3 import LlamaEagle3Draft
 
     return LlamaEagle3Draft
-
-
-def _architecture(algorithm: str) -> str:
-    """The architecture a draft config of `algorithm` names."""
-    if algorithm == "EAGLE":
-        from radixlm.runtime.models.llama_eagle import ARCHITECTURE
-    else:
-        from radixlm.runtime.models.llama_eagle3 import ARCHITECTURE
-    return ARCHITECTURE
 
 
 class Eagle3Drafter:

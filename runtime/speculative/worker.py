@@ -239,7 +239,7 @@ class SpeculativeWorker:
         try:
             self.eagle.keep_features(spans, features)
         except Exception:  # (as a failing draft in `prepare`: drafting stops, no request fails)
-            logger.exception("the EAGLE-3 draft failed; drafting is off from now on")
+            logger.exception("the %s draft failed; drafting is off from now on", self.algorithm)
             self.eagle.release_all()
             self.draft_model = self.eagle = None
 
