@@ -188,6 +188,25 @@ def test_a_norm_before_an_fp8_layer_rounds_to_float8_in_its_kernel_on_a_gpu():
         assert torch.equal(fused_norm[0], want)
 
 
+def test_a_tuned_gemv_goes_before_the_norms_rounding(monkeypatch):
+    """Where LinearDispatch has a GEMV tile for the layer at the step's rows, norm_linear runs
+    the norm then that GEMV (weight-only numerics, x not rounded) and never asks the scheme to
+    round in the norm's kernel; without a tile it asks (and on the CPU the scheme declines)."""
+    layer, _ = fp8_layer(40, 96, bias=False, seed=8)
+    norm = RMSNorm(96, 1e-6).to(DEVICE, DTYPE)
+    x = torch.randn(1, 96, device=DEVICE, dtype=DTYPE)
+    asked = []
+    scheme = layer.quant_scheme
+    monkeypatch.setattr(scheme, "norm_apply", lambda *a: asked.append(1))
+    dispatch = LinearDispatch()
+    dispatch.norm_linear(x, None, norm, layer)
+    assert asked == [1]
+    dispatch.choice[choice_key("linear", 1, layer)] = TILES[0]
+    y, _ = dispatch.norm_linear(x, None, norm, layer)
+    assert asked == [1]  # (the tuned GEMV took it)
+    torch.testing.assert_close(y.float(), scheme.reference(layer, norm(x)), atol=TOL, rtol=TOL)
+
+
 def assert_same_float8(got: torch.Tensor, want: torch.Tensor) -> None:
     """The same float8 values, bit for bit but for the sign of a zero (a GPU's conversion of a
     negative value that rounds to zero may give +0 where torch's gives -0: the same product)."""
