@@ -313,10 +313,11 @@ def _int4_dot_accumulate(
 def _int8_tile(
     w_ptr, ws_ptr, wz_ptr, rows_n, k0, k_end, N, stride_wn, stride_sn,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr,
+    TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr, HAS_ZERO: tl.constexpr,
 ):  # fmt: skip
     """An int8 grouped weight's tile at columns k0 .. k0 + BLOCK_K, read as stored (a byte a
-    value) and dequantized, (q - zero) * scale group by group: (BLOCK_N, BLOCK_K) float32."""
+    value) and dequantized, (q - zero) * scale group by group (without HAS_ZERO, q * scale: no
+    zero points are read): (BLOCK_N, BLOCK_K) float32."""
     k = k0 + tl.arange(0, BLOCK_K)
     mask = (rows_n[:, None] < N) & (k[None, :] < k_end)
     q = tl.load(w_ptr + rows_n[:, None] * stride_wn + k[None, :], mask=mask, other=0)
@@ -325,8 +326,9 @@ def _int8_tile(
     g_mask = (rows_n[:, None] < N) & (groups[None, :] * GROUP < k_end)
     g_at = rows_n[:, None] * stride_sn + groups[None, :]
     scale = tl.load(ws_ptr + g_at, mask=g_mask, other=0.0)
-    zero = tl.load(wz_ptr + g_at, mask=g_mask, other=0.0)
-    return tl.reshape((q - zero[:, :, None]) * scale[:, :, None], (BLOCK_N, BLOCK_K))
+    if HAS_ZERO:
+        q = q - tl.load(wz_ptr + g_at, mask=g_mask, other=0.0)[:, :, None]
+    return tl.reshape(q * scale[:, :, None], (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -353,7 +355,7 @@ def _gemv_kernel(
     stride_xm, stride_rm, stride_wn, stride_sn, stride_ym,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     W_SCALED: tl.constexpr, W_INT4: tl.constexpr, W_INT8: tl.constexpr, GROUP: tl.constexpr,
-    W_CONVERT: tl.constexpr,
+    W_CONVERT: tl.constexpr, HAS_ZERO: tl.constexpr,
     TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr, INT4_MMA: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, LATE_SUM: tl.constexpr, PREFETCH: tl.constexpr,
@@ -417,7 +419,7 @@ def _gemv_kernel(
             elif W_INT8:
                 w_tile = _int8_tile(
                     w_ptr, ws_ptr, wz_ptr, rows_n, k0, k_end, N, stride_wn, stride_sn,
-                    GROUP, BLOCK_N, BLOCK_K, TILE_GROUPS, GROUP_COLS,
+                    GROUP, BLOCK_N, BLOCK_K, TILE_GROUPS, GROUP_COLS, HAS_ZERO,
                 )  # fmt: skip
             elif PREFETCH:
                 w_tile = w_next
@@ -509,8 +511,9 @@ def _launch(
 ) -> torch.Tensor:
     m = x.shape[0]
     n = weight.shape[0]
-    grouped = w_zero is not None  # packed INT4 or int8, a scale and zero point a group
-    int4 = grouped and weight.dtype == torch.uint8
+    # packed INT4 or int8: a scale (and a zero point) a group
+    grouped = weight.dtype in (torch.uint8, torch.int8)
+    int4 = weight.dtype == torch.uint8
     if (
         m > (MAX_ROWS if config.dot else MAX_ROWS_WITHOUT_DOT)
         or x.stride(-1) != 1
@@ -546,7 +549,7 @@ def _launch(
         w_scale.stride(0) if grouped else 0, y.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         W_SCALED=w_scale is not None and not grouped, W_INT4=int4, W_INT8=grouped and not int4,
-        GROUP=group,
+        GROUP=group, HAS_ZERO=w_zero is not None,
         W_CONVERT=w_scale is not None, **_int4_tiling(group, config.block_k),
         INT4_MMA=int4 and config.dot and int4_mma(group, config.block_k, x.dtype),
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -611,26 +614,29 @@ def _int4_tiling(group: int, block_k: int) -> dict[str, int]:
 def _check_w_scale(
     weight: torch.Tensor, k: int, w_scale: torch.Tensor | None, w_zero: torch.Tensor | None
 ) -> int:
-    """A float8 weight comes with its float32 scale per row (N,); a packed INT4 one (uint8) or an
-    int8 one with float32 scales and zero points (N, K // group); a weight of x's type with
-    neither. Returns the group (0 for other weights)."""
+    """A float8 weight comes with its float32 scale per row (N,); a packed INT4 one (uint8) with
+    float32 scales and zero points (N, K // group); an int8 one with scales and, where its
+    groups are not symmetric, zero points; a weight of x's type with neither. Returns the
+    group (0 for other weights)."""
     if weight.dtype in (torch.uint8, torch.int8) or w_zero is not None:
         n = weight.shape[0]
         groups = w_scale.shape[1] if w_scale is not None and w_scale.dim() == 2 else 0
+        zeros = w_zero if w_zero is not None else w_scale
         ok = (
             weight.dtype in (torch.uint8, torch.int8)
             and w_scale is not None
-            and w_zero is not None
+            and (w_zero is not None or weight.dtype == torch.int8)
             and groups > 0
             and k % groups == 0
-            and w_scale.shape == w_zero.shape == (n, groups)
-            and w_scale.dtype == w_zero.dtype == torch.float32
-            and w_scale.stride() == w_zero.stride() == (groups, 1)
+            and w_scale.shape == zeros.shape == (n, groups)
+            and w_scale.dtype == zeros.dtype == torch.float32
+            and w_scale.stride() == zeros.stride() == (groups, 1)
         )
         if not ok:
             raise ValueError(
                 "gemv takes a packed INT4 weight (uint8, N x K/2) or an int8 one (N x K) with "
-                "float32 scales and zero points, contiguous, (N, K // group) each; got a "
+                "float32 scales and zero points (an int8 one's optional), contiguous, (N, K // "
+                "group) each; got a "
                 f"{weight.dtype} weight, "
                 f"w_scale {None if w_scale is None else tuple(w_scale.shape)}, "
                 f"w_zero {None if w_zero is None else tuple(w_zero.shape)}"

@@ -144,13 +144,13 @@ INT8_GROUPS = {2: 32, 3: 32, 8: 32, 12: 32, 14: 16}
 
 def as_int8(
     w: torch.Tensor, gtype: int, k: int, group: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The raw blocks `w` (N, row bytes) of any type here in the int8 layout of
     kernels/quant_ref.py: (N, K) int8 integers with a float32 scale and zero point (N, K // group)
     each, (q - zero) * scale being the block's value. Q8_0 (groups of 32) and Q6_K (16) are
-    d * q and (d * scale) * (q - 32): their integers as they are, the scales exact, zero points 0,
-    so the layout holds the file's values exactly; the 4-bit types are `as_int4`'s integers,
-    scales and zero points. `group`: the columns of a group, a divisor of the type's own
+    d * q and (d * scale) * (q - 32): their integers as they are, the scales exact, and no zero
+    points (None: symmetric), so the layout holds the file's values exactly; the 4-bit types are
+    `as_int4`'s integers, scales and zero points. `group`: the columns of a group, a divisor of the type's own
     (INT8_GROUPS), its scale and zero point repeated (the layer of a Q4_K_M file whose v is
     Q6_K: one group size for all its parts). On the device `w` is on."""
     if gtype not in BLOCK_TYPES:
@@ -171,10 +171,11 @@ def as_int8(
         else:  # Q6_K
             q, scale = _q6k(b)
             q = q.reshape(n, k)
-        zero = torch.zeros_like(scale)
+        zero = None
     if group != own:
-        scale, zero = (t.repeat_interleave(own // group, dim=1) for t in (scale, zero))
-    return q.contiguous(), scale.contiguous(), zero.contiguous()
+        scale = scale.repeat_interleave(own // group, dim=1)
+        zero = None if zero is None else zero.repeat_interleave(own // group, dim=1)
+    return q.contiguous(), scale.contiguous(), None if zero is None else zero.contiguous()
 
 
 def gguf_package_dequantize(w: torch.Tensor, gtype: int, k: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ def _grouped_gemm_kernel(
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TILE_GROUPS: tl.constexpr, GROUP_COLS: tl.constexpr, INT4_MMA: tl.constexpr,
-    W_INT8: tl.constexpr,
+    W_INT8: tl.constexpr, HAS_ZERO: tl.constexpr,
 ):  # fmt: skip
     rows_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -57,7 +57,7 @@ def _grouped_gemm_kernel(
             if W_INT8:
                 w = _int8_tile(
                     w_ptr, ws_ptr, wz_ptr, rows_n, k0, K, N, stride_wn, stride_sn,
-                    GROUP, BLOCK_N, BLOCK_K, TILE_GROUPS, GROUP_COLS,
+                    GROUP, BLOCK_N, BLOCK_K, TILE_GROUPS, GROUP_COLS, HAS_ZERO,
                 )  # fmt: skip
             else:
                 w = _int4_dequantized(lo, hi, scale, zero, BLOCK_N, BLOCK_K)  # float32
@@ -74,13 +74,14 @@ def grouped_gemm(
     x: torch.Tensor,
     packed: torch.Tensor,
     scale: torch.Tensor,
-    zero: torch.Tensor,
+    zero: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     block: tuple[int, int, int] = (64, 64, 64),
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x (M, K), unit stride along K, @ the packed INT4 weight (N, K // 2) uint8, or the int8 one
-    (N, K), with float32 scales and zero points (N, K // group) -> (M, N) in `out_dtype` (default
+    (N, K), with float32 scales and zero points (N, K // group; an int8 weight's may be None:
+    symmetric groups) -> (M, N) in `out_dtype` (default
     x's; float32: the float32 sums unrounded, an LM head's logits). `block`:
     (BLOCK_M, BLOCK_N, BLOCK_K), powers of two (each column of a tile reads its own group's
     scale)."""
@@ -88,16 +89,18 @@ def grouped_gemm(
     n = packed.shape[0]
     groups = scale.shape[1]
     int8 = packed.dtype == torch.int8
+    zeros = zero if zero is not None else scale
     if (
-        x.stride(-1) != 1
+        (zero is None and not int8)
+        or x.stride(-1) != 1
         or packed.dtype not in (torch.uint8, torch.int8)
         or packed.shape[1] * (1 if int8 else 2) != k
         or packed.stride(-1) != 1
         or k % groups
         or scale.shape != (n, groups)
-        or zero.shape != (n, groups)
+        or zeros.shape != (n, groups)
         or not scale.is_contiguous()
-        or not zero.is_contiguous()
+        or not zeros.is_contiguous()
     ):
         raise ValueError(
             f"grouped_gemm takes x (M, K) and a packed weight (N, K // 2) uint8 or an int8 one "
@@ -109,10 +112,11 @@ def grouped_gemm(
         return y
     bm, bn, bk = block
     _grouped_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, packed, scale, zero, bias if bias is not None else scale, y,
+        x, packed, scale, zeros, bias if bias is not None else scale, y,
         m, n, k, x.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
         GROUP=k // groups, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         **_int4_tiling(k // groups, bk), INT4_MMA=not int8 and int4_mma(k // groups, bk, x.dtype),
+        HAS_ZERO=zero is not None,
         W_INT8=int8,
         num_warps=4, num_stages=3,
     )  # fmt: skip

@@ -69,8 +69,9 @@ def fp8_linear_ref(
 # w ~ (q - z) * s. Stored packed along K: byte j of a row holds column 2j in its low four bits and
 # column 2j + 1 in its high four, (N, K // 2) uint8; scales and zeros (N, K // group).
 # The same with a byte a value: an int8 weight (N, K) of integers with float32 scales and zero
-# points (N, K // group): the layout GGUF's Q8_0 and Q6_K blocks are run in on a GPU
-# (kernels/gguf_ref.py `as_int8`). The functions below that take a grouped weight take either.
+# points (N, K // group), or no zero points (None: symmetric groups, w = q * s): the layout
+# GGUF's blocks are run in on a GPU where a layer has Q8_0 or Q6_K ones (kernels/gguf_ref.py
+# `as_int8`). The functions below that take a grouped weight take either.
 
 INT4_GROUP = 128
 
@@ -111,15 +112,17 @@ def group_integers(weight: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_groups(
-    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
 ) -> torch.Tensor:
     """The float32 weight (N, K) of a grouped one (packed INT4 or int8): (q - zero) * scale, group
-    by group."""
+    by group (q * scale without zero points)."""
     q = group_integers(packed).float()
     n, k = q.shape
     group = k // scale.shape[1]
     g = q.reshape(n, -1, group)
-    return ((g - zero.float()[..., None]) * scale.float()[..., None]).reshape(n, k)
+    if zero is not None:
+        g = g - zero.float()[..., None]
+    return (g * scale.float()[..., None]).reshape(n, k)
 
 
 def grouped_linear_ref(
@@ -136,10 +139,15 @@ def grouped_linear_ref(
     shape = x.shape
     a = x.reshape(-1, shape[-1]).float()
     pieces = [
-        a @ dequantize_groups(packed[i : i + 8192], scale[i : i + 8192], zero[i : i + 8192]).t()
+        a @ dequantize_groups(packed[i : i + 8192], scale[i : i + 8192], _rows(zero, i)).t()
         for i in range(0, packed.shape[0], 8192)
     ]
     y = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype).reshape(*shape[:-1], packed.shape[0])
+
+
+def _rows(t: torch.Tensor | None, i: int) -> torch.Tensor | None:
+    """Rows i .. i + 8192 of t (None: None)."""
+    return None if t is None else t[i : i + 8192]

@@ -219,13 +219,13 @@ def test_int8_layout_holds_the_blocks_values():
         want = gguf_ref.gguf_package_dequantize(w, int(gtype), k)
         q, scale, zero = gguf_ref.as_int8(w, int(gtype), k)
         group = gguf_ref.INT8_GROUPS[int(gtype)]
-        assert q.dtype == torch.int8 and q.shape == (9, k)
-        assert scale.shape == zero.shape == (9, k // group)
+        assert q.dtype == torch.int8 and q.shape == (9, k) and scale.shape == (9, k // group)
         got = dequantize_groups(q, scale, zero)
-        if gtype in (Q.Q8_0, Q.Q6_K):
+        if gtype in (Q.Q8_0, Q.Q6_K):  # (symmetric: no zero points)
             assert torch.equal(got, want), Q(gtype).name
-            assert not zero.any()
+            assert zero is None
         else:
+            assert zero.shape == scale.shape
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
         q16, scale16, zero16 = gguf_ref.as_int8(w, int(gtype), k, group=16)
         assert torch.equal(q16, q) and scale16.shape == (9, k // 16)
@@ -248,8 +248,12 @@ def test_gguf_layer_of_other_blocks_on_a_gpu_is_an_int8_layer():
         assert layer.weight.dtype == torch.int8 and layer.weight.shape == (sum(sizes), k)
         assert layer.weight_scale.shape == (sum(sizes), k // (16 if len(types) > 1 else 32))
         weight = package_weight(blocks, types, k)
-        if len(types) == 1:
+        if len(types) == 1:  # (Q8_0 alone: no zero points)
+            assert layer.weight_zero is None
             assert torch.equal(layer.quant_scheme.dequantized_weight(layer), weight)
+        else:  # (the Q4_K part's, 0 for the Q6_K part's rows)
+            assert layer.weight_zero.shape == layer.weight_scale.shape
+            assert not layer.weight_zero[16:].any()
         check_converted_layer(layer, weight, row_tol=1e-6)
 
 

@@ -182,13 +182,15 @@ def int8_weight(n: int, k: int, group: int, seed: int):
 
 
 @pytest.mark.parametrize("rows", [1, SLOW(3), SLOW(6)])
-@pytest.mark.parametrize("group", [16, 32])
-def test_gemv_and_matmul_read_int8_groups_as_the_oracle_does(group, rows):
+@pytest.mark.parametrize("group, zeros", [(16, True), (32, True), (32, False)])
+def test_gemv_and_matmul_read_int8_groups_as_the_oracle_does(group, zeros, rows):
     """The GEMV's tiles (plain, split, late sum, tl.dot; a prefetching tile reads as the plain
-    one) alone and with the SiLU prologue, and the matmul for more rows, over int8 weights: each
-    against the oracle. The words tiles, which read packed INT4, refuse them."""
+    one) alone and with the SiLU and norm prologues, and the matmul for more rows, over int8
+    weights with zero points and without: each against the oracle. The words tiles, which read
+    packed INT4, refuse them."""
     n, k = (37, 128) if not ON_GPU else (4096, 14336)
     q, scale, zero = int8_weight(n, k, group, seed=rows)
+    zero = zero if zeros else None  # (symmetric groups: no zero points read)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k + 3, generator=gen).to(DEVICE, DTYPE)[:, :k]
     b = torch.randn(n, generator=gen).to(DEVICE, DTYPE)
@@ -225,7 +227,7 @@ def test_gemv_and_matmul_read_int8_groups_as_the_oracle_does(group, rows):
     assert got.dtype == torch.float32
     torch.testing.assert_close(got / size, want / size, atol=1e-5 if not ON_GPU else TOL, rtol=0)
     with pytest.raises(ValueError, match="gemv takes a packed INT4 weight"):
-        gemv(x[:1], q, None, TILES[0], w_scale=scale, w_zero=zero[:, :1])
+        gemv(x[:1], q, None, TILES[0], w_scale=scale, w_zero=scale[:, :1])
 
 
 def test_gemv_refuses_int4_weights_without_their_scales():
@@ -235,6 +237,10 @@ def test_gemv_refuses_int4_weights_without_their_scales():
         gemv(x, packed, None, TILES[0], w_zero=zero)
     with pytest.raises(ValueError, match="packed INT4 weight"):
         gemv(x, packed, None, TILES[0], w_scale=scale, w_zero=zero[:, :1])
+    with pytest.raises(ValueError, match="packed INT4 weight"):  # (INT4 needs its zero points)
+        gemv(x, packed, None, TILES[0], w_scale=scale)
+    with pytest.raises(ValueError, match="grouped_gemm takes x"):
+        grouped_gemm(x, packed, scale, None)
 
 
 @pytest.mark.parametrize("rows", [1, SLOW(2)])

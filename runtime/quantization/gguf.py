@@ -16,8 +16,9 @@ to a seventh of float32's bytes, and multiplies by them.
   against the file's 4.5-5. A layer with a Q8_0 or Q6_K part (a Q4_K_M file's fused q/k/v, whose
   v is Q6_K; the default model's Q8_0 LM head) is put in the int8 layout at load (`as_int8`: the
   file's integers a byte each with a float32 scale a group, 32 columns for Q8_0 and 16 for Q6_K,
-  the values exactly the file's) and computed by the same kernels, which read int8 tiles too:
-  10 or 12 bits a weight against the file's 8.5 or 6.6, and bf16's 16. (Dequantizing blocks at
+  the values exactly the file's, no zero points but a mixed layer's) and computed by the same
+  kernels, which read int8 tiles too: 9 or 10 bits a weight (10 or 12 with zero points) against
+  the file's 8.5 or 6.6, and bf16's 16. (Dequantizing blocks at
   every call, as before the INT4 layout, measured 19-25x a bf16 matmul's time at batch 1 for the
   4-bit types: benchmarks/quant_gemv.py.)
 
@@ -167,10 +168,18 @@ class GgufLinear(LinearScheme):
             gguf_ref.as_int8(layer.weight.data[start:end], gtype, self.k, group)
             for start, end, gtype in self.bounds
         ]
-        values, scale, zero = (torch.cat(t) if len(t) > 1 else t[0] for t in zip(*parts))
+        if all(z is None for _, _, z in parts):  # (Q8_0 and Q6_K: symmetric, no zero points read)
+            zero = None
+        else:  # (a mixed layer: its 4-bit parts' zero points, 0 for the others)
+            zeros = [torch.zeros_like(s) if z is None else z for _, s, z in parts]
+            zero = torch.cat(zeros) if len(zeros) > 1 else zeros[0]
+        values, scale = (torch.cat(t) if len(t) > 1 else t[0] for t in list(zip(*parts))[:2])
         replace_parameter(layer, "weight", values)
         replace_parameter(layer, "weight_scale", scale)
-        replace_parameter(layer, "weight_zero", zero)
+        if zero is not None:
+            replace_parameter(layer, "weight_zero", zero)
+        else:
+            layer.weight_zero = None
         layer.quant_scheme = Int8GroupsLinear()
 
     def apply(self, layer, x, out_dtype=None):

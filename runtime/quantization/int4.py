@@ -167,17 +167,21 @@ class Int4Linear(LinearScheme):
         return dequantize_groups(layer.weight, layer.weight_scale, layer.weight_zero)
 
     def dequantized_rows(self, layer: nn.Linear, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize_groups(layer.weight[ids], layer.weight_scale[ids], layer.weight_zero[ids])
+        zero = layer.weight_zero
+        return dequantize_groups(
+            layer.weight[ids], layer.weight_scale[ids], None if zero is None else zero[ids]
+        )
 
 
 class Int8GroupsLinear(Int4Linear):
-    """Weights held as int8 integers with a float32 scale and zero point per group of columns
-    (kernels/quant_ref.py's int8 layout): GGUF's Q8_0 and Q6_K blocks on a GPU, put in it at load
-    exactly (kernels/gguf_ref.py `as_int8`; runtime/quantization/gguf.py). Computed by INT4's
-    paths, which read either layout: the Triton GEMV at batch 1-4, the dequantizing Triton matmul
-    past that, the plain torch twin on the CPU. A byte a weight and 8 bytes a group (32 columns
-    for Q8_0, 16 for Q6_K) against bf16's two bytes a weight. Never quantized here: a layer
-    becomes one only by that conversion."""
+    """Weights held as int8 integers with a float32 scale per group of columns, and a zero point
+    where the groups are not symmetric (`weight_zero`, else None) (kernels/quant_ref.py's int8
+    layout): GGUF's Q8_0 and Q6_K blocks on a GPU, put in it at load exactly
+    (kernels/gguf_ref.py `as_int8`; runtime/quantization/gguf.py). Computed by INT4's paths,
+    which read either layout: the Triton GEMV at batch 1-4, the dequantizing Triton matmul past
+    that, the plain torch twin on the CPU. A byte a weight and 4 bytes a group (32 columns for
+    Q8_0, 16 for Q6_K; 8 with zero points, a mixed layer's) against bf16's two bytes a weight.
+    Never quantized here: a layer becomes one only by that conversion."""
 
     name = "w8a16"
 
