@@ -78,9 +78,10 @@ class PlainMatmuls:
         if rows is not None:  # normalize only the rows that are used (a norm is per row)
             x = x[rows]
             residual = None if residual is None else residual[rows]
-        if rows is None and not float32 and not self.has_kernel(x, linear):
+        scheme = scheme_of(linear)
+        if scheme.quantized and rows is None and not float32 and not self.has_kernel(x, linear):
             # (FP8: the norm's kernel rounds to float8; a GEMV tuned for the layer goes first)
-            done = scheme_of(linear).norm_apply(linear, x, residual, norm)
+            done = scheme.norm_apply(linear, x, residual, norm)
             if done is not None:
                 return done
         if residual is None:

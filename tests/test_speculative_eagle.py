@@ -13,7 +13,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from radixlm.runtime.attention import TorchAttentionBackend
@@ -27,9 +26,10 @@ from tests.test_speculative_eagle3 import (
     KV_HEADS,
     TARGET_HIDDEN,
     VOCAB,
+    assert_ttt_is_drafting,
     prefill,
-    rms,
     target_pair,
+    twin_layer,
 )
 
 HIDDEN = TARGET_HIDDEN  # (an EAGLE draft is as wide as its target)
@@ -100,34 +100,9 @@ def twin(t: dict, embed, head, tokens, hidden, positions, past=None):
     """The draft layer written from the layout, plain torch (transformers' rope): rows of one
     request at `positions`, attending causally to `past` and themselves; `hidden` the target's
     final hidden state or the draft's own output (both through fc). (logits, outputs, (k, v))."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import (
-        LlamaRotaryEmbedding,
-        apply_rotary_pos_emb,
-    )
-
-    p = "layers.0."
     x = torch.cat([embed[tokens], hidden], dim=-1) @ t["fc.weight"].T + t["fc.bias"]
-    q = (x @ t[p + "self_attn.q_proj.weight"].T).view(-1, HEADS, HEAD_DIM).transpose(0, 1)
-    k = (x @ t[p + "self_attn.k_proj.weight"].T).view(-1, KV_HEADS, HEAD_DIM).transpose(0, 1)
-    v = (x @ t[p + "self_attn.v_proj.weight"].T).view(-1, KV_HEADS, HEAD_DIM).transpose(0, 1)
-    cfg = LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, rope_theta=10000.0)
-    cos, sin = LlamaRotaryEmbedding(cfg)(v, torch.tensor([positions]))
-    q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
-    q, k = q[0], k[0]
-    if past is not None:
-        k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)
-    n, total = q.shape[1], k.shape[1]
-    mask = torch.ones(n, total, dtype=torch.bool).tril(total - n)
-    groups = HEADS // KV_HEADS
-    a = F.scaled_dot_product_attention(
-        q, k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0), attn_mask=mask
-    )
-    s = a.transpose(0, 1).reshape(n, -1) @ t[p + "self_attn.o_proj.weight"].T + x
-    y = rms(s, t[p + "post_attention_layernorm.weight"])
-    m = F.silu(y @ t[p + "mlp.gate_proj.weight"].T) * (y @ t[p + "mlp.up_proj.weight"].T)
-    out = m @ t[p + "mlp.down_proj.weight"].T + s
-    return out @ head.T, out, (k, v)
+    out, past = twin_layer(t, "layers.0.", x, x, positions, past)  # (no input norm)
+    return out @ head.T, out, past
 
 
 def test_the_draft_layer_computes_what_its_layout_says_then_drafts_from_its_own_output(tmp_path):
@@ -213,33 +188,9 @@ def test_training_time_test_sees_at_each_depth_what_drafting_sees(tmp_path):
     """ttt_forward's step j at row t against the draft run as the engine runs it: a context
     from the target's final hidden states up to t, then j draft steps, each fed its own output
     and the token the sequence holds there."""
-    from radixlm.runtime.speculative.eagle3_training import ttt_forward
-
     _, target = target_pair()
     draft = load_draft(write_draft(tmp_path / "draft"), target)
-    torch.manual_seed(4)
-    tokens = torch.tensor([[7, 30, 2, 55, 81, 12, 64, 3]])
-    features = torch.randn(1, 8, TARGET_HIDDEN)
-    with torch.no_grad():
-        outs = ttt_forward(draft, tokens, features, steps=3)
-    t = torch.tensor
-    for row in (0, 2, 4):
-        pool = KVPool(16, 1, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
-        backend = TorchAttentionBackend(pool, torch.arange(1, 17, dtype=torch.int32)[None])
-        batch, _ = prefill(draft, 1, KV_HEADS, HEAD_DIM, tokens[0, 1 : row + 2].tolist())
-        _, out = draft(batch, backend, features[0, : row + 1])
-        torch.testing.assert_close(outs[0][0, row], out[-1], atol=1e-5, rtol=1e-5)
-        hidden = out[-1:]
-        for j in (1, 2):
-            pos = row + j
-            step = ForwardBatch(
-                input_ids=tokens[0, row + 1 + j : row + 2 + j], positions=t([pos]),
-                out_cache_loc=t([pos + 1]), req_pool_indices=t([0]), prefix_lens=t([pos]),
-                extend_lens=t([1]), seq_lens=t([pos + 1]), logits_indices=None,
-                extend_lens_cpu=[1], prefix_lens_cpu=[pos], num_multi=0,
-            )  # fmt: skip
-            _, hidden = draft(step, backend, hidden, from_target=False)
-            torch.testing.assert_close(outs[j][0, row], hidden[0], atol=1e-5, rtol=1e-5)
+    assert_ttt_is_drafting(draft, TARGET_HIDDEN)
 
 
 def test_train_draft_makes_an_eagle_draft_the_engine_drafts_with(tiny_model_folder, tmp_path):
@@ -287,6 +238,13 @@ def test_train_draft_makes_an_eagle_draft_the_engine_drafts_with(tiny_model_fold
         assert eng._core.speculative.eagle is not None  # (drafting never failed)
     assert results(outs) == results(plain)
     assert stats["spec_verify_ct"] > 0, stats
+    # trees of the chain and the draft's next two candidates at each depth: plain outputs too
+    with radixlm.Engine(
+        tiny_model_folder, speculative_draft_model_path=str(tmp_path / "d"),
+        speculative_eagle_topk=3, **spec, **kw,
+    ) as eng:  # fmt: skip
+        assert results(eng.generate(prompts, params)) == results(plain)
+        assert eng.get_stats()["spec_verify_ct"] > 0
     # without a path: no EAGLE draft ships for a model, and the message says how to make one
     with pytest.raises(ValueError, match="no EAGLE draft ships for this model; make one with"):
         radixlm.Engine(tiny_model_folder, **spec, **kw)

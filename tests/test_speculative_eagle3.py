@@ -145,20 +145,30 @@ def twin(t: dict, embed: torch.Tensor, tokens, features, positions, past=None):
     request at `positions` (consecutive), attending causally to `past` (keys, values of earlier
     positions) and themselves. `features`: the target's (3 x its hidden) or the draft's own
     output (hidden). Returns (logits, outputs, (keys, values) through these rows)."""
+    p = "midlayer."
+    hidden = features @ t["fc.weight"].T if features.shape[-1] != HIDDEN else features
+    e = rms(embed[tokens], t[p + "input_layernorm.weight"])
+    both = torch.cat([e, rms(hidden, t[p + "hidden_norm.weight"])], dim=-1)
+    out, past = twin_layer(t, p, both, hidden, positions, past)
+    logits = rms(out, t["norm.weight"]) @ t["lm_head.weight"].T
+    return logits, out, past
+
+
+def twin_layer(t: dict, p: str, qkv_in, residual, positions, past=None):
+    """A draft's decoder layer after its input, plain torch (transformers' rope): attention with
+    q, k, v from `qkv_in` (the tensors named `p` + ...), attending causally to `past` and these
+    rows, plus `residual`, then the MLP after the post-attention norm, plus its input. Returns
+    (outputs, (keys, values) through these rows)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import (
         LlamaRotaryEmbedding,
         apply_rotary_pos_emb,
     )
 
-    p = "midlayer."
-    hidden = features @ t["fc.weight"].T if features.shape[-1] != HIDDEN else features
-    e = rms(embed[tokens], t[p + "input_layernorm.weight"])
-    both = torch.cat([e, rms(hidden, t[p + "hidden_norm.weight"])], dim=-1)
     head_dim = HIDDEN // HEADS
-    q = (both @ t[p + "self_attn.q_proj.weight"].T).view(-1, HEADS, head_dim).transpose(0, 1)
-    k = (both @ t[p + "self_attn.k_proj.weight"].T).view(-1, KV_HEADS, head_dim).transpose(0, 1)
-    v = (both @ t[p + "self_attn.v_proj.weight"].T).view(-1, KV_HEADS, head_dim).transpose(0, 1)
+    q = (qkv_in @ t[p + "self_attn.q_proj.weight"].T).view(-1, HEADS, head_dim).transpose(0, 1)
+    k = (qkv_in @ t[p + "self_attn.k_proj.weight"].T).view(-1, KV_HEADS, head_dim).transpose(0, 1)
+    v = (qkv_in @ t[p + "self_attn.v_proj.weight"].T).view(-1, KV_HEADS, head_dim).transpose(0, 1)
     cfg = LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, rope_theta=10000.0)
     cos, sin = LlamaRotaryEmbedding(cfg)(v, torch.tensor([positions]))
     q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
@@ -172,12 +182,10 @@ def twin(t: dict, embed: torch.Tensor, tokens, features, positions, past=None):
         q, k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0), attn_mask=mask
     )
     a = a.transpose(0, 1).reshape(n, -1) @ t[p + "self_attn.o_proj.weight"].T
-    s = a + hidden
+    s = a + residual
     x = rms(s, t[p + "post_attention_layernorm.weight"])
     m = F.silu(x @ t[p + "mlp.gate_proj.weight"].T) * (x @ t[p + "mlp.up_proj.weight"].T)
-    out = m @ t[p + "mlp.down_proj.weight"].T + s
-    logits = rms(out, t["norm.weight"]) @ t["lm_head.weight"].T
-    return logits, out, (k, v)
+    return m @ t[p + "mlp.down_proj.weight"].T + s, (k, v)
 
 
 def test_the_draft_layer_computes_what_its_layout_says_then_drafts_from_its_own_output(tmp_path):
@@ -261,13 +269,19 @@ def test_training_time_test_sees_at_each_depth_what_drafting_sees(tmp_path):
     """ttt_forward's step j at row t against the draft run as the engine runs it: a context
     from the target's features up to t, then j draft steps, each fed its own output and the
     token the sequence holds there."""
-    from radixlm.runtime.speculative.eagle3_training import ttt_forward
-
     _, target = target_pair()
     draft = load_draft(write_draft(tmp_path / "draft"), target)
+    assert_ttt_is_drafting(draft, 3 * TARGET_HIDDEN)
+
+
+def assert_ttt_is_drafting(draft, width: int) -> None:
+    """`ttt_forward` of `draft` over a sequence with random target features (`width` wide)
+    against the draft run as the engine runs it, at rows 0, 2 and 4 and depths 0-2."""
+    from radixlm.runtime.speculative.eagle3_training import ttt_forward
+
     torch.manual_seed(4)
     tokens = torch.tensor([[7, 30, 2, 55, 81, 12, 64, 3]])
-    features = torch.randn(1, 8, 3 * TARGET_HIDDEN)
+    features = torch.randn(1, 8, width)
     with torch.no_grad():
         outs = ttt_forward(draft, tokens, features, steps=3)
     t = torch.tensor

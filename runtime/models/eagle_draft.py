@@ -4,7 +4,8 @@ checkpoints' tensors to and from our fused layers (q, k, v and gate, up apart in
 in runtime/models/llama.py `STACKED_PARTS`).
 
 A subclass sets `kind` (its name in messages), `config_class` (with `from_folder` and
-`target_layers`), and says what to do with a checkpoint's tensors besides its layer's
+`target_layers`; `read_config`, `one_layer_model` and `layer_config_for_target` are what the
+two kinds' configs share), and says what to do with a checkpoint's tensors besides its layer's
 (`_checkpoint_tensor`) and which of its own to save besides them (`_saved_extra`).
 """
 
@@ -16,7 +17,54 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from radixlm.runtime.model_config import ModelConfig
 from radixlm.runtime.models.llama import STACKED_PARTS
+
+
+def read_config(folder: str | Path, kind: str) -> tuple[dict, str]:
+    """(the config.json of a draft checkpoint folder, its path); ValueError saying what is not
+    readable. `kind`: the draft's name in the message."""
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text()), str(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable {kind} draft config ({e})") from None
+
+
+def one_layer_model(raw: dict, where: str, kind: str) -> ModelConfig:
+    """The Llama config of a draft's one decoder layer; ValueError for a draft of more."""
+    from types import SimpleNamespace
+
+    layers = raw.get("num_hidden_layers", 1)
+    if layers != 1:
+        raise ValueError(
+            f"{where}: num_hidden_layers={layers}; radixlm runs {kind} drafts of one decoder "
+            "layer (the published ones)"
+        )
+    return ModelConfig.from_hf(SimpleNamespace(**{"model_type": "llama", **raw}))
+
+
+def layer_config_for_target(
+    target: ModelConfig, architecture: str, intermediate_size: int | None
+) -> dict:
+    """The config.json keys of a new one-layer draft for `target`: a layer of the target's width
+    and heads, its MLP `intermediate_size` wide (default: the target's)."""
+    return {
+        "architectures": [architecture],
+        "model_type": "llama",
+        "hidden_size": target.hidden_size,
+        "intermediate_size": intermediate_size or target.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": target.num_heads,
+        "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim,
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta,
+        "rope_scaling": target.rope_scaling,
+        "max_position_embeddings": target.max_position_embeddings,
+        "vocab_size": target.vocab_size,
+        "tie_word_embeddings": False,
+    }
 
 
 class OneLayerDraft(nn.Module):

@@ -23,7 +23,6 @@ probability). `radixlm train-draft --algorithm EAGLE` makes one for a target
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,12 @@ from torch import nn
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.layers import PlainMatmuls, RMSNorm, RotaryEmbedding, float32_linear
 from radixlm.runtime.model_config import ModelConfig
-from radixlm.runtime.models.eagle_draft import OneLayerDraft
+from radixlm.runtime.models.eagle_draft import (
+    OneLayerDraft,
+    layer_config_for_target,
+    one_layer_model,
+    read_config,
+)
 from radixlm.runtime.models.llama import MLP, Attention
 from radixlm.runtime.parallel import Comm, Partition
 
@@ -62,17 +66,10 @@ class EagleConfig:
     @classmethod
     def from_folder(cls, folder: str | Path) -> EagleConfig:
         """The config.json of an EAGLE checkpoint folder; ValueError saying what is not one."""
-        path = Path(folder) / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: not a readable EAGLE draft config ({e})") from None
-        return cls.from_dict(raw, str(path))
+        return cls.from_dict(*read_config(folder, "EAGLE"))
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "the draft config") -> EagleConfig:
-        from types import SimpleNamespace
-
         names = raw.get("architectures") or []
         # (the EAGLE authors' releases name LlamaForCausalLM; SGLang's conversions the Eagle one)
         if ARCHITECTURE not in names and names != ["LlamaForCausalLM"]:
@@ -82,13 +79,7 @@ class EagleConfig:
                 "LlamaForCausalLM, as the EAGLE authors' releases do (an EAGLE-3 draft, "
                 "LlamaForCausalLMEagle3, runs under speculative_algorithm=EAGLE3)"
             )
-        layers = raw.get("num_hidden_layers", 1)
-        if layers != 1:
-            raise ValueError(
-                f"{where}: num_hidden_layers={layers}; radixlm runs EAGLE drafts of one decoder "
-                "layer (the published ones)"
-            )
-        model = ModelConfig.from_hf(SimpleNamespace(**{"model_type": "llama", **raw}))
+        model = one_layer_model(raw, where, "EAGLE")
         return cls(model=model, fc_bias=bool(raw.get("bias", True)))
 
     def target_layers(self, target: ModelConfig) -> tuple[int, ...]:
@@ -111,23 +102,7 @@ class EagleConfig:
 def config_for_target(target: ModelConfig, intermediate_size: int | None = None) -> dict:
     """The config.json of a new EAGLE draft for `target`: a layer of the target's width and
     heads, its MLP `intermediate_size` wide (default: the target's)."""
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "hidden_size": target.hidden_size,
-        "intermediate_size": intermediate_size or target.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": target.num_heads,
-        "num_key_value_heads": target.num_kv_heads,
-        "head_dim": target.head_dim,
-        "rms_norm_eps": target.rms_norm_eps,
-        "rope_theta": target.rope_theta,
-        "rope_scaling": target.rope_scaling,
-        "max_position_embeddings": target.max_position_embeddings,
-        "vocab_size": target.vocab_size,
-        "tie_word_embeddings": False,
-        "bias": True,
-    }
+    return {**layer_config_for_target(target, ARCHITECTURE, intermediate_size), "bias": True}
 
 
 class EagleLayer(nn.Module):

@@ -26,7 +26,6 @@ draft for a target and trains it with training-time test (runtime/speculative/ea
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +35,12 @@ from torch import nn
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.layers import PlainMatmuls, RMSNorm, RotaryEmbedding
 from radixlm.runtime.model_config import ModelConfig
-from radixlm.runtime.models.eagle_draft import OneLayerDraft
+from radixlm.runtime.models.eagle_draft import (
+    OneLayerDraft,
+    layer_config_for_target,
+    one_layer_model,
+    read_config,
+)
 from radixlm.runtime.models.llama import MLP, Attention
 from radixlm.runtime.parallel import ColumnParallelLinear, Comm, Partition
 
@@ -70,29 +74,16 @@ class Eagle3Config:
     @classmethod
     def from_folder(cls, folder: str | Path) -> Eagle3Config:
         """The config.json of an EAGLE-3 checkpoint folder; ValueError saying what is not one."""
-        path = Path(folder) / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: not a readable EAGLE-3 draft config ({e})") from None
-        return cls.from_dict(raw, str(path))
+        return cls.from_dict(*read_config(folder, "EAGLE-3"))
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "the draft config") -> Eagle3Config:
-        from types import SimpleNamespace
-
         if ARCHITECTURE not in (raw.get("architectures") or []):
             raise ValueError(
                 f"{where}: architectures {raw.get('architectures')} lack {ARCHITECTURE!r}; "
                 "an EAGLE-3 draft's config names it (as SGLang's and SpecForge's do)"
             )
-        layers = raw.get("num_hidden_layers", 1)
-        if layers != 1:
-            raise ValueError(
-                f"{where}: num_hidden_layers={layers}; radixlm runs EAGLE-3 drafts of one "
-                "decoder layer (the published ones)"
-            )
-        model = ModelConfig.from_hf(SimpleNamespace(**{"model_type": "llama", **raw}))
+        model = one_layer_model(raw, where, "EAGLE-3")
         ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         return cls(
             model=model,
@@ -137,22 +128,9 @@ def config_for_target(
     tokens (default: all), reading the input of `aux_layers` (default: SGLang's three)."""
     layers = aux_layers or default_aux_layers(target.num_layers)
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "hidden_size": target.hidden_size,
-        "intermediate_size": intermediate_size or target.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": target.num_heads,
-        "num_key_value_heads": target.num_kv_heads,
-        "head_dim": target.head_dim,
-        "rms_norm_eps": target.rms_norm_eps,
-        "rope_theta": target.rope_theta,
-        "rope_scaling": target.rope_scaling,
-        "max_position_embeddings": target.max_position_embeddings,
-        "vocab_size": target.vocab_size,
+        **layer_config_for_target(target, ARCHITECTURE, intermediate_size),
         "draft_vocab_size": draft_vocab_size or target.vocab_size,
         "target_hidden_size": target.hidden_size,
-        "tie_word_embeddings": False,
         # (named as SGLang names them: the layers whose output is read)
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers]},
     }

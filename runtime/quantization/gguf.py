@@ -168,14 +168,11 @@ class GgufLinear(LinearScheme):
             gguf_ref.as_int8(layer.weight.data[start:end], gtype, self.k, group)
             for start, end, gtype in self.bounds
         ]
-        if all(z is None for _, _, z in parts):  # (Q8_0 and Q6_K: symmetric, no zero points read)
-            zero = None
-        else:  # (a mixed layer: its 4-bit parts' zero points, 0 for the others)
-            zeros = [torch.zeros_like(s) if z is None else z for _, s, z in parts]
-            zero = torch.cat(zeros) if len(zeros) > 1 else zeros[0]
-        values, scale = (torch.cat(t) if len(t) > 1 else t[0] for t in list(zip(*parts))[:2])
-        replace_parameter(layer, "weight", values)
-        replace_parameter(layer, "weight_scale", scale)
+        replace_parameter(layer, "weight", torch.cat([q for q, _, _ in parts]))
+        replace_parameter(layer, "weight_scale", torch.cat([s for _, s, _ in parts]))
+        zero = None  # (Q8_0 and Q6_K: symmetric, no zero points read)
+        if any(z is not None for _, _, z in parts):  # (a mixed layer: 0 for those parts' rows)
+            zero = torch.cat([torch.zeros_like(s) if z is None else z for _, s, z in parts])
         if zero is not None:
             replace_parameter(layer, "weight_zero", zero)
         else:
