@@ -88,11 +88,14 @@ def test_sampler_masks_every_grammar_row(tokenizer):
         assert ids[0] == int(masked.argmax())
 
 
-def test_tokens_taken_together_are_those_accept_token_takes(tokenizer):
-    """accept_next_tokens then accept_token ends where accept_token alone does; a matcher used
-    otherwise in between (a mask, a rollback) first gives the token back."""
+@pytest.mark.parametrize("way", [0, 1], ids=["together", "one by one"])
+def test_tokens_taken_together_are_those_accept_token_takes(tokenizer, way):
+    """accept_next_tokens then accept_token ends where accept_token alone does, whichever way
+    the tokens are taken ahead; a matcher used otherwise in between (a mask, a rollback) first
+    gives the token back."""
     compiler = GrammarCompiler(tokenizer, vocab_size=49152)
     grammar = compiler.compile("json_schema", json.dumps(SCHEMAS[0]))
+    grammar.backend.take.way = way
     ids = tokenizer.encode('{"name":"Bob"}', add_special_tokens=False)
     together, alone = grammar.matcher(), grammar.matcher()
     for t in ids:
@@ -113,15 +116,17 @@ def test_tokens_taken_together_are_those_accept_token_takes(tokenizer):
     np.testing.assert_array_equal(m.next_token_mask(), fresh)
 
 
-def test_masks_begun_in_the_background_match_the_matchers_after_their_step(tokenizer):
-    """The engine's order: tokens taken together, masks begun, each token then applied (taken,
-    complete?, forced text; one matcher rolled back and advanced otherwise, as jump-forward
-    does): the bitmask it gets is every matcher's own mask after all of that."""
+@pytest.mark.parametrize("way", [0, 1], ids=["together", "one by one"])
+def test_masks_begun_in_the_background_match_the_matchers_after_their_step(tokenizer, way):
+    """The engine's order: tokens taken ahead (either way), masks begun, each token then applied
+    (taken, complete?, forced text; one matcher rolled back and advanced otherwise, as
+    jump-forward does): the bitmask it gets is every matcher's own mask after all of that."""
     from radixlm.constrained import begin_next_token_bitmasks
 
     compiler = GrammarCompiler(tokenizer, vocab_size=49152)
     texts = ['{"name":"Bo', "[1,2", '"re', '{"n":1.5']
     matchers = [compiler.compile("json_schema", json.dumps(s)).matcher() for s in SCHEMAS]
+    matchers[0].grammar.backend.take.way = way
     steps = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     for step in range(max(len(ids) for ids in steps)):
         live = [(m, ids[step]) for m, ids in zip(matchers, steps) if step < len(ids)]
@@ -160,3 +165,25 @@ def test_masks_begun_in_the_background_have_begun_when_the_call_returns(tokenize
         got = pending.result()
         for i, m in enumerate(matchers):
             np.testing.assert_array_equal(got[i].numpy(), m.next_token_mask())
+
+
+def test_the_way_chooser_times_both_ways_and_keeps_the_cheaper():
+    """Batches of `least` items or more alternate between the two ways until each was timed
+    `trials` times; then the one with the lower median time per item is kept. Smaller batches
+    take the first way meanwhile and count for nothing."""
+    from radixlm.constrained.llguidance_backend import WayChooser
+
+    for cheaper in (0, 1):
+        chooser = WayChooser(("together", "one by one"), trials=5, least=8)
+        assert chooser.pick(3) == 0
+        chooser.timed(0, 3, 100.0)  # (too small a batch: not counted)
+        seen = []
+        while chooser.way is None:
+            way = chooser.pick(10)
+            seen.append(way)
+            per_item = 1.0 if way == cheaper else 2.0
+            chooser.timed(way, 10, 10 * per_item)
+        assert seen == [0, 1] * 5 and chooser.way == cheaper
+        assert chooser.pick(10) == chooser.pick(100) == chooser.pick(1) == cheaper
+        chooser.timed(1 - cheaper, 10, 0.0)  # (chosen: no more timing)
+        assert chooser.way == cheaper and chooser.names[cheaper] in repr(chooser)
