@@ -401,16 +401,21 @@ def _fp8_rows_kernel(
     tl.store(s_ptr + row, scale)
 
 
-def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_quantize_rows(
+    x: torch.Tensor, one_pass_columns: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x (T, K) -> (float8_e4m3fn values (T, K), float32 scales (T, 1)), a scale per row (a
     token's): kernels/quant_ref.py `quantize_fp8_rows` in one kernel instead of seven (the
-    activations of an FP8 W8A8 matmul), with its results bit for bit."""
+    activations of an FP8 W8A8 matmul), with its results bit for bit. `one_pass_columns`: rows
+    up to this wide (rounded up to a power of two) are read once (default
+    `_FP8_ONE_PASS_COLUMNS`; benchmarks/fp8_rows.py compares)."""
     rows, k = x.shape
     q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
         width = triton.next_power_of_2(k)
-        one_pass = width <= _FP8_ONE_PASS_COLUMNS
+        limit = _FP8_ONE_PASS_COLUMNS if one_pass_columns is None else one_pass_columns
+        one_pass = width <= limit
         _fp8_rows_kernel[(rows,)](
             x, q, scale, k, x.stride(0), q.stride(0), BLOCK=width if one_pass else 2048,
             ONE_PASS=one_pass, num_warps=min(max(width // 1024, 4), 16) if one_pass else 4,
