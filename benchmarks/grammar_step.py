@@ -3,9 +3,9 @@ schemas (the schemas `constrained_throughput --distinct B` picks), without a mod
 walks the tokens of one valid instance of its schema (then EOS, then starts again), and each step
 does what the engine core does for its grammars, in its order:
 
-    take     the step's tokens, ahead (in llguidance's threads together, or one by one: the
-             backend times both and keeps the faster, unless `--take` names one), then each
-             request's own `accept_token` (answered at once)
+    take     the step's tokens, ahead (in llguidance's threads together, the engine's way, or
+             one by one with `--take one-by-one`), then each request's own `accept_token`
+             (answered at once)
     begin    the next step's masks begin filling in another thread (begin_next_token_bitmasks)
     ask      each request's own questions as its token is applied (is_terminated,
              jump_forward_string), while the masks fill
@@ -17,7 +17,7 @@ compare the two ways on a host (one process each: llguidance's threads spin a wh
 call).
 
     python -m benchmarks.grammar_step [--batch 96] [--steps 300]
-        [--take auto|together|one-by-one] [--tokenizer DIR]
+        [--take together|one-by-one] [--tokenizer DIR]
 """
 
 from __future__ import annotations
@@ -63,9 +63,7 @@ def run(picked: list, steps: int, take: str, vocab_size: int) -> dict[str, list[
     )
 
     matchers = [grammar.matcher() for _, grammar, _ in picked]
-    chooser = picked[0][1].backend.take
-    if take != "auto":
-        chooser.way = ("together", "one-by-one").index(take)
+    picked[0][1].backend.take_together = take == "together"
     at = [0] * len(picked)
     bitmask = allocate_token_bitmask(len(picked), vocab_size)
     times: dict[str, list[float]] = {"take": [], "begin": [], "ask": [], "wait": []}
@@ -103,7 +101,7 @@ def main() -> None:
     )
     ap.add_argument("--batch", type=int, default=96, help="distinct schemas picked")
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--take", choices=("auto", "together", "one-by-one"), default="auto")
+    ap.add_argument("--take", choices=("together", "one-by-one"), default="together")
     ap.add_argument("--schemas-dir", type=Path, default=DEFAULT_SCHEMAS)
     ap.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the model's)")
     args = ap.parse_args()
@@ -127,9 +125,8 @@ def main() -> None:
         f"{len(picked)} requests (of {args.batch} schemas picked: those that compile and whose "
         f"first valid instance their grammar takes), {args.steps} steps, take={args.take}"
     )
-    run(picked, 40, args.take, compiler.vocab_size)  # (warm: lexer states, threads, the choice)
+    run(picked, 20, args.take, compiler.vocab_size)  # (warm: lexer states, threads)
     times = run(picked, args.steps, args.take, compiler.vocab_size)
-    print(f"taking the tokens: {picked[0][1].backend.take}")
     total = [sum(parts) for parts in zip(*times.values())]
     core = [a + b + c for a, b, c in zip(times["take"], times["begin"], times["ask"])]
     print("\n| part | p50 ms | p90 ms | per request p50 us |\n|---|---|---|---|")

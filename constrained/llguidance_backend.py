@@ -21,7 +21,6 @@ import json
 import re
 import sys
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -85,9 +84,11 @@ class LLGuidanceBackend:
         self.numbers = numbers if numbers is not None else NumberLimits()
         self._executor: Any = None
         self._fill_thread: Any = None
-        # how a step's tokens are taken: together in llguidance's threads or one by one in the
-        # calling thread, whichever measures faster on this host (None: not yet known)
-        self.take = WayChooser(("together", "one by one"))
+        # a step's tokens are taken ahead together in llguidance's threads (False: one by one in
+        # the calling thread). Measured with benchmarks/grammar_step.py, 77 requests: on an
+        # H200's 16-core host together 0.30 ms a step, one by one 0.47; on the 2-core machine
+        # the other way round (0.29 against 0.21 ms)
+        self.take_together = True
         # errors without the parser's state dump: they reach the user
         self._limits = llguidance.LLParserLimits(verbose_errors=False)
 
@@ -589,10 +590,9 @@ class LLGuidanceMatcher:
 
 def accept_batch(pairs: list[tuple[LLGuidanceMatcher, int]], executor: Any) -> None:
     """Take each (matcher, token) ahead, for the matcher's next `accept_token(token)` to return
-    at once: in llguidance's threads together, or one by one in this thread, whichever the
-    backend measured faster (`LLGuidanceBackend.take`: a parallel call's hand-over to threads
-    costs more than 89 tokens take one by one on some hosts). EOS and matchers already done are
-    left to `accept_token`."""
+    at once: together in llguidance's threads, or one by one in this thread where the backend
+    says so (`LLGuidanceBackend.take_together`). EOS and matchers already done are left to
+    `accept_token`."""
     todo, calls = [], []
     for m, t in pairs:
         t = int(t)
@@ -605,49 +605,13 @@ def accept_batch(pairs: list[tuple[LLGuidanceMatcher, int]], executor: Any) -> N
             calls.append((m._m, t))
     if not todo:
         return
-    chooser = todo[0][0].grammar.backend.take
-    way, began = chooser.pick(len(calls)), time.perf_counter()
-    if way == 0:
+    if todo[0][0].grammar.backend.take_together:
         taken = executor.consume_token_par(calls)
     else:
         taken = [ll.consume_token(t) for ll, t in calls]
-    chooser.timed(way, len(calls), time.perf_counter() - began)
     for (m, t), ok in zip(todo, taken):
         if ok:  # (a refused token leaves the matcher failed: accept_token then refuses it too)
             m._ahead = t
-
-
-class WayChooser:
-    """Which of two ways of doing a recurring batch of work costs less per item on this host, by
-    timing both: batches of at least `least` items alternate between them until each has been
-    timed `trials` times, then the way with the lower median time per item is kept (`way`).
-    Smaller batches, and those before the choice, take the first way unless alternating."""
-
-    def __init__(self, names: tuple[str, str], trials: int = 16, least: int = 8) -> None:
-        self.names, self.trials, self.least = names, trials, least
-        self.way: int | None = None
-        self._times: tuple[list[float], list[float]] = ([], [])
-        self._next = 0
-
-    def pick(self, items: int) -> int:
-        if self.way is not None:
-            return self.way
-        if items < self.least:
-            return 0
-        way, self._next = self._next, 1 - self._next
-        return way
-
-    def timed(self, way: int, items: int, seconds: float) -> None:
-        if self.way is not None or items < self.least:
-            return
-        self._times[way].append(seconds / items)
-        if min(len(t) for t in self._times) >= self.trials:
-            first, second = (sorted(t)[len(t) // 2] for t in self._times)
-            self.way = 0 if first <= second else 1
-
-    def __repr__(self) -> str:
-        chosen = "not yet chosen" if self.way is None else self.names[self.way]
-        return f"WayChooser({self.names[0]!r} or {self.names[1]!r}: {chosen})"
 
 
 def fill_bitmasks(matchers: list[tuple[Any, int]], bitmask: torch.Tensor, executor: Any) -> None:

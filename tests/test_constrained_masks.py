@@ -95,7 +95,7 @@ def test_tokens_taken_together_are_those_accept_token_takes(tokenizer, way):
     gives the token back."""
     compiler = GrammarCompiler(tokenizer, vocab_size=49152)
     grammar = compiler.compile("json_schema", json.dumps(SCHEMAS[0]))
-    grammar.backend.take.way = way
+    grammar.backend.take_together = way == 0
     ids = tokenizer.encode('{"name":"Bob"}', add_special_tokens=False)
     together, alone = grammar.matcher(), grammar.matcher()
     for t in ids:
@@ -126,7 +126,7 @@ def test_masks_begun_in_the_background_match_the_matchers_after_their_step(token
     compiler = GrammarCompiler(tokenizer, vocab_size=49152)
     texts = ['{"name":"Bo', "[1,2", '"re', '{"n":1.5']
     matchers = [compiler.compile("json_schema", json.dumps(s)).matcher() for s in SCHEMAS]
-    matchers[0].grammar.backend.take.way = way
+    matchers[0].grammar.backend.take_together = way == 0
     steps = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     for step in range(max(len(ids) for ids in steps)):
         live = [(m, ids[step]) for m, ids in zip(matchers, steps) if step < len(ids)]
@@ -165,25 +165,3 @@ def test_masks_begun_in_the_background_have_begun_when_the_call_returns(tokenize
         got = pending.result()
         for i, m in enumerate(matchers):
             np.testing.assert_array_equal(got[i].numpy(), m.next_token_mask())
-
-
-def test_the_way_chooser_times_both_ways_and_keeps_the_cheaper():
-    """Batches of `least` items or more alternate between the two ways until each was timed
-    `trials` times; then the one with the lower median time per item is kept. Smaller batches
-    take the first way meanwhile and count for nothing."""
-    from radixlm.constrained.llguidance_backend import WayChooser
-
-    for cheaper in (0, 1):
-        chooser = WayChooser(("together", "one by one"), trials=5, least=8)
-        assert chooser.pick(3) == 0
-        chooser.timed(0, 3, 100.0)  # (too small a batch: not counted)
-        seen = []
-        while chooser.way is None:
-            way = chooser.pick(10)
-            seen.append(way)
-            per_item = 1.0 if way == cheaper else 2.0
-            chooser.timed(way, 10, 10 * per_item)
-        assert seen == [0, 1] * 5 and chooser.way == cheaper
-        assert chooser.pick(10) == chooser.pick(100) == chooser.pick(1) == cheaper
-        chooser.timed(1 - cheaper, 10, 0.0)  # (chosen: no more timing)
-        assert chooser.way == cheaper and chooser.names[cheaper] in repr(chooser)
