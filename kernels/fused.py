@@ -424,8 +424,8 @@ def fp8_quantize_rows(
     return q, scale
 
 
-# rows up to this wide are quantized in one pass, the row in registers (up to 16 values a thread
-# at 8 warps); wider ones in tiles, read twice. Not 16,384: on an H200 (benchmarks/fp8_rows.py)
+# rows up to this wide are quantized in one pass, the row in registers (32 values a thread, 4-8
+# warps); wider ones in tiles, read twice. Not 16,384: on an H200 (benchmarks/fp8_rows.py)
 # 600 rows of 14,336 took 32.3 us in one pass (16 warps a program, 32 values a thread: most
 # likely too many registers for more than a program an SM) against 25.3 us in two; 4,096-wide
 # rows measured alike either way (both near the launch's own time there)
