@@ -199,10 +199,14 @@ class Engine:
         if tp is not None:  # a rank lost from here on stops the engine
             tp.watch(self._core.fail)
         # the grammar compiler reads the tokenizer (about a second) in a thread of its own from
-        # now on, as the engine starts serving: the first constrained request finds it ready
+        # now on, as the engine starts serving: the first constrained request finds it ready. Not
+        # a daemon: the interpreter waits for it before it exits. As a daemon, still reading the
+        # tokenizer in native code while the interpreter finalized, it crashed the process
+        # (SIGSEGV, no Python frame: 6 of 85 `radixlm generate` runs of one token on a tiny model, beside CPU
+        # hogs; 0 of 60 with the thread waited for)
         self._grammar_setup: Future = Future()
         threading.Thread(
-            target=self._build_grammar_compiler, name="radixlm-grammar-setup", daemon=True
+            target=self._build_grammar_compiler, name="radixlm-grammar-setup", daemon=False
         ).start()
         self._grammar_times = Histogram(GRAMMAR_COMPILE_BUCKETS)
         self._profiler: Any = None
