@@ -51,7 +51,6 @@ from typing import Any
 
 import numpy as np
 
-from radixlm.constrained.llguidance_backend import executor_threads
 from radixlm.runtime.model_loader import default_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -558,9 +557,8 @@ def batch_masks(
     print("|---|---|---|---|---|")
     for engine in engines.values():
         fills: list[tuple[str, Any]] = [("one by one", None)]
-        threads = args.fill_threads or executor_threads()
         if engine.compiler.backend == "llguidance":
-            fills.append(("fill_bitmasks", llguidance.LLExecutor(threads)))
+            fills.append(("fill_bitmasks", llguidance.LLExecutor(args.fill_threads)))
         oracle = None
         for label, executor in fills:
             requests = fresh_requests(engine, picks)
@@ -571,9 +569,9 @@ def batch_masks(
                 raise RuntimeError(f"{engine.name}: {label} and the row-by-row fill disagree")
             oracle = digests
             ms = [1e3 * t for t in ts]
+            threads = (args.fill_threads or "default") if executor is not None else 1
             print(
-                f"| {engine.name} | {label} | {threads if executor is not None else 1} | "
-                f"{percentile(ms, 50):.2f} / "
+                f"| {engine.name} | {label} | {threads} | {percentile(ms, 50):.2f} / "
                 f"{percentile(ms, 99):.2f} / {max(ms):.2f} ms | "
                 f"{1e3 * percentile(ms, 50) / len(picks):.1f} µs |",
                 flush=True,
@@ -840,8 +838,7 @@ def main(argv: list[str] | None = None) -> None:
         "--fill-threads",
         type=int,
         default=None,
-        help="llguidance.LLExecutor threads of --batch-masks (default: the engine's, "
-        "llguidance_backend.executor_threads)",
+        help="llguidance.LLExecutor threads of --batch-masks (default: llguidance's own choice)",
     )
     ap.add_argument(
         "--compile-in-process",

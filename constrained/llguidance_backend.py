@@ -18,7 +18,6 @@ import copy
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import sys
 import threading
@@ -104,10 +103,9 @@ class LLGuidanceBackend:
 
     @property
     def executor(self) -> Any:
-        """llguidance's thread pool that fills many masks at once (made on first use), of
-        `executor_threads()` threads."""
+        """llguidance's thread pool that fills many masks at once (made on first use)."""
         if self._executor is None:
-            self._executor = self._ll.LLExecutor(executor_threads())
+            self._executor = self._ll.LLExecutor()
         return self._executor
 
     @classmethod
@@ -588,19 +586,6 @@ class LLGuidanceMatcher:
         self._m.reset()
         self._terminated = False
         self._depth = 0
-
-
-def executor_threads() -> int:
-    """The threads of the backend's llguidance executor: llguidance's own default (80% of the
-    CPUs this process may use, at most 32), but at least two, so that a batch's masks fill in
-    parallel on a small machine too (llguidance gives a 2-core machine one thread; with two the
-    masks of 64 distinct schemas filled in 0.78 ms a step at p50 against 1.06:
-    benchmarks/grammar.py --batch-masks 64)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # (no affinity on this platform)
-        cpus = os.cpu_count() or 1
-    return max(2, min(32, int(0.8 * cpus)))
 
 
 def accept_batch(pairs: list[tuple[LLGuidanceMatcher, int]], executor: Any) -> None:
