@@ -3,9 +3,9 @@ schemas (the schemas `constrained_throughput --distinct B` picks), without a mod
 walks the tokens of one valid instance of its schema (then EOS, then starts again), and each step
 does what the engine core does for its grammars, in its order:
 
-    take     the step's tokens, ahead (in llguidance's threads together, the engine's way, or
-             one by one with `--take one-by-one`), then each request's own `accept_token`
-             (answered at once)
+    take     the step's tokens: together in llguidance's threads (accept_next_tokens, the
+             engine's way), then each request's own `accept_token` (answered at once); or,
+             with `--take one-by-one`, each `accept_token` taking its own
     begin    the next step's masks begin filling in another thread (begin_next_token_bitmasks)
     ask      each request's own questions as its token is applied (is_terminated,
              jump_forward_string), while the masks fill
@@ -63,14 +63,14 @@ def run(picked: list, steps: int, take: str, vocab_size: int) -> dict[str, list[
     )
 
     matchers = [grammar.matcher() for _, grammar, _ in picked]
-    picked[0][1].backend.take_together = take == "together"
     at = [0] * len(picked)
     bitmask = allocate_token_bitmask(len(picked), vocab_size)
     times: dict[str, list[float]] = {"take": [], "begin": [], "ask": [], "wait": []}
     for _ in range(steps):
         tokens = [picked[i][2][at[i]] for i in range(len(picked))]
         t0 = time.perf_counter()
-        accept_next_tokens(matchers, tokens)
+        if take == "together":
+            accept_next_tokens(matchers, tokens)
         for m, t in zip(matchers, tokens):
             if not m.accept_token(t):
                 raise RuntimeError("a valid instance's token was refused")

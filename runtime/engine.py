@@ -202,8 +202,7 @@ class Engine:
         # now on, as the engine starts serving: the first constrained request finds it ready. Not
         # a daemon: the interpreter waits for it before it exits. As a daemon, still reading the
         # tokenizer in native code while the interpreter finalized, it crashed the process
-        # (SIGSEGV, no Python frame: 6 of 85 `radixlm generate` runs of one token on a tiny model, beside CPU
-        # hogs; 0 of 60 with the thread waited for)
+        # (SIGSEGV with no Python frame, seen in short `radixlm generate` runs under load)
         self._grammar_setup: Future = Future()
         threading.Thread(
             target=self._build_grammar_compiler, name="radixlm-grammar-setup", daemon=False

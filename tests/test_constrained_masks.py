@@ -88,14 +88,11 @@ def test_sampler_masks_every_grammar_row(tokenizer):
         assert ids[0] == int(masked.argmax())
 
 
-@pytest.mark.parametrize("way", [0, 1], ids=["together", "one by one"])
-def test_tokens_taken_together_are_those_accept_token_takes(tokenizer, way):
-    """accept_next_tokens then accept_token ends where accept_token alone does, whichever way
-    the tokens are taken ahead; a matcher used otherwise in between (a mask, a rollback) first
-    gives the token back."""
+def test_tokens_taken_together_are_those_accept_token_takes(tokenizer):
+    """accept_next_tokens then accept_token ends where accept_token alone does; a matcher used
+    otherwise in between (a mask, a rollback) first gives the token back."""
     compiler = GrammarCompiler(tokenizer, vocab_size=49152)
     grammar = compiler.compile("json_schema", json.dumps(SCHEMAS[0]))
-    grammar.backend.take_together = way == 0
     ids = tokenizer.encode('{"name":"Bob"}', add_special_tokens=False)
     together, alone = grammar.matcher(), grammar.matcher()
     for t in ids:
@@ -116,17 +113,15 @@ def test_tokens_taken_together_are_those_accept_token_takes(tokenizer, way):
     np.testing.assert_array_equal(m.next_token_mask(), fresh)
 
 
-@pytest.mark.parametrize("way", [0, 1], ids=["together", "one by one"])
-def test_masks_begun_in_the_background_match_the_matchers_after_their_step(tokenizer, way):
-    """The engine's order: tokens taken ahead (either way), masks begun, each token then applied
-    (taken, complete?, forced text; one matcher rolled back and advanced otherwise, as
-    jump-forward does): the bitmask it gets is every matcher's own mask after all of that."""
+def test_masks_begun_in_the_background_match_the_matchers_after_their_step(tokenizer):
+    """The engine's order: tokens taken together, masks begun, each token then applied (taken,
+    complete?, forced text; one matcher rolled back and advanced otherwise, as jump-forward
+    does): the bitmask it gets is every matcher's own mask after all of that."""
     from radixlm.constrained import begin_next_token_bitmasks
 
     compiler = GrammarCompiler(tokenizer, vocab_size=49152)
     texts = ['{"name":"Bo', "[1,2", '"re', '{"n":1.5']
     matchers = [compiler.compile("json_schema", json.dumps(s)).matcher() for s in SCHEMAS]
-    matchers[0].grammar.backend.take_together = way == 0
     steps = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     for step in range(max(len(ids) for ids in steps)):
         live = [(m, ids[step]) for m, ids in zip(matchers, steps) if step < len(ids)]
