@@ -398,8 +398,17 @@ def main() -> None:
         "--engine-arg", action="append", default=[], metavar="NAME=VALUE",
         help="an engine option for the --distinct run (VALUE read as JSON, else as text)",
     )  # fmt: skip
+    ap.add_argument(
+        "--executor-threads", type=int, default=None,
+        help="llguidance's threads for a step's tokens and masks (default: its own choice)",
+    )  # fmt: skip
     args = ap.parse_args()
     print(f"device: {device_line()}  commit: {commit()}")
+    if args.executor_threads is not None:
+        from radixlm.constrained.llguidance_backend import LLGuidanceBackend
+
+        LLGuidanceBackend.executor_threads = args.executor_threads
+        print(f"llguidance's threads: {args.executor_threads}")
     if args.distinct:
         run_distinct(
             args.model_path, args.schemas_dir, args.distinct, args.max_new_tokens,

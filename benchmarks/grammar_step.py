@@ -17,7 +17,7 @@ compare the two ways on a host (one process each: llguidance's threads spin a wh
 call).
 
     python -m benchmarks.grammar_step [--batch 96] [--steps 300]
-        [--take together|one-by-one] [--tokenizer DIR]
+        [--take together|one-by-one] [--tokenizer DIR] [--executor-threads N]
 """
 
 from __future__ import annotations
@@ -104,9 +104,16 @@ def main() -> None:
     ap.add_argument("--take", choices=("together", "one-by-one"), default="together")
     ap.add_argument("--schemas-dir", type=Path, default=DEFAULT_SCHEMAS)
     ap.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the model's)")
+    ap.add_argument(
+        "--executor-threads", type=int, default=None,
+        help="llguidance's threads for the batches (default: its own choice)",
+    )  # fmt: skip
     args = ap.parse_args()
 
     from radixlm.constrained import GrammarCompiler
+    from radixlm.constrained.llguidance_backend import LLGuidanceBackend
+
+    LLGuidanceBackend.executor_threads = args.executor_threads
 
     if args.tokenizer:
         from transformers import AutoTokenizer
@@ -123,7 +130,8 @@ def main() -> None:
     print(f"device: {device_line()}  commit: {commit()}")
     print(
         f"{len(picked)} requests (of {args.batch} schemas picked: those that compile and whose "
-        f"first valid instance their grammar takes), {args.steps} steps, take={args.take}"
+        f"first valid instance their grammar takes), {args.steps} steps, take={args.take}, "
+        f"llguidance's threads: {args.executor_threads or 'its own choice'}"
     )
     run(picked, 20, args.take, compiler.vocab_size)  # (warm: lexer states, threads)
     times = run(picked, args.steps, args.take, compiler.vocab_size)

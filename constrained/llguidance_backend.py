@@ -62,6 +62,9 @@ class LLGuidanceBackend:
     DFA backend does). numbers: bounds for numbers whose schema sets none (schema_rewrite.py)."""
 
     name = "llguidance"
+    # llguidance's threads for a step's batch of tokens and masks (LLExecutor); None: its own
+    # choice, 80% of the cores up to 32 (one on a 2-core machine). Read when the executor is made.
+    executor_threads: int | None = None
 
     def __init__(
         self,
@@ -100,7 +103,7 @@ class LLGuidanceBackend:
     def executor(self) -> Any:
         """llguidance's thread pool that fills many masks at once (made on first use)."""
         if self._executor is None:
-            self._executor = self._ll.LLExecutor()
+            self._executor = self._ll.LLExecutor(self.executor_threads)
         return self._executor
 
     @classmethod

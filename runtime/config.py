@@ -204,6 +204,9 @@ class EngineConfig:
 
         for f in dataclasses.fields(self):  # the Python API's values, as the CLI's are parsed
             value = getattr(self, f.name)
+            if isinstance(value, os.PathLike) and "str" in str(f.type):  # a pathlib.Path: its text
+                value = os.fspath(value)
+                object.__setattr__(self, f.name, value)
             kinds = str(f.type).replace(" ", "").split("|")
             if not any(_is_kind(value, kind) for kind in kinds):
                 bad(f"{f.name}={value!r} must be {' or '.join(kinds)}")

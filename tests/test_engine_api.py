@@ -362,6 +362,17 @@ def test_bad_engine_options_are_refused_naming_the_option(options):
         EngineConfig(**options)
 
 
+def test_paths_may_be_pathlib_paths(tmp_path):
+    from radixlm.runtime.config import EngineConfig
+
+    config = EngineConfig(model_path=tmp_path, speculative_draft_model_path=tmp_path / "draft",
+                          speculative_algorithm="MEDUSA")  # fmt: skip
+    assert config.model_path == str(tmp_path)
+    assert config.speculative_draft_model_path == str(tmp_path / "draft")
+    with pytest.raises(ValueError, match="max_running_requests"):  # (a path is no number)
+        EngineConfig(max_running_requests=tmp_path)
+
+
 class _BosTokenizer:
     """Llama-like: encoding with special tokens puts BOS (1) in front; a character an id each."""
 
