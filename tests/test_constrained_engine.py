@@ -304,3 +304,56 @@ def test_a_character_the_dfa_backend_never_generates_fails_with_that_reason(tiny
         reason = out["meta_info"]["finish_reason"]
         assert reason["type"] == "abort" and "cannot go on" in reason["message"], reason
         assert eng.generate("Hi", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
+
+
+def test_tokens_taken_in_the_mask_thread_give_the_outputs_of_tokens_taken_at_once(
+    default_model_folder, monkeypatch
+):
+    """With overlap, a step's constrained tokens are taken by the thread that then fills the next
+    step's masks, and their grammar's part (taken? complete? forced text?) waits until the next
+    step's sampling has its masks: the outputs, finish reasons and jumps are those of each token
+    taken by its own request at once, in a batch of schemas, regexes, lengths that cut outputs
+    short, jump-forward and sampling."""
+    import radixlm.constrained
+    from radixlm.runtime.output_processor import OutputProcessor
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "customer_full_name": {"type": "string", "maxLength": 20},
+            "customer_account_status": {"enum": ["active", "closed"]},
+        },
+        "required": ["customer_full_name", "customer_account_status"],
+        "additionalProperties": False,
+    }
+    grammars = [{"json_schema": PERSON}, {"json_schema": schema}, {"regex": REGEXES["date"]},
+                {"regex": REGEXES["enum"]}]  # fmt: skip
+    params = [
+        {**grammars[i % 4], "max_new_tokens": (12, 90)[i % 2], "temperature": (0, 0.8)[i % 3 == 2],
+         "seed": i}
+        for i in range(12)
+    ]  # fmt: skip
+    checked = []
+    check = OutputProcessor.check_grammars
+
+    def counting(self):
+        checked.append(len(self._grammar_checks))
+        check(self)
+
+    monkeypatch.setattr(OutputProcessor, "check_grammars", counting)
+    runs = {}
+    for background in (True, False):
+        if not background:
+            monkeypatch.setattr(radixlm.constrained, "takes_in_background", lambda m: False)
+        checked.clear()
+        with radixlm.Engine(default_model_folder, enable_jump_forward=True) as eng:
+            prompts = [chat(eng, f"Record {i} as asked.") for i in range(12)]
+            outs = eng.generate(prompts, params)
+            runs[background] = (outs, eng.get_stats()["jump_forward_tokens"], sum(checked))
+    (outs, jumped, deferred), (plain, plain_jumped, none) = runs[True], runs[False]
+    assert deferred > 30 and none == 0  # (the way under test ran, and only there)
+    assert jumped == plain_jumped > 0
+    for a, b in zip(outs, plain):
+        assert (a["output_ids"], a["text"]) == (b["output_ids"], b["text"])
+        assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+    assert {o["meta_info"]["finish_reason"]["type"] for o in outs} == {"stop", "length"}

@@ -160,3 +160,41 @@ def test_masks_begun_in_the_background_have_begun_when_the_call_returns(tokenize
         got = pending.result()
         for i, m in enumerate(matchers):
             np.testing.assert_array_equal(got[i].numpy(), m.next_token_mask())
+
+
+def test_tokens_taken_by_the_fill_thread_then_masks_match_tokens_taken_at_once(tokenizer):
+    """The engine's order with overlap: the fill thread takes a step's tokens, then fills the
+    next masks, while the caller advances a matcher it kept out (`skip`) itself; then each
+    token's accept_token answers, as do the questions after it. The masks and every answer are
+    those of matchers that took each token at once."""
+    from radixlm.constrained import begin_next_token_bitmasks, takes_in_background
+
+    compiler = GrammarCompiler(tokenizer, vocab_size=49152)
+    texts = ['{"name":"Bo', "[1,2", '"re', '{"n":1.5']
+    grammars = [compiler.compile("json_schema", json.dumps(s)) for s in SCHEMAS]
+    matchers = [g.matcher() for g in grammars]
+    alone = [g.matcher() for g in grammars]
+    assert all(takes_in_background(m) for m in matchers)
+    steps = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    for step in range(max(len(ids) for ids in steps)):
+        live = [(i, ids[step]) for i, ids in enumerate(steps) if step < len(ids)]
+        kept_out = {live[0][0]} if step % 2 else set()  # (advanced by the caller meanwhile)
+        taken = [(matchers[i], t) for i, t in live if i not in kept_out]
+        bitmask = allocate_token_bitmask(len(matchers), 49152)
+        pending = begin_next_token_bitmasks(
+            matchers, bitmask, taken, skip=[matchers[i] for i in kept_out]
+        )
+        for i, t in live:
+            assert alone[i].accept_token(t)
+            if i in kept_out:
+                assert matchers[i].accept_token(t)
+        got = pending.result()
+        for i, t in live:
+            if i not in kept_out:
+                assert matchers[i].accept_token(t)
+            assert matchers[i].is_terminated() == alone[i].is_terminated()
+            assert matchers[i].jump_forward_string() == alone[i].jump_forward_string()
+            assert matchers[i].rollback_depth == alone[i].rollback_depth
+        for i, m in enumerate(matchers):
+            np.testing.assert_array_equal(got[i].numpy(), alone[i].next_token_mask())
+            np.testing.assert_array_equal(m.next_token_mask(), alone[i].next_token_mask())
