@@ -34,6 +34,11 @@ class PendingMasks:
     def __init__(self, bitmask: torch.Tensor, pending: list, others: list) -> None:
         self._bitmask, self._pending, self._others = bitmask, pending, others
 
+    def hand_over(self) -> None:
+        """The fill threads that take tokens first go on to the masks now (PendingFill)."""
+        for fill in self._pending:
+            fill.hand_over()
+
     def result(self) -> torch.Tensor:
         for fill in self._pending:
             fill.result()

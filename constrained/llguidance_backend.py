@@ -709,9 +709,19 @@ class PendingFill:
         bitmask: torch.Tensor,
         taken: list | None = None,
         later: list | None = None,
+        taken_all: threading.Event | None = None,
     ):
         self._future, self._pairs, self._versions, self._bitmask = future, pairs, versions, bitmask
-        self._taken, self._later = taken or [], later or []
+        self._taken, self._later, self._taken_all = taken or [], later or [], taken_all
+
+    def hand_over(self) -> None:
+        """Let the fill thread go on from the tokens it took to the masks: when llguidance is
+        done taking them, the thread needs the GIL back to start the fill, which it gets only
+        when the caller's Python blocks (or after the interpreter's switch interval, 5 ms).
+        Waiting here (for the rest of the taking, if any) hands the GIL over. Not beyond the
+        switch interval."""
+        if self._taken and self._taken_all is not None:
+            self._taken_all.wait(sys.getswitchinterval())
 
     def result(self) -> torch.Tensor:
         future = self._future
@@ -795,7 +805,7 @@ def begin_fill(
             live.append((ll, row))
         versions.append(m.version)
     batch, words = bitmask.shape
-    executor, started = backend.executor, threading.Event()
+    executor, started, taken_all = backend.executor, threading.Event(), threading.Event()
 
     def fill_masks() -> None:
         started.set()
@@ -803,6 +813,7 @@ def begin_fill(
             for (m, t), ok in zip(todo, executor.consume_token_par(calls)):
                 if ok:  # (a refused token leaves the matcher failed: accept_token refuses it too)
                     m._ahead = t
+        taken_all.set()
         if live:
             executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), words * 4, batch)
 
@@ -821,7 +832,7 @@ def begin_fill(
     # beyond the switch interval: a fill thread busy with an earlier fill, or gone (a forked
     # child), would otherwise hold this thread, and with it the engine, up.
     started.wait(sys.getswitchinterval())
-    return PendingFill(future, pairs, versions, bitmask, todo, later)
+    return PendingFill(future, pairs, versions, bitmask, todo, later, taken_all)
 
 
 # llguidance's reading of a tokenizer, by (its JSON's digest, vocabulary size, EOS ids): immutable,

@@ -142,6 +142,12 @@ class DeferredStep:
                 return False
         return True
 
+    def hand_over(self) -> None:
+        """What `begin_masks(taken=...)` began goes on from the tokens to the masks (where
+        it waits for the GIL: constrained.PendingMasks.hand_over)."""
+        if self._masks is not None:
+            self._masks.hand_over()
+
     def sample(self) -> StepHandle:
         return self._sample(self._masks)
 

@@ -162,12 +162,19 @@ def test_masks_begun_in_the_background_have_begun_when_the_call_returns(tokenize
             np.testing.assert_array_equal(got[i].numpy(), m.next_token_mask())
 
 
-def test_tokens_taken_by_the_fill_thread_then_masks_match_tokens_taken_at_once(tokenizer):
+def test_tokens_taken_by_the_fill_thread_then_masks_match_tokens_taken_at_once(
+    tokenizer, monkeypatch
+):
     """The engine's order with overlap: the fill thread takes a step's tokens, then fills the
-    next masks, while the caller advances a matcher it kept out (`skip`) itself; then each
-    token's accept_token answers, as do the questions after it. The masks and every answer are
-    those of matchers that took each token at once."""
+    next masks, while the caller advances a matcher it kept out (`skip`) itself and hands the
+    GIL over (after which every token is taken); then each token's accept_token answers, as do
+    the questions after it. The masks and every answer are those of matchers that took each
+    token at once. (The hand-over waits at most the switch interval, made long here.)"""
+    import sys
+
     from radixlm.constrained import begin_next_token_bitmasks, takes_in_background
+
+    monkeypatch.setattr(sys, "getswitchinterval", lambda: 5.0)
 
     compiler = GrammarCompiler(tokenizer, vocab_size=49152)
     texts = ['{"name":"Bo', "[1,2", '"re', '{"n":1.5']
@@ -188,6 +195,8 @@ def test_tokens_taken_by_the_fill_thread_then_masks_match_tokens_taken_at_once(t
             assert alone[i].accept_token(t)
             if i in kept_out:
                 assert matchers[i].accept_token(t)
+        pending.hand_over()
+        assert all(m._ahead == t for m, t in taken)  # (taken by the thread, not given back)
         got = pending.result()
         for i, t in live:
             if i not in kept_out:
