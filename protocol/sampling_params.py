@@ -182,9 +182,11 @@ class SamplingParams:
             torch.tensor(list(bias.values()), dtype=torch.float32),
         )
 
-    @property
+    @functools.cached_property
     def is_plain_argmax(self) -> bool:
-        """Greedy over the model's own logits: no penalties or bias to change them first."""
+        """Greedy over the model's own logits: no penalties or bias to change them first.
+        (Asked of every request every step: kept once known. The engine's parameters are its
+        own validated copy, never changed after.)"""
         return self.is_greedy and not self.has_penalties and not self.has_logit_bias
 
     @property
