@@ -25,7 +25,6 @@ from radixlm.constrained.batch import (
     accept_next_tokens,
     begin_next_token_bitmasks,
     fill_next_token_bitmasks,
-    takes_in_background,
 )
 from radixlm.constrained.bitmask import (
     allocate_token_bitmask,
@@ -60,7 +59,6 @@ __all__ = [
     "allocate_token_bitmask",
     "apply_token_bitmask_",
     "begin_next_token_bitmasks",
-    "takes_in_background",
     "bitmask_from_ids",
     "dump_json_for_schema",
     "fill_next_token_bitmasks",

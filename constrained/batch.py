@@ -4,7 +4,6 @@ backend's own threads where it has them (llguidance's, without the GIL), one by 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -34,11 +33,6 @@ class PendingMasks:
     def __init__(self, bitmask: torch.Tensor, pending: list, others: list) -> None:
         self._bitmask, self._pending, self._others = bitmask, pending, others
 
-    def hand_over(self) -> None:
-        """The fill threads that take tokens first go on to the masks now (PendingFill)."""
-        for fill in self._pending:
-            fill.hand_over()
-
     def result(self) -> torch.Tensor:
         for fill in self._pending:
             fill.result()
@@ -47,38 +41,17 @@ class PendingMasks:
         return self._bitmask
 
 
-def begin_next_token_bitmasks(
-    matchers: list,
-    bitmask: torch.Tensor,
-    taken: list[tuple[Any, int]] = (),  # type: ignore[assignment]
-    skip: Iterable = (),
-) -> PendingMasks:
+def begin_next_token_bitmasks(matchers: list, bitmask: torch.Tensor) -> PendingMasks:
     """fill_next_token_bitmasks, begun: llguidance's matchers fill in another thread while the
     caller goes on (the engine core applies the previous step's tokens meanwhile; a matcher that
-    changes before `result()` is filled again then); others fill at `result()`.
-
-    `taken` [(matcher, token)], matchers that `takes_in_background`: the same thread takes these
-    tokens first (the caller's `accept_token(token)` then waits for it); the masks come after
-    them. Matchers in `skip`, which the caller advances itself meanwhile, fill at `result()`."""
-    skip = frozenset(skip)
-    by_backend: dict = {}
-    for matcher, token in taken:
-        by_backend.setdefault(matcher.grammar.backend, []).append((matcher, token))
+    changes before `result()` is filled again then); others fill at `result()`."""
     pending, others = [], []
     for backend, pairs in _by_parallel_backend(matchers, range(len(matchers))).items():
         if backend is None or not bitmask.is_contiguous():
             others.extend(pairs)
         else:
-            pending.append(begin_fill(pairs, bitmask, by_backend.pop(backend, []), skip))
-    for backend, pairs in by_backend.items():  # (tokens of matchers without a row here)
-        accept_batch(pairs, backend.executor)
+            pending.append(begin_fill(pairs, bitmask))
     return PendingMasks(bitmask, pending, others)
-
-
-def takes_in_background(matcher) -> bool:
-    """Whether `begin_next_token_bitmasks(taken=...)` can take this matcher's token in its
-    thread (llguidance's matchers)."""
-    return type(matcher) is LLGuidanceMatcher
 
 
 def accept_next_tokens(matchers: list, tokens: list[int]) -> None:

@@ -495,8 +495,6 @@ class LLGuidanceMatcher:
         if self._terminated:
             return False
         token_id = int(token_id)
-        if self._busy is not None:  # (a fill thread may be taking this token: begin_fill)
-            self._idle()
         if self._ahead is not None:  # taken already, with its step's others (accept_batch)
             if self._ahead == token_id:
                 self._ahead = None
@@ -699,129 +697,50 @@ def _plain_escapes(ebnf: str) -> str:
 
 class PendingFill:
     """A batch of masks filling in another thread (begin_fill); `result()` waits for it, then
-    fills again the rows of the matchers that changed meanwhile, and those left to it."""
+    fills again the rows of the matchers that changed meanwhile."""
 
-    def __init__(
-        self,
-        future: Any,
-        pairs: list,
-        versions: list[int],
-        bitmask: torch.Tensor,
-        taken: list | None = None,
-        later: list | None = None,
-        taken_all: threading.Event | None = None,
-    ):
+    def __init__(self, future: Any, pairs: list, versions: list[int], bitmask: torch.Tensor):
         self._future, self._pairs, self._versions, self._bitmask = future, pairs, versions, bitmask
-        self._taken, self._later, self._taken_all = taken or [], later or [], taken_all
-
-    def hand_over(self) -> None:
-        """Let the fill thread go on from the tokens it took to the masks: when llguidance is
-        done taking them, the thread needs the GIL back to start the fill, which it gets only
-        when the caller's Python blocks (or after the interpreter's switch interval, 5 ms).
-        Waiting here (for the rest of the taking, if any) hands the GIL over. Not beyond the
-        switch interval."""
-        if self._taken and self._taken_all is not None:
-            self._taken_all.wait(sys.getswitchinterval())
 
     def result(self) -> torch.Tensor:
         future = self._future
         failed = future.exception() is not None
-        for m, t in self._taken:
-            if m._busy is future:
-                m._busy = None
-            # (a thread that failed before taking the tokens: they are taken here, so that every
-            # mask filled again below comes after its step's token)
-            if (
-                failed
-                and m._ahead is None
-                and not m._m.is_error()
-                and m._m.try_consume_tokens([t]) == 1
-            ):
-                m._ahead = t
         for (m, row), version in zip(self._pairs, self._versions):
             if m._busy is future:
                 m._busy = None
             if failed or m.version != version or m._terminated:
-                self._fill_again(m, row)
+                m.fill_next_token_bitmask(self._bitmask, row)
             elif m._m.is_error():  # as in LLGuidanceMatcher.next_token_mask: nothing, not EOS
                 self._bitmask[row].zero_()
-        for m, row in self._later:
-            self._fill_again(m, row)
         return self._bitmask
 
-    def _fill_again(self, m: LLGuidanceMatcher, row: int) -> None:
-        """Row `row` := m's mask, a token it took ahead included (fill_next_token_bitmask would
-        give that token back first)."""
-        if m._ahead is None or m._terminated:
-            m.fill_next_token_bitmask(self._bitmask, row)
-            return
-        m._m.unsafe_compute_mask_ptr(self._bitmask[row].data_ptr(), self._bitmask.shape[1] * 4)
-        if m._m.is_error():
-            self._bitmask[row].zero_()
 
-
-def begin_fill(
-    pairs: list[tuple[LLGuidanceMatcher, int]],
-    bitmask: torch.Tensor,
-    taken: list[tuple[LLGuidanceMatcher, int]] = (),  # type: ignore[assignment]
-    skip: frozenset = frozenset(),
-) -> PendingFill:
+def begin_fill(pairs: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor) -> PendingFill:
     """Start filling rows of the contiguous CPU (B, W) int32 `bitmask` for [(matcher, row)] in a
     thread of the matchers' backend (llguidance's threads, without the GIL), from llguidance's
     state now (tokens taken ahead included). Until `result()`, the matchers answer what the
     engine asks of each token (accept it, complete?, forced text) from a snapshot taken here; a
-    matcher changed meanwhile has its row filled again by `result()`.
-
-    `taken` [(matcher, token)]: tokens the same thread takes first, together (as accept_batch
-    does), then the masks after them: the caller goes on meanwhile, and each matcher's next
-    `accept_token(token)` waits for that (it answers at once then). A matcher in `skip` (one the
-    caller advances meanwhile itself) has its row filled by `result()` instead."""
+    matcher changed meanwhile has its row filled again by `result()`."""
     backend = pairs[0][0].grammar.backend
-    todo, calls = [], []
-    for m, t in taken:
-        t = int(t)
-        if (
-            m._terminated
-            or m._ahead is not None
-            or t in m._eos
-            or not 0 <= t < m.grammar.vocab_size
-        ):
-            continue
-        m._idle()
-        m._changed()
-        todo.append((m, t))
-        calls.append((m._m, t))
-    advancing = {id(m) for m, _ in todo}
-    live, versions, later = [], [], []
+    live, versions = [], []
     for m, row in pairs:
         m._idle()
-        if m in skip:
-            later.append((m, row))
-        elif not m._terminated:
+        if not m._terminated:
             ll = m._m
-            if id(m) not in advancing:  # (one advancing is asked nothing until the thread is done)
-                ff = bytes(ll.compute_ff_bytes()[:_MAX_JUMP_BYTES])
-                m._snap = (ll.is_stopped(), ll.is_accepting(), ll.is_error(), ff)
+            ff = bytes(ll.compute_ff_bytes()[:_MAX_JUMP_BYTES])
+            m._snap = (ll.is_stopped(), ll.is_accepting(), ll.is_error(), ff)
             live.append((ll, row))
         versions.append(m.version)
     batch, words = bitmask.shape
-    executor, started, taken_all = backend.executor, threading.Event(), threading.Event()
+    fill, started = backend.executor.unsafe_compute_mask_ptr, threading.Event()
 
     def fill_masks() -> None:
         started.set()
-        if calls:
-            for (m, t), ok in zip(todo, executor.consume_token_par(calls)):
-                if ok:  # (a refused token leaves the matcher failed: accept_token refuses it too)
-                    m._ahead = t
-        taken_all.set()
-        if live:
-            executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), words * 4, batch)
+        fill(live, bitmask.data_ptr(), words * 4, batch)
 
     future = backend.fill_thread.submit(fill_masks)
-    for m, _ in todo:
-        m._busy = future
     for m, _ in pairs:
-        if not m._terminated and m not in skip:
+        if not m._terminated:
             m._busy = future
     # The fill thread needs the GIL to enter llguidance (which then lets it go for the fill):
     # while this thread runs Python it would get it only when this thread blocks or after the
@@ -832,7 +751,7 @@ def begin_fill(
     # beyond the switch interval: a fill thread busy with an earlier fill, or gone (a forked
     # child), would otherwise hold this thread, and with it the engine, up.
     started.wait(sys.getswitchinterval())
-    return PendingFill(future, pairs, versions, bitmask, todo, later, taken_all)
+    return PendingFill(future, pairs, versions, bitmask)
 
 
 # llguidance's reading of a tokenizer, by (its JSON's digest, vocabulary size, EOS ids): immutable,

@@ -415,13 +415,7 @@ class EngineCore:
                 except Exception as e:
                     self.output.fail_step(plan, e)
                     continue
-                finally:
-                    # (the masks were waited for: the grammars' part of the previous step's
-                    # tokens, left for now, is done with at once)
-                    t3 = time.perf_counter()
-                    self.host_seconds["sample"] += t3 - t2
-                    self.output.check_grammars()
-                    self.host_seconds["apply"] += time.perf_counter() - t3
+                self.host_seconds["sample"] += time.perf_counter() - t2
             if handle.ready or not self.overlap:
                 self._complete(plan, handle)
             else:

@@ -129,24 +129,12 @@ class DeferredStep:
         self._sample, self._begin = sample, begin
         self._masks: Any = None
 
-    def begin_masks(self, taken=(), skip=()) -> bool:
-        """`taken` [(matcher, token)]: the previous step's tokens, taken in the same thread
-        first (constrained.begin_next_token_bitmasks); `skip`: matchers the caller advances
-        itself meanwhile. False if that failed: then `sample()` fills the masks itself, and
-        each matcher's `accept_token` takes its own token (where the thread has not)."""
+    def begin_masks(self) -> None:
         if self._masks is None:
             try:
-                self._masks = self._begin(taken, skip)
-            except Exception:
+                self._masks = self._begin()
+            except Exception:  # (then `sample()` fills them itself)
                 logger.exception("beginning a step's grammar masks failed")
-                return False
-        return True
-
-    def hand_over(self) -> None:
-        """What `begin_masks(taken=...)` began goes on from the tokens to the masks (where
-        it waits for the GIL: constrained.PendingMasks.hand_over)."""
-        if self._masks is not None:
-            self._masks.hand_over()
 
     def sample(self) -> StepHandle:
         return self._sample(self._masks)
@@ -266,8 +254,8 @@ class ModelRunner:
                     plan, reqs, rows, row_logits, greedy, pool_rows, at, order, items,
                     logits, input_lp_rows, masks, verified,
                 ),
-                lambda taken, skip: self.sampler.begin_masks(
-                    rows, row_logits.shape[-1], row_logits.device.type == "cuda", taken, skip
+                lambda: self.sampler.begin_masks(
+                    rows, row_logits.shape[-1], row_logits.device.type == "cuda"
                 ),
             )  # fmt: skip
         return self._sample(

@@ -65,10 +65,6 @@ class OutputProcessor:
         self.num_not_greedy = 0  # unfinished requests that are not plain greedy
         # unfinished requests sampled as the host says: grammar masks, penalties over the output
         self.num_sampled_on_host = 0
-        # (request, token) of the last step whose grammar's part waits (check_grammars), and
-        # (the request applied before, what to call then) to start that step's masks filling
-        self._grammar_checks: list[tuple[Req, int]] = []
-        self._hand_over: tuple[Req, Callable[[], None]] | None = None
 
     # ---- the request table ----------------------------------------------------------------
 
@@ -98,16 +94,11 @@ class OutputProcessor:
         """Every token of a step: the grammars take theirs together, then each request its own.
         `next_masks` (the next step's deferred sampling) begins filling masks as soon as the
         grammars have advanced."""
-        self.check_grammars()  # (a previous step's, where the engine has not asked for them)
         tokens, extras = results.tokens, results.extras
-        later = None
         if self.num_sampled_on_host:
-            if next_masks is not None and not extras and not results.verified:
-                later = self._begin_grammars(plan, tokens, next_masks)
-            else:
-                self._advance_grammars(plan, tokens)
-                if next_masks is not None:  # filled in the background while this step is applied
-                    next_masks.begin_masks()
+            self._advance_grammars(plan, tokens)
+            if next_masks is not None:  # filled in the background while this step is applied
+                next_masks.begin_masks()
         apply = self._apply_contained
         if extras:
             for i, req in enumerate(plan.decodes):
@@ -118,7 +109,7 @@ class OutputProcessor:
                     req.num_pending -= 1
                 apply(req, tokens[i], extras.get(i))
         else:
-            self._apply_decodes(plan.decodes, tokens, later)
+            self._apply_decodes(plan.decodes, tokens)
         verified = results.verified
         for i, item in enumerate(plan.items, len(plan.decodes)):
             req = item.req
@@ -191,84 +182,6 @@ class OutputProcessor:
 
             accept_next_tokens(matchers, taken)
 
-    def _begin_grammars(self, plan, tokens: list[int | None], next_masks) -> set[int] | None:
-        """The next step's masks begin filling in the grammar backend's thread, which first
-        takes this step's tokens (llguidance's matchers): meanwhile each request's token is
-        applied but for its grammar, whose part (the token taken, complete?, forced text) waits
-        for `check_grammars`, after the next step's sampling has waited for the masks anyway.
-        Returns the ids of those requests; None where nothing waits (their tokens are taken
-        by their matchers, as in `_advance_grammars`)."""
-        from radixlm.constrained import takes_in_background
-
-        taken, later, skip = [], [], []
-        running = ReqStatus.RUNNING
-        for req, token in zip(plan.decodes, tokens):
-            grammar = req.grammar
-            if grammar is None or token is None or req.num_discard or req.is_finished:
-                continue
-            if (
-                req.status is running
-                and req.output_ids
-                and not req.logprob.return_logprob
-                and token not in req.finish_token_ids
-                and takes_in_background(grammar)
-            ):
-                taken.append((grammar, token))
-                later.append((req, token))
-            else:  # (applied as any token is, below: advanced meanwhile)
-                skip.append(grammar)
-        for item in plan.items:
-            if item.samples and item.req.grammar is not None:
-                skip.append(item.req.grammar)
-        if not next_masks.begin_masks(taken, skip):
-            return None
-        self._grammar_checks = later
-        # halfway through applying them, the fill thread should be done taking their tokens
-        # (each token's apply costs the core ~13 us on a GPU host, taking all of them ~0.35 ms
-        # in llguidance's threads for 89): then it is handed the GIL to start the masks
-        if later:
-            self._hand_over = (later[len(later) // 2][0], next_masks.hand_over)
-        return {id(req) for req, _ in later}
-
-    def check_grammars(self) -> None:
-        """The grammar's part of the tokens `_begin_grammars` left for later: each token taken
-        (a refused one fails its request), then whether the grammar is complete (finished) or
-        forces text (jump-forward), as `_take` does for a token applied at once."""
-        checks, self._grammar_checks = self._grammar_checks, []
-        self._hand_over = None
-        for req, token in checks:
-            if req.status is ReqStatus.FINISHED:  # (aborted, or finished by its length)
-                continue
-            try:
-                grammar = req.grammar
-                if not grammar.accept_token(token):
-                    self._refused(req, grammar, token)
-                    continue
-                if (
-                    req.detokenizer.matched_stop is not None
-                    or len(req.output_ids) >= req.max_output_len
-                    or grammar.is_terminated()
-                ):
-                    self._check_stop_or_length(req)
-                elif self.enable_jump_forward:
-                    made = len(req.output_ids)
-                    self._jump_forward(req)
-                    if len(req.output_ids) == made and req.status is not ReqStatus.FINISHED:
-                        continue  # (its progress was delivered with its token)
-                self._settle(req)
-            except Exception as e:
-                self.contain(req, e)
-
-    def _refused(self, req: Req, grammar, token: int) -> None:
-        if not grammar.next_token_mask().any():  # every token masked: none was allowed
-            self.fail(
-                req,
-                "the grammar cannot go on: no token of this model's vocabulary continues it "
-                "here (it asks for text the tokenizer cannot produce)",
-            )
-        else:
-            self.fail(req, f"internal error: the grammar refused the sampled token {token}")
-
     def _apply_contained(self, req: Req, token: int | None, extra) -> None:
         try:
             if extra is not None and extra.error is not None:
@@ -293,13 +206,10 @@ class OutputProcessor:
         why = str(e) if isinstance(e, SamplingFailed) else f"{type(e).__name__}: {e}"
         self.fail(req, f"internal error {what} its token: {why}")
 
-    def _apply_decodes(
-        self, reqs: list[Req], tokens: list[int], later: set[int] | None = None
-    ) -> None:
+    def _apply_decodes(self, reqs: list[Req], tokens: list[int]) -> None:
         """`_apply` for a step's decodes when no request asked for log-probabilities, with the
         common case inline: a plain request (no grammar, stop strings or log-probabilities) that
-        is running, has a first token already, and that this token does not finish. Requests
-        in `later` (ids) get their token but for its grammar's part (`check_grammars`)."""
+        is running, has a first token already, and that this token does not finish."""
         progress = self.progress
         running = ReqStatus.RUNNING
         plain = 0
@@ -311,18 +221,7 @@ class OutputProcessor:
                 req.num_pending -= 1
             out = req.output_ids
             try:
-                if later and id(req) in later:
-                    if self._hand_over is not None and self._hand_over[0] is req:
-                        self._hand_over[1]()
-                        self._hand_over = None
-                    out.append(token)
-                    req.detokenizer.add_one(token)
-                    plain += 1
-                    if progress and len(out) < req.max_output_len:
-                        sink = progress.get(req.rid)
-                        if sink is not None:
-                            self.deliver(req, sink, False)
-                elif (
+                if (
                     req.plain_output
                     and req.status is running
                     and out
@@ -374,7 +273,14 @@ class OutputProcessor:
             req.output_top_logprobs.append(top)
         grammar = req.grammar
         if grammar is not None and not grammar.accept_token(token):
-            self._refused(req, grammar, token)
+            if not grammar.next_token_mask().any():  # every token masked: none was allowed
+                self.fail(
+                    req,
+                    "the grammar cannot go on: no token of this model's vocabulary continues it "
+                    "here (it asks for text the tokenizer cannot produce)",
+                )
+            else:
+                self.fail(req, f"internal error: the grammar refused the sampled token {token}")
             return False
         if token in req.finish_token_ids:
             req.finish({"type": "stop", "matched": token})

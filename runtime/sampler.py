@@ -119,21 +119,16 @@ class Sampler:
             out[i] = (chosen[j], tops[j][:k] if k else None)
         return out
 
-    def begin_masks(
-        self, rows: list[SamplingRow], vocab: int, on_gpu: bool, taken=(), skip=()
-    ) -> Any:
+    def begin_masks(self, rows: list[SamplingRow], vocab: int, on_gpu: bool) -> Any:
         """Start filling the grammar masks of `rows` (for `sample_ids(..., masks=)`), in the
-        grammar backend's threads while the caller goes on; None if no row has a grammar.
-        `taken` and `skip`: constrained.begin_next_token_bitmasks's."""
-        from radixlm.constrained import accept_next_tokens, begin_next_token_bitmasks
+        grammar backend's threads while the caller goes on; None if no row has a grammar."""
+        from radixlm.constrained import begin_next_token_bitmasks
 
         constrained = [r.grammar for r in rows if r.grammar is not None]
         if not constrained:
-            if taken:
-                accept_next_tokens([m for m, _ in taken], [t for _, t in taken])
             return None
         bitmask = self.mask_buffer(len(constrained), vocab, on_gpu)
-        return begin_next_token_bitmasks(constrained, bitmask, taken, skip)
+        return begin_next_token_bitmasks(constrained, bitmask)
 
     def sample_ids(
         self,
