@@ -40,3 +40,34 @@ def test_kernel_breakdown_sums_by_group_and_name():
     assert list(groups) == ["matmul (cuBLAS)", "attention, decode rows", "copies and fills"]
     assert names[0] == ("nvjet_a", 2, 4.0)
     assert busy == 5.5
+
+
+def test_core_profile_reads_py_spys_raw_lines_and_shares_the_core_threads_busy_time(tmp_path):
+    from benchmarks.core_profile import read_raw, summarize
+
+    outer = (
+        "Thread._bootstrap (threading.py:995);EngineCore._run (radixlm/runtime/engine_core.py:"
+        "324);EngineCore._loop (radixlm/runtime/engine_core.py:380)"
+    )
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        f"thread (12): radixlm-core;{outer};EngineCore._complete (e.py:441);"
+        "accept_batch (l.py:606) 30\n"
+        f"thread (12): radixlm-core;{outer};EngineCore._complete (e.py:441);"
+        "OutputProcessor.deliver (o.py:441) 10\n"
+        f"thread (12): radixlm-core;{outer};EngineCore._drain_inbox (e.py:460);"
+        "Queue.get (queue.py:171) 60\n"
+        "thread (7): MainThread;asyncio.run (runners.py:190) 25\n"
+        "thread (9): grammar-compile_3;Thread._bootstrap (threading.py:995) 5\n"
+    )
+    rows = read_raw(raw)
+    assert [(name, n) for name, _, n in rows] == [
+        ("radixlm-core", 30), ("radixlm-core", 10), ("radixlm-core", 60), ("MainThread", 25),
+        ("grammar-compile", 5),
+    ]  # fmt: skip
+    text = summarize(rows, top=5)
+    assert "radixlm-core 100, MainThread 25, grammar-compile 5" in text
+    assert "40 samples busy (60 waiting for work left out)" in text
+    assert "100.0%  EngineCore._complete" in text and "75.0%  accept_batch" in text
+    assert "Thread._bootstrap" not in text.split("by function")[1]  # (every sample's frames)
+    assert " 75.0%  accept_batch:606 < EngineCore._complete:441" in text
