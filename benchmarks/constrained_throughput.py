@@ -402,8 +402,18 @@ def main() -> None:
         "--executor-threads", type=int, default=None,
         help="llguidance's threads for a step's tokens and masks (default: its own choice)",
     )  # fmt: skip
+    ap.add_argument(
+        "--switch-interval", type=float, default=None, metavar="SECONDS",
+        help="the interpreter's GIL switch interval for the run (sys.setswitchinterval; "
+        "default: as it is, 5 ms)",
+    )  # fmt: skip
     args = ap.parse_args()
     print(f"device: {device_line()}  commit: {commit()}")
+    if args.switch_interval is not None:
+        import sys
+
+        sys.setswitchinterval(args.switch_interval)
+        print(f"GIL switch interval: {1e3 * sys.getswitchinterval():g} ms")
     if args.executor_threads is not None:
         from radixlm.constrained.llguidance_backend import LLGuidanceBackend
 
