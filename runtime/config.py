@@ -336,10 +336,11 @@ class EngineConfig:
                 "speculative_eagle_topk above 1 (draft trees) is not available with pp_size > 1 "
                 "yet (a tree's step runs as decode rows, which the stages do not take); use 1"
             )
-        if self.speculative_algorithm in ("STANDALONE", *EAGLE_ALGORITHMS) and self.world_size > 1:
+        if self.speculative_algorithm in EAGLE_ALGORITHMS and self.world_size > 1:
             bad(
                 f"speculative_algorithm {self.speculative_algorithm} is not available with tp_size "
-                "or pp_size above 1 yet (the draft runs on rank 0 alone); use NGRAM"
+                "or pp_size above 1 yet (its draft reads the target's embedding, LM head and "
+                "hidden states, which the ranks or stages split); use STANDALONE or NGRAM"
             )
         if self.pp_size > 1 and self.speculative_algorithm == "MEDUSA":
             bad(

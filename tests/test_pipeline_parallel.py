@@ -195,6 +195,25 @@ def test_greedy_outputs_equal_one_process_token_for_token(
     assert got[0]["meta_info"]["cached_tokens"] > 0 and got[3]["meta_info"]["cached_tokens"] > 0
 
 
+def test_a_draft_model_drafts_on_the_first_stage_and_outputs_stay_the_targets(
+    four_layer_folder, reference
+):
+    """STANDALONE speculative decoding under pipeline parallelism: the draft model (here the
+    target itself) runs whole in the first stage's process, the target verifies its chains
+    through the stages; the outputs are those of one process without speculation."""
+    import radixlm
+
+    with radixlm.Engine(
+        four_layer_folder, pp_size=2, speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=four_layer_folder, speculative_adaptive=False,
+        speculative_num_draft_tokens=4, **COMMON,
+    ) as eng:  # fmt: skip
+        got = _workload(eng)
+        stats = eng.get_stats()
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in reference]
+    assert stats["spec_verify_ct"] > 0 and stats["spec_accept_length"] > 2.0, stats
+
+
 def test_the_real_model_on_two_stages(engine, default_model_folder):
     import radixlm
 

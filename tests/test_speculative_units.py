@@ -193,14 +193,6 @@ def test_ngram_takes_sglangs_defaults_and_any_case():
             },
             "not available with STANDALONE",
         ),  # fmt: skip
-        (
-            {
-                "speculative_algorithm": "STANDALONE",
-                "speculative_draft_model_path": "x",
-                "tp_size": 2,
-            },
-            "STANDALONE is not available with tp_size",
-        ),  # fmt: skip
         ({"speculative_algorithm": "LOOKAHEAD"}, "unknown"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, "at least 2"),
         ({"speculative_num_draft_tokens": 4}, "needs speculative_algorithm"),

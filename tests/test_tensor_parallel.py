@@ -166,6 +166,28 @@ def test_mixed_batch_with_a_grammar_a_shared_prefix_and_sampling(engine, tp_engi
     assert outs["tp"][3]["output_ids"] == outs["ref"][3]["output_ids"]
 
 
+def test_a_draft_model_drafts_on_rank_0_and_outputs_stay_the_targets(engine, default_model_folder):
+    """STANDALONE speculative decoding under tensor parallelism: the draft model (here the
+    target itself) runs whole in rank 0's process, the target verifies its chains over both
+    ranks; greedy outputs are those of one process without speculation (but at a near-tie)."""
+    import radixlm
+
+    prompts = [
+        engine.apply_chat_template([{"role": "user", "content": "Name three colours."}]),
+        "The capital of France is",
+    ]
+    with radixlm.Engine(
+        default_model_folder, tp_size=2, speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=default_model_folder, speculative_adaptive=False,
+        speculative_num_draft_tokens=4,
+    ) as eng:  # fmt: skip
+        got = eng.generate(prompts, GREEDY)
+        stats = eng.get_stats()
+    for prompt, ref, out in zip(prompts, engine.generate(prompts, GREEDY), got):
+        assert_same_greedy(engine, prompt, ref, out)
+    assert stats["spec_verify_ct"] > 0 and stats["spec_accept_length"] > 2.0, stats
+
+
 # ---- failures (the tiny model: only the processes matter) ------------------------------------
 
 
