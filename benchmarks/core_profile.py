@@ -106,8 +106,8 @@ def _allow_tracing() -> None:
     try:
         import ctypes
 
-        pr_set_ptracer, any_process = 0x59616D61, -1
-        ctypes.CDLL(None).prctl(pr_set_ptracer, ctypes.c_ulong(any_process & 0xFFFFFFFF), 0, 0, 0)
+        pr_set_ptracer, any_process = 0x59616D61, ctypes.c_ulong(-1)  # (PR_SET_PTRACER_ANY)
+        ctypes.CDLL(None).prctl(pr_set_ptracer, any_process, 0, 0, 0)
     except Exception:  # (not Linux, or no Yama: nothing to allow)
         pass
 
