@@ -152,6 +152,39 @@ def _timeline(arrivals: list, window: float = 0.05) -> str:
     return " ".join(str(b) for b in bins)
 
 
+def distinct_workload(engine, schemas: list[tuple[str, dict]], max_new_tokens: int):
+    """(prompts, constrained params) of the schema-diversity workload: a chat prompt and a greedy
+    JSON-schema request per schema, after a warm-up that compiles the device kernels of every
+    kind of step it runs (mixed prompt and decode steps, masked sampling) under a schema not
+    among them, so that each of theirs still compiles in a first (cold) run."""
+    prompts = [
+        engine.apply_chat_template(
+            [{"role": "user", "content": f"Write one JSON example of {name[:-5]}, as JSON."}]
+        )
+        for name, _ in schemas
+    ]
+    listed = {"max_new_tokens": 8, "temperature": 0, "json_schema": json.dumps(LIST_SCHEMA)}
+    warm = [listed, {"max_new_tokens": 8}] * 8
+    asyncio.run(_stream_all(engine, [prompts[i % len(prompts)] for i in range(16)], warm))
+    cons = [
+        {"max_new_tokens": max_new_tokens, "temperature": 0, "json_schema": json.dumps(s)}
+        for _, s in schemas
+    ]
+    return prompts, cons
+
+
+def unconstrained_twins(outs: list[dict]) -> tuple[list[int], list[dict]]:
+    """The requests not refused (their indices), and for each the unconstrained params of its
+    twin: as many tokens as it made, greedy, EOS ignored."""
+    ok = [i for i, o in enumerate(outs) if o["meta_info"]["finish_reason"]["type"] != "abort"]
+    free = [
+        {"max_new_tokens": max(1, len(outs[i]["output_ids"])), "temperature": 0,
+         "ignore_eos": True}
+        for i in ok
+    ]  # fmt: skip
+    return ok, free
+
+
 def run_distinct(
     model_path,
     folder: Path,
@@ -171,22 +204,7 @@ def run_distinct(
     with radixlm.Engine(model_path, grammar_backend=backend, **engine_args) as eng:
         if stub_model:
             _stub(eng, count)
-        prompts = [
-            eng.apply_chat_template(
-                [{"role": "user", "content": f"Write one JSON example of {name[:-5]}, as JSON."}]
-            )
-            for name, _ in schemas
-        ]
-        # warm-up: the device kernels of every kind of step this workload runs (mixed prompt and
-        # decode steps, masked sampling) compile now, not in the first timed run; under a schema
-        # not among the timed ones, so that every timed grammar still compiles in the cold run
-        listed = {"max_new_tokens": 8, "temperature": 0, "json_schema": json.dumps(LIST_SCHEMA)}
-        warm = [listed, {"max_new_tokens": 8}] * 8
-        asyncio.run(_stream_all(eng, [prompts[i % len(prompts)] for i in range(16)], warm))
-        cons = [
-            {"max_new_tokens": max_new_tokens, "temperature": 0, "json_schema": json.dumps(s)}
-            for _, s in schemas
-        ]
+        prompts, cons = distinct_workload(eng, schemas, max_new_tokens)
         rows, hosts = [], []
         labels = ["cold (compiles)"] * cold_runs + ["warm (cached)"]
         for k, label in enumerate(labels):
@@ -197,9 +215,7 @@ def run_distinct(
             with _FullCollections() as collections:
                 outs, wall, ttft = asyncio.run(_stream_all(eng, prompts, cons, arrivals))
             host = f"{_host_per_step(before, eng.get_stats(), wall)}; {collections}"
-            ok = [
-                i for i, o in enumerate(outs) if o["meta_info"]["finish_reason"]["type"] != "abort"
-            ]
+            ok, free = unconstrained_twins(outs)
             tokens = sum(len(outs[i]["output_ids"]) for i in ok)
             invalid = 0
             for i in ok:
@@ -208,11 +224,6 @@ def run_distinct(
                         jsonschema.validate(json.loads(outs[i]["text"]), schemas[i][1])
                     except Exception:
                         invalid += 1
-            free = [
-                {"max_new_tokens": max(1, len(outs[i]["output_ids"])), "temperature": 0,
-                 "ignore_eos": True}
-                for i in ok
-            ]  # fmt: skip
             before = eng.get_stats()
             f_arrivals: list = []
             with _FullCollections() as collections:

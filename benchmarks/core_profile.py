@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import shutil
@@ -40,10 +39,11 @@ import radixlm
 from benchmarks.common import commit, device_line
 from benchmarks.constrained_throughput import (
     DEFAULT_SCHEMAS,
-    LIST_SCHEMA,
     _engine_arg,
     _stream_all,
     distinct_schemas,
+    distinct_workload,
+    unconstrained_twins,
 )
 
 CORE_THREAD = "radixlm-core"
@@ -152,26 +152,9 @@ def main() -> None:
     schemas = distinct_schemas(args.schemas_dir, args.distinct)
     engine_args = dict(_engine_arg(a) for a in args.engine_arg)
     with radixlm.Engine(args.model_path, **engine_args) as eng, tempfile.TemporaryDirectory() as d:
-        prompts = [
-            eng.apply_chat_template(
-                [{"role": "user", "content": f"Write one JSON example of {name[:-5]}, as JSON."}]
-            )
-            for name, _ in schemas
-        ]
-        listed = {"max_new_tokens": 8, "temperature": 0, "json_schema": json.dumps(LIST_SCHEMA)}
-        warm = [listed, {"max_new_tokens": 8}] * 8
-        asyncio.run(_stream_all(eng, [prompts[i % len(prompts)] for i in range(16)], warm))
-        cons = [
-            {"max_new_tokens": args.max_new_tokens, "temperature": 0, "json_schema": json.dumps(s)}
-            for _, s in schemas
-        ]
+        prompts, cons = distinct_workload(eng, schemas, args.max_new_tokens)
         outs, _, _ = asyncio.run(_stream_all(eng, prompts, cons))  # (every grammar compiles)
-        ok = [i for i, o in enumerate(outs) if o["meta_info"]["finish_reason"]["type"] != "abort"]
-        free = [
-            {"max_new_tokens": max(1, len(outs[i]["output_ids"])), "temperature": 0,
-             "ignore_eos": True}
-            for i in ok
-        ]  # fmt: skip
+        ok, free = unconstrained_twins(outs)
         free_prompts = [prompts[i] for i in ok]
         workloads = {
             "constrained": lambda: asyncio.run(_stream_all(eng, prompts, cons)),
