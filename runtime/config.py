@@ -326,21 +326,16 @@ class EngineConfig:
             bad("dist_timeout must be positive (seconds)")
         if self.gc_warning_threshold_secs < 0:
             bad("gc_warning_threshold_secs must be >= 0 (seconds; 0: no warning)")
-        if self.tp_size > 1 and self.speculative_algorithm == "MEDUSA":
-            bad(
-                "speculative_algorithm MEDUSA is not available with tp_size > 1 yet (its heads "
-                "read the whole LM head, of which each rank holds a part); use NGRAM"
-            )
         if self.pp_size > 1 and self.speculative_eagle_topk > 1:
             bad(
                 "speculative_eagle_topk above 1 (draft trees) is not available with pp_size > 1 "
                 "yet (a tree's step runs as decode rows, which the stages do not take); use 1"
             )
-        if self.speculative_algorithm in EAGLE_ALGORITHMS and self.world_size > 1:
+        if self.speculative_algorithm in EAGLE_ALGORITHMS and self.pp_size > 1:
             bad(
-                f"speculative_algorithm {self.speculative_algorithm} is not available with tp_size "
-                "or pp_size above 1 yet (its draft reads the target's embedding, LM head and "
-                "hidden states, which the ranks or stages split); use STANDALONE or NGRAM"
+                f"speculative_algorithm {self.speculative_algorithm} is not available with pp_size "
+                "above 1 yet (its draft reads hidden states of layers that other stages hold); "
+                "use STANDALONE or NGRAM"
             )
         if self.pp_size > 1 and self.speculative_algorithm == "MEDUSA":
             bad(

@@ -157,7 +157,14 @@ class Engine:
                     model, stage, tp.comm, self.dtype, self.device,
                     config.pp_micro_batch_min_tokens,
                 )  # fmt: skip
-            draft_model = None
+            draft_model, draft_target = None, model
+            if tp is not None and config.speculative_algorithm in (*EAGLE_ALGORITHMS, "MEDUSA"):
+                from radixlm.runtime.speculative.whole_vocab import whole_vocab_target
+
+                # (the drafter runs in this process alone: it reads the whole vocabulary's rows)
+                draft_target = whole_vocab_target(
+                    model, folder, config.load_format, self.dtype, self.device, config.random_seed
+                )
             if config.speculative_algorithm == "STANDALONE":  # (its weights before the KV pools)
                 from radixlm.runtime.speculative.standalone import DraftModel
 
@@ -167,7 +174,7 @@ class Engine:
             elif config.speculative_algorithm in EAGLE_ALGORITHMS:  # (its pool beside the target's)
                 from radixlm.runtime.speculative.eagle3 import Eagle3Drafter
 
-                draft_model = Eagle3Drafter.load(config, model, self.dtype, self.device)
+                draft_model = Eagle3Drafter.load(config, draft_target, self.dtype, self.device)
             num_slots = rank_kv_tokens(config, local, self.dtype, self.device, self.context_len)
             if draft_model is not None:  # (its pool holds as many tokens: the room split)
                 num_slots = draft_model.kv_share(
@@ -190,8 +197,9 @@ class Engine:
         startup.say(f"starting the engine core (KV pool: {num_slots} tokens, {_kv_name(kv_pool)})")
         try:
             self._core = EngineCore(
-                config, local, model, kv_pool, self.context_len, self.device, tp, draft_model
-            )
+                config, local, model, kv_pool, self.context_len, self.device, tp, draft_model,
+                draft_target,
+            )  # fmt: skip
         except BaseException:
             if tp is not None:
                 tp.shutdown()

@@ -156,11 +156,14 @@ class EngineCore:
         device,
         tp=None,
         draft_model=None,
+        draft_target=None,
     ) -> None:
         """`model_config` is this rank's (its own heads); `tp`, under tensor parallelism, is rank
         0's runtime.tp_worker.TensorParallelGroup, whose other ranks run each step's plan too;
         `draft_model`: STANDALONE speculative decoding's (runtime/speculative/standalone.py) or
-        EAGLE3's (runtime/speculative/eagle3.py)."""
+        EAGLE3's (runtime/speculative/eagle3.py); `draft_target`: the target as MEDUSA's heads
+        read it (under tensor parallelism with its whole LM head, runtime/speculative/
+        whole_vocab.py; None: `model`)."""
         self.config = config
         self.context_len = context_len
         self.kv_pool = kv_pool
@@ -195,7 +198,7 @@ class EngineCore:
                 # (its entry at a cached prefix's last position is made with the token after it)
                 self.cache.recompute_cached = 1
 
-            self.speculative = SpeculativeWorker(config, model, draft_model)
+            self.speculative = SpeculativeWorker(config, draft_target or model, draft_model)
         self.scheduler = Scheduler(
             self.cache,
             max_running_requests=config.max_running_requests,

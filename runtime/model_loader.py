@@ -469,6 +469,21 @@ def iter_safetensors(folder: Path, device: str = "cpu"):
             raise ValueError(f"cannot read the weights file {str(folder / file)!r}: {e}") from e
 
 
+def checkpoint_tensors(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors of `names` that the folder's *.safetensors files hold, read alone."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    found: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(folder):
+        with safe_open(str(folder / file), framework="pt", device="cpu") as f:
+            keys = set(f.keys())
+            for name in names:
+                if name not in found and name in keys:
+                    found[name] = f.get_tensor(name)
+    return found
+
+
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights of the right shape (norm weights and quantization scales at one): speed
     depends on shape, not values."""

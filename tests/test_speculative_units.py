@@ -178,11 +178,11 @@ def test_ngram_takes_sglangs_defaults_and_any_case():
         ({"speculative_algorithm": "NEXTN"}, "not available yet"),
         (
             {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x", "pp_size": 2},
-            "EAGLE3 is not available with tp_size or pp_size",
+            "EAGLE3 is not available with pp_size above 1",
         ),
         (
-            {"speculative_algorithm": "eagle", "speculative_draft_model_path": "x", "tp_size": 2},
-            "EAGLE is not available with tp_size or pp_size",
+            {"speculative_algorithm": "eagle", "speculative_draft_model_path": "x", "pp_size": 2},
+            "EAGLE is not available with pp_size above 1",
         ),
         ({"speculative_algorithm": "STANDALONE"}, "needs speculative_draft_model_path"),
         (
@@ -558,3 +558,39 @@ def test_a_tree_is_cut_to_a_requests_room_in_depth_first_order():
     assert cut_tree(tree, 4) == DraftTree([10, 11, 12, 20], [-1, 0, 1, -1])
     cut = cut_tree(tree, 2)
     assert cut == (10, 11) and not isinstance(cut, DraftTree)
+
+
+def _vocab_target(vocab: int, hidden: int, tied: bool):
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(vocab_size=vocab, hidden_size=hidden, tie_word_embeddings=tied)
+    return SimpleNamespace(cfg=cfg, num_layers=2, lm_head="the rank's part")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_drafter_beside_ranks_reads_the_whole_embedding_and_lm_head(tmp_path, tied):
+    """Under tensor parallelism a drafter in rank 0's process reads whole copies of the target's
+    token embedding and LM head from the checkpoint (its other attributes are the target's); a
+    tied model's two are one tensor; a float8 one is refused, saying what."""
+    from safetensors.torch import save_file
+
+    from radixlm.runtime.speculative.whole_vocab import whole_vocab_target
+
+    embed, head = torch.randn(10, 4), torch.randn(10, 4)
+    tensors = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(4)}
+    if not tied:
+        tensors["lm_head.weight"] = head
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    seen = whole_vocab_target(_vocab_target(10, 4, tied), tmp_path, "auto", torch.float32, "cpu")
+    assert seen.num_layers == 2  # (the target's own)
+    assert torch.equal(seen.embed_tokens(torch.tensor([3, 9])), embed[[3, 9]])
+    assert torch.equal(seen.lm_head.weight, embed if tied else head)
+    assert (seen.lm_head.weight is seen.embed_tokens.weight) == tied
+    save_file(
+        {"model.embed_tokens.weight": embed.to(torch.float8_e4m3fn)},
+        str(tmp_path / "model.safetensors"),
+    )
+    with pytest.raises(ValueError, match="needs the checkpoint's embed_tokens unquantized"):
+        whole_vocab_target(_vocab_target(10, 4, True), tmp_path, "auto", torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"whole embed_tokens .* \(10, 5\) in floats"):
+        whole_vocab_target(_vocab_target(10, 5, True), tmp_path, "auto", torch.float32, "cpu")

@@ -58,13 +58,6 @@ def test_partition_keeps_each_query_head_with_its_kv_head():
         Partition.of(_config(9, 3), 0, 4)
 
 
-def test_medusa_heads_are_refused_with_tensor_parallelism():
-    from radixlm.runtime.config import EngineConfig
-
-    with pytest.raises(ValueError, match="MEDUSA is not available with tp_size > 1 yet"):
-        EngineConfig(tp_size=2, speculative_algorithm="medusa")
-
-
 def test_an_error_of_rank_0_inside_a_sent_step_stops_the_engine():
     """The other ranks are inside that step's collectives: going on would pair the next step's
     collectives with theirs, so the error becomes a RankFailure (which stops the engine)."""
@@ -186,6 +179,68 @@ def test_a_draft_model_drafts_on_rank_0_and_outputs_stay_the_targets(engine, def
     for prompt, ref, out in zip(prompts, engine.generate(prompts, GREEDY), got):
         assert_same_greedy(engine, prompt, ref, out)
     assert stats["spec_verify_ct"] > 0 and stats["spec_accept_length"] > 2.0, stats
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_the_shipped_eagle3_draft_drafts_on_rank_0_and_outputs_stay_the_targets(engine, topk):
+    """EAGLE3 under tensor parallelism: the draft runs in rank 0's process on the target's
+    features (the residual stream, whole on every rank) with the whole embedding read from the
+    checkpoint (the ranks hold half the vocabulary each); the shipped head is found by the whole
+    LM head, as in one process. Greedy outputs are those of one process without speculation (but
+    at a near-tie), with drafts taken; as chains and (topk 2) as trees."""
+    import radixlm
+
+    prompts = [
+        engine.apply_chat_template([{"role": "user", "content": "Name three colours."}]),
+        "The capital of France is",
+    ]
+    options = dict(
+        speculative_algorithm="EAGLE3", speculative_adaptive=False, speculative_eagle_topk=topk
+    )
+    with radixlm.Engine(engine.model_folder, tp_size=2, **options) as eng:
+        got = eng.generate(prompts, GREEDY)
+        stats = eng.get_stats()
+    for prompt, ref, out in zip(prompts, engine.generate(prompts, GREEDY), got):
+        assert_same_greedy(engine, prompt, ref, out)
+    assert stats["spec_verify_ct"] > 0 and stats["spec_accept_length"] > 1.2, stats
+
+
+def test_an_eagle_draft_runs_under_tensor_parallelism_with_the_whole_lm_head(engine, tmp_path):
+    """EAGLE (EAGLE-1/2) under tensor parallelism: its draft reads the target's final hidden
+    state and its whole embedding and LM head (a random draft here: outputs must stay the
+    target's whatever it proposes)."""
+    import radixlm
+    from radixlm.runtime.speculative.eagle3_training import new_draft
+
+    draft, raw = new_draft(engine.model, seed=0, algorithm="EAGLE")
+    draft.save(tmp_path, raw)
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    with radixlm.Engine(
+        engine.model_folder, tp_size=2, speculative_algorithm="EAGLE",
+        speculative_draft_model_path=str(tmp_path), speculative_adaptive=False,
+    ) as eng:  # fmt: skip
+        got = eng.generate(prompts, GREEDY)
+        stats = eng.get_stats()
+        assert eng._core.speculative.eagle is not None  # (drafting never failed)
+    for prompt, ref, out in zip(prompts, engine.generate(prompts, GREEDY), got):
+        assert_same_greedy(engine, prompt, ref, out)
+    assert stats["spec_verify_ct"] > 0 and stats["spec_num_proposed_drafts"] > 0, stats
+
+
+def test_the_shipped_medusa_heads_draft_under_tensor_parallelism(engine):
+    """MEDUSA under tensor parallelism: the heads read the final hidden state (whole on rank 0)
+    through the whole LM head; the shipped heads are found by it, and outputs stay the target's."""
+    import radixlm
+
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    with radixlm.Engine(
+        engine.model_folder, tp_size=2, speculative_algorithm="MEDUSA", speculative_adaptive=False
+    ) as eng:
+        got = eng.generate(prompts, GREEDY)
+        stats = eng.get_stats()
+    for prompt, ref, out in zip(prompts, engine.generate(prompts, GREEDY), got):
+        assert_same_greedy(engine, prompt, ref, out)
+    assert stats["spec_verify_ct"] > 0 and stats["spec_accept_length"] > 1.0, stats
 
 
 # ---- failures (the tiny model: only the processes matter) ------------------------------------
