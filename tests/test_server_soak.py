@@ -29,6 +29,12 @@ FULL_SOAK = os.environ.get("RADIXLM_FULL_SOAK") == "1"
 # 50 times the pool (about 43,000 tokens), and it too ends each of its eleven rounds (the warm-up
 # and ten tenths) idle, with the KV whole and the RSS read.
 SOAK_REQUESTS = 5000 if FULL_SOAK else 1000
+# The idle RSS may grow by less than this from the warm-up's end. The allocator's state moves it
+# by tens of MB whatever the count of requests (the short soak once read the engine at +5.5% on
+# CI, 601 -> 634 MiB; here it stays within 1-2%): a share of the RSS that only the full soak's
+# 5,000 requests can hold to 5%. The short soak's 10% still catches a leak of a logits row
+# (49,152 floats, about 200 KB) a request: 160 MB over its 800 requests.
+MAX_RSS_GROWTH = 0.05 if FULL_SOAK else 0.10
 
 
 @pytest.mark.slow
@@ -46,11 +52,13 @@ def test_mixed_requests_on_a_small_kv_pool_leave_no_5xx_no_leak_and_flat_memory(
         try:
             engine_pid = httpx.get(url + "/server_info", timeout=30).json()["engine_pid"]
             pids = {"server": proc.pid, "engine": engine_pid}
-            result = soak.soak(url, pids, requests=requests, concurrency=24, seed=0)
+            result = soak.soak(
+                url, pids, requests=requests, concurrency=24, seed=0, max_growth=MAX_RSS_GROWTH
+            )
         finally:
             stop_server(proc)
     # the checks of the soak itself: no 5xx, each answer as its kind expects, KV whole and
-    # unlocked, nothing running or waiting, RSS growth under 5% in both processes
+    # unlocked, nothing running or waiting, RSS growth under MAX_RSS_GROWTH in both processes
     assert result.failures == [], result.failures
     kinds = Counter(o.kind for o in result.outcomes)
     assert set(kinds) == {name for name, _ in soak.KINDS}

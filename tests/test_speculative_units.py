@@ -594,3 +594,6 @@ def test_a_drafter_beside_ranks_reads_the_whole_embedding_and_lm_head(tmp_path, 
         whole_vocab_target(_vocab_target(10, 4, True), tmp_path, "auto", torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"whole embed_tokens .* \(10, 5\) in floats"):
         whole_vocab_target(_vocab_target(10, 5, True), tmp_path, "auto", torch.float32, "cpu")
+    save_file({"model.embed_tokens.weight": embed}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="whole lm_head .*: absent"):  # (untied: its own needed)
+        whole_vocab_target(_vocab_target(10, 4, False), tmp_path, "auto", torch.float32, "cpu")

@@ -43,7 +43,7 @@ def whole_vocab_target(target, folder, load_format: str, dtype, device, seed: in
 
         found = checkpoint_tensors(folder, ("model.embed_tokens.weight", "lm_head.weight"))
         embedding = found.get("model.embed_tokens.weight")
-        head = embedding if cfg.tie_word_embeddings else found.get("lm_head.weight", embedding)
+        head = embedding if cfg.tie_word_embeddings else found.get("lm_head.weight")
         for name, tensor in (("embed_tokens", embedding), ("lm_head", head)):
             if tensor is None or tuple(tensor.shape) != shape or not tensor.is_floating_point():
                 raise ValueError(
