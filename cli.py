@@ -51,7 +51,9 @@ _ENGINE_HELP = {
     "quantization": "weight quantization: fp8 (a bf16/fp16/fp32 checkpoint's linear layers "
     "quantized at load to float8 with a scale per output channel, activations per token: W8A8) "
     "or w4a16 (to INT4 in groups of 128, activations as they are); "
-    "a compressed-tensors FP8 checkpoint is detected from its config.json and run as stored; "
+    "a quantized checkpoint (compressed-tensors FP8 or W4A16, AWQ, GPTQ) is detected from its "
+    "config.json and run as stored, as its format's name does (awq, awq_marlin, gptq, "
+    "gptq_marlin, compressed-tensors: SGLang's; refused for a checkpoint of another format); "
     "gguf runs a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks as stored, none (the default) "
     "dequantizes it to float",
     "random_seed": "the seed of the engine's own random choices (per-request seeds otherwise)",

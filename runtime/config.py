@@ -57,8 +57,10 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as SGLang reads them
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _KV_CACHE_LATER = ("fp8_e5m2", "fp4_e2m1", "bf16", "bfloat16")
 # runtime/quantization/plan.py QUANTIZATION_METHODS
-_QUANTIZATION = ("fp8", "w4a16", "gguf", "none")
-_QUANTIZATION_LATER = ("awq", "gptq", "awq_marlin", "gptq_marlin")
+_QUANTIZATION = (
+    "fp8", "w4a16", "gguf", "none", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors",
+)  # fmt: skip
+_QUANTIZATION_LATER = ("bitsandbytes", "modelopt", "modelopt_fp4", "mxfp4", "w8a8_int8")
 
 
 @dataclass(frozen=True)
@@ -257,8 +259,8 @@ class EngineConfig:
             later = " is not available yet" if self.quantization in _QUANTIZATION_LATER else ""
             bad(
                 f"quantization={self.quantization!r}{later}; use one of {', '.join(_QUANTIZATION)}"
-                " (a compressed-tensors FP8 checkpoint is detected from its config.json: leave "
-                "quantization unset for it)"
+                " (a quantized checkpoint is detected from its config.json: leave quantization "
+                "unset for it, or name its format)"
             )
         if self.attention_backend not in ("auto", "torch", "triton"):
             bad(f"attention_backend={self.attention_backend!r}; use auto, torch or triton")

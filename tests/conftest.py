@@ -5,6 +5,29 @@ import os
 import pytest
 import torch
 
+
+def _import_hub_kernels() -> None:
+    """transformers imports Hugging Face's `kernels` distribution (a dependency of it) by that
+    top-level name, and the repository root, on sys.path for `tests` and `benchmarks`, holds
+    radixlm's own `kernels` package: imported first with the root left out, the distribution's
+    is the one that name means from here on (radixlm's own is `radixlm.kernels`)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    hidden = [p for p in sys.path if p in ("", ".", root) or Path(p or ".").resolve() == Path(root)]
+    sys.path[:] = [p for p in sys.path if p not in hidden]
+    try:
+        importlib.import_module("kernels")
+    except ImportError:
+        pass  # (not installed: nothing to stand in for)
+    finally:
+        sys.path[:0] = hidden
+
+
+_import_hub_kernels()
+
 # Triton kernels run on the CPU through the interpreter when there is no GPU; this must be set
 # before triton is imported anywhere.
 if not torch.cuda.is_available():

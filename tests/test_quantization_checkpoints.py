@@ -327,3 +327,23 @@ def test_awq_and_gptq_layouts_load_as_their_reference_dequantization_says(awq_gp
                 torch.testing.assert_close(got, torch.cat(want), atol=0, rtol=1e-6)
         outs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
     assert all(len(o) == 8 for o in outs)
+
+
+def test_sglangs_names_of_a_checkpoints_format_run_it_as_stored_or_say_what_it_is(
+    awq_gptq_checkpoint, tiny_model_folder
+):
+    """quantization="awq" / "awq_marlin" / "gptq" / "gptq_marlin" / "compressed-tensors" (SGLang's
+    names) run a checkpoint of that format as leaving it unset does; a checkpoint of another
+    format, or an unquantized one, is refused saying what it is."""
+    layout, folder = awq_gptq_checkpoint
+    other = "gptq" if layout == "awq" else "awq"
+    with radixlm.Engine(str(folder), dtype="float32") as engine:
+        want = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+    with radixlm.Engine(str(folder), dtype="float32", quantization=f"{layout}_marlin") as engine:
+        assert [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)] == want
+    with pytest.raises(
+        ValueError, match=rf"quantization='{other}' runs a .* this one is {layout.upper()}"
+    ):
+        radixlm.Engine(str(folder), dtype="float32", quantization=other)
+    with pytest.raises(ValueError, match="this one is not quantized: use quantization='fp8'"):
+        radixlm.Engine(tiny_model_folder, dtype="float32", quantization="compressed-tensors")

@@ -145,7 +145,7 @@ def test_fp8_on_the_real_model_agrees_with_the_unquantized_model(engine, default
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("awq", "quantization='awq' is not available yet; use one of fp8"),
+        ("bitsandbytes", "quantization='bitsandbytes' is not available yet; use one of fp8"),
         ("int3", "quantization='int3'; use one of fp8"),
     ],
 )

@@ -20,11 +20,22 @@ from radixlm.runtime.quantization.checkpoint import StoredQuantization
 from radixlm.runtime.quantization.fp8 import Fp8Linear
 from radixlm.runtime.quantization.int4 import Int4Linear
 
+# SGLang's names of a quantized checkpoint's own format: each runs such a checkpoint as stored
+# (as leaving quantization unset does; the Marlin ones name CUDA kernels of SGLang and vLLM, here
+# the INT4 kernels run) and refuses any other, saying what the checkpoint is
+STORED_FORMATS = {
+    "awq": ("AWQ", ("awq",)),
+    "awq_marlin": ("AWQ", ("awq",)),
+    "gptq": ("GPTQ", ("gptq", "gptq_v2")),
+    "gptq_marlin": ("GPTQ", ("gptq", "gptq_v2")),
+    "compressed-tensors": ("compressed-tensors", ("compressed-tensors",)),
+}
 QUANTIZATION_METHODS = (
     "fp8",
     "w4a16",
     "gguf",
     "none",
+    *STORED_FORMATS,
 )  # EngineConfig.quantization's values (None: the checkpoint's own; config.py)
 
 
@@ -53,6 +64,20 @@ def plan_for(
                 "leave quantization unset to run it as stored"
             )
         return None
+    if option in STORED_FORMATS:
+        kind, layouts = STORED_FORMATS[option]
+        if stored is None or stored.layout not in layouts:
+            what = "not quantized" if stored is None else f"{stored.description}"
+            hint = (
+                "leave quantization unset to run it as stored"
+                if stored is not None
+                else "use quantization='fp8' or 'w4a16' to quantize it at load"
+            )
+            raise ValueError(
+                f"quantization={option!r} runs a {kind} checkpoint as stored (its config.json's "
+                f"quantization_config says so), but this one is {what}: {hint}"
+            )
+        option = None  # (as stored)
     if stored is not None:
         if option is not None and option != stored.scheme:
             raise ValueError(
