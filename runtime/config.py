@@ -285,7 +285,7 @@ class EngineConfig:
 
     @property
     def speculative_draft_depth(self) -> int:
-        """EAGLE's and EAGLE3's draft steps a round (the depth of its main chain):
+        """EAGLE's, EAGLE3's and STANDALONE's draft steps a round (the depth of its main chain):
         speculative_num_steps if set; else as many as the draft tokens (a chain) or 3 (a
         tree)."""
         if self.speculative_num_steps is not None:
@@ -369,7 +369,9 @@ class EngineConfig:
                 )
             if steps is not None and steps < 1:
                 bad(f"speculative_num_steps={steps}; it must be at least 1")
-            tree = algorithm in EAGLE_ALGORITHMS and self.speculative_eagle_topk > 1
+            tree = (
+                algorithm in (*EAGLE_ALGORITHMS, "STANDALONE") and self.speculative_eagle_topk > 1
+            )
             if tree and self.speculative_num_draft_tokens is None:
                 # (its main chain and the other candidates at each depth, as SGLang's trees)
                 depth = steps or _EAGLE_TREE_DEPTH
@@ -397,11 +399,6 @@ class EngineConfig:
                 bad(
                     "speculative_algorithm=STANDALONE needs speculative_draft_model_path: the "
                     "draft model (a folder or a GGUF file, of the target's tokenizer)"
-                )
-            if algorithm == "STANDALONE" and self.speculative_eagle_topk > 1:
-                bad(
-                    "speculative_eagle_topk above 1 is not available with STANDALONE yet (its "
-                    "draft model writes one chain); use 1"
                 )
             if self.speculative_draft_model_path is not None and algorithm == "NGRAM":
                 bad(

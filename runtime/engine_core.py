@@ -51,7 +51,8 @@ def tree_rows(config) -> int:
     if config.speculative_algorithm is None or config.speculative_eagle_topk <= 1:
         return 0
     paths = config.speculative_eagle_topk
-    if config.speculative_algorithm in EAGLE_ALGORITHMS:  # (a leaf a node off its main chain)
+    if config.speculative_algorithm in (*EAGLE_ALGORITHMS, "STANDALONE"):
+        # (a chain and leaves: a leaf a path off the main chain)
         paths = config.speculative_num_draft_tokens - config.speculative_draft_depth
     return (paths - 1) * min(config.max_running_requests, 16)
 

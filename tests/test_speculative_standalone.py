@@ -201,3 +201,82 @@ def test_the_decode_step_path_drafts_what_the_eager_path_drafts(tiny_model_folde
         m.release_all()
         assert m.allocator.num_free == m.allocator.capacity
         assert m.rows.num_free == config.max_running_requests
+
+
+def test_draft_trees_are_the_chain_and_each_steps_rivals_on_either_path(default_model_folder):
+    """speculative_eagle_topk=2: each draft is a tree of at most num nodes, whose first path is
+    the greedy chain of `speculative_draft_depth` steps (what topk=1 drafts) and whose other
+    nodes are leaves, each a draft step's next candidate; the decode-step path (graphs' padded
+    steps, run eagerly here) drafts the trees the eager forwards do, round after round."""
+    import torch
+
+    from radixlm.protocol.sampling_params import SamplingParams
+    from radixlm.runtime.config import EngineConfig
+    from radixlm.runtime.model_loader import load_tokenizer
+    from radixlm.runtime.request import Req
+    from radixlm.runtime.speculative.standalone import DraftModel
+    from radixlm.runtime.speculative.tree import DraftTree
+
+    def model(topk: int, graphs: bool) -> DraftModel:
+        config = EngineConfig(
+            model_path=default_model_folder, device="cpu", dtype="float32",
+            speculative_algorithm="STANDALONE", speculative_draft_model_path=default_model_folder,
+            speculative_eagle_topk=topk, speculative_num_steps=3,
+            speculative_num_draft_tokens=6 if topk > 1 else 4,
+        )  # fmt: skip
+        m = DraftModel.load(config, tok, torch.float32, torch.device("cpu"), 256)
+        m.make_cache(2048)
+        if graphs:
+            m.use_graphs(8, capture=False)
+        return m
+
+    tok = load_tokenizer(default_model_folder)
+    made = [model(2, False), model(2, True), model(1, False)]
+
+    texts = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3,"]
+
+    def reqs():
+        return [
+            Req(f"r{k}", tok.encode(t), SamplingParams(max_new_tokens=64), 0, None)
+            for k, t in enumerate(texts)
+        ]
+
+    sides = [reqs() for _ in made]
+    trees = 0
+    for round_, take in enumerate([1, 3, 0]):
+        eager, stepped, chains = (
+            m.draft(side, 5 if m.width > 1 else 3) for m, side in zip(made, sides)
+        )
+        assert eager == stepped
+        for k, (tree, chain) in enumerate(zip(eager, chains)):
+            assert 1 <= len(tree) <= 5 and len(chain) == 3
+            if isinstance(tree, DraftTree):
+                trees += 1
+                first = tree.first_path()
+                assert all(p == -1 or p < j for j, p in enumerate(tree.parents))
+            else:
+                first = tuple(tree)
+            assert list(first) == chain[: len(first)]  # (the chain, cut where leaves rank above)
+            more = chain[:take] + [9 + round_ + k]  # (+ the target's own token)
+            for side in sides:
+                side[k].output_ids += more
+    assert trees > 0
+    for m in made:
+        m.release_all()
+        assert m.allocator.num_free == m.allocator.capacity
+
+
+def test_draft_trees_change_nothing_but_speed(tiny_model_folder, default_model_folder, reference):
+    """speculative_eagle_topk=2 with a draft model: trees verified in one step each (a random
+    draft model's, whose rivals differ from its chain), greedy outputs plain decoding's."""
+    prompts, params, plain = reference
+    with start(
+        default_model_folder, speculative_draft_model_path=tiny_model_folder,
+        speculative_eagle_topk=2, **DRAFTING,
+    ) as eng:  # fmt: skip
+        assert eng.config.speculative_num_draft_tokens == 7  # (a chain of 3 and its rivals)
+        outs = eng.generate(prompts, params)
+        stats = eng.get_stats()
+    assert results(outs) == results(plain)
+    assert kv_whole(stats), stats
+    assert stats["spec_verify_ct"] > 0 and stats["spec_num_proposed_drafts"] > 0

@@ -190,8 +190,9 @@ def test_ngram_takes_sglangs_defaults_and_any_case():
                 "speculative_algorithm": "STANDALONE",
                 "speculative_draft_model_path": "x",
                 "speculative_eagle_topk": 2,
+                "pp_size": 2,
             },
-            "not available with STANDALONE",
+            "draft trees\\) is not available with pp_size > 1",
         ),  # fmt: skip
         ({"speculative_algorithm": "LOOKAHEAD"}, "unknown"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, "at least 2"),

@@ -10,6 +10,11 @@ step per further draft token. The target verifies the chain as it verifies any o
 token, sampled ones by rejection sampling, which preserves the target's distribution for a
 deterministic draft.
 
+With speculative_eagle_topk above 1 a draft is a tree, as EAGLE3's: the chain of
+`speculative_draft_depth` steps and, at each step, the draft model's next candidates as leaves
+off it (eagle3.py `draft_tree`); the leaves are not run through the draft model, and one the
+target takes is caught up on at the next draft as any token the target chose.
+
 On a GPU the draft model's steps replay CUDA graphs of its decode forward (one token per
 request a step: the few tokens it catches up on, then the draft tokens, each argmax left as the
 next step's input on the device), and only a long catch-up (a new request's prompt) runs eagerly.
@@ -65,6 +70,10 @@ class DraftModel:
         self._seen: dict[int, _Seen] = {}  # by id(req)
         self.graphs = None  # its decode steps' graphs (`use_graphs`)
         self.token_buf: torch.Tensor | None = None
+        # candidates a draft holds (speculative_eagle_topk): 1, a chain; more, a tree of the
+        # chain (speculative_draft_depth steps) and each step's next candidates as leaves
+        self.width = config.speculative_eagle_topk
+        self.depth = config.speculative_draft_depth
 
     @classmethod
     def load(cls, config, target_tokenizer, dtype, device, context_len: int) -> DraftModel:
@@ -140,38 +149,70 @@ class DraftModel:
     # ---- drafting ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def draft(self, reqs: list[Req], num: int) -> list[list[int]]:
+    def draft(self, reqs: list[Req], num: int) -> list[list[int] | tuple[int, ...]]:
         """Each request's greedy chain of `num` tokens after its newest one ([] for a request
-        the cache has no room for this step)."""
+        the cache has no room for this step). With `width` above 1, a tree of at most `num`
+        nodes instead (eagle3.py `draft_tree`): a chain of `depth` steps and, at each, the
+        draft model's next width - 1 candidates as leaves, the likeliest nodes kept."""
         self._forget_finished()
+        steps = min(num, self.depth) if self.width > 1 else num
         seen = [self._catch_up_to(r) for r in reqs]
         new = [r.ids_slice(s.known) if s is not None else [] for r, s in zip(reqs, seen)]
-        fits = self._make_room([len(n) + num - 1 for n, s in zip(new, seen) if s is not None], reqs)
+        fits = self._make_room(
+            [len(n) + steps - 1 for n, s in zip(new, seen) if s is not None], reqs
+        )
         chosen = [i for i, s in enumerate(seen) if s is not None and fits]
-        chains: list[list[int]] = [[] for _ in reqs]
+        chains: list[list[int] | tuple[int, ...]] = [[] for _ in reqs]
         if not chosen or num <= 0:
             return chains
+        tops: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if self.width > 1 else None
         if self.graphs is not None and self.graphs.can_run(len(chosen)):
-            for i, chain in zip(
-                chosen, self._stepped([seen[i] for i in chosen], [new[i] for i in chosen], num)
-            ):
+            made = self._stepped([seen[i] for i in chosen], [new[i] for i in chosen], steps, tops)
+        else:
+            made = self._eager_steps(
+                [seen[i] for i in chosen], [new[i] for i in chosen], steps, tops
+            )
+        if tops is None:
+            for i, chain in zip(chosen, made):
                 chains[i] = chain
             return chains
-        # the unseen tokens of each, the longer first (a prompt step: ForwardBatch's order)
-        chosen.sort(key=lambda i: len(new[i]) == 1)
-        last = self._forward([seen[i] for i in chosen], [new[i] for i in chosen])
-        for _ in range(num):
-            for i, token in zip(chosen, last):
-                chains[i].append(token)
-            if len(chains[chosen[0]]) == num:
-                break
-            last = self._forward([seen[i] for i in chosen], [[t] for t in last])
+        from radixlm.runtime.speculative.eagle3 import draft_tree
+
+        probs = torch.stack([p for p, _ in tops], dim=1).tolist()  # (requests, steps, width + 1)
+        ids = torch.stack([t for _, t in tops], dim=1).tolist()
+        for i, chain, p, t in zip(chosen, made, probs, ids):
+            chains[i] = draft_tree(chain, p, t, self.width, num)
         return chains
 
-    def _stepped(self, seen: list[_Seen], new: list[list[int]], num: int) -> list[list[int]]:
+    def _eager_steps(
+        self, seen: list[_Seen], new: list[list[int]], steps: int, tops=None
+    ) -> list[list[int]]:
+        """`draft` eagerly: the unseen tokens of each request in one forward, then one decode
+        forward a further draft token; `tops` gets each step's candidates (`_top`)."""
+        order = sorted(range(len(seen)), key=lambda k: len(new[k]) == 1)  # (ForwardBatch's order)
+        seen, new = [seen[k] for k in order], [new[k] for k in order]
+        chains: list[list[int]] = [[] for _ in seen]
+        last = self._forward(seen, new, tops)
+        for _ in range(steps):
+            for chain, token in zip(chains, last):
+                chain.append(token)
+            if len(chains[0]) == steps:
+                break
+            last = self._forward(seen, [[t] for t in last], tops)
+        back = [0] * len(order)  # (in the order the requests came)
+        for k, j in enumerate(order):
+            back[j] = k
+        if tops is not None:
+            tops[:] = [(p[back], t[back]) for p, t in tops]
+        return [chains[back[j]] for j in range(len(order))]
+
+    def _stepped(
+        self, seen: list[_Seen], new: list[list[int]], num: int, tops=None
+    ) -> list[list[int]]:
         """`draft` through the decode graphs: a long catch-up eagerly first (all but its last
         token), the rest of the catch-up a decode step per token, then `num` steps whose inputs
-        are the argmaxes before them, left in `token_buf`; one copy to the host at the end."""
+        are the argmaxes before them, left in `token_buf`; one copy to the host at the end.
+        `tops` gets each draft step's candidates (`_top`)."""
         long = [k for k, toks in enumerate(new) if len(toks) > _STEPPED_CATCH_UP]
         if long:
             self._forward([seen[k] for k in long], [new[k][:-1] for k in long])
@@ -180,18 +221,24 @@ class DraftModel:
         for c in range(max(map(len, new)) - 1):  # the catch-up's tokens but the last
             some = [k for k, toks in enumerate(new) if len(toks) - 1 > c]
             self._graph_step([seen[k] for k in some], [new[k][c] for k in some])
-        drafted = [self._graph_step(seen, [toks[-1] for toks in new]).clone()]
+        drafted = [self._graph_step(seen, [toks[-1] for toks in new], tops).clone()]
         for _ in range(num - 1):
-            drafted.append(self._graph_step(seen, None).clone())
+            drafted.append(self._graph_step(seen, None, tops).clone())
         chains = torch.stack(drafted, dim=1).tolist()
         for s, chain in zip(seen, chains):  # the draft tokens run over, known now
             s.tokens[len(s.tokens) - num + 1 :] = chain[:-1]
         return chains
 
-    def _graph_step(self, seen: list[_Seen], tokens: list[int] | None) -> torch.Tensor:
+    def _top(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's width + 1 likeliest tokens (its argmax and its rivals) as (probabilities,
+        ids), likeliest first."""
+        probs = logits[:, : self.vocab].float().softmax(dim=-1)
+        return probs.topk(self.width + 1, dim=-1)
+
+    def _graph_step(self, seen: list[_Seen], tokens: list[int] | None, tops=None) -> torch.Tensor:
         """One decode step of the graphs over seen's requests, each computing `tokens[i]` (None:
         the token the step before left in `token_buf`) after what it holds; their argmaxes, on
-        the device (a view of the graph's output)."""
+        the device (a view of the graph's output). `tops`: the step's candidates appended."""
         rows = [s.row for s in seen]
         if tokens is not None:
             at = to_device(int64_tensor(rows), self.device)
@@ -202,12 +249,15 @@ class DraftModel:
             s.tokens.append(token)  # (-1: a draft token, written in by `_stepped`)
             seq_lens.append(len(s.tokens))
         self.rows.write_next_host(rows, seq_lens, slots)  # (the step writes the device's)
-        _, argmax = self.graphs.run(rows, seq_lens, slots)
+        logits, argmax = self.graphs.run(rows, seq_lens, slots)
+        if tops is not None:  # (before the next replay overwrites the graph's logits)
+            tops.append(self._top(logits))
         return argmax
 
-    def _forward(self, seen: list[_Seen], tokens: list[list[int]]) -> list[int]:
+    def _forward(self, seen: list[_Seen], tokens: list[list[int]], tops=None) -> list[int]:
         """Run the draft model over `tokens[i]` after what seen[i] holds (slots allocated, the
-        request table written), and return each request's argmax after its last token."""
+        request table written), and return each request's argmax after its last token (`tops`:
+        the candidates there appended)."""
         rows, prefix, extend, ids, positions, logits_rows = [], [], [], [], [], []
         for s, toks in zip(seen, tokens):
             start = len(s.tokens)
@@ -241,6 +291,8 @@ class DraftModel:
             num_multi=sum(n > 1 for n in extend),
         )
         logits = self.model(batch, self.backend)
+        if tops is not None:
+            tops.append(self._top(logits))
         return logits[:, : self.vocab].argmax(dim=-1).tolist()
 
     # ---- the cache ---------------------------------------------------------------------------
