@@ -308,11 +308,6 @@ class EngineConfig:
             bad(
                 f"pp_micro_batch_min_tokens={self.pp_micro_batch_min_tokens}; it must be at least 1"
             )
-        if self.pp_size > 1 and self.tp_size > 1:
-            bad(
-                f"pp_size={self.pp_size} with tp_size={self.tp_size} is not supported yet: use "
-                "one of them (tp_size inside a node, or pp_size stages, one a GPU or node)"
-            )
         if self.nnodes < 1 or self.world_size % self.nnodes:
             size = f"tp_size={self.tp_size}" if self.pp_size == 1 else f"pp_size={self.pp_size}"
             bad(f"nnodes={self.nnodes} must be at least 1 and divide {size}")

@@ -110,12 +110,17 @@ class Engine:
         # tensor or pipeline parallelism: this process is rank 0 (the first stage), whose engine
         # core decides every step
         self._tp = tp = partition = stage = None
-        local = mc  # the model as this rank holds it (its own heads, or its own layers)
+        local = mc  # the model as this rank holds it (its own heads, its own layers, or both)
+        if config.tp_size > 1:
+            from radixlm.runtime.parallel import Partition
+
+            partition = Partition.of(mc, 0, config.tp_size)
+            local = partition.local_config(mc)
         if config.pp_size > 1:
             from radixlm.runtime.pipeline import Stage
 
             stage = Stage.of(mc, 0, config.pp_size)  # (more stages than layers: refused here)
-            local = stage.local_config(mc)
+            local = stage.local_config(local)
             if self.device.type == "cuda" and not config.disable_cuda_graph:
                 startup.say("pipeline parallelism: CUDA graphs are off (not captured under pp)")
                 self.config = config = dataclasses.replace(config, disable_cuda_graph=True)
@@ -123,12 +128,8 @@ class Engine:
             startup.say(
                 f"pipeline parallelism: {config.pp_size} stages of layers "
                 + ", ".join(f"[{s.start}, {s.end})" for s in splits)
+                + (f", each over {config.tp_size} tensor-parallel ranks" if partition else "")
             )
-        elif config.tp_size > 1:
-            from radixlm.runtime.parallel import Partition
-
-            partition = Partition.of(mc, 0, config.tp_size)
-            local = partition.local_config(mc)
         if config.world_size > 1:
             from radixlm.runtime.tp_worker import TensorParallelGroup, rank_device
 
@@ -148,14 +149,14 @@ class Engine:
             startup.say(f"building the model on {self.device} ({dtype_name})")
             self.model = model = build_model(
                 config, folder, mc, self.dtype, self.device, self.context_len, sampled_vocab,
-                partition, None if tp is None or stage is not None else tp.comm, stage=stage,
+                partition, None if partition is None else tp.stage_comm, stage=stage,
             )  # fmt: skip
             if stage is not None:
                 from radixlm.runtime.pipeline import PipelineStageModel
 
                 self.model = model = PipelineStageModel(
                     model, stage, tp.comm, self.dtype, self.device,
-                    config.pp_micro_batch_min_tokens,
+                    config.pp_micro_batch_min_tokens, tp_size=config.tp_size,
                 )  # fmt: skip
             draft_model, draft_target = None, model
             if tp is not None and config.speculative_algorithm in (*EAGLE_ALGORITHMS, "MEDUSA"):

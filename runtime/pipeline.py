@@ -162,9 +162,16 @@ class PipelineStageModel(nn.Module):
         dtype: torch.dtype,
         device,
         micro_batch_min_tokens: int = 256,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
+        """`comm`: the whole group's (the stages' ranks); `tp_rank` of `tp_size`: this rank's
+        place among its stage's tensor-parallel ranks (each sends on to its own peer of the
+        next stage, whose activations are the same; the first of the last stage sends the
+        logits back)."""
         super().__init__()
         self.model, self.stage, self.link = model, stage, StageLink(comm)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.micro_batch_min_tokens = micro_batch_min_tokens
         self.num_micro_batched_steps = 0  # steps split into micro-batches (on this stage)
         self.dtype, self.device = dtype, device
@@ -187,7 +194,7 @@ class PipelineStageModel(nn.Module):
         self.num_micro_batched_steps += 1
         with torch.inference_mode():
             logits = self._run([to_batch(p) for p in parts], backend)
-        if not self.stage.first:
+        if not self._samples:
             return None
         # (each part's own rows: a padded batch has copies of its row 0 after them)
         return torch.cat([x[: len(p.logits_rows)] for x, p in zip(logits, parts)])
@@ -202,6 +209,7 @@ class PipelineStageModel(nn.Module):
         starts the recv of a micro-batch's logits right after its activations' send (had it
         started the next send first, the two stages would each wait on the other's send)."""
         m, stage, link = self.model, self.stage, self.link
+        tp, t = self.tp_size, self.tp_rank
         pending, out = [], []  # (the waits of the sends and recvs started)
         for batch in batches:
             if stage.first:
@@ -211,27 +219,34 @@ class PipelineStageModel(nn.Module):
                     (2, batch.num_tokens, self.cfg.hidden_size), dtype=self.dtype,
                     device=self.device,
                 )  # fmt: skip
-                x, residual = link.recv(buf, stage.index - 1, _ACTIVATIONS).unbind(0)
+                x, residual = link.recv(buf, (stage.index - 1) * tp + t, _ACTIVATIONS).unbind(0)
             rope = m.rope.lookup(batch.positions)
             for layer in m.layers:
                 x, residual = layer(rope, x, residual, batch, backend)
             if not stage.last:
                 activations = torch.stack((x, residual))
-                pending.append(link.start_send(activations, stage.index + 1, _ACTIVATIONS))
-                if stage.first:  # the last stage's logits of this micro-batch, when they come
+                pending.append(
+                    link.start_send(activations, (stage.index + 1) * tp + t, _ACTIVATIONS)
+                )
+                if self._samples:  # the last stage's logits of this micro-batch, when they come
                     logits = self._logits_buffer(batch)
-                    pending.append(link.start_recv(logits, stage.size - 1, _LOGITS))
+                    pending.append(link.start_recv(logits, (stage.size - 1) * tp, _LOGITS))
                     out.append(logits)
                 else:
                     out.append(None)
             else:
-                logits = m.logits(x, residual, batch)
-                if not stage.first:
+                logits = m.logits(x, residual, batch)  # (whole rows on each of the stage's ranks)
+                if not stage.first and t == 0:
                     pending.append(link.start_send(logits.contiguous(), 0, _LOGITS))
                 out.append(logits)
         for wait in pending:
             wait()
         return out
+
+    @property
+    def _samples(self) -> bool:
+        """Whether this rank gets the step's logits: the engine's (the first stage's first)."""
+        return self.stage.first and self.tp_rank == 0
 
     def _logits_buffer(self, batch) -> torch.Tensor:
         rows = batch.num_tokens if batch.logits_indices is None else len(batch.logits_indices)

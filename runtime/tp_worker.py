@@ -22,7 +22,10 @@ from a TCPStore at `dist_init_addr` (default: a free loopback port), each with `
 Pipeline stages (runtime/pipeline.py) are this group's ranks too, with pp_size in place of
 tp_size: the same processes, channel, step messages and failure handling; their model passes
 activations on by send/recv where a tensor-parallel one runs collectives, and no token broadcast
-is needed (only the first stage embeds tokens).
+is needed (only the first stage embeds tokens). With both, rank r is stage r // tp_size's rank
+r % tp_size (`place`); a stage's ranks run their collectives in a process group of their own
+(`stage_group`), the whole group's carrying the stages' messages, and the token broadcast goes
+to the first stage's ranks only.
 
 Failure: a rank that raises tells rank 0 why and exits; a rank that dies closes its channel and
 connections. Rank 0's watcher thread sees either and stops the engine (every request failed with
@@ -106,6 +109,8 @@ class Channel:
 
 def rank_name(config) -> str:
     """What a process of the group is called in messages."""
+    if config.pp_size > 1 and config.tp_size > 1:
+        return "rank"
     return "pipeline stage" if config.pp_size > 1 else "tensor-parallel rank"
 
 
@@ -133,19 +138,47 @@ def rank_device(rank0_device: str, local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _process_group(store, rank: int, size: int, device: torch.device, timeout: float):
+def _process_group(
+    store,
+    rank: int,
+    size: int,
+    device: torch.device,
+    timeout: float,
+    name: str = "tp",
+    global_ranks: list[int] | None = None,
+):
+    """The process group `name` of `size` ranks (`global_ranks`: theirs in the whole group), this
+    process its rank `rank`, made over `store`."""
     import torch.distributed as dist
 
-    prefixed = dist.PrefixStore("tp", store)
+    prefixed = dist.PrefixStore(name, store)
     delta = datetime.timedelta(seconds=timeout)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = delta  # (as init_process_group sets it up)
         options.is_high_priority_stream = False
-        options.global_ranks_in_group = list(range(size))
-        options.group_name = f"radixlm-tp-{store.port}"  # (one group per engine)
+        options.global_ranks_in_group = global_ranks or list(range(size))
+        options.group_name = f"radixlm-{name}-{store.port}"  # (one group per engine)
         return dist.ProcessGroupNCCL(prefixed, rank, size, options)
     return dist.ProcessGroupGloo(prefixed, rank, size, delta)
+
+
+def place(config, rank: int) -> tuple[int, int]:
+    """(pipeline stage, tensor-parallel rank within it) of rank `rank` of the whole group: the
+    ranks of a stage are consecutive (a stage's tensor-parallel group on one node where it can
+    be), stage 0's first."""
+    return divmod(rank, config.tp_size)
+
+
+def stage_group(store, config, rank: int, device: torch.device):
+    """The process group of the tensor-parallel ranks of rank `rank`'s pipeline stage (tp_size
+    and pp_size both above 1), this process its member."""
+    stage, tp_rank = place(config, rank)
+    first = stage * config.tp_size
+    return _process_group(
+        store, tp_rank, config.tp_size, device, config.dist_timeout, name=f"tp-stage{stage}",
+        global_ranks=list(range(first, first + config.tp_size)),
+    )  # fmt: skip
 
 
 # ---- rank 0 ----------------------------------------------------------------------------------
@@ -205,11 +238,14 @@ class StepMirror:
             ) from e
 
     def tokens(self, pool_rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        if self.group.config.pp_size > 1:  # (only the first stage reads tokens: it embeds them)
+        # (only the first stage reads tokens, which it embeds: its tensor-parallel ranks)
+        if self.group.config.tp_size == 1:
             return
         n = int(pool_rows.shape[0])
         self.group.send({"t": n})
-        self.group.comm.broadcast(torch.cat([pool_rows.to(torch.int64), tokens.to(torch.int64)]))
+        self.group.stage_comm.broadcast(
+            torch.cat([pool_rows.to(torch.int64), tokens.to(torch.int64)])
+        )
 
 
 class TensorParallelGroup:
@@ -227,6 +263,10 @@ class TensorParallelGroup:
         self.config, self.device, self.size = config, device, config.world_size
         self.what = rank_name(config)  # (what its error messages call a rank)
         self.comm = GroupComm(None, 0, self.size)
+        # the collectives of the first stage's tensor-parallel ranks: the whole group's, unless
+        # it is split into pipeline stages too
+        both = config.tp_size > 1 and config.pp_size > 1
+        self.stage_comm = GroupComm(None, 0, config.tp_size) if both else self.comm
         self.processes: list[subprocess.Popen] = []
         self.channels: dict[int, Channel] = {}
         self._closing = False
@@ -296,6 +336,8 @@ class TensorParallelGroup:
         self.comm.group = _process_group(
             self.store, 0, self.size, self.device, self.config.dist_timeout
         )
+        if self.stage_comm is not self.comm:
+            self.stage_comm.group = stage_group(self.store, self.config, 0, self.device)
         return tokens
 
     def _recv_ready(self, rank: int, channel: Channel) -> dict[str, Any]:
@@ -363,12 +405,13 @@ class TensorParallelGroup:
     def _abort_collectives(self) -> None:
         """Make a collective blocked on the lost rank fail now (NCCL would wait for its
         timeout; gloo fails by itself when the peer's connection closes)."""
-        abort = getattr(self.comm.group, "abort", None)
-        if self.device.type == "cuda" and abort is not None:
-            try:
-                abort()
-            except Exception:  # (best effort: the timeout still bounds the wait)
-                logger.exception("aborting the NCCL communicator failed")
+        for comm in {id(c): c for c in (self.comm, self.stage_comm)}.values():
+            abort = getattr(comm.group, "abort", None)
+            if self.device.type == "cuda" and abort is not None:
+                try:
+                    abort()
+                except Exception:  # (best effort: the timeout still bounds the wait)
+                    logger.exception("aborting the NCCL communicator failed")
 
     def shutdown(self) -> None:
         """Tell the other ranks to stop, and wait for this node's processes (killed past 10 s)."""
@@ -389,7 +432,8 @@ class TensorParallelGroup:
         for channel in self.channels.values():
             channel.close()
         self._listener.close()
-        self.comm.group = self.store = None  # (the process group, and the store's port)
+        self.comm.group = self.stage_comm.group = self.store = None  # (the process groups,
+        # and the store's port)
 
 
 # ---- the other ranks ---------------------------------------------------------------------------
@@ -470,7 +514,11 @@ class _Follower:
     """A rank other than 0: its part of the model, KV pool, request table and token buffer, and a
     model runner that runs what rank 0's sends."""
 
-    def __init__(self, runner, rows: ReqToTokenPool, channel: Channel, comm: GroupComm) -> None:
+    def __init__(
+        self, runner, rows: ReqToTokenPool, channel: Channel, comm: GroupComm | None
+    ) -> None:
+        """`comm`: the collectives rank 0 broadcasts tokens over (its stage's tensor-parallel
+        group); None for a rank that reads no tokens (a later pipeline stage's)."""
         self.runner, self.rows, self.channel, self.comm = runner, rows, channel, comm
 
     @classmethod
@@ -492,21 +540,26 @@ class _Follower:
         mc = ModelConfig.from_hf(load_hf_config(Path(spec["folder"])))
         comm = GroupComm(None, rank, config.world_size)
         dtype = getattr(torch, spec["dtype"])
-        if config.pp_size > 1:  # a pipeline stage: its layers whole (runtime/pipeline.py)
+        stage_index, tp_rank = place(config, rank)
+        both = config.tp_size > 1 and config.pp_size > 1
+        # the collectives of this rank's tensor-parallel group: the whole group's, or its stage's
+        tp_comm = GroupComm(None, tp_rank, config.tp_size) if both else comm
+        tp = Partition.of(mc, tp_rank, config.tp_size) if config.tp_size > 1 else None
+        local = mc if tp is None else tp.local_config(mc)
+        if config.pp_size > 1:  # a pipeline stage: its layers (runtime/pipeline.py)
             from radixlm.runtime.pipeline import PipelineStageModel, Stage
 
-            stage = Stage.of(mc, rank, config.pp_size)
-            local = stage.local_config(mc)
+            stage = Stage.of(mc, stage_index, config.pp_size)
+            local = stage.local_config(local)
             model = build_model(
                 config, Path(spec["folder"]), mc, dtype, device, spec["context_len"],
-                spec["sampled_vocab"], stage=stage,
+                spec["sampled_vocab"], tp, tp_comm if tp is not None else None, stage=stage,
             )  # fmt: skip
             model = PipelineStageModel(
-                model, stage, comm, dtype, device, config.pp_micro_batch_min_tokens
-            )
+                model, stage, comm, dtype, device, config.pp_micro_batch_min_tokens,
+                tp_rank=tp_rank, tp_size=config.tp_size,
+            )  # fmt: skip
         else:
-            tp = Partition.of(mc, rank, config.tp_size)
-            local = tp.local_config(mc)
             model = build_model(
                 config, Path(spec["folder"]), mc, dtype, device, spec["context_len"],
                 spec["sampled_vocab"], tp, comm,
@@ -518,6 +571,8 @@ class _Follower:
         if start is None or "start" not in start:
             return None
         comm.group = _process_group(store, rank, config.world_size, device, config.dist_timeout)
+        if tp_comm is not comm:
+            tp_comm.group = stage_group(store, config, rank, device)
         context_len = spec["context_len"]
         kv_pool = build_kv_pool(config, local, start["start"], dtype, device)
         rows = ReqToTokenPool(
@@ -538,7 +593,8 @@ class _Follower:
             model, backend, rows.table, device, graphs, token_buf, prefill_graphs,
             row_graphs=row_graphs,
         )  # fmt: skip
-        return cls(runner, rows, channel, comm)
+        reads_tokens = config.tp_size > 1 and stage_index == 0
+        return cls(runner, rows, channel, tp_comm if reads_tokens else None)
 
     def run(self) -> None:
         from radixlm.runtime.model_runner import StepLists
@@ -567,7 +623,7 @@ class _Follower:
                     prefix_lens=pre, num_multi=multi, logits_rows=logit_rows,
                 )  # fmt: skip
                 runner.forward_lists(lists, graph)
-            elif "t" in message:
+            elif "t" in message and self.comm is not None:
                 n = message["t"]
                 buf = torch.empty(2 * n, dtype=torch.int64, device=runner.device)
                 self.comm.broadcast(buf)

@@ -6,7 +6,8 @@ gives the single process's greedy tokens exactly: each layer runs the same float
 the same batch wherever it sits, so there is no near-tie to allow for. The batch mixes
 concurrent requests, prompts longer than the prefill chunk, and prefixes from the radix cache.
 A stage killed mid-run stops the engine with an error (requests failed, the server's 503 and
-unhealthy /health), never a hang; more stages than layers, or pp with tp, are refused.
+unhealthy /health), never a hang; more stages than layers are refused. Stages of two
+tensor-parallel ranks each give the tokens of those two ranks alone.
 """
 
 from __future__ import annotations
@@ -122,8 +123,6 @@ def test_refusals_say_what_to_change(tiny_model_folder):
     import radixlm
     from radixlm.runtime.config import EngineConfig
 
-    with pytest.raises(ValueError, match="pp_size=2 with tp_size=2 is not supported yet"):
-        EngineConfig(pp_size=2, tp_size=2)
     with pytest.raises(ValueError, match="pp_micro_batch_min_tokens=0; it must be at least 1"):
         EngineConfig(pp_micro_batch_min_tokens=0)
     with pytest.raises(ValueError, match="pp_size=0; it must be at least 1"):
@@ -193,6 +192,42 @@ def test_greedy_outputs_equal_one_process_token_for_token(
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in reference]
     assert len({tuple(o["output_ids"]) for o in reference}) == len(reference)  # (not degenerate)
     assert got[0]["meta_info"]["cached_tokens"] > 0 and got[3]["meta_info"]["cached_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def tp_reference(four_layer_folder) -> list[dict]:
+    """The workload on two tensor-parallel ranks, and a seeded sampled request."""
+    import radixlm
+
+    with radixlm.Engine(four_layer_folder, tp_size=2, **COMMON) as eng:
+        return _workload(eng) + [eng.generate("The sky is", SAMPLED)]
+
+
+SAMPLED = {"max_new_tokens": 12, "temperature": 0.9, "seed": 5}
+
+
+@pytest.mark.parametrize("micro_batches", [False, True], ids=["whole", "micro"])
+def test_stages_of_tensor_parallel_ranks_give_the_tokens_of_those_ranks_alone(
+    four_layer_folder, tp_reference, micro_batches
+):
+    """tp_size=2 inside each of pp_size=2 stages (four processes): each stage's two ranks split
+    its layers' heads and run their collectives in a group of their own, each passes its
+    activations to its peer in the next stage, and the first of the last stage sends the
+    logits back. The arithmetic of each layer is that of two tensor-parallel ranks, so the
+    tokens are those of tp_size=2 alone, token for token, greedy and sampled (the sampled
+    tokens reach the first stage's other rank by a broadcast in its group)."""
+    import radixlm
+
+    min_tokens = 1 if micro_batches else 256
+    with radixlm.Engine(
+        four_layer_folder, tp_size=2, pp_size=2, pp_micro_batch_min_tokens=min_tokens, **COMMON
+    ) as eng:
+        assert len(eng.model.model.layers) == 2  # (this stage's layers, their heads split:)
+        assert eng.model.model.layers[0].self_attn.num_heads == 2
+        got = _workload(eng) + [eng.generate("The sky is", SAMPLED)]
+        assert (eng.model.num_micro_batched_steps > 0) == micro_batches
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in tp_reference]
+    assert got[0]["meta_info"]["cached_tokens"] > 0
 
 
 def test_a_draft_model_drafts_on_the_first_stage_and_outputs_stay_the_targets(
