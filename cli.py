@@ -292,8 +292,8 @@ def _build_parser() -> argparse.ArgumentParser:
         dest="dp_size",
         type=int,
         default=1,
-        help="data parallelism: this many engine replicas (one a GPU, each its own process and "
-        "radix cache) behind the one server",
+        help="data parallelism: this many engine replicas (one a GPU, or tp-size x pp-size GPUs; "
+        "each its own process and radix cache) behind the one server",
     )
     net.add_argument(
         "--load-balance-method",
@@ -619,8 +619,9 @@ def _start_engine(args: argparse.Namespace) -> Any:
 
 
 def _start_replicas(args: argparse.Namespace) -> Any:
-    """--dp-size N: N engine processes, started side by side, GPU i for replica i (all on the
-    CPU where there is no GPU), behind one DataParallelBackend."""
+    """--dp-size N: N engine processes, started side by side, GPU i for replica i (its ranks
+    from GPU i x tp_size x pp_size onwards under tensor or pipeline parallelism; all on the CPU
+    where there is no GPU), behind one DataParallelBackend."""
     from concurrent.futures import ThreadPoolExecutor
 
     from radixlm.server.data_parallel import DataParallelBackend
@@ -634,11 +635,13 @@ def _start_replicas(args: argparse.Namespace) -> Any:
         raise ValueError(
             "--dp-size runs each replica in a process of its own: drop --engine-in-process"
         )
-    if kwargs.get("tp_size", 1) != 1:
-        raise ValueError("--dp-size with --tp-size above 1 is not supported yet: use one of them")
-    if kwargs.get("pp_size", 1) != 1:
-        raise ValueError("--dp-size with --pp-size above 1 is not supported yet: use one of them")
-    devices = _replica_devices(n, kwargs.get("device"))
+    per_replica = kwargs.get("tp_size", 1) * kwargs.get("pp_size", 1)
+    if per_replica > 1 and (kwargs.get("nnodes", 1) != 1 or kwargs.get("dist_init_addr")):
+        raise ValueError(
+            "--dp-size with --nnodes or --dist-init-addr is not supported yet: the replicas run "
+            "on this machine, each its ranks' rendezvous on a free loopback port"
+        )
+    devices = _replica_devices(n, kwargs.get("device"), per_replica)
     # (each start loads a tokenizer in this process: resolve transformers' lazy names first, as
     # two threads resolving one at once can fail)
     from transformers import AutoTokenizer  # noqa: F401
@@ -663,9 +666,10 @@ def _start_replicas(args: argparse.Namespace) -> Any:
     return DataParallelBackend(replicas, load_balance_method=args.load_balance_method)
 
 
-def _replica_devices(n: int, device: str | None) -> list[str]:
-    """A device for each of n replicas: cuda:0 .. cuda:n-1 on a machine with at least n GPUs,
-    the CPU for all where there is none or the CPU is asked for."""
+def _replica_devices(n: int, device: str | None, per_replica: int = 1) -> list[str]:
+    """The device of each of n replicas' first rank: on a machine with n x `per_replica` GPUs
+    (its tensor-parallel ranks times pipeline stages), replica i's ranks on GPUs i x per_replica
+    onwards; the CPU for all where there is none or the CPU is asked for."""
     if device == "cpu":
         return ["cpu"] * n
     import torch
@@ -677,9 +681,11 @@ def _replica_devices(n: int, device: str | None) -> list[str]:
         if device == "cuda":
             raise ValueError("--device cuda: no CUDA device here")
         return ["cpu"] * n
-    if count < n:
-        raise ValueError(f"--dp-size {n} needs {n} GPUs, one a replica; this machine has {count}")
-    return [f"cuda:{i}" for i in range(n)]
+    need = n * per_replica
+    if count < need:
+        each = "one a replica" if per_replica == 1 else f"{per_replica} a replica"
+        raise ValueError(f"--dp-size {n} needs {need} GPUs, {each}; this machine has {count}")
+    return [f"cuda:{i * per_replica}" for i in range(n)]
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -146,12 +146,22 @@ def test_dp_size_options_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="drop --engine-in-process"):
         cli._start_replicas(args)
     args.engine_in_process = False
-    monkeypatch.setattr(cli, "_engine_kwargs", lambda a: {"tp_size": 2})
-    with pytest.raises(ValueError, match="not supported yet"):
+    monkeypatch.setattr(cli, "_engine_kwargs", lambda a: {"tp_size": 2, "nnodes": 2})
+    with pytest.raises(ValueError, match="--dp-size with --nnodes or --dist-init-addr"):
         cli._start_replicas(args)
     assert cli._replica_devices(3, "cpu") == ["cpu"] * 3
     with pytest.raises(ValueError, match="places replica i on GPU i"):
         cli._replica_devices(2, "cuda:1")
+    # replica i's ranks (tensor-parallel ranks x stages) on the GPUs from i x that onwards
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert cli._replica_devices(2, None, 2) == ["cuda:0", "cuda:2"]
+    assert cli._replica_devices(4, None) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    with pytest.raises(
+        ValueError, match="--dp-size 3 needs 6 GPUs, 2 a replica; this machine has 4"
+    ):
+        cli._replica_devices(3, None, 2)
 
 
 def test_a_replica_that_fails_to_start_stops_the_others(monkeypatch):
@@ -232,3 +242,31 @@ def test_radixlm_serve_with_two_replicas(tiny_model_folder, tmp_path):
             time.sleep(0.2)
     finally:
         server.stop()
+
+
+@pytest.mark.slow  # (two replicas of two tensor-parallel ranks each: four processes)
+def test_radixlm_serve_with_two_replicas_of_two_tensor_parallel_ranks(tiny_model_folder, tmp_path):
+    """`radixlm serve --dp-size 2 --tp-size 2`: each replica an engine of two ranks (rank 0 in
+    the replica's engine process, rank 1 in one it starts); the answers are tp_size=2's alone."""
+    import httpx
+
+    import radixlm
+    from tests.test_server_process import Server
+
+    prompts = group(10, 2) + group(11, 2)
+    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with radixlm.Engine(tiny_model_folder, tp_size=2) as alone:
+        want = [alone.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+    server = Server(tiny_model_folder, tmp_path / "log", "--dp-size", "2", "--tp-size", "2")
+    try:
+        info = httpx.get(server.url + "/get_server_info", timeout=10).json()
+        assert info["dp_size"] == 2 and len(set(info["engine_pids"])) == 2
+        got = []
+        for p in prompts:
+            body = {"input_ids": p, "sampling_params": params}
+            r = httpx.post(server.url + "/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            got.append(r.json()["output_ids"])
+    finally:
+        server.stop()
+    assert got == want
