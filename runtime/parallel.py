@@ -288,9 +288,10 @@ def shard_for(
     of a fused projection); the whole tensor for a module every rank holds whole (norms). A
     quantized layer's scheme first puts the tensor in its parameter's unsharded shape (a scale
     per row, whose rows shard as the weight's)."""
-    tensor = scheme_of(module).checkpoint_tensor(module, leaf, tensor, index)
-    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or (
-        isinstance(module, RowParallelLinear) and tensor.dim() == 2
-    ):
+    scheme = scheme_of(module)
+    tensor = scheme.checkpoint_tensor(module, leaf, tensor, index)
+    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
         return module.shard(tensor, index or 0)
+    if isinstance(module, RowParallelLinear) and tensor.dim() == 2:
+        return scheme.row_shard(module, tensor)  # (packed or grouped columns: the scheme's)
     return tensor

@@ -282,12 +282,57 @@ def test_compressed_tensors_w4a16_loads_as_stored(ct_int4_checkpoint):
     assert all(len(o) == 8 for o in outs)
 
 
-def test_w4a16_checkpoints_are_refused_with_tensor_parallelism(ct_int4_checkpoint):
+def _int4_layers(engine, i: int = 1) -> dict[str, torch.Tensor]:
+    """Layer i's dequantized weights (a rank's part under tensor parallelism), by our name."""
+    layer = engine.model.layers[i]
+    return {
+        ours: getattr(getattr(layer, block), ours).quant_scheme.dequantized_weight(
+            getattr(getattr(layer, block), ours)
+        )
+        for ours, (block, _) in FUSED.items()
+    }
+
+
+def _rank0_part(name: str, whole: torch.Tensor, cfg) -> torch.Tensor:
+    """Rank 0's part of a whole layer's weight at tp_size=2: the first half of each fused part's
+    rows (column-parallel), or of the input columns (row-parallel)."""
+    if name in ("o_proj", "down_proj"):
+        return whole[:, : whole.shape[1] // 2]
+    sizes = (
+        [cfg.num_heads * cfg.head_dim, *[cfg.num_kv_heads * cfg.head_dim] * 2]
+        if name == "qkv_proj"
+        else [cfg.intermediate_size] * 2
+    )
+    return torch.cat([p[: p.shape[0] // 2] for p in whole.split(sizes)])
+
+
+def _assert_split_over_two_ranks(folder) -> None:
+    """Under tp_size=2 a stored INT4 checkpoint's layers are split as unquantized ones are:
+    rank 0's column-parallel layers hold its rows of each part with their scales and zero
+    points, its row-parallel ones its input columns (packed two a byte) with their groups'
+    scales; each exactly the single process's dequantized weight's part. The engine generates."""
+    with radixlm.Engine(str(folder), dtype="float32") as engine:
+        whole, cfg = _int4_layers(engine), engine.model_config
+    with radixlm.Engine(str(folder), dtype="float32", tp_size=2) as engine:
+        part = _int4_layers(engine)
+        outs = engine.generate(PROMPTS, GREEDY)
+    for name, weight in whole.items():
+        assert torch.equal(part[name], _rank0_part(name, weight, cfg)), name
+    assert all(len(o["output_ids"]) == 8 for o in outs)
+
+
+def test_compressed_tensors_w4a16_splits_over_tensor_parallel_ranks(ct_int4_checkpoint):
     scheme, folder = ct_int4_checkpoint
-    if scheme != "w4a16":
-        pytest.skip("one start suffices")
-    with pytest.raises(ValueError, match="W4A16 checkpoints are not supported with tp_size > 1"):
-        radixlm.Engine(str(folder), dtype="float32", tp_size=2)
+    if scheme != "w4a16-asym":
+        pytest.skip("the zero points are the harder case; one start suffices")
+    _assert_split_over_two_ranks(folder)
+
+
+def test_awq_splits_over_tensor_parallel_ranks(awq_gptq_checkpoint):
+    kind, folder = awq_gptq_checkpoint
+    if kind != "awq":
+        pytest.skip("AWQ's and GPTQ's layouts meet in ours before the split; one suffices")
+    _assert_split_over_two_ranks(folder)
 
 
 @pytest.fixture(scope="module", params=["awq", "gptq"])
@@ -347,3 +392,15 @@ def test_sglangs_names_of_a_checkpoints_format_run_it_as_stored_or_say_what_it_i
         radixlm.Engine(str(folder), dtype="float32", quantization=other)
     with pytest.raises(ValueError, match="this one is not quantized: use quantization='fp8'"):
         radixlm.Engine(tiny_model_folder, dtype="float32", quantization="compressed-tensors")
+
+
+def test_a_split_off_the_groups_is_refused_saying_why(tiny_model_folder, tmp_path):
+    """Groups of 64 input features: o_proj's 64 split over two ranks leave each 32, half a
+    group, refused at start-up naming the split and the groups."""
+    from tests.quant_checkpoints import write_awq_gptq
+
+    folder = write_awq_gptq(tiny_model_folder, tmp_path / "awq64", "awq", group=64)
+    with pytest.raises(
+        ValueError, match=r"a rank's input features .* \[0, 32\) of 64, are not whole groups of 64"
+    ):
+        radixlm.Engine(str(folder), dtype="float32", tp_size=2)

@@ -36,6 +36,11 @@ class LinearScheme:
         cannot take."""
         return tensor
 
+    def row_shard(self, layer: nn.Linear, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of `tensor` (a 2-D parameter in its unsharded shape) for a
+        row-parallel layer, which holds a run of the input features: their columns."""
+        return layer.shard(tensor)
+
     def process_after_loading(self, layer: nn.Linear) -> None:
         """After loading: turn what was loaded into what the layer computes with."""
 

@@ -93,14 +93,17 @@ class Int4Linear(LinearScheme):
         layer.compute_dtype = layer.weight.dtype  # (the model's: its inputs' and outputs')
         if self.stored is None:
             return
-        comm = getattr(layer, "comm", None)
-        if comm is not None and comm.size > 1:
-            raise ValueError(
-                "compressed-tensors W4A16 checkpoints are not supported with tp_size > 1 yet "
-                "(a rank's columns of a packed weight and its groups); run tp_size=1"
-            )
         n, k = layer.weight.shape
         group = k if self.stored.group == -1 else self.stored.group
+        part = getattr(layer, "part", None)  # (a row-parallel layer's run of the input features)
+        split = part is not None and part.length != part.size and self.stored.group != -1
+        if split and (part.start % group or k % group):
+            raise ValueError(
+                f"tp_size={layer.comm.size}: a rank's input features of a layer, [{part.start}, "
+                f"{part.end}) of {part.size}, are not whole groups of {group} of the "
+                f"checkpoint's {self.stored.description}: use a tp_size whose split falls on "
+                "whole groups"
+            )
         if k % group:
             raise ValueError(f"a layer's {k} input columns are not whole groups of {group}")
         device = layer.weight.device
@@ -129,6 +132,16 @@ class Int4Linear(LinearScheme):
             nibbles = torch.stack([(tensor >> (4 * i)) & 0xF for i in range(8)], dim=1)
             return nibbles.reshape(-1, tensor.shape[1])[:rows].float()
         return tensor
+
+    def row_shard(self, layer: nn.Linear, tensor: torch.Tensor) -> torch.Tensor:
+        """A row-parallel rank's columns of the packed weight (two input features a byte) and
+        of the scales and zero points (a group's features a column; one column, a whole row's
+        group, is every rank's)."""
+        part = layer.part
+        if part.length == part.size or tensor.shape[1] == 1:
+            return tensor
+        per = part.size // tensor.shape[1]  # (input features a column)
+        return tensor[:, part.start // per : part.end // per]
 
     def process_after_loading(self, layer: nn.Linear) -> None:
         if self.stored is not None:
