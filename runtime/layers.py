@@ -167,7 +167,7 @@ class RotaryEmbedding(nn.Module):
         """(Re)compute the float32 cos/sin tables on `device` (after a model built on `meta`)."""
         d = self.head_dim
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        inv_freq, attention_factor = _scale_inv_freq(inv_freq, self.scaling)
+        inv_freq, attention_factor = _scale_inv_freq(inv_freq, self.scaling, self.theta)
         t = torch.arange(self.max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)  # (max_positions, head_dim // 2)
         self.cos = (freqs.cos() * attention_factor).float().to(device)
@@ -200,13 +200,17 @@ class RopeInputs(NamedTuple):
 
 
 def _scale_inv_freq(
-    inv_freq: torch.Tensor, scaling: dict[str, Any] | None
+    inv_freq: torch.Tensor, scaling: dict[str, Any] | None, theta: float = 10000.0
 ) -> tuple[torch.Tensor, float]:
+    """The rotary frequencies as `scaling` (a config's rope_scaling) changes them, and the factor
+    on cos and sin (YaRN's attention scaling; 1 for the others)."""
     if not scaling:
         return inv_freq, 1.0
     kind = scaling["rope_type"]
     if kind == "linear":
         return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "yarn":
+        return _yarn(inv_freq, scaling, theta)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
@@ -221,5 +225,40 @@ def _scale_inv_freq(
         medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
     raise ValueError(
-        f"rope scaling {kind!r} is not supported yet; supported: default, linear, llama3"
+        f"rope scaling {kind!r} is not supported yet; supported: default, linear, llama3, yarn"
     )
+
+
+def _yarn(
+    inv_freq: torch.Tensor, scaling: dict[str, Any], theta: float
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al., 2023): the frequencies that turn fewer than `beta_slow` times over the
+    original context are interpolated (divided by `factor`), those that turn more than
+    `beta_fast` times are kept, a linear ramp over the dimensions between; cos and sin are scaled
+    by `attention_factor` (given, or 0.1 ln(factor) + 1, or DeepSeek's ratio of two such with
+    `mscale` and `mscale_all_dim`)."""
+    factor = float(scaling["factor"])
+    old_context = float(scaling["original_max_position_embeddings"])
+    dim = 2 * inv_freq.shape[0]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def turns_dim(turns: float) -> float:  # the dimension whose frequency turns so often
+        return dim * math.log(old_context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = turns_dim(float(scaling.get("beta_fast") or 32))
+    high = turns_dim(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (no zero-width ramp)
+    ramp = ((torch.arange(dim // 2, dtype=inv_freq.dtype) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # (1: the frequency as it is; 0: interpolated)
+    return inv_freq / factor * (1 - kept) + inv_freq * kept, float(attention)

@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # Hugging Face
 SUPPORTED_ROPE_SCALING = {  # rope_type -> the keys it needs
     "linear": ("factor",),
     "llama3": ("factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
 
 

@@ -15,6 +15,9 @@ FAMILIES = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
     "qwen3": ("Qwen3Config", {"use_sliding_window": False, "head_dim": 32}),
+    # YaRN over an original context of 64 positions: the prompts' 150 and more reach past it
+    "qwen2-yarn": ("Qwen2Config", {"use_sliding_window": False, "rope_scaling": {
+                   "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
 }  # fmt: skip
 
 
@@ -30,7 +33,7 @@ def family_folder(request, tmp_path_factory, default_model_folder):
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
-    if request.param == "qwen2":  # random biases, so that a dropped bias shows
+    if request.param.startswith("qwen2"):  # random biases, so that a dropped bias shows
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (
@@ -51,7 +54,7 @@ def test_prefill_and_decode_logprobs_match_transformers(family_folder):
         [(37 * i + 11 * j) % 40000 + 100 for j in range(n)] for i, n in enumerate((3, 90, 150))
     ]
     with radixlm.Engine(folder, chunked_prefill_size=64) as eng:
-        assert eng.model_config.model_type == family
+        assert eng.model_config.model_type == family.split("-")[0]
         outs = eng.generate(
             input_ids=prompts, sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
             return_logprob=True, logprob_start_len=0,
@@ -87,7 +90,7 @@ def _config(config_class: str, **extra):
         ("LlamaConfig", {"hidden_act": "gelu"}, "hidden_act"),
         ("LlamaConfig", {"mlp_bias": True}, "mlp_bias"),
         ("LlamaConfig", {"attention_bias": True}, "attention_bias"),
-        ("LlamaConfig", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ("LlamaConfig", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "dynamic"),
     ],
 )
 def test_configs_the_model_code_would_compute_wrongly_are_refused(config_class, extra, message):
@@ -134,3 +137,34 @@ def test_weights_that_do_not_fit_in_free_memory_are_refused_before_loading(
     monkeypatch.setattr(model_setup, "free_memory", lambda device: 1 << 20)
     with pytest.raises(ValueError, match="weights take .* GiB in float32.*half dtype"):
         radixlm.Engine(tiny_model_folder)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"factor": 4.0, "original_max_position_embeddings": 4096},
+        {"factor": 8.0, "original_max_position_embeddings": 2048, "beta_fast": 16, "beta_slow": 2},
+        {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+         "mscale_all_dim": 0.707},
+        {"factor": 4.0, "original_max_position_embeddings": 4096, "attention_factor": 1.3,
+         "truncate": False},
+    ],
+)  # fmt: skip
+def test_yarn_frequencies_and_scale_are_transformers(params):
+    """YaRN's rotary frequencies and cos/sin factor against transformers' own, with the
+    defaults, other ramp bounds, DeepSeek's two mscales, and a given factor without truncation."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from radixlm.runtime.layers import _scale_inv_freq
+
+    theta, head_dim = 1e6, 128
+    cfg = transformers.LlamaConfig(
+        hidden_size=1024, num_attention_heads=8, head_dim=head_dim, rope_theta=theta,
+        max_position_embeddings=131072, rope_scaling={"rope_type": "yarn", **params},
+    )  # fmt: skip
+    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    got, factor = _scale_inv_freq(base, {"rope_type": "yarn", **params}, theta)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=0)
+    assert factor == pytest.approx(want_factor, rel=1e-9)
