@@ -296,7 +296,7 @@ class EngineConfig:
 
     @property
     def world_size(self) -> int:
-        """The processes the model is split over: tensor-parallel ranks or pipeline stages."""
+        """The processes the model is split over: tensor-parallel ranks times pipeline stages."""
         return self.tp_size * self.pp_size
 
     def _check_parallel(self, bad) -> None:
@@ -309,8 +309,21 @@ class EngineConfig:
                 f"pp_micro_batch_min_tokens={self.pp_micro_batch_min_tokens}; it must be at least 1"
             )
         if self.nnodes < 1 or self.world_size % self.nnodes:
-            size = f"tp_size={self.tp_size}" if self.pp_size == 1 else f"pp_size={self.pp_size}"
+            size = (
+                f"tp_size={self.tp_size}"
+                if self.pp_size == 1
+                else f"pp_size={self.pp_size}"
+                if self.tp_size == 1
+                else f"tp_size x pp_size={self.world_size}"
+            )
             bad(f"nnodes={self.nnodes} must be at least 1 and divide {size}")
+        per_node = self.world_size // max(self.nnodes, 1)
+        if self.tp_size > 1 and self.pp_size > 1 and self.nnodes > 1 and per_node % self.tp_size:
+            bad(
+                f"nnodes={self.nnodes} with tp_size={self.tp_size} and pp_size={self.pp_size} "
+                f"puts {per_node} ranks on a node, which would split a stage's tensor-parallel "
+                "ranks over nodes: give each node whole stages (tp_size ranks or a multiple)"
+            )
         if not 0 <= self.node_rank < self.nnodes:
             bad(f"node_rank={self.node_rank}; it must lie in [0, nnodes={self.nnodes})")
         if self.nnodes > 1 and self.dist_init_addr is None:

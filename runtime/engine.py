@@ -160,12 +160,16 @@ class Engine:
                 )  # fmt: skip
             draft_model, draft_target = None, model
             if tp is not None and config.speculative_algorithm in (*EAGLE_ALGORITHMS, "MEDUSA"):
-                from radixlm.runtime.speculative.whole_vocab import whole_vocab_target
+                from radixlm.runtime.speculative.whole_vocab import (
+                    drafter_parts,
+                    whole_vocab_target,
+                )
 
                 # (the drafter runs in this process alone: it reads the whole vocabulary's rows)
                 draft_target = whole_vocab_target(
-                    model, folder, config.load_format, self.dtype, self.device, config.random_seed
-                )
+                    model, folder, config.load_format, self.dtype, self.device, config.random_seed,
+                    drafter_parts(config),
+                )  # fmt: skip
             if config.speculative_algorithm == "STANDALONE":  # (its weights before the KV pools)
                 from radixlm.runtime.speculative.standalone import DraftModel
 

@@ -53,7 +53,11 @@ def tree_rows(config) -> int:
     paths = config.speculative_eagle_topk
     if config.speculative_algorithm in (*EAGLE_ALGORITHMS, "STANDALONE"):
         # (a chain and leaves: a leaf a path off the main chain)
-        paths = config.speculative_num_draft_tokens - config.speculative_draft_depth
+        # (a budget under the chain's depth cuts the chain: then up to a path a node)
+        paths = max(
+            config.speculative_num_draft_tokens - config.speculative_draft_depth,
+            min(config.speculative_eagle_topk, config.speculative_num_draft_tokens),
+        )
     return (paths - 1) * min(config.max_running_requests, 16)
 
 

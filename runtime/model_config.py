@@ -93,20 +93,37 @@ class ModelConfig:
             quantization=stored,
         )
 
+    @property
+    def max_positions(self) -> int:
+        """The positions the model is made for: max_position_embeddings, or with YaRN scaling
+        the original context times the factor where that is more (Qwen2.5 keeps 32,768 in the
+        first and reaches 131,072 by YaRN's factor of 4, as vLLM and SGLang read it)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "yarn":
+            scaled = int(
+                float(scaling["original_max_position_embeddings"]) * float(scaling["factor"])
+            )
+            return max(self.max_position_embeddings, scaled)
+        return self.max_position_embeddings
+
     def context_limit(self, requested: int | None) -> int:
         """The context the runtime can serve exactly: `requested` (default the model's
-        max_position_embeddings), capped at a sliding window, past which full attention would
-        differ from the model's (refused if asked for explicitly)."""
-        context = requested or self.max_position_embeddings
+        `max_positions`), capped at a sliding window, past which full attention would differ
+        from the model's (refused if asked for explicitly)."""
+        limit = self.max_positions
+        context = requested or limit
         if (
             requested is not None
-            and requested > self.max_position_embeddings
+            and requested > limit
             and os.environ.get("RADIXLM_ALLOW_LONGER_CONTEXT") != "1"
         ):
+            what = (
+                "positions" if limit != self.max_position_embeddings else "max_position_embeddings"
+            )
             raise ValueError(
-                f"context_length={requested} exceeds the model's max_position_embeddings "
-                f"({self.max_position_embeddings}), past which its output is not to be trusted; "
-                "ask for at most that (or set RADIXLM_ALLOW_LONGER_CONTEXT=1 to run it anyway)"
+                f"context_length={requested} exceeds the model's {what} ({limit}), past which "
+                "its output is not to be trusted; ask for at most that (or set "
+                "RADIXLM_ALLOW_LONGER_CONTEXT=1 to run it anyway)"
             )
         window = self.sliding_window
         if window is None or context <= window:

@@ -152,7 +152,8 @@ class StageLink:
 
 class PipelineStageModel(nn.Module):
     """A stage's part of the model, run as the model runner runs a whole one: `forward(batch,
-    backend)` gives the step's logits on the first stage (and the last), None on the others."""
+    backend)` gives the step's logits on the rank that samples (the first stage's first) and on
+    the last stage's, None on the others."""
 
     def __init__(
         self,
@@ -181,8 +182,8 @@ class PipelineStageModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch, backend) -> torch.Tensor | None:
-        """One batch through this stage: the logits (L, vocab) on the first stage (and the
-        last), None on the others."""
+        """One batch through this stage: the logits (L, vocab) on the rank that samples and on
+        the last stage's, None on the others."""
         return self._run([batch], backend)[0]
 
     def forward_lists(self, lists: StepLists, to_batch, backend) -> torch.Tensor | None:

@@ -78,9 +78,10 @@ def test_prefill_and_decode_logprobs_match_transformers(family_folder):
 def _config(config_class: str, **extra):
     import transformers
 
+    extra = {"max_position_embeddings": 8192, **extra}
     return getattr(transformers, config_class)(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, **extra,
+        num_attention_heads=4, num_key_value_heads=2, **extra,
     )  # fmt: skip
 
 
@@ -116,6 +117,26 @@ def test_a_sliding_window_caps_the_context_and_refuses_more():
         _config("Qwen2Config", use_sliding_window=False, sliding_window=256)
     )
     assert plain.sliding_window is None and plain.context_limit(None) == 8192
+
+
+def test_yarn_serves_its_original_context_times_its_factor():
+    """Qwen2.5's YaRN setting: max_position_embeddings stays 32,768, the factor of 4 over an
+    original 32,768 reaches 131,072 positions, the context served (as vLLM and SGLang read it)."""
+    from radixlm.runtime.model_config import ModelConfig
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    cfg = ModelConfig.from_hf(
+        _config(
+            "Qwen2Config",
+            use_sliding_window=False,
+            max_position_embeddings=32768,
+            rope_scaling=yarn,
+        )  # fmt: skip
+    )
+    assert cfg.max_positions == 131072 and cfg.context_limit(None) == 131072
+    assert cfg.context_limit(100000) == 100000
+    with pytest.raises(ValueError, match=r"exceeds the model's positions \(131072\)"):
+        cfg.context_limit(131073)
 
 
 def test_eos_ids_of_the_generation_config_are_stop_tokens(tmp_path, tiny_model_folder):

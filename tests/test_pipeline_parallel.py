@@ -131,6 +131,10 @@ def test_refusals_say_what_to_change(tiny_model_folder):
         EngineConfig(pp_size=2, speculative_algorithm="medusa")
     with pytest.raises(ValueError, match="nnodes=2 must be at least 1 and divide pp_size=3"):
         EngineConfig(pp_size=3, nnodes=2, dist_init_addr="127.0.0.1:5000")
+    # a node holds whole stages of tensor-parallel ranks (four ranks a stage, two a node: no)
+    with pytest.raises(ValueError, match="would split a stage's tensor-parallel ranks"):
+        EngineConfig(tp_size=4, pp_size=2, nnodes=4, dist_init_addr="127.0.0.1:5000")
+    EngineConfig(tp_size=4, pp_size=2, nnodes=2, dist_init_addr="127.0.0.1:5000")
     t0 = time.monotonic()
     with pytest.raises(ValueError, match="pp_size=3 exceeds the model's 2 layers.*at most 2"):
         radixlm.Engine(tiny_model_folder, pp_size=3, max_total_tokens=1024)

@@ -598,3 +598,30 @@ def test_a_drafter_beside_ranks_reads_the_whole_embedding_and_lm_head(tmp_path, 
     save_file({"model.embed_tokens.weight": embed}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="whole lm_head .*: absent"):  # (untied: its own needed)
         whole_vocab_target(_vocab_target(10, 4, False), tmp_path, "auto", torch.float32, "cpu")
+    # what a drafter does not read is not made (Medusa's heads: the LM head alone), and the
+    # names are read with or without the "model." prefix
+    save_file({"embed_tokens.weight": embed, "model.lm_head.weight": head},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    seen = whole_vocab_target(
+        _vocab_target(10, 4, False), tmp_path, "auto", torch.float32, "cpu", parts=("lm_head",)
+    )
+    assert seen.embed_tokens is None and torch.equal(seen.lm_head.weight, head)
+    seen = whole_vocab_target(
+        _vocab_target(10, 4, False), tmp_path, "auto", torch.float32, "cpu",
+        parts=("embed_tokens",),
+    )  # fmt: skip
+    assert seen.lm_head is None and torch.equal(seen.embed_tokens.weight, embed)
+
+
+def test_a_tree_budget_under_its_chain_still_leaves_rows_for_its_paths():
+    """speculative_num_draft_tokens at or under speculative_num_steps with trees: the request
+    table's spare rows for further paths are never negative (a table shorter than its requests
+    failed at the first write)."""
+    from radixlm.runtime.engine_core import tree_rows
+
+    for algorithm in ("STANDALONE", "EAGLE3"):
+        config = EngineConfig(
+            speculative_algorithm=algorithm, speculative_draft_model_path="x",
+            speculative_eagle_topk=2, speculative_num_steps=5, speculative_num_draft_tokens=3,
+        )  # fmt: skip
+        assert tree_rows(config) > 0
