@@ -347,11 +347,6 @@ class EngineConfig:
                 "above 1 yet (its draft reads hidden states of layers that other stages hold); "
                 "use STANDALONE or NGRAM"
             )
-        if self.pp_size > 1 and self.speculative_algorithm == "MEDUSA":
-            bad(
-                "speculative_algorithm MEDUSA is not available with pp_size > 1 yet (its heads "
-                "read the final hidden states, which only the last stage has); use NGRAM"
-            )
 
     def _check_speculative(self, bad) -> None:
         algorithm = self.speculative_algorithm

@@ -168,7 +168,7 @@ class Engine:
                 # (the drafter runs in this process alone: it reads the whole vocabulary's rows)
                 draft_target = whole_vocab_target(
                     model, folder, config.load_format, self.dtype, self.device, config.random_seed,
-                    drafter_parts(config),
+                    drafter_parts(config), mc,
                 )  # fmt: skip
             if config.speculative_algorithm == "STANDALONE":  # (its weights before the KV pools)
                 from radixlm.runtime.speculative.standalone import DraftModel

@@ -41,7 +41,7 @@ from radixlm.runtime.model_runner import StepLists
 from radixlm.runtime.parallel import GroupComm, RankFailure
 
 _LAYER_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
-_ACTIVATIONS, _LOGITS = 1, 2  # message tags
+_ACTIVATIONS, _LOGITS, _HIDDEN = 1, 2, 3  # message tags
 
 
 @dataclass(frozen=True)
@@ -190,13 +190,17 @@ class PipelineStageModel(nn.Module):
         """A step given as its host lists (the model runner's `to_batch` makes a ForwardBatch of
         each part): in micro-batches where it is large enough, their logits rows joined."""
         parts = split_step(lists, self.stage.size, self.micro_batch_min_tokens)
-        if len(parts) == 1:
-            return self.forward(to_batch(lists), backend)
-        self.num_micro_batched_steps += 1
+        batches = [to_batch(p) for p in parts]
         with torch.inference_mode():
-            logits = self._run([to_batch(p) for p in parts], backend)
+            logits = self._run(batches, backend)
+        if len(parts) > 1:
+            self.num_micro_batched_steps += 1
         if not self._samples:
             return None
+        if lists.keep_hidden:  # (MEDUSA's: the last stage's final states at the logits rows)
+            lists.hidden = torch.cat(
+                [b.hidden_states[: len(p.logits_rows)] for b, p in zip(batches, parts)]
+            )
         # (each part's own rows: a padded batch has copies of its row 0 after them)
         return torch.cat([x[: len(p.logits_rows)] for x, p in zip(logits, parts)])
 
@@ -232,6 +236,14 @@ class PipelineStageModel(nn.Module):
                 if self._samples:  # the last stage's logits of this micro-batch, when they come
                     logits = self._logits_buffer(batch)
                     pending.append(link.start_recv(logits, (stage.size - 1) * tp, _LOGITS))
+                    if batch.hidden_indices is not None:  # (and the final states a drafter reads)
+                        batch.hidden_states = torch.empty(
+                            (len(batch.hidden_indices), self.cfg.hidden_size), dtype=self.dtype,
+                            device=self.device,
+                        )  # fmt: skip
+                        pending.append(
+                            link.start_recv(batch.hidden_states, (stage.size - 1) * tp, _HIDDEN)
+                        )
                     out.append(logits)
                 else:
                     out.append(None)
@@ -239,6 +251,9 @@ class PipelineStageModel(nn.Module):
                 logits = m.logits(x, residual, batch)  # (whole rows on each of the stage's ranks)
                 if not stage.first and t == 0:
                     pending.append(link.start_send(logits.contiguous(), 0, _LOGITS))
+                    if batch.hidden_indices is not None:
+                        hidden = m.final_hidden(x, residual, batch.hidden_indices).contiguous()
+                        pending.append(link.start_send(hidden, 0, _HIDDEN))
                 out.append(logits)
         for wait in pending:
             wait()
@@ -297,4 +312,5 @@ def _part(lists: StepLists, first: int, end: int, start: int, stop: int) -> Step
         prefix_lens=lists.prefix_lens[first:end],
         num_multi=sum(n > 1 for n in extend),
         logits_rows=[r - start for r in lists.logits_rows if start <= r < stop],
+        keep_hidden=lists.keep_hidden,
     )

@@ -127,8 +127,6 @@ def test_refusals_say_what_to_change(tiny_model_folder):
         EngineConfig(pp_micro_batch_min_tokens=0)
     with pytest.raises(ValueError, match="pp_size=0; it must be at least 1"):
         EngineConfig(pp_size=0)
-    with pytest.raises(ValueError, match="MEDUSA is not available with pp_size > 1 yet"):
-        EngineConfig(pp_size=2, speculative_algorithm="medusa")
     with pytest.raises(ValueError, match="nnodes=2 must be at least 1 and divide pp_size=3"):
         EngineConfig(pp_size=3, nnodes=2, dist_init_addr="127.0.0.1:5000")
     # a node holds whole stages of tensor-parallel ranks (four ranks a stage, two a node: no)
@@ -266,6 +264,30 @@ def test_the_real_model_on_two_stages(engine, default_model_folder):
     ref = engine.generate(prompts, params)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
     assert got[0]["text"].strip()
+
+
+def test_medusa_heads_draft_on_the_first_stage_from_the_last_stages_states(
+    engine, default_model_folder
+):
+    """MEDUSA under pipeline parallelism: the last stage sends the final hidden states at the
+    logits rows back with the logits, the shipped heads draft from them on the first stage; the
+    outputs are those of one process without speculation, with drafts accepted."""
+    import radixlm
+
+    prompts = [
+        engine.apply_chat_template([{"role": "user", "content": "Name three colours."}]),
+        "1, 2, 3, 4, 5,",
+    ]
+    params = {"max_new_tokens": 16, "temperature": 0}
+    with radixlm.Engine(
+        default_model_folder, pp_size=2, dist_timeout=60, speculative_algorithm="MEDUSA",
+        speculative_adaptive=False,
+    ) as eng:  # fmt: skip
+        got = eng.generate(prompts, params)
+        stats = eng.get_stats()
+    ref = engine.generate(prompts, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
+    assert stats["spec_verify_ct"] > 0 and stats["spec_accept_length"] > 1.0, stats
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
-"""What a drafter beside a tensor-parallel target reads of it. EAGLE, EAGLE-3 and Medusa drafts
-run in rank 0's process alone and read the target's token embedding or LM head, of which each
-rank holds a share of the vocabulary: rank 0 keeps a whole copy of what its drafter reads, read
+"""What a drafter beside a split target reads of it. EAGLE, EAGLE-3 and Medusa drafts run in rank
+0's process alone and read the target's token embedding or LM head, of which each tensor-parallel
+rank holds a share of the vocabulary (and a pipeline's first stage no LM head at all): rank 0 keeps a whole copy of what its drafter reads, read
 from the checkpoint once more (the default model's, one tensor as its two are tied: 113 MB in
 float32; an 8B model's, untied, 1 GB each in bfloat16)."""
 
@@ -35,12 +35,14 @@ def whole_vocab_target(
     device,
     seed: int = 0,
     parts: tuple[str, ...] = ("embed_tokens", "lm_head"),
+    cfg=None,
 ):
     """`target` (one rank's part of a tensor-parallel model) seen with its whole token embedding
     and LM head (those of `parts` the drafter reads; None for the other), read once more from the
     checkpoint in `folder` (random ones for load_format dummy, as each rank's own part is);
-    ValueError where the checkpoint lacks them or holds them quantized."""
-    cfg = target.cfg
+    ValueError where the checkpoint lacks them or holds them quantized. `cfg`: the whole model's
+    config (default the target's; a pipeline stage's own says nothing of a tied head)."""
+    cfg = cfg or target.cfg
     shape = (cfg.vocab_size, cfg.hidden_size)
     tied = cfg.tie_word_embeddings
     if load_format == "dummy":
