@@ -341,12 +341,6 @@ class EngineConfig:
                 "speculative_eagle_topk above 1 (draft trees) is not available with pp_size > 1 "
                 "yet (a tree's step runs as decode rows, which the stages do not take); use 1"
             )
-        if self.speculative_algorithm in EAGLE_ALGORITHMS and self.pp_size > 1:
-            bad(
-                f"speculative_algorithm {self.speculative_algorithm} is not available with pp_size "
-                "above 1 yet (its draft reads hidden states of layers that other stages hold); "
-                "use STANDALONE or NGRAM"
-            )
 
     def _check_speculative(self, bad) -> None:
         algorithm = self.speculative_algorithm

@@ -32,6 +32,7 @@ import dataclasses
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -41,7 +42,7 @@ from radixlm.runtime.model_runner import StepLists
 from radixlm.runtime.parallel import GroupComm, RankFailure
 
 _LAYER_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
-_ACTIVATIONS, _LOGITS, _HIDDEN = 1, 2, 3  # message tags
+_ACTIVATIONS, _LOGITS, _HIDDEN, _FEATURES = 1, 2, 3, 4  # message tags
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,10 @@ class PipelineStageModel(nn.Module):
             lists.hidden = torch.cat(
                 [b.hidden_states[: len(p.logits_rows)] for b, p in zip(batches, parts)]
             )
+        if lists.feature_rows:  # (an EAGLE draft's: its layers' features, from every stage)
+            lists.features = torch.cat(
+                [b.aux_hidden_states[: len(p.feature_rows)] for b, p in zip(batches, parts)]
+            )
         # (each part's own rows: a padded batch has copies of its row 0 after them)
         return torch.cat([x[: len(p.logits_rows)] for x, p in zip(logits, parts)])
 
@@ -216,7 +221,11 @@ class PipelineStageModel(nn.Module):
         m, stage, link = self.model, self.stage, self.link
         tp, t = self.tp_size, self.tp_rank
         pending, out = [], []  # (the waits of the sends and recvs started)
+        joins = []  # (batch, {stage: (its layers, features)}): the features to join on rank 0
         for batch in batches:
+            keep = batch.hidden_indices
+            wanted = batch.aux_layers if keep is not None else ()
+            aux: dict[int, torch.Tensor] = {}  # (this stage's features of `wanted`'s layers)
             if stage.first:
                 x, residual = m.embed_tokens(batch.input_ids), None
             else:
@@ -226,8 +235,14 @@ class PipelineStageModel(nn.Module):
                 )  # fmt: skip
                 x, residual = link.recv(buf, (stage.index - 1) * tp + t, _ACTIVATIONS).unbind(0)
             rope = m.rope.lookup(batch.positions)
-            for layer in m.layers:
+            for i, layer in enumerate(m.layers):
+                if stage.start + i in wanted:  # (an EAGLE-3 draft's features: the layer's input)
+                    aux[stage.start + i] = (
+                        x[keep] if residual is None else x[keep] + residual[keep]
+                    )  # fmt: skip
                 x, residual = layer(rope, x, residual, batch, backend)
+            if stage.last and stage.num_layers in wanted:  # (an EAGLE draft's: the final norm's)
+                aux[stage.num_layers] = m.final_hidden(x, residual, keep)
             if not stage.last:
                 activations = torch.stack((x, residual))
                 pending.append(
@@ -236,7 +251,7 @@ class PipelineStageModel(nn.Module):
                 if self._samples:  # the last stage's logits of this micro-batch, when they come
                     logits = self._logits_buffer(batch)
                     pending.append(link.start_recv(logits, (stage.size - 1) * tp, _LOGITS))
-                    if batch.hidden_indices is not None:  # (and the final states a drafter reads)
+                    if keep is not None and not wanted:  # (and MEDUSA's final states)
                         batch.hidden_states = torch.empty(
                             (len(batch.hidden_indices), self.cfg.hidden_size), dtype=self.dtype,
                             device=self.device,
@@ -251,13 +266,56 @@ class PipelineStageModel(nn.Module):
                 logits = m.logits(x, residual, batch)  # (whole rows on each of the stage's ranks)
                 if not stage.first and t == 0:
                     pending.append(link.start_send(logits.contiguous(), 0, _LOGITS))
-                    if batch.hidden_indices is not None:
-                        hidden = m.final_hidden(x, residual, batch.hidden_indices).contiguous()
+                    if keep is not None and not wanted:
+                        hidden = m.final_hidden(x, residual, keep).contiguous()
                         pending.append(link.start_send(hidden, 0, _HIDDEN))
                 out.append(logits)
+            if wanted:  # (after the logits: each pair of stages starts its operations alike)
+                joins.append((batch, self._exchange_features(batch, aux, pending)))
         for wait in pending:
             wait()
+        for batch, parts in joins:  # (rank 0: every stage's features have come)
+            if parts:
+                by_layer: dict[int, torch.Tensor] = {}
+                for layers, tensor in parts.values():
+                    by_layer.update(zip(layers, tensor.split(self.cfg.hidden_size, dim=-1)))
+                batch.aux_hidden_states = torch.cat([by_layer[g] for g in batch.aux_layers], -1)
         return out
+
+    def _held(self, index: int, wanted) -> list[int]:
+        """The layers of `wanted` whose features stage `index` makes, each once, in order."""
+        s = Stage.of(_Layers(self.stage.num_layers), index, self.stage.size)
+        held = [g for g in dict.fromkeys(wanted) if s.start <= g < s.end]
+        return held + [s.num_layers] if s.last and s.num_layers in wanted else held
+
+    def _exchange_features(
+        self, batch, aux: dict[int, torch.Tensor], pending: list
+    ) -> dict[int, tuple[list[int], torch.Tensor]]:
+        """This stage's features of `batch` sent to rank 0 (by the stage's first rank); on rank
+        0, the receives of every other stage's started: {stage: (its layers, its features)}
+        there, {} elsewhere."""
+        wanted, link = batch.aux_layers, self.link
+        if not self._samples:
+            mine = self._held(self.stage.index, wanted)
+            if mine and self.tp_rank == 0:
+                tensor = torch.cat([aux[g] for g in mine], dim=-1).contiguous()
+                pending.append(link.start_send(tensor, 0, _FEATURES))
+            return {}
+        parts: dict[int, tuple[list[int], torch.Tensor]] = {}
+        for index in range(self.stage.size):
+            held = self._held(index, wanted)
+            if not held:
+                continue
+            if index == 0:
+                parts[0] = (held, torch.cat([aux[g] for g in held], dim=-1))
+                continue
+            buf = torch.empty(
+                (len(batch.hidden_indices), len(held) * self.cfg.hidden_size),
+                dtype=self.dtype, device=self.device,
+            )  # fmt: skip
+            pending.append(link.start_recv(buf, index * self.tp_size, _FEATURES))
+            parts[index] = (held, buf)
+        return parts
 
     @property
     def _samples(self) -> bool:
@@ -313,4 +371,12 @@ def _part(lists: StepLists, first: int, end: int, start: int, stop: int) -> Step
         num_multi=sum(n > 1 for n in extend),
         logits_rows=[r - start for r in lists.logits_rows if start <= r < stop],
         keep_hidden=lists.keep_hidden,
+        feature_layers=lists.feature_layers,
+        feature_rows=[r - start for r in lists.feature_rows if start <= r < stop],
     )
+
+
+class _Layers(NamedTuple):
+    """What `Stage.of` reads of a model's config."""
+
+    num_layers: int

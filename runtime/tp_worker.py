@@ -219,7 +219,7 @@ class StepMirror:
                     lists.input_ids, lists.positions, lists.token_rows,
                     [x for pair in lists.pending for x in pair], lists.rows, lists.extend_lens,
                     lists.prefix_lens, lists.num_multi, lists.logits_rows, use_graph,
-                    lists.keep_hidden,
+                    lists.keep_hidden, list(lists.feature_layers), lists.feature_rows,
                 ],
             }
         )  # fmt: skip
@@ -615,13 +615,13 @@ class _Follower:
             elif "e" in message:
                 if message["d"] is not None:
                     runner.write_decode_slots(*message["d"])
-                ids, pos, token_rows, pending, rows, ext, pre, multi, logit_rows, graph, keep = (
-                    message["e"]
-                )
+                (ids, pos, token_rows, pending, rows, ext, pre, multi, logit_rows, graph, keep,
+                 layers, feature_rows) = message["e"]  # fmt: skip
                 lists = StepLists(
                     input_ids=ids, positions=pos, token_rows=token_rows,
                     pending=list(zip(pending[::2], pending[1::2])), rows=rows, extend_lens=ext,
                     prefix_lens=pre, num_multi=multi, logits_rows=logit_rows, keep_hidden=keep,
+                    feature_layers=tuple(layers), feature_rows=feature_rows,
                 )  # fmt: skip
                 runner.forward_lists(lists, graph)
             elif "t" in message and self.comm is not None:

@@ -266,6 +266,55 @@ def test_the_real_model_on_two_stages(engine, default_model_folder):
     assert got[0]["text"].strip()
 
 
+def _drafted(eng) -> list:
+    """The engine's EAGLE drafter made to record every chain it drafts."""
+    drafter, seen = eng._core.speculative.draft_model, []
+    draft = drafter.draft
+
+    def recording(reqs, num):
+        chains = draft(reqs, num)
+        seen.append([list(c) for c in chains])
+        return chains
+
+    drafter.draft = recording
+    return seen
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "EAGLE"])
+def test_eagle_drafts_read_every_stages_features_as_one_process_does(
+    four_layer_folder, reference, algorithm, tmp_path
+):
+    """EAGLE-3's features are the inputs of three layers that different stages hold (EAGLE's the
+    last stage's final state): each stage sends its own to the first, which joins them in the
+    draft's order. An untrained draft's chains are a function of those features alone, so the
+    chains drafted through two stages (micro-batched too) are the single process's, step for
+    step; the outputs are the target's."""
+    import radixlm
+    from radixlm.runtime.speculative.eagle3_training import new_draft
+
+    options = dict(
+        speculative_algorithm=algorithm, speculative_draft_model_path=str(tmp_path),
+        speculative_adaptive=False, **COMMON,
+    )  # fmt: skip
+    with radixlm.Engine(four_layer_folder, **COMMON) as eng:
+        draft, raw = new_draft(eng.model, seed=0, algorithm=algorithm)
+        draft.save(tmp_path, raw)
+    with radixlm.Engine(four_layer_folder, **options) as eng:
+        want = _drafted(eng)
+        eng.generate(["The sky is", "1, 2, 3, 4, 5, 6, 7, 8, 9"], GREEDY)
+    with radixlm.Engine(
+        four_layer_folder, pp_size=2, pp_micro_batch_min_tokens=1, **options
+    ) as eng:  # fmt: skip
+        recorded = _drafted(eng)
+        eng.generate(["The sky is", "1, 2, 3, 4, 5, 6, 7, 8, 9"], GREEDY)
+        got = list(recorded)
+        assert eng.model.num_micro_batched_steps > 0
+        assert eng._core.speculative.eagle is not None  # (drafting never failed)
+        outs = _workload(eng)
+    assert got == want and len(want) > 3
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in reference]
+
+
 def test_medusa_heads_draft_on_the_first_stage_from_the_last_stages_states(
     engine, default_model_folder
 ):

@@ -177,13 +177,14 @@ def test_ngram_takes_sglangs_defaults_and_any_case():
     [
         ({"speculative_algorithm": "NEXTN"}, "not available yet"),
         (
-            {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x", "pp_size": 2},
-            "EAGLE3 is not available with pp_size above 1",
-        ),
-        (
-            {"speculative_algorithm": "eagle", "speculative_draft_model_path": "x", "pp_size": 2},
-            "EAGLE is not available with pp_size above 1",
-        ),
+            {
+                "speculative_algorithm": "EAGLE3",
+                "speculative_draft_model_path": "x",
+                "pp_size": 2,
+                "speculative_eagle_topk": 2,
+            },
+            "draft trees\\) is not available with pp_size > 1",
+        ),  # fmt: skip
         ({"speculative_algorithm": "STANDALONE"}, "needs speculative_draft_model_path"),
         (
             {
