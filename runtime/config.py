@@ -336,11 +336,6 @@ class EngineConfig:
             bad("dist_timeout must be positive (seconds)")
         if self.gc_warning_threshold_secs < 0:
             bad("gc_warning_threshold_secs must be >= 0 (seconds; 0: no warning)")
-        if self.pp_size > 1 and self.speculative_eagle_topk > 1:
-            bad(
-                "speculative_eagle_topk above 1 (draft trees) is not available with pp_size > 1 "
-                "yet (a tree's step runs as decode rows, which the stages do not take); use 1"
-            )
 
     def _check_speculative(self, bad) -> None:
         algorithm = self.speculative_algorithm

@@ -315,6 +315,38 @@ def test_eagle_drafts_read_every_stages_features_as_one_process_does(
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in reference]
 
 
+def test_ngram_draft_trees_go_down_the_stages_as_one_process_verifies_them(
+    engine, default_model_folder
+):
+    """speculative_eagle_topk=3: NGRAM's trees of several matches (their further paths in rows
+    of the request table of their own) verified through two stages, micro-batched: the outputs
+    and the tokens accepted a step are the single process's (the same arithmetic)."""
+    import radixlm
+
+    prompts = [
+        ", ".join(str(i) for i in range(1, 21)) + ", 1, 2, 3, 4, 5,",
+        engine.apply_chat_template(
+            [{"role": "user", "content": "Copy exactly: apple, banana, cherry, date, fig."}]
+        ),
+    ]
+    params = {"max_new_tokens": 32, "temperature": 0}
+    options = dict(
+        speculative_algorithm="NGRAM", speculative_eagle_topk=3, speculative_adaptive=False
+    )
+    with radixlm.Engine(default_model_folder, **options) as eng:
+        want = eng.generate(prompts, params)
+        want_stats = eng.get_stats()
+    with radixlm.Engine(
+        default_model_folder, pp_size=2, pp_micro_batch_min_tokens=1, dist_timeout=60, **options
+    ) as eng:  # fmt: skip
+        got = eng.generate(prompts, params)
+        stats = eng.get_stats()
+    plain = engine.generate(prompts, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert [o["output_ids"] for o in want] == [o["output_ids"] for o in plain]
+    assert stats["spec_accept_length"] == want_stats["spec_accept_length"] > 2.0
+
+
 def test_medusa_heads_draft_on_the_first_stage_from_the_last_stages_states(
     engine, default_model_folder
 ):
