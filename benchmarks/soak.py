@@ -406,10 +406,6 @@ def soak(
         for name, pid in pids.items():
             rss[name].append(rss_mib(pid))
     seconds = time.perf_counter() - start
-    for name, pid in pids.items():
-        if rss[name][-1] >= (1 + max_growth) * rss[name][0]:  # settled yet? (a loaded machine)
-            time.sleep(3)
-            rss[name][-1] = min(rss[name][-1], rss_mib(pid))
     stats_after = engine_stats(url)
     result = SoakResult(requests, seconds, outcomes, stats_after, rss, failures)
     five = [o for o in outcomes if o.status is not None and o.status >= 500]

@@ -32,13 +32,13 @@ import dataclasses
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from radixlm.runtime.model_config import ModelConfig
 from radixlm.runtime.model_runner import StepLists
+from radixlm.runtime.models.llama import layer_input
 from radixlm.runtime.parallel import GroupComm, RankFailure
 
 _LAYER_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
@@ -67,6 +67,11 @@ class Stage:
         if not 0 <= index < size:
             raise ValueError(f"stage {index} of a pipeline of {size}")
         return cls(index, size, index * layers // size, (index + 1) * layers // size, layers)
+
+    def sibling(self, index: int) -> Stage:
+        """Stage `index` of the pipeline this stage is in."""
+        layers, size = self.num_layers, self.size
+        return Stage(index, size, index * layers // size, (index + 1) * layers // size, layers)
 
     @property
     def first(self) -> bool:
@@ -237,9 +242,7 @@ class PipelineStageModel(nn.Module):
             rope = m.rope.lookup(batch.positions)
             for i, layer in enumerate(m.layers):
                 if stage.start + i in wanted:  # (an EAGLE-3 draft's features: the layer's input)
-                    aux[stage.start + i] = (
-                        x[keep] if residual is None else x[keep] + residual[keep]
-                    )  # fmt: skip
+                    aux[stage.start + i] = layer_input(x, residual, keep)
                 x, residual = layer(rope, x, residual, batch, backend)
             if stage.last and stage.num_layers in wanted:  # (an EAGLE draft's: the final norm's)
                 aux[stage.num_layers] = m.final_hidden(x, residual, keep)
@@ -284,7 +287,7 @@ class PipelineStageModel(nn.Module):
 
     def _held(self, index: int, wanted) -> list[int]:
         """The layers of `wanted` whose features stage `index` makes, each once, in order."""
-        s = Stage.of(_Layers(self.stage.num_layers), index, self.stage.size)
+        s = self.stage.sibling(index)
         held = [g for g in dict.fromkeys(wanted) if s.start <= g < s.end]
         return held + [s.num_layers] if s.last and s.num_layers in wanted else held
 
@@ -374,9 +377,3 @@ def _part(lists: StepLists, first: int, end: int, start: int, stop: int) -> Step
         feature_layers=lists.feature_layers,
         feature_rows=[r - start for r in lists.feature_rows if start <= r < stop],
     )
-
-
-class _Layers(NamedTuple):
-    """What `Stage.of` reads of a model's config."""
-
-    num_layers: int

@@ -48,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -243,7 +243,7 @@ class StepMirror:
         if self.group.config.tp_size == 1:
             return
         n = int(pool_rows.shape[0])
-        self.group.send({"t": n})
+        self.group.send({"t": n}, ranks=range(1, self.group.config.tp_size))  # (stage 0's)
         self.group.stage_comm.broadcast(
             torch.cat([pool_rows.to(torch.int64), tokens.to(torch.int64)])
         )
@@ -364,11 +364,13 @@ class TensorParallelGroup:
     def mirror(self, rows: JournaledReqToTokenPool) -> StepMirror:
         return StepMirror(self, rows)
 
-    def send(self, message: Any) -> None:
-        """To every other rank; a rank that cannot take it is lost (RankFailure)."""
+    def send(self, message: Any, ranks: Iterable[int] | None = None) -> None:
+        """To every other rank (or to `ranks`); a rank that cannot take it is lost
+        (RankFailure)."""
         frame = next(iter(self.channels.values())).encode(message)
+        to = self.channels if ranks is None else {r: self.channels[r] for r in ranks}
         with self._send_lock:
-            for rank, channel in self.channels.items():
+            for rank, channel in to.items():
                 try:
                     channel.send_frame(frame)
                 except OSError as e:
@@ -624,7 +626,7 @@ class _Follower:
                     feature_layers=tuple(layers), feature_rows=feature_rows,
                 )  # fmt: skip
                 runner.forward_lists(lists, graph)
-            elif "t" in message and self.comm is not None:
+            elif "t" in message:  # (sent to the first stage's ranks only)
                 n = message["t"]
                 buf = torch.empty(2 * n, dtype=torch.int64, device=runner.device)
                 self.comm.broadcast(buf)

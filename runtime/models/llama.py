@@ -147,6 +147,12 @@ class DecoderLayer(nn.Module):
         ]
 
 
+def layer_input(x: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """The residual stream entering a decoder layer at `rows` (what an EAGLE-3 draft reads of
+    it): the layer before's output plus its residual, or the embedding before the first."""
+    return x[rows] if residual is None else x[rows] + residual[rows]
+
+
 class LlamaForCausalLM(nn.Module):
     matmul = PlainMatmuls()
 
@@ -187,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if keep is not None and i in batch.aux_layers:  # (an EAGLE-3 draft's features)
-                aux[i] = x[keep] if residual is None else x[keep] + residual[keep]
+                aux[i] = layer_input(x, residual, keep)
             x, residual = layer(rope, x, residual, batch, backend)
         last = len(self.layers)
         if keep is not None and last in batch.aux_layers:  # (an EAGLE draft's: the final norm's)
