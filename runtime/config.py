@@ -56,8 +56,9 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as SGLang reads them
 # KV cache dtypes (runtime/memory_pool.py KV_CACHE_DTYPES), and SGLang's others not offered yet
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _KV_CACHE_LATER = ("fp8_e5m2", "fp4_e2m1", "bf16", "bfloat16")
-# runtime/quantization/plan.py QUANTIZATION_METHODS
-_QUANTIZATION = (
+# quantization's values (None: the checkpoint's own); runtime/quantization/plan.py plans each.
+# The last five are SGLang's names of a stored checkpoint's format (plan.STORED_FORMATS).
+QUANTIZATION_METHODS = (
     "fp8", "w4a16", "gguf", "none", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors",
 )  # fmt: skip
 _QUANTIZATION_LATER = ("bitsandbytes", "modelopt", "modelopt_fp4", "mxfp4", "w8a8_int8")
@@ -255,10 +256,10 @@ class EngineConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype!r}{later}; use one of "
                 f"{', '.join(_KV_CACHE_DTYPES)}"
             )
-        if self.quantization is not None and self.quantization not in _QUANTIZATION:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             later = " is not available yet" if self.quantization in _QUANTIZATION_LATER else ""
             bad(
-                f"quantization={self.quantization!r}{later}; use one of {', '.join(_QUANTIZATION)}"
+                f"quantization={self.quantization!r}{later}; use one of {', '.join(QUANTIZATION_METHODS)}"
                 " (a quantized checkpoint is detected from its config.json: leave quantization "
                 "unset for it, or name its format)"
             )

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixlm.runtime.config import QUANTIZATION_METHODS
 from radixlm.runtime.quantization.base import LinearScheme
 from radixlm.runtime.quantization.checkpoint import StoredQuantization
 from radixlm.runtime.quantization.fp8 import Fp8Linear
@@ -30,13 +31,6 @@ STORED_FORMATS = {
     "gptq_marlin": ("GPTQ", ("gptq", "gptq_v2")),
     "compressed-tensors": ("compressed-tensors", ("compressed-tensors",)),
 }
-QUANTIZATION_METHODS = (
-    "fp8",
-    "w4a16",
-    "gguf",
-    "none",
-    *STORED_FORMATS,
-)  # EngineConfig.quantization's values (None: the checkpoint's own; config.py)
 
 
 @dataclass(frozen=True)
