@@ -235,8 +235,9 @@ class EngineCore:
             verifier=self.speculative, mirror=None if tp is None else tp.mirror(self.rows),
             row_graphs=row_graphs,
         )  # fmt: skip
-        # (a draft is made from the newest tokens on the host: speculation runs in lockstep)
-        self.overlap = not config.disable_overlap_schedule and self.speculative is None
+        # (with speculation on, a step overlaps only while the gate keeps drafting off: a draft
+        # is made from the newest tokens on the host; see `_can_overlap`)
+        self.overlap = not config.disable_overlap_schedule
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         # the unfinished requests, and what each step's tokens do to them
         self.output = OutputProcessor(
@@ -250,7 +251,7 @@ class EngineCore:
         self.num_steps = 0
         self._trimmed_at_step = 0  # the step count when free heap memory was last given back
         self._last_step_at = 0.0  # (time.perf_counter) when the last step was launched
-        self._step_began = 0.0  # (time.perf_counter) when the newest step's scheduling began
+        self._applied_at = 0.0  # (time.perf_counter) when the last step's tokens were applied
         self.num_overlapped_steps = 0  # steps launched before the previous one was applied
         # the core thread's time by phase: planning, launching (with sampling unless deferred),
         # deferred sampling (grammar masks), waiting for the device, applying the tokens
@@ -362,10 +363,10 @@ class EngineCore:
         then computed one token too many in N+1: its result is dropped. Requests whose next step
         needs N's tokens on the host (log-probabilities) and anything arriving in the inbox but
         new requests (an abort, a call) make the loop apply N first."""
-        inflight: tuple | None = None  # (plan, handle) of the step launched last
+        inflight: tuple | None = None  # (plan, handle, began) of the step launched last
         while not self._stop.is_set():
             gc_freeze.report()  # (long garbage collections noted since, if any)
-            if inflight is not None and not self._can_overlap():
+            if inflight is not None and not self._can_overlap(inflight[0]):
                 self._complete(*inflight)
                 inflight = None
             inflight = self._drain_inbox(
@@ -373,7 +374,7 @@ class EngineCore:
             )
             if self._stop.is_set():
                 break
-            t0 = self._step_began = time.perf_counter()
+            t0 = time.perf_counter()
             plan = self.scheduler.schedule()
             t1 = time.perf_counter()
             self.host_seconds["schedule"] += t1 - t0
@@ -424,18 +425,23 @@ class EngineCore:
                     self.output.fail_step(plan, e)
                     continue
                 self.host_seconds["sample"] += time.perf_counter() - t2
-            if handle.ready or not self.overlap:
-                self._complete(plan, handle)
+            if handle.ready or not self._can_overlap(plan):
+                self._complete(plan, handle, t0)
             else:
-                inflight = (plan, handle)
+                inflight = (plan, handle, t0)
                 self.num_overlapped_steps += 1
         if inflight is not None:
             self._complete(*inflight)
 
-    def _can_overlap(self) -> bool:
-        return self.overlap and not self.output.num_lockstep
+    def _can_overlap(self, plan) -> bool:
+        """Whether the step after `plan` may be scheduled and launched before `plan`'s tokens
+        are applied."""
+        if not self.overlap or self.output.num_lockstep:
+            return False
+        return self.speculative is None or self.speculative.may_overlap(plan)
 
-    def _complete(self, plan, handle) -> None:
+    def _complete(self, plan, handle, began: float) -> None:
+        """Apply the tokens of `plan`, whose scheduling began at `began` (time.perf_counter)."""
         t0 = time.perf_counter()
         try:
             results = handle.results()
@@ -449,8 +455,11 @@ class EngineCore:
         self.output.apply_step(plan, results, self._next_masks)
         t2 = time.perf_counter()
         self.host_seconds["apply"] += t2 - t1
-        if self.speculative is not None:  # (in lockstep: the step's whole time)
-            self.speculative.observe_step(plan, results, t2 - self._step_began)
+        if self.speculative is not None:
+            # the step's time: from its scheduling, or, where it overlapped the step before,
+            # from that one's tokens applied (what each step adds to the run)
+            self.speculative.observe_step(plan, results, t2 - max(began, self._applied_at))
+        self._applied_at = t2
 
     def _drain_inbox(self, block: bool, inflight: tuple | None = None) -> tuple | None:
         """Take what the inbox holds. New requests (and those whose grammar is ready) join the

@@ -71,7 +71,7 @@ class StepPlan:
     of several tokens after jump-forward) is a ScheduledReq in `items`. Results come in the order
     decodes, then items, which is also the order iterating a plan gives (as ScheduledReq)."""
 
-    __slots__ = ("decodes", "rows", "seq_lens", "slots", "items")
+    __slots__ = ("decodes", "rows", "seq_lens", "slots", "items", "batch")
 
     def __init__(self) -> None:
         self.decodes: list[Req] = []  # each computes its newest token and samples the next
@@ -81,6 +81,7 @@ class StepPlan:
         # written into the device copy by the step (ModelRunner)
         self.slots: torch.Tensor | None = None
         self.items: list[ScheduledReq] = []
+        self.batch = 0  # decoding requests when planned (before any preemption): the gate's
 
     def __len__(self) -> int:
         return len(self.decodes) + len(self.items)
@@ -226,6 +227,7 @@ class Scheduler:
         if not decoding:
             return prefilling
         total = sum(counts)
+        plan.batch = len(decoding)
         drafts: list[tuple[int, ...]] = []
         rows = self.cache.rows
         if self.drafter is not None and (self.drafting is None or self.drafting(len(decoding))):

@@ -343,12 +343,19 @@ def test_the_gate_at_a_large_batch_where_verifying_costs_many_plain_steps():
 
 def test_the_engine_drafts_only_where_the_gate_measured_it_pays(tiny_model_folder):
     """With the gate's measurements saying plain decoding is faster at batch 1, the engine's
-    steps go plain (exploring a verify step now and then); the tokens are the same as with
-    drafting at every step (the gate off)."""
+    steps go plain (exploring a verify step now and then), and those steps overlap as plain
+    decoding's do (the next step launched before this one's tokens are applied); the tokens are
+    the same as with drafting at every step (the gate off), for requests that finish at other
+    steps, by length and by a stop string, while later steps are in flight."""
     import radixlm
 
-    prompt = [300 + (j % 5) for j in range(30)]
-    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    prompts = [[300 + (j % 5) for j in range(30)], [400 + (j % 7) for j in range(20)]]
+    prompts.append(prompts[0])  # (with a stop string from its answer)
+    params = [
+        {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 23, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 31, "temperature": 0, "ignore_eos": True},
+    ]
     outs, verifies = [], []
     for adaptive in (False, True):
         with radixlm.Engine(
@@ -359,10 +366,20 @@ def test_the_engine_drafts_only_where_the_gate_measured_it_pays(tiny_model_folde
             if adaptive:  # (measured: verifying far slower than plain decoding)
 
                 def seed(gate=gate):
-                    gate._rate.update({(1, True): 1.0, (1, False): 1e12})
+                    gate._rate.update({(b, True): 1.0 for b in range(1, 4)})
+                    gate._rate.update({(b, False): 1e12 for b in range(1, 4)})
 
                 eng._core.call(seed)
-            outs.append(eng.generate(input_ids=prompt, sampling_params=params)["output_ids"])
+            single = eng.generate(input_ids=prompts[0], sampling_params=params[0])
+            first = single["output_ids"]
+            # a stop string cut from the first answer's text, reached mid-answer
+            stop = eng.tokenizer.decode(first[12:14])
+            batch = eng.generate(
+                input_ids=prompts, sampling_params=[*params[:2], {**params[2], "stop": [stop]}]
+            )
+            outs.append([first] + [o["output_ids"] for o in batch] + [batch[2]["text"]])
+            assert batch[2]["meta_info"]["finish_reason"]["type"] == "stop"
+            assert len(batch[2]["output_ids"]) < 31
             stats = eng.get_stats()
             verifies.append(stats["spec_verify_ct"])
             # each verify step's tokens, in the acceptance-length histogram (/metrics)
@@ -371,8 +388,12 @@ def test_the_engine_drafts_only_where_the_gate_measured_it_pays(tiny_model_folde
             assert lengths["sum"] == pytest.approx(stats["spec_accept_length"] * lengths["count"])
             if adaptive:
                 assert gate.plain_steps > 20
+                assert eng._core.num_overlapped_steps > 20
+            else:
+                assert eng._core.num_overlapped_steps == 0
     assert outs[0] == outs[1]
-    assert verifies[0] >= 5 and verifies[1] <= 3, verifies
+    assert [len(o) for o in outs[1][1:3]] == [40, 23]
+    assert verifies[0] >= 5 and verifies[1] <= 8, verifies
 
 
 # ---- draft trees -----------------------------------------------------------------------------

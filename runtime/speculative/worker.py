@@ -136,8 +136,20 @@ class SpeculativeWorker:
 
     def drafting(self, batch: int) -> bool:
         """Whether a step of `batch` decoding requests drafts (the scheduler asks first)."""
-        self._gate_batch = batch  # (the step is measured under the batch it was decided for)
+        self._gate_batch = batch
         return self.gate is None or self.gate.drafting(batch)
+
+    def may_overlap(self, plan) -> bool:
+        """Whether the step after `plan` may be launched before `plan`'s tokens are on the host
+        (overlap scheduling): `plan` verified no drafts (a tree's rows are lent until the next
+        schedule), and the gate keeps the next step plain, which needs no draft made from the
+        newest tokens. Where a drafter keeps state from plain steps (EAGLE's features, MEDUSA's
+        hidden states), only while the gate rests it: those steps then keep nothing."""
+        if self.gate is None or any(it.draft for it in plan.items):
+            return False
+        if self.eagle is not None or self.medusa is not None:
+            return self._resting()
+        return self.gate.quiet(self._gate_batch, 1)
 
     def observe_step(self, plan, results, seconds: float) -> None:
         """A finished step, scheduled to applied in `seconds`, for the gate: measured when it
@@ -148,7 +160,9 @@ class SpeculativeWorker:
         verified = bool(results.verified)
         if verified:
             tokens += sum(map(len, results.verified.values()))
-        self.gate.observe(self._gate_batch or len(plan), verified, tokens, seconds)
+        # (under the batch it was decided for: `_gate_batch` is the newest step's, which may
+        # be the next one where the steps overlap)
+        self.gate.observe(plan.batch or len(plan), verified, tokens, seconds)
 
     # ---- drafting (the scheduler asks) -------------------------------------------------------
 
