@@ -251,7 +251,6 @@ class EngineCore:
         self.num_steps = 0
         self._trimmed_at_step = 0  # the step count when free heap memory was last given back
         self._last_step_at = 0.0  # (time.perf_counter) when the last step was launched
-        self._applied_at = 0.0  # (time.perf_counter) when the last step's tokens were applied
         self.num_overlapped_steps = 0  # steps launched before the previous one was applied
         # the core thread's time by phase: planning, launching (with sampling unless deferred),
         # deferred sampling (grammar masks), waiting for the device, applying the tokens
@@ -363,7 +362,7 @@ class EngineCore:
         then computed one token too many in N+1: its result is dropped. Requests whose next step
         needs N's tokens on the host (log-probabilities) and anything arriving in the inbox but
         new requests (an abort, a call) make the loop apply N first."""
-        inflight: tuple | None = None  # (plan, handle, began) of the step launched last
+        inflight: tuple | None = None  # (plan, handle, its scheduling and launch's seconds)
         while not self._stop.is_set():
             gc_freeze.report()  # (long garbage collections noted since, if any)
             if inflight is not None and not self._can_overlap(inflight[0]):
@@ -394,7 +393,8 @@ class EngineCore:
             except Exception as e:  # a failed step fails its requests, never the engine
                 self.output.fail_step(plan, e)
                 continue
-            self.host_seconds["launch"] += time.perf_counter() - t1
+            launched = time.perf_counter() - t0  # (its own host time; a deferred sampling adds)
+            self.host_seconds["launch"] += launched - (t1 - t0)
             self.num_steps += 1
             self._last_step_at = t1
             for req in plan.decodes:
@@ -425,10 +425,11 @@ class EngineCore:
                     self.output.fail_step(plan, e)
                     continue
                 self.host_seconds["sample"] += time.perf_counter() - t2
+                launched += time.perf_counter() - t2
             if handle.ready or not self._can_overlap(plan):
-                self._complete(plan, handle, t0)
+                self._complete(plan, handle, launched)
             else:
-                inflight = (plan, handle, t0)
+                inflight = (plan, handle, launched)
                 self.num_overlapped_steps += 1
         if inflight is not None:
             self._complete(*inflight)
@@ -440,8 +441,9 @@ class EngineCore:
             return False
         return self.speculative is None or self.speculative.may_overlap(plan)
 
-    def _complete(self, plan, handle, began: float) -> None:
-        """Apply the tokens of `plan`, whose scheduling began at `began` (time.perf_counter)."""
+    def _complete(self, plan, handle, launched: float) -> None:
+        """Wait for the tokens of `plan` (scheduled and launched in `launched` seconds) and
+        apply them."""
         t0 = time.perf_counter()
         try:
             results = handle.results()
@@ -456,10 +458,9 @@ class EngineCore:
         t2 = time.perf_counter()
         self.host_seconds["apply"] += t2 - t1
         if self.speculative is not None:
-            # the step's time: from its scheduling, or, where it overlapped the step before,
-            # from that one's tokens applied (what each step adds to the run)
-            self.speculative.observe_step(plan, results, t2 - max(began, self._applied_at))
-        self._applied_at = t2
+            # the step's own host time, which in lockstep is all of it, and overlapped is what
+            # each step adds to the run (its device time hidden under the next one's launch)
+            self.speculative.observe_step(plan, results, launched + t2 - t0)
 
     def _drain_inbox(self, block: bool, inflight: tuple | None = None) -> tuple | None:
         """Take what the inbox holds. New requests (and those whose grammar is ready) join the
