@@ -85,7 +85,8 @@ def run(
 ) -> tuple[float, list[list[int]], list[float], int | None]:
     """(tokens/s over all prompts one at a time, each output, each accepted length, the
     positions a verify step computes); with
-    `profile`, then all the prompts again under cProfile, whose top functions it prints. With
+    `profile`, then all the prompts again (the batch again) under cProfile, whose top functions
+    it prints. With
     `batch` above 1, the prompts repeated to that many requests, submitted at once."""
     params = {"max_new_tokens": new_tokens, "temperature": 0}
     with radixlm.Engine(device=device, dtype=dtype, **spec) as eng:
@@ -95,15 +96,22 @@ def run(
         eng.generate(texts[0], params)
         outs, tokens, seconds = [], 0, 0.0
         before = eng.get_stats()
+        gate = eng._core.speculative.gate if eng._core.speculative is not None else None
+        many = [texts[i % len(texts)] for i in range(batch)]
         if batch > 1:
-            many = [texts[i % len(texts)] for i in range(batch)]
             # once untimed: the kernels of this batch's step shapes compile now (a verify step at
             # a new shape compiled for seconds inside the timed run), as a server's would have
             eng.generate(many, params)
+            counted = (gate.draft_steps, gate.plain_steps) if gate is not None else None
             t = time.perf_counter()
             outs = eng.generate(many, params)
             seconds = time.perf_counter() - t
             tokens = sum(len(o["output_ids"]) for o in outs)
+            if counted is not None:
+                print(
+                    f"timed batch: {gate.draft_steps - counted[0]} steps drafted, "
+                    f"{gate.plain_steps - counted[1]} kept plain by the gate"
+                )
         for prompt in texts if batch == 1 else ():
             t = time.perf_counter()
             out = eng.generate(prompt, params)
@@ -112,14 +120,18 @@ def run(
             outs.append(out)
         print(f"{spec.get('speculative_algorithm', 'plain')}: {_phases(before, eng.get_stats())}")
         if profile:
-            _profiled(eng, lambda: [eng.generate(p, params) for p in texts], profile)
+            if batch > 1:
+                _profiled(eng, lambda: eng.generate(many, params), profile)
+            else:
+                _profiled(eng, lambda: [eng.generate(p, params) for p in texts], profile)
         spec = eng._core.speculative
         verify_rows = spec.num_draft_tokens if spec is not None else None
-        if spec is not None and spec.gate is not None:
+        if gate is not None:
             print(
-                f"the gate kept {spec.gate.plain_steps} steps from drafting (warm-up included); "
+                f"the gate kept {gate.plain_steps} steps from drafting and let "
+                f"{gate.draft_steps} draft (warm-up included); "
                 f"its tokens/s by "
-                f"(batch bucket, verified): {spec.gate.rates()}"
+                f"(batch bucket, verified): {gate.rates()}"
             )
     return (
         tokens / seconds,

@@ -105,7 +105,7 @@ class Scheduler:
         schedule_policy: str,
         max_admission_delay: int = 0,
         drafter: Callable[[Req], list[int]] | None = None,
-        drafting: Callable[[int], bool] | None = None,
+        drafting: Callable[[int, bool], bool] | None = None,
         prepare_drafts: Callable[[list[Req]], None] | None = None,
         enable_priority_scheduling: bool = False,
         schedule_low_priority_values_first: bool = False,
@@ -119,7 +119,8 @@ class Scheduler:
         # speculative decoding: a draft for a request about to decode its newest token ([] for
         # none); such a request then computes [newest, *draft] as one item
         self.drafter = drafter
-        # whether a step of so many decoding requests drafts at all (None: always)
+        # whether a step of so many decoding requests drafts at all, told whether the step is
+        # decodes alone (no prompt chunk may join it) (None: always)
         self.drafting = drafting
         # called with the decoding requests before a drafting step's `drafter` calls: a drafter
         # that drafts for them all at once (a draft model) does it there
@@ -230,7 +231,11 @@ class Scheduler:
         plan.batch = len(decoding)
         drafts: list[tuple[int, ...]] = []
         rows = self.cache.rows
-        if self.drafter is not None and (self.drafting is None or self.drafting(len(decoding))):
+        # (a prompt chunk joins the step where one is under way or waiting requests may come in)
+        alone = not prefilling and not self.waiting
+        if self.drafter is not None and (
+            self.drafting is None or self.drafting(len(decoding), alone)
+        ):
             if self.prepare_drafts is not None:
                 self.prepare_drafts(decoding)
             drafts = _drafts(self.drafter, decoding, counts)
@@ -238,7 +243,7 @@ class Scheduler:
                 drafts = _fit_rows(drafts, self.max_verify_rows)
             # a tree's further paths borrow rows of the table; a step that may take a prompt
             # chunk verifies chains (a tree's step runs as decode rows, a chunk among them too)
-            spare = 0 if prefilling or self.waiting else rows.num_spare
+            spare = rows.num_spare if alone else 0
             for i, d in enumerate(drafts):
                 if isinstance(d, DraftTree):
                     need = len(d.paths()) - 1

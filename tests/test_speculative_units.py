@@ -309,6 +309,24 @@ def test_the_gate_says_when_no_draft_comes_for_a_while():
     assert not gate.quiet(8, 2)
 
 
+def test_the_gate_drafts_in_no_step_it_cannot_measure_while_measuring():
+    """Steps that also compute a prompt chunk (a batch's admission) are not measured: while a
+    bucket is being measured they go plain and count for nothing, so the measuring steps come
+    once the batch decodes alone; a decided bucket's way holds in them too."""
+    from radixlm.runtime.speculative.gate import SpeculationGate
+
+    gate = SpeculationGate(explore=4)
+    assert [gate.drafting(128, measured=False) for _ in range(10)] == [False] * 10
+    assert (gate.draft_steps, gate.plain_steps) == (0, 10)
+    # the measuring steps, as if the ramp had not been
+    for verified, rate in ((True, 3000), (False, 1000), (True, 3000), (False, 1000)):
+        assert gate.drafting(128) is verified
+        gate.observe(128, verified, 10, 10 / rate)
+    # decided: drafting leads, and holds in a step with a prompt chunk
+    assert gate.drafting(128, measured=False) is True
+    assert gate.draft_steps == 3
+
+
 def test_the_gate_at_a_large_batch_where_verifying_costs_many_plain_steps():
     """A batch of 128 where a verify step gives 256 tokens at 9k tokens/s and a plain one 128 at
     90k (what the H100 measured), its first plain step slow (5k, a first replay): the gate

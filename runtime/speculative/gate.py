@@ -20,7 +20,9 @@ seen. How often is `explore` steps times how many times faster the winner is (a 
 loser costs about that many of the winner's), and twice as long each time such a step confirms
 the loser, up to `explore` x `max_backoff`: where a verify step costs twenty plain ones, trying
 it every 16 steps alone more than doubled the time. A step that also computes a prompt chunk
-measures neither; one whose requests were all left without a draft counts as a plain step (it
+measures neither, so while a bucket is still being measured such a step does not draft (at a
+large batch a verify step can cost a dozen plain ones, and the ramp of a batch's admission is
+many such steps); one whose requests were all left without a draft counts as a plain step (it
 decoded plainly).
 """
 
@@ -49,17 +51,23 @@ class SpeculationGate:
         self._backoff: dict[int, int] = {}  # bucket -> the exploring interval's factor
         self._explored: dict[int, int] = {}  # bucket -> the step that last tried the loser
         self.plain_steps = 0  # steps the gate kept from drafting
+        self.draft_steps = 0  # steps it let draft
 
     @staticmethod
     def bucket(batch: int) -> int:
         """1, 2-3, 4-7, ... requests: a bucket each."""
         return max(1, batch).bit_length()
 
-    def drafting(self, batch: int) -> bool:
-        """Whether the next step of `batch` decoding requests drafts."""
+    def drafting(self, batch: int, measured: bool = True) -> bool:
+        """Whether the next step of `batch` decoding requests drafts. `measured`: the step will
+        be measured (no prompt chunk in it); one that will not, does not draft while its bucket
+        is still being measured, and does not count as one of its steps."""
         b = self.bucket(batch)
-        n = self._steps[b] = self._steps.get(b, 0) + 1
         spec_n, plain_n = self._count.get((b, True), 0), self._count.get((b, False), 0)
+        if not measured and min(spec_n, plain_n) < self.first:
+            self.plain_steps += 1
+            return False
+        n = self._steps[b] = self._steps.get(b, 0) + 1
         if min(spec_n, plain_n) < self.first:  # (measuring: the way measured less, drafting first)
             draft = spec_n < plain_n if spec_n != plain_n else n % 2 == 1
         else:
@@ -69,6 +77,7 @@ class SpeculationGate:
             if n >= explore_at:
                 draft, self._explored[b] = not best, n
         self.plain_steps += not draft
+        self.draft_steps += draft
         return draft
 
     def _decided(self, b: int) -> tuple[bool, int]:

@@ -134,10 +134,11 @@ class SpeculativeWorker:
         self._unheaded: dict[int, Req] = {}
         self._gate_batch = 0  # decoding requests of the step the gate last decided for
 
-    def drafting(self, batch: int) -> bool:
-        """Whether a step of `batch` decoding requests drafts (the scheduler asks first)."""
+    def drafting(self, batch: int, measured: bool = True) -> bool:
+        """Whether a step of `batch` decoding requests drafts (the scheduler asks first);
+        `measured`: no prompt chunk joins the step (the gate measures only such steps)."""
         self._gate_batch = batch
-        return self.gate is None or self.gate.drafting(batch)
+        return self.gate is None or self.gate.drafting(batch, measured)
 
     def may_overlap(self, plan) -> bool:
         """Whether the step after `plan` may be launched before `plan`'s tokens are on the host
