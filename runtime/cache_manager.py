@@ -91,6 +91,15 @@ class CacheManager:
         self.rows.write(req.pool_row, req.kv_len, slots)
         req.kv_len += num_tokens
 
+    def extend_many(self, reqs: list[Req], counts: list[int]) -> None:
+        """`extend` for each of `reqs` by its count, with one allocation and one write into the
+        device table (a verify step's requests: one small copy each cost ~40 us on an H100's
+        host, 5 ms for 128 requests)."""
+        slots = self._allocate(sum(counts))
+        self.rows.write_many([r.pool_row for r in reqs], [r.kv_len for r in reqs], counts, slots)
+        for req, n in zip(reqs, counts):
+            req.kv_len += n
+
     def extend_decodes(self, reqs: list[Req]) -> tuple[list[int], list[int], torch.Tensor]:
         """`extend` by one token for each of `reqs` (a step's decodes) with one allocation and one
         write into the request table's host copy; returns their rows, their new lengths and the

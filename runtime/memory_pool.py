@@ -271,6 +271,27 @@ class ReqToTokenPool:
         if self.host is not self.table:
             self.table[row, start : start + len(slots)] = to_device(slots, self.table.device)
 
+    def write_many(
+        self, rows: list[int], starts: list[int], counts: list[int], slots: torch.Tensor
+    ) -> None:
+        """`write(rows[i], starts[i], ...)` for each i, the slots taken in order from `slots`
+        (counts[i] each), with one copy to the device table."""
+        if not rows:
+            return
+        if len(rows) == 1:
+            return self.write(rows[0], starts[0], slots)
+        num = int64_tensor(counts)
+        row_at, start_at = int64_tensor(rows + starts).view(2, -1)
+        first = torch.cumsum(num, 0) - num  # where each row's slots begin in `slots`
+        row_index = torch.repeat_interleave(row_at, num)
+        col_index = torch.repeat_interleave(start_at - first, num) + torch.arange(len(slots))
+        self.host[row_index, col_index] = slots.to(torch.int32)
+        if self.host is not self.table:
+            at = to_device(
+                torch.stack([row_index, col_index, slots.to(torch.int64)]), self.table.device
+            )
+            self.table[at[0], at[1]] = at[2].to(torch.int32)
+
     def write_next_host(self, rows: list[int], seq_lens: list[int], slots: torch.Tensor) -> None:
         """host[rows[i], seq_lens[i] - 1] = slots[i] for all i: the slots of a step's decodes.
         The device copy is written by that step itself, from its inputs (ModelRunner), which

@@ -267,17 +267,20 @@ class Scheduler:
         if not plain:
             # those that compute several tokens (after jump-forward), or one whose input is on the
             # host only (a resumed request's last chunk left one token), go as items
-            for i, (r, n) in enumerate(zip(decoding, counts)):
-                if n > 1 or not r.token_in_buf:
-                    start = r.kv_len
-                    self.cache.extend(r, n)
-                    draft = drafts[i] if drafts else ()
-                    item = ScheduledReq(r, start, n, True, draft)
-                    if isinstance(draft, DraftTree):
-                        root = start + n - len(draft) - 1  # (the newest token's position)
-                        item.node_rows, lent = lay_out(draft, rows, r.pool_row, root)
-                        self._lent += lent
-                    plan.items.append(item)
+            several = [
+                i for i, (r, n) in enumerate(zip(decoding, counts)) if n > 1 or not r.token_in_buf
+            ]
+            reqs = [decoding[i] for i in several]
+            starts = [r.kv_len for r in reqs]
+            self.cache.extend_many(reqs, [counts[i] for i in several])
+            for i, r, start in zip(several, reqs, starts):
+                n, draft = counts[i], drafts[i] if drafts else ()
+                item = ScheduledReq(r, start, n, True, draft)
+                if isinstance(draft, DraftTree):
+                    root = start + n - len(draft) - 1  # (the newest token's position)
+                    item.node_rows, lent = lay_out(draft, rows, r.pool_row, root)
+                    self._lent += lent
+                plan.items.append(item)
             decoding = [r for r, n in zip(decoding, counts) if n == 1 and r.token_in_buf]
         if decoding:
             plan.decodes = decoding

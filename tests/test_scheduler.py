@@ -224,3 +224,21 @@ def test_a_requests_id_slices_are_its_all_ids_slices():
             assert req.ids_slice(start) == req.all_ids[start:]
             for end in range(start, total + 3):  # (past the end too: a token still pending)
                 assert req.ids_slice(start, end) == req.all_ids[start:end], (out, start, end)
+
+
+def test_a_steps_several_rows_are_written_at_once_as_one_by_one():
+    """`write_many` (a verify step's requests, one copy to the device table) leaves the host
+    and the device table as a `write` a row does; here the two tables are apart, as on a GPU."""
+    rng = torch.Generator().manual_seed(0)
+    one, many = (ReqToTokenPool(6, 64, torch.device("cpu")) for _ in range(2))
+    for pool in (one, many):
+        pool.host = pool.table.clone()  # (the host copy apart from the table, as on a GPU)
+    rows, starts, counts = [4, 1, 3], [10, 0, 37], [3, 1, 8]
+    slots = torch.randint(0, 10_000, (sum(counts),), generator=rng)
+    at = 0
+    for row, start, n in zip(rows, starts, counts):
+        one.write(row, start, slots[at : at + n])
+        at += n
+    many.write_many(rows, starts, counts, slots)
+    assert torch.equal(one.host, many.host) and torch.equal(one.table, many.table)
+    assert many.table.count_nonzero() > 0

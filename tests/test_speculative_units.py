@@ -10,7 +10,7 @@ import torch
 
 from radixlm import cli
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.speculative.ngram import NgramIndex, propose_by_scan
+from radixlm.runtime.speculative.ngram import NgramIndex, propose_by_scan, propose_many_by_scan
 from radixlm.runtime.speculative.verify import greedy_accept, rejection_sample
 
 # ---- the drafter ------------------------------------------------------------------------------
@@ -51,7 +51,25 @@ def test_the_index_grown_token_by_token_proposes_what_a_scan_does():
             k = rng.randint(1, 8)
             context = prompt + output
             assert index.propose(k) == propose_by_scan(context, lo, hi, k), (trial, context)
+            count = rng.randint(1, 4)
+            assert index.propose_many(k, count) == propose_many_by_scan(
+                context, lo, hi, k, count
+            ), (trial, context, count)
             output.extend(rng.randint(0, 4) for _ in range(rng.randint(1, 3)))
+
+
+def test_an_index_that_went_many_steps_without_a_draft_catches_up_in_one_update():
+    """(What a request the gate kept plain does: no update for a while, then one; the context
+    long enough that the array grows.)"""
+    rng = random.Random(1)
+    prompt = [rng.randint(0, 9) for _ in range(300)]
+    output = [rng.randint(0, 9) for _ in range(500)]
+    index = NgramIndex(1, 12)
+    index.update(prompt, output[:3])
+    index.update(prompt, output)
+    context = prompt + output
+    assert index.tokens.tolist() == context
+    assert index.propose_many(8, 3) == propose_many_by_scan(context, 1, 12, 8, 3)
 
 
 def test_a_context_that_changed_behind_the_index_is_indexed_afresh():
