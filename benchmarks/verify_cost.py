@@ -130,6 +130,12 @@ def main() -> None:
                 kv_extra = b * (k - 1) * args.context * kv_row_bytes
                 results.append((b, k, decode_ms, as_rows, as_extend, kv_extra))
         weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+        dispatch = getattr(eng.model, "matmul", None)
+        tuned = [
+            (key, dispatch.plain_ms[key], dispatch.timings.get(key, []), dispatch.choice.get(key))
+            for key in getattr(dispatch, "plain_ms", {})
+            if key[0] == "linear"
+        ]
 
     def ratio(x, base):
         return "-" if x is None else f"{x:.3f} ms ({x / base:.2f}x)"
@@ -146,6 +152,15 @@ def main() -> None:
         print(
             f"| {b} | {k} | {dec:.3f} ms | {ratio(rows_ms, dec)} | {ratio(ext_ms, dec)} "
             f"| {kv_extra / 1e6:.1f} MB |"
+        )
+    # what the start-up tuning chose for each row count a step may run at (runtime/
+    # matmul_dispatch.py): a verify step's rows above 4 take only the tl.dot tiles or cuBLAS
+    print("\n| rows | weight (N, K) | cuBLAS | fastest tile | chosen |\n|---|---|---|---|---|")
+    for (_, rows, n, k, *_), plain_ms, timed, chosen in sorted(tuned, key=lambda t: t[0][1:4]):
+        tile = f"{timed[0][0] * 1e3:.1f} us" if timed else "-"
+        print(
+            f"| {rows} | ({n}, {k}) | {plain_ms * 1e3:.1f} us | {tile} | "
+            f"{'cuBLAS' if chosen is None else chosen} |"
         )
 
 

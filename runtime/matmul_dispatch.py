@@ -54,6 +54,7 @@ class LinearDispatch(PlainMatmuls):
         self.choice: dict[ChoiceKey, GemvConfig | None] = {}
         # per choice key, (ms, tile) of each tile that ran and matched the plain path, fastest first
         self.timings: dict[ChoiceKey, list[tuple[float, GemvConfig]]] = {}
+        self.plain_ms: dict[ChoiceKey, float] = {}  # per choice key, the plain path's time
 
     def _chosen(
         self, op: str, x: torch.Tensor, linear: torch.nn.Linear, rows: torch.Tensor | None = None
@@ -132,7 +133,7 @@ class LinearDispatch(PlainMatmuls):
         key = choice_key(op, rows, linear)
         plain, kernel, oracle = self._candidate_calls(op, linear, rows, norm, float32)
         want = oracle(linear).float()
-        base = graph_ms(plain, linear)
+        base = self.plain_ms[key] = graph_ms(plain, linear)
         stored = _weights(linear)[0].dtype  # packed INT4 and float8 weights: their tiles too
         candidates = CONFIGS + {torch.uint8: INT4_CONFIGS, torch.float8_e4m3fn: FP8_CONFIGS}.get(
             stored, []
