@@ -278,8 +278,6 @@ class ReqToTokenPool:
         (counts[i] each), with one copy to the device table."""
         if not rows:
             return
-        if len(rows) == 1:
-            return self.write(rows[0], starts[0], slots)
         num = int64_tensor(counts)
         row_at, start_at = int64_tensor(rows + starts).view(2, -1)
         first = torch.cumsum(num, 0) - num  # where each row's slots begin in `slots`

@@ -195,6 +195,15 @@ class JournaledReqToTokenPool(ReqToTokenPool):
         super().write(row, start, slots)
         self.journal.append([row, start, slots.tolist()])
 
+    def write_many(
+        self, rows: list[int], starts: list[int], counts: list[int], slots: torch.Tensor
+    ) -> None:
+        super().write_many(rows, starts, counts, slots)
+        at, values = 0, slots.tolist()
+        for row, start, n in zip(rows, starts, counts):
+            self.journal.append([row, start, values[at : at + n]])
+            at += n
+
     def take_journal(self) -> list[list[Any]]:
         out, self.journal = self.journal, []
         return out
