@@ -70,6 +70,10 @@ def test_an_index_that_went_many_steps_without_a_draft_catches_up_in_one_update(
     context = prompt + output
     assert index.tokens.tolist() == context
     assert index.propose_many(8, 3) == propose_many_by_scan(context, 1, 12, 8, 3)
+    # windows longer than the index's precomputed offsets (64), over a text that repeats
+    index = NgramIndex(1, 80)
+    index.update(context * 2)
+    assert index.propose(8) == propose_by_scan(context * 2, 1, 80, 8) == context[:8]
 
 
 def test_a_context_that_changed_behind_the_index_is_indexed_afresh():

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+_STEPS = np.arange(64)  # k = 0, 1, ...: tokens back from a match's end (made once)
+
 
 class NgramIndex:
     """The tokens of one sequence that grows at its end, and the n-gram matches of its ending."""
@@ -76,9 +78,17 @@ class NgramIndex:
         if not ends.size:
             return []
         # how far back each matches the ending: k tokens back from each, while equal
-        back = ends[:, None] - np.arange(hi)
-        same = (t[np.maximum(back, 0)] == t[n - 1 - np.arange(hi)]) & (back >= 0)
-        length = np.cumprod(same, axis=1).sum(axis=1)
+        steps = _STEPS[:hi] if hi <= len(_STEPS) else np.arange(hi)
+        back = ends[:, None] - steps
+        same = t[back] == t[n - 1 - steps]  # (a negative index wraps: cut by the mask below)
+        same &= back >= 0
+        length = same.cumprod(axis=1).sum(axis=1)
+        if count == 1:  # the latest of the longest: the last index of the maximum
+            last = len(length) - 1 - int(length[::-1].argmax())
+            if length[last] < self.min_window:
+                return []
+            pos = int(ends[last]) + 1
+            return [_repeated(t[pos : pos + max_tokens].tolist(), n - pos, max_tokens)]
         out, seen = [], set()
         for window in range(int(length.max()), self.min_window - 1, -1):
             at = np.flatnonzero(length >= window)  # (ascending: the last is the latest)
