@@ -231,8 +231,10 @@ class Scheduler:
         plan.batch = len(decoding)
         drafts: list[tuple[int, ...]] = []
         rows = self.cache.rows
-        # (a prompt chunk joins the step where one is under way or waiting requests may come in)
-        alone = not prefilling and not self.waiting
+        # (a prompt chunk joins the step where one is under way or a waiting request may be
+        # admitted: there are seats and rows for it)
+        seats = len(self.running) < self.max_running and self.cache.rows.num_free > 0
+        alone = not prefilling and not (self.waiting and seats)
         if self.drafter is not None and (
             self.drafting is None or self.drafting(len(decoding), alone)
         ):

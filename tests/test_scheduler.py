@@ -242,3 +242,26 @@ def test_a_steps_several_rows_are_written_at_once_as_one_by_one():
     many.write_many(rows, starts, counts, slots)
     assert torch.equal(one.host, many.host) and torch.equal(one.table, many.table)
     assert many.table.count_nonzero() > 0
+
+
+def test_the_speculation_gate_is_told_whether_a_prompt_chunk_may_join_the_step():
+    """`drafting(batch, alone)`: alone is false while a prompt is being computed or a waiting
+    request may be admitted, and true once every seat is taken, however many wait (an
+    overloaded server's full batch must still be measurable)."""
+    rng = random.Random(0)
+    sched = make_scheduler(max_running=2, delay=0)
+    told: list[tuple[int, bool]] = []
+    sched.drafter = lambda req: []
+    sched.drafting = lambda batch, alone: told.append((batch, alone)) or False
+    for i in range(5):
+        sched.add(make_req(i, rng))
+    for _ in range(6):
+        for it in sched.schedule():
+            if it.samples:
+                it.req.output_ids.append(1)
+    assert sched.waiting and len(sched.running) == 2
+    assert told and told[-1] == (2, True), told
+    # a seat free again, a request waiting: not alone
+    sched.remove(sched.running[0])
+    sched.schedule()
+    assert told[-1] == (1, False), told

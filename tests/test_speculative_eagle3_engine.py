@@ -439,16 +439,34 @@ def test_the_gate_rests_the_drafter_while_drafting_does_not_pay(
     prompts, params, plain = reference
     with start(default_model_folder, speculative_algorithm=algorithm) as eng:
         spec = eng._core.speculative
-        kept = []
+        kept, in_flight = [], []
         if algorithm == "EAGLE3":
             own = spec.eagle.keep_features
-            spec.eagle.keep_features = lambda spans, f: kept.append(1) or own(spans, f)
+
+            def keep(spans, f):
+                kept.append(1)
+                in_flight.extend(req.num_pending for req, *_ in spans)
+                return own(spans, f)
+
+            spec.eagle.keep_features = keep
         else:
             own = spec._draft
-            spec._draft = lambda *a: kept.append(1) or own(*a)
+
+            def keep(hidden, reqs, taken):
+                kept.append(1)
+                in_flight.extend(r.num_pending for r in reqs)
+                return own(hidden, reqs, taken)
+
+            spec._draft = keep
         outs = [eng.generate(p, q) for p, q in zip(prompts, params)]
         stats = eng.get_stats()
         rates = spec.gate.rates()
+        overlapped = eng._core.num_overlapped_steps
+        drafter = spec.eagle if algorithm == "EAGLE3" else spec.medusa
     assert results(outs) == results(plain)
     assert rates[(1, False)] > rates[(1, True)], rates  # (drafting lost, as on this CPU)
     assert 0 < len(kept) < stats["num_steps"] / 2, (len(kept), stats["num_steps"])
+    # the rested steps overlap as plain decoding's, and no step launched beside one in flight
+    # kept anything for the drafter (which would have turned itself off on a failure)
+    assert overlapped > 0 and drafter is not None
+    assert not any(in_flight), in_flight

@@ -238,7 +238,7 @@ class SpeculativeWorker:
         at every token of the requests drafted for (`keep_features`); () for none."""
         if self.eagle is None or not any(speculates(getattr(r, "req", r)) for r in reqs):
             return ()
-        if self._resting():
+        if self._resting() or _in_flight(reqs):
             return ()
         return self.eagle.aux_layers
 
@@ -263,7 +263,7 @@ class SpeculativeWorker:
     def wants_hidden(self, reqs) -> bool:
         """Whether a step of these requests (Req or ScheduledReq) must keep the final hidden
         states at its logits rows: a drafter reads them, and one of them is drafted for."""
-        if self.medusa is None or self._resting():
+        if self.medusa is None or self._resting() or _in_flight(reqs):
             return False
         return any(speculates(getattr(r, "req", r)) for r in reqs)
 
@@ -391,6 +391,15 @@ class SpeculativeWorker:
             "spec_accept_rate": t.accepted_tokens / t.draft_tokens if t.draft_tokens else 0.0,
             "spec_accept_length_histogram": self.accept_lengths.snapshot(),
         }
+
+
+def _in_flight(reqs) -> bool:
+    """Whether a step of these requests (Req or ScheduledReq) is launched while an earlier step
+    of one of them is in flight (overlap scheduling, where the gate keeps steps plain): such a
+    step keeps nothing for a drafter, whose state pairs each position with the token after it
+    (EAGLE's catch-up reads the step's input tokens on the host); the positions it leaves out
+    are what a rested drafter leaves out."""
+    return any(getattr(r, "req", r).num_pending for r in reqs)
 
 
 def tree_of(chains: list[list[int]], room: int) -> tuple[int, ...]:
