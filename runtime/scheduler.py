@@ -81,7 +81,9 @@ class StepPlan:
         # written into the device copy by the step (ModelRunner)
         self.slots: torch.Tensor | None = None
         self.items: list[ScheduledReq] = []
-        self.batch = 0  # decoding requests when planned (before any preemption): the gate's
+        # decoding requests when planned (before any preemption): the speculation gate measures
+        # the step under this batch's bucket
+        self.batch = 0
 
     def __len__(self) -> int:
         return len(self.decodes) + len(self.items)
@@ -231,10 +233,7 @@ class Scheduler:
         plan.batch = len(decoding)
         drafts: list[tuple[int, ...]] = []
         rows = self.cache.rows
-        # (a prompt chunk joins the step where one is under way or a waiting request may be
-        # admitted: there are seats and rows for it)
-        seats = len(self.running) < self.max_running and self.cache.rows.num_free > 0
-        alone = not prefilling and not (self.waiting and seats)
+        alone = self._decodes_alone(prefilling)
         if self.drafter is not None and (
             self.drafting is None or self.drafting(len(decoding), alone)
         ):
@@ -288,6 +287,12 @@ class Scheduler:
             plan.decodes = decoding
             plan.rows, plan.seq_lens, plan.slots = self.cache.extend_decodes(decoding)
         return prefilling
+
+    def _decodes_alone(self, prefilling: list[Req]) -> bool:
+        """Whether no prompt chunk can join the step being planned: none is under way, and no
+        waiting request has a seat and a row to be admitted into."""
+        seats = len(self.running) < self.max_running and self.cache.rows.num_free > 0
+        return not prefilling and not (self.waiting and seats)
 
     def _extend(self, req: Req, n: int) -> ScheduledReq | None:
         if n <= 0 or not self.cache.can_extend(n):

@@ -7,6 +7,8 @@ copy from their input accept more than one token per verify step."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import radixlm
@@ -192,27 +194,34 @@ def test_seeded_sampling_with_speculation_repeats(spec_engine):
     assert first[0]["meta_info"]["spec_verify_ct"] > 0
 
 
+# constrained requests the speculative tests run: a regex (jump-forward's text, too), a JSON
+# schema, a seeded sampled regex
+REGEX = "(hello world ){3,12}done"
+SCHEMA = {
+    "type": "object",
+    "properties": {"tags": {"type": "array", "items": {"enum": ["abc", "abd"]}}},
+    "required": ["tags"],
+}
+CONSTRAINED_PROMPT = "hello world hello world hello world " * 3
+CONSTRAINED = [
+    {"max_new_tokens": 48, "temperature": 0, "regex": REGEX},
+    {"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(SCHEMA)},
+    {"max_new_tokens": 48, "temperature": 0.8, "seed": 3, "regex": REGEX},
+]
+
+
 def test_constrained_requests_are_drafted_for_within_their_grammar(tiny_model_folder):
     """A request with a regex or a JSON schema is drafted for too: its drafts are cut where its
     grammar stops allowing them and each verify row is masked by the grammar's state there, so
     greedy outputs are plain constrained decoding's token for token, a seeded one repeats, and
     every output matches its constraint."""
-    import json
     import re
 
     import jsonschema
 
-    regex = "(hello world ){3,12}done"
-    schema = {
-        "type": "object",
-        "properties": {"tags": {"type": "array", "items": {"enum": ["abc", "abd"]}}},
-        "required": ["tags"],
-    }
-    prompt = "hello world hello world hello world " * 3
+    regex, schema, prompt = REGEX, SCHEMA, CONSTRAINED_PROMPT
     params = [
-        {"max_new_tokens": 48, "temperature": 0, "regex": regex},  # (jump-forward's text, too)
-        {"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(schema)},
-        {"max_new_tokens": 48, "temperature": 0.8, "seed": 3, "regex": regex},
+        *CONSTRAINED,
         {"max_new_tokens": 24, "temperature": 0, "regex": "(hello| world| done)+"},
     ]
     outs, stats = [], []
@@ -244,24 +253,12 @@ def test_constrained_requests_hold_their_grammar_while_the_gate_overlaps_plain_s
     plain decoding's (grammar masks deferred, jump-forward beside a step in flight) between
     the gate's tries of drafting: every constrained output still matches its constraint, the
     sampled one repeats from its seed, and the plain request beside them is plain decoding's."""
-    import json
     import re
 
     import jsonschema
 
-    regex = "(hello world ){3,12}done"
-    schema = {
-        "type": "object",
-        "properties": {"tags": {"type": "array", "items": {"enum": ["abc", "abd"]}}},
-        "required": ["tags"],
-    }
-    prompt = "hello world hello world hello world " * 3
-    params = [
-        {"max_new_tokens": 48, "temperature": 0, "regex": regex},
-        {"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(schema)},
-        {"max_new_tokens": 48, "temperature": 0.8, "seed": 3, "regex": regex},
-        {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
-    ]
+    regex, schema, prompt = REGEX, SCHEMA, CONSTRAINED_PROMPT
+    params = [*CONSTRAINED, {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}]
     with radixlm.Engine(tiny_model_folder) as eng:
         plain = eng.generate(prompt, params[3])
     runs = []
@@ -271,9 +268,13 @@ def test_constrained_requests_hold_their_grammar_while_the_gate_overlaps_plain_s
         ) as eng:  # fmt: skip
             gate = eng._core.speculative.gate
 
-            def seed(gate=gate):  # (measured: verifying far slower than plain decoding)
-                gate._rate.update({(b, True): 1.0 for b in range(1, 5)})
-                gate._rate.update({(b, False): 1e12 for b in range(1, 5)})
+            def seed(gate=gate):
+                # every bucket measured already, verifying far slower than plain decoding (the
+                # grammars arrive as they compile, so the buckets the steps pass through vary)
+                for b in range(1, 5):
+                    for verified, rate in ((True, 1.0), (False, 1e12)):
+                        gate._rate[(b, verified)] = rate
+                        gate._count[(b, verified)] = gate.first
 
             eng._core.call(seed)
             runs.append(eng.generate([prompt] * 4, params))

@@ -153,8 +153,9 @@ class SpeculativeWorker:
         return self.gate.quiet(self._gate_batch, 1)
 
     def observe_step(self, plan, results, seconds: float) -> None:
-        """A finished step, scheduled to applied in `seconds`, for the gate: measured when it
-        held decodes only (no prompt chunk), verifying drafts or not."""
+        """A finished step for the gate, which took `seconds` of the core thread (its scheduling
+        and launch, then its wait and apply): measured when it held decodes only (no prompt
+        chunk), verifying drafts or not."""
         if self.gate is None or any(len(it.draft) + 1 != it.num_tokens for it in plan.items):
             return
         tokens = sum(t is not None for t in results.tokens)
