@@ -15,8 +15,8 @@ that the output is usable, never narrower than the schema's own bounds.
   objects narrows a oneOf's branches, which can make them exclusive without making the values
   valid (a value of one closed branch may still match another branch as written): the proof
   reads the values of the closed branches against the branches as written.
-- For llguidance, alike bounded numbers and alike strings with string keywords point to one
-  copy (`share_leaves`), built once.
+- For llguidance, alike bounded numbers, alike strings with string keywords and alike enums
+  point to one copy (`share_leaves`), built once.
 
 The finished output is still validated against the schema as the user wrote it.
 """
@@ -405,7 +405,10 @@ _ANNOTATIONS = frozenset(
 # (`format` asserts on strings only: on a number it is an annotation)
 _STRING_KEYS = frozenset({"format", "minLength", "maxLength", "pattern"})
 _NUMERIC_TYPES = ("integer", "number")
-_LEAF_KEYS = _BOUND_KEYS | _STRING_KEYS
+_LEAF_KEYS = _BOUND_KEYS | _STRING_KEYS | {"enum"}
+# enums of this many values and more are shared where alike (llguidance builds each place's
+# alternatives anew: a schema with the 251 country codes three times spent ~1 ms on the copies)
+_SHARED_ENUM = 4
 
 
 def share_leaves(schema: Any, counts: Counter | None = None) -> Any:
@@ -413,8 +416,9 @@ def share_leaves(schema: Any, counts: Counter | None = None) -> Any:
     are alike, replaced by a `$ref` to one copy in the root's `$defs`: the same schema
     (annotations aside), which llguidance compiles faster, building each distinct leaf once
     instead of once per place. The leaves: integers and numbers that are a type and bounds only
-    (what `bound_numbers` makes of most of them; ~0.5 ms each), and strings that are a type and
-    string keywords only (`format`, `pattern`, `minLength`, `maxLength`).
+    (what `bound_numbers` makes of most of them; ~0.5 ms each), strings that are a type and
+    string keywords only (`format`, `pattern`, `minLength`, `maxLength`), and enums of a few
+    values or more (with their type, if any).
 
     A type list with one such type (`["integer", "null"]`, `["string", "null"]`) shares it as
     one branch of an `anyOf`, the other types the other branch. Identifiers below the root
@@ -448,13 +452,20 @@ def share_leaves(schema: Any, counts: Counter | None = None) -> Any:
 def _leaf_part(
     node: dict[str, Any],
 ) -> tuple[str | None, dict[str, Any], dict[str, Any] | None]:
-    """(the keywords of the bounded number or the string with string keywords that `node` is
-    or holds, as text; those keywords; the schema of its other types, None where it has none),
+    """(the keywords of the bounded number, the string with string keywords or the enum that
+    `node` is or holds, as text; those keywords; the schema of its other types, None where it
+    has none),
     or (None, {}, None) where `node` is more than such a leaf (a type list with a bounded
     number may carry string keywords: they go with the other types)."""
     if node.keys().isdisjoint(_LEAF_KEYS):  # (most nodes: at once)
         return None, {}, None
     types, keys = node.get("type"), {k for k, v in node.items() if not _is_annotation(k, v)}
+    if "enum" in keys:  # (an enum is the leaf whole, its type with it: a filter of its values)
+        values = node["enum"]
+        if keys <= {"enum", "type"} and isinstance(values, list) and len(values) >= _SHARED_ENUM:
+            body = {k: node[k] for k in keys}
+            return json.dumps(body, sort_keys=True), body, None
+        return None, {}, None
     if keys & _BOUND_KEYS:
         if not keys <= _NUMBER_KEYS | _STRING_KEYS:
             return None, {}, None

@@ -421,6 +421,46 @@ def test_alike_bounded_numbers_are_shared_and_each_keeps_its_bounds(compiler):
     expect_same_values(compiler, schema, bounded, shared, values, jsonschema.Draft202012Validator)
 
 
+def test_alike_enums_are_shared_and_each_place_keeps_its_values(compiler):
+    """Alike enums of a few values or more (with their type) point to one copy; an enum with
+    other keywords, a short one, or one unlike the others stays where it is. jsonschema reads
+    the rewrite as the schema, and the grammar accepts what the schema does."""
+    from radixlm.constrained.schema_rewrite import NumberLimits, bound_numbers, share_leaves
+
+    codes = ["AD", "AE", "AF", "AG", "AI"]
+    schema = {
+        "type": "object",
+        "properties": {
+            "home": {"type": "string", "enum": codes, "description": "alike"},
+            "away": {"type": "string", "enum": codes},
+            "any": {"enum": [1, "one", None, True]},
+            "again": {"enum": [1, "one", None, True]},
+            "short": {"enum": ["x", "y"]},
+            "short2": {"enum": ["x", "y"]},
+            "long": {"type": "string", "enum": codes, "maxLength": 2},
+            "other": {"type": "string", "enum": codes[:4]},
+        },
+        "required": ["home", "away"],
+        "additionalProperties": False,
+    }
+    bounded = bound_numbers(schema, NumberLimits())
+    shared = share_leaves(bounded)
+    props = shared["properties"]
+    assert props["home"] == props["away"] == {"$ref": "#/$defs/radixlm-shared-0"}
+    assert props["any"] == props["again"] == {"$ref": "#/$defs/radixlm-shared-1"}
+    for kept in ("short", "short2", "long", "other"):
+        assert props[kept] == bounded["properties"][kept], kept
+    values = [
+        {"home": "AD", "away": "AI", "any": None, "again": True, "short": "y", "other": "AG"},
+        {"home": "AD", "away": "ZZ"},
+        {"home": "ad", "away": "AD"},
+        {"home": "AD", "away": "AD", "again": 2},
+        {"home": "AD", "away": "AD", "other": "AI"},
+        {"home": "AD"},
+    ]
+    expect_same_values(compiler, schema, bounded, shared, values, jsonschema.Draft202012Validator)
+
+
 def test_numbers_in_type_lists_and_under_ids_are_shared_too(compiler):
     """A type list with one numeric type shares its number as an anyOf branch; identifiers below
     the root that name nothing are left out so the shared `$ref`s read from the root; unknown
