@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from radixlm.radix_cache.base import MatchResult, PrefixCache
@@ -117,10 +118,26 @@ class CacheManager:
 
     def truncate(self, req: Req, length: int) -> None:
         """Forget the K/V of positions `length..kv_len` of `req` (its own slots, not the cache's)."""
-        if length < req.locked_len:
-            raise ValueError(f"cannot truncate below the cached prefix ({req.locked_len} tokens)")
-        self.allocator.free(self.rows.read(req.pool_row, req.kv_len)[length:])
-        req.kv_len = min(req.kv_len, length)
+        self.truncate_many([req], [length])
+
+    def truncate_many(self, reqs: list[Req], lengths: list[int]) -> None:
+        """`truncate(reqs[i], lengths[i])` for each i, the slots freed together (a verify step's
+        rejected draft positions: a few torch calls a step instead of a few a request)."""
+        for req, length in zip(reqs, lengths):
+            if length < req.locked_len:
+                raise ValueError(
+                    f"cannot truncate below the cached prefix ({req.locked_len} tokens)"
+                )
+        view = self.rows.view
+        dropped = [
+            view(req.pool_row, length, req.kv_len)
+            for req, length in zip(reqs, lengths)
+            if length < req.kv_len
+        ]
+        if dropped:
+            self.allocator.free(torch.from_numpy(np.concatenate(dropped).astype(np.int64)))
+        for req, length in zip(reqs, lengths):
+            req.kv_len = min(req.kv_len, length)
 
     def keep_path(self, req: Req, root: int, num_nodes: int, path: list[int]) -> None:
         """After a draft tree's verify: of the `num_nodes` slots after position `root` (the tree's

@@ -12,6 +12,7 @@ the tokens in the same memory. How values are quantized and read back is `kernel
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from radixlm.runtime.host_memory import release_pages
@@ -243,6 +244,18 @@ class ReqToTokenPool:
         self.max_requests = max_requests
 
     @property
+    def host(self) -> torch.Tensor:
+        return self._host
+
+    @host.setter
+    def host(self, table: torch.Tensor) -> None:
+        self._host = table
+        # the same memory as numpy: a step's bookkeeping reads and writes it without a torch
+        # call per request (each costs microseconds, more where the core thread waits to get
+        # the GIL back after the call let it go)
+        self._host_np = table.numpy()
+
+    @property
     def num_free(self) -> int:
         return len(self._free_rows)
 
@@ -278,15 +291,16 @@ class ReqToTokenPool:
         (counts[i] each), with one copy to the device table."""
         if not rows:
             return
-        num = int64_tensor(counts)
-        row_at, start_at = int64_tensor(rows + starts).view(2, -1)
-        first = torch.cumsum(num, 0) - num  # where each row's slots begin in `slots`
-        row_index = torch.repeat_interleave(row_at, num)
-        col_index = torch.repeat_interleave(start_at - first, num) + torch.arange(len(slots))
-        self.host[row_index, col_index] = slots.to(torch.int32)
+        num = np.asarray(counts, dtype=np.int64)
+        row_index = np.repeat(np.asarray(rows, dtype=np.int64), num)
+        first = np.cumsum(num) - num  # where each row's slots begin in `slots`
+        col_index = np.repeat(np.asarray(starts, dtype=np.int64) - first, num)
+        col_index += np.arange(len(row_index))
+        values = slots.numpy().astype(np.int64, copy=False)
+        self._host_np[row_index, col_index] = values
         if self.host is not self.table:
             at = to_device(
-                torch.stack([row_index, col_index, slots.to(torch.int64)]), self.table.device
+                torch.from_numpy(np.stack([row_index, col_index, values])), self.table.device
             )
             self.table[at[0], at[1]] = at[2].to(torch.int32)
 
@@ -300,3 +314,8 @@ class ReqToTokenPool:
 
     def read(self, row: int, length: int) -> torch.Tensor:
         return self.host[row, :length].to(torch.int64)
+
+    def view(self, row: int, start: int, end: int) -> np.ndarray:
+        """The slots of positions start..end of `row`: an int32 view of the host table (valid
+        until the row is written again)."""
+        return self._host_np[row, start:end]

@@ -111,6 +111,8 @@ class OutputProcessor:
         else:
             self._apply_decodes(plan.decodes, tokens)
         verified = results.verified
+        if verified:
+            self._truncate_chains(plan, verified)
         for i, item in enumerate(plan.items, len(plan.decodes)):
             req = item.req
             if item.samples and req.num_discard:
@@ -123,19 +125,38 @@ class OutputProcessor:
             else:
                 apply(req, tokens[i], extras.get(i) if extras else None)
 
+    def _truncate_chains(self, plan, verified: dict[int, list[int]]) -> None:
+        """The K/V of every verified chain's rejected draft positions dropped at once, before
+        the step's tokens are applied (what `_apply_verified` would drop of each in turn): the
+        newest token's and the accepted tokens' stay, and the last token, as after any step,
+        has none yet."""
+        reqs, lengths = [], []
+        for i, item in enumerate(plan.items, len(plan.decodes)):
+            tokens = verified.get(i)
+            req = item.req
+            if (
+                tokens is None
+                or getattr(tokens, "nodes", None) is not None  # (a tree: _apply_verified's)
+                or (item.samples and req.num_discard)  # (its tokens are not applied)
+                or req.status is ReqStatus.FINISHED  # (aborted meanwhile: memory released)
+            ):
+                continue
+            reqs.append(req)
+            lengths.append(req.num_tokens + len(tokens) - 1)
+        if reqs:
+            self.cache.truncate_many(reqs, lengths)
+
     def _apply_verified(self, req: Req, num_drafted: int, tokens: list[int]) -> None:
-        """A verified draft's tokens (accepted draft tokens, then the target's own). The K/V of
-        the rejected draft positions is dropped first: the newest token's and the accepted
-        tokens' stay, and the last token, as after any step, has none yet. For a draft tree
-        `tokens` carries the accepted path's nodes (runtime/speculative/tree.py Accepted)."""
+        """A verified draft's tokens (accepted draft tokens, then the target's own); a chain's
+        rejected positions were dropped by `_truncate_chains`. For a draft tree `tokens`
+        carries the accepted path's nodes (runtime/speculative/tree.py Accepted): the accepted
+        path's slots go to its positions here."""
         if req.status is ReqStatus.FINISHED:  # (aborted meanwhile: its memory is released)
             return
         accepted = len(tokens) - 1
         nodes = getattr(tokens, "nodes", None)
-        if nodes is not None:  # a draft tree: the accepted path's slots go to its positions
+        if nodes is not None:
             self.cache.keep_path(req, req.num_tokens - 1, num_drafted, nodes)
-        else:
-            self.cache.truncate(req, req.num_tokens + accepted)
         if self.speculative is not None:  # (before: the tokens may finish it, and its meta_info
             # is made then; what the verify accepted counts, a stop among them or not)
             self.speculative.record(req, num_drafted, len(tokens), accepted)

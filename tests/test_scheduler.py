@@ -226,6 +226,42 @@ def test_a_requests_id_slices_are_its_all_ids_slices():
                 assert req.ids_slice(start, end) == req.all_ids[start:end], (out, start, end)
 
 
+def test_a_steps_truncations_together_free_what_one_by_one_frees():
+    """`truncate_many` (a verify step's rejected draft positions, freed together) leaves every
+    request's length and the free slots as `truncate`, a request at a time, does; a length
+    past a request's end frees nothing of it, one below its cached prefix is refused."""
+
+    class R:
+        def __init__(self, row: int, kv_len: int, locked_len: int) -> None:
+            self.pool_row, self.kv_len, self.locked_len = row, kv_len, locked_len
+
+    def setup():
+        rows = ReqToTokenPool(6, 64, torch.device("cpu"))
+        allocator = SlotAllocator(1000)
+        cache = CacheManager(allocator, rows, NoPrefixCache())
+        reqs = []
+        for n in (12, 9, 20, 5):
+            req = R(rows.allocate(), n, locked_len=2)
+            rows.write(req.pool_row, 0, allocator.allocate(n))
+            reqs.append(req)
+        return cache, allocator, reqs
+
+    lengths = [7, 9, 3, 40]
+    one, one_slots, one_reqs = setup()
+    for req, n in zip(one_reqs, lengths):
+        one.truncate(req, n)
+    many, many_slots, many_reqs = setup()
+    many.truncate_many(many_reqs, lengths)
+    assert [r.kv_len for r in many_reqs] == [r.kv_len for r in one_reqs] == [7, 9, 3, 5]
+    assert many_slots.num_free == one_slots.num_free == 999 - 7 - 9 - 3 - 5
+    freed = set(many_slots.allocate(5 + 17).tolist())  # (the freed ones come first)
+    assert freed == set(one_slots.allocate(5 + 17).tolist())
+    kept = {s for r in many_reqs for s in many.rows.read(r.pool_row, r.kv_len).tolist()}
+    assert len(freed) == 22 and freed.isdisjoint(kept)
+    with pytest.raises(ValueError, match="cached prefix"):
+        many.truncate_many(many_reqs[:1], [1])
+
+
 def test_a_steps_several_rows_are_written_at_once_as_one_by_one():
     """`write_many` (a verify step's requests, one copy to the device table) leaves the host
     and the device table as a `write` a row does; here the two tables are apart, as on a GPU."""
