@@ -58,6 +58,31 @@ def test_the_index_grown_token_by_token_proposes_what_a_scan_does():
             output.extend(rng.randint(0, 4) for _ in range(rng.randint(1, 3)))
 
 
+def test_both_ways_of_drafting_propose_what_a_scan_does():
+    """A draft by byte search (contexts up to _BYTE_SEARCH_MAX tokens) and by the vectorized
+    match (longer ones), over token ids small and large (a byte search must not match across
+    tokens), repeating and not: what the scan finds."""
+    from radixlm.runtime.speculative.ngram import _BYTE_SEARCH_MAX
+
+    rng = random.Random(2)
+    for trial in range(40):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 14)
+        vocab = rng.choice([3, 300, 70_000, 2**31 - 1])
+        length = rng.choice([rng.randint(2, 200), _BYTE_SEARCH_MAX, _BYTE_SEARCH_MAX + 300])
+        base = [rng.randint(0, vocab) for _ in range(rng.randint(2, 400))]
+        context = (base * (length // len(base) + 1))[: length - 3]
+        context += [rng.randint(0, vocab) for _ in range(3)]
+        index = NgramIndex(lo, hi)
+        index.update(context)
+        k = rng.randint(1, 9)
+        assert index.propose(k) == propose_by_scan(context, lo, hi, k), (trial, lo, hi, vocab)
+    # 256's eight bytes (00 01 00 ...) also lie across the tokens 0, 1: no occurrence of it
+    index = NgramIndex(1, 4)
+    index.update([256, 5, 0, 1, 256])
+    assert index.propose(3) == propose_by_scan([256, 5, 0, 1, 256], 1, 4, 3) == [5, 0, 1]
+
+
 def test_an_index_that_went_many_steps_without_a_draft_catches_up_in_one_update():
     """(What a request the gate kept plain does: no update for a while, then one; the context
     long enough that the array grows.)"""
