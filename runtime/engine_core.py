@@ -427,7 +427,7 @@ class EngineCore:
                 self.host_seconds["sample"] += time.perf_counter() - t2
                 launched += time.perf_counter() - t2
             if handle.ready or not self._can_overlap(plan):
-                self._complete(plan, handle, launched)
+                self._complete(plan, handle, launched, lockstep=True)
             else:
                 inflight = (plan, handle, launched)
                 self.num_overlapped_steps += 1
@@ -441,9 +441,9 @@ class EngineCore:
             return False
         return self.speculative is None or self.speculative.may_overlap(plan)
 
-    def _complete(self, plan, handle, launched: float) -> None:
+    def _complete(self, plan, handle, launched: float, lockstep: bool = False) -> None:
         """Wait for the tokens of `plan` (scheduled and launched in `launched` seconds) and
-        apply them."""
+        apply them. `lockstep`: nothing was launched beside it (the loop waits for it at once)."""
         t0 = time.perf_counter()
         try:
             results = handle.results()
@@ -459,8 +459,13 @@ class EngineCore:
         self.host_seconds["apply"] += t2 - t1
         if self.speculative is not None:
             # the step's own host time, which in lockstep is all of it, and overlapped is what
-            # each step adds to the run (its device time hidden under the next one's launch)
-            self.speculative.observe_step(plan, results, launched + t2 - t0)
+            # each step adds to the run (its device time hidden under the next one's launch);
+            # a plain step run in lockstep (the gate measuring, or trying plain once) would have
+            # cost overlapped the longer of its host work and its wait for the device
+            host, wait = launched + t2 - t1, t1 - t0
+            self.speculative.observe_step(
+                plan, results, host + wait, max(host, wait) if lockstep else None
+            )
 
     def _drain_inbox(self, block: bool, inflight: tuple | None = None) -> tuple | None:
         """Take what the inbox holds. New requests (and those whose grammar is ready) join the

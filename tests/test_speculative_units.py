@@ -330,6 +330,37 @@ def test_the_gate_measures_each_way_twice_then_drafts_where_tokens_come_faster()
     assert gate.rates() == before
 
 
+def test_a_plain_step_run_in_lockstep_counts_at_what_it_costs_overlapped():
+    """The gate measures the plain way as it runs once kept plain, overlapped: a plain step the
+    loop waited for at once counts at the longer of its host work and its wait (the engine
+    core's estimate); a verify step, which never overlaps, at all of it; a step that did
+    overlap, at what it took."""
+    from radixlm.runtime.model_runner import StepResults
+    from radixlm.runtime.scheduler import ScheduledReq, StepPlan
+    from radixlm.runtime.speculative.worker import SpeculativeWorker
+
+    worker = SpeculativeWorker(EngineConfig(speculative_algorithm="NGRAM"))
+    gate = worker.gate
+
+    def step(verified: bool, seconds: float, overlapped: float | None) -> None:
+        plan = StepPlan()
+        plan.batch = 4
+        draft = (7, 8) if verified else ()
+        plan.items = [ScheduledReq(object(), 10, 1 + len(draft), True, draft) for _ in range(4)]
+        if verified:
+            results = StepResults([None] * 4, {}, {i: [7, 8, 9] for i in range(4)})
+        else:
+            results = StepResults([5] * 4, {})
+        worker.observe_step(plan, results, seconds, overlapped)
+
+    step(False, 0.004, 0.003)  # lockstep: host 1 ms + wait 3 ms would overlap to 3 ms
+    assert gate.rates()[(3, False)] == pytest.approx(4 / 0.003)
+    step(True, 0.004, 0.003)  # a verify step: all of it (12 tokens)
+    assert gate.rates()[(3, True)] == pytest.approx(12 / 0.004)
+    step(False, 0.002, None)  # overlapped already: what it took (the faster of the first two)
+    assert gate.rates()[(3, False)] == pytest.approx(4 / 0.002)
+
+
 def test_the_gate_says_when_no_draft_comes_for_a_while():
     """`quiet`: while plain decoding leads and the next try of drafting is more than `ahead`
     steps away (EAGLE3 then keeps no features); never while measuring or where drafting leads."""

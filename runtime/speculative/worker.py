@@ -152,16 +152,20 @@ class SpeculativeWorker:
             return self._resting()
         return self.gate.quiet(self._gate_batch, 1)
 
-    def observe_step(self, plan, results, seconds: float) -> None:
+    def observe_step(self, plan, results, seconds: float, overlapped: float | None = None) -> None:
         """A finished step for the gate, which took `seconds` of the core thread (its scheduling
         and launch, then its wait and apply): measured when it held decodes only (no prompt
-        chunk), verifying drafts or not."""
+        chunk), verifying drafts or not. `overlapped`: what a step that ran in lockstep would
+        have cost overlapped, which is how plain steps run once the gate keeps them plain (the
+        plain way is measured at that, a verify step never overlaps)."""
         if self.gate is None or any(len(it.draft) + 1 != it.num_tokens for it in plan.items):
             return
         tokens = sum(t is not None for t in results.tokens)
         verified = bool(results.verified)
         if verified:
             tokens += sum(map(len, results.verified.values()))
+        elif overlapped is not None:
+            seconds = overlapped
         # (under the batch it was decided for: `_gate_batch` is the newest step's, which may
         # be the next one where the steps overlap)
         self.gate.observe(plan.batch or len(plan), verified, tokens, seconds)
