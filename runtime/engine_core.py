@@ -427,12 +427,17 @@ class EngineCore:
                 self.host_seconds["sample"] += time.perf_counter() - t2
                 launched += time.perf_counter() - t2
             if handle.ready or not self._can_overlap(plan):
-                self._complete(plan, handle, launched, lockstep=True)
+                self._complete(plan, handle, launched, lockstep=self._plain_overlaps())
             else:
                 inflight = (plan, handle, launched)
                 self.num_overlapped_steps += 1
         if inflight is not None:
             self._complete(*inflight)
+
+    def _plain_overlaps(self) -> bool:
+        """Whether plain steps would overlap once the speculation gate keeps them plain: overlap
+        scheduling is on and no running request needs each step's tokens first (log-probabilities)."""
+        return self.overlap and not self.output.num_lockstep
 
     def _can_overlap(self, plan) -> bool:
         """Whether the step after `plan` may be scheduled and launched before `plan`'s tokens
@@ -443,7 +448,8 @@ class EngineCore:
 
     def _complete(self, plan, handle, launched: float, lockstep: bool = False) -> None:
         """Wait for the tokens of `plan` (scheduled and launched in `launched` seconds) and
-        apply them. `lockstep`: nothing was launched beside it (the loop waits for it at once)."""
+        apply them. `lockstep`: nothing was launched beside it (the loop waits for it at once),
+        where a plain step would have overlapped (`_plain_overlaps`)."""
         t0 = time.perf_counter()
         try:
             results = handle.results()
