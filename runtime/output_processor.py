@@ -229,11 +229,14 @@ class OutputProcessor:
 
     def _apply_decodes(self, reqs: list[Req], tokens: list[int]) -> None:
         """`_apply` for a step's decodes when no request asked for log-probabilities, with the
-        common case inline: a plain request (no grammar, stop strings or log-probabilities) that
-        is running, has a first token already, and that this token does not finish."""
+        common cases inline: a request that is running, has a first token already, and that
+        this token does not finish, either plain (no grammar, stop strings or
+        log-probabilities) or with a grammar (and no stop strings or log-probabilities) that
+        takes the token without completing."""
         progress = self.progress
         running = ReqStatus.RUNNING
-        plain = 0
+        jump = self.enable_jump_forward
+        inline = 0
         for req, token in zip(reqs, tokens):
             if req.num_discard:  # computed before jump-forward changed its text
                 req.num_discard -= 1
@@ -243,24 +246,45 @@ class OutputProcessor:
             out = req.output_ids
             try:
                 if (
-                    req.plain_output
-                    and req.status is running
-                    and out
-                    and token not in req.finish_token_ids
-                    and len(out) + 1 < req.max_output_len
+                    req.status is not running
+                    or not out
+                    or token in req.finish_token_ids
+                    or len(out) + 1 >= req.max_output_len
                 ):
+                    self._apply(req, token, None)
+                    continue
+                if req.plain_output:
                     out.append(token)
                     req.detokenizer.add_one(token)
-                    plain += 1
-                    if progress:
-                        sink = progress.get(req.rid)
-                        if sink is not None:
-                            self.deliver(req, sink, False)
+                elif req.grammar_output:
+                    grammar = req.grammar
+                    if not grammar.accept_token(token):  # (it fails there: its own message)
+                        self._apply(req, token, None)
+                        continue
+                    out.append(token)
+                    req.detokenizer.add_one(token)
+                    if grammar.is_terminated():  # complete: it finishes now
+                        self.num_generated_tokens += 1
+                        self._check_stop_or_length(req)
+                        self._settle(req)
+                        continue
+                    if jump:
+                        self._jump_forward(req)
+                        if req.status is not running:  # (the jump finished it)
+                            self.num_generated_tokens += 1
+                            self._settle(req)
+                            continue
                 else:
                     self._apply(req, token, None)
+                    continue
+                inline += 1
+                if progress:
+                    sink = progress.get(req.rid)
+                    if sink is not None:
+                        self.deliver(req, sink, False)
             except Exception as e:
                 self.contain(req, e)
-        self.num_generated_tokens += plain
+        self.num_generated_tokens += inline
 
     def _apply(self, req: Req, token: int | None, extra) -> None:
         """Take one step's result for `req`: its new token (None if the step did not end at its

@@ -138,6 +138,16 @@ class Req:
         )
 
     @functools.cached_property
+    def grammar_output(self) -> bool:
+        """Applying a token is the grammar's taking it, then appending it: a grammar, and no
+        stop strings to look for or log-probabilities to record."""
+        return (
+            self.grammar is not None
+            and not self.logprob.return_logprob
+            and not (self.detokenizer is not None and self.detokenizer.stop)
+        )
+
+    @functools.cached_property
     def finish_token_ids(self) -> frozenset[int]:
         """Tokens that end the output: the stop tokens, and EOS unless ignored (a grammar that
         accepted EOS is complete, whatever ignore_eos says)."""

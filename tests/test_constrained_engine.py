@@ -177,6 +177,41 @@ def test_jump_forward_saves_steps_and_keeps_outputs_valid(default_model_folder):
             assert a["text"] == b["text"]
 
 
+def test_constrained_tokens_applied_inline_are_those_of_the_general_path(
+    default_model_folder, monkeypatch
+):
+    """A step's constrained tokens are applied inline (`_apply_decodes`: the grammar takes the
+    token, then jump-forward) unless something else is due; the general path (`_apply`) is the
+    reference: the same tokens, texts, finish reasons and jump-forward counts, over grammars
+    that complete (finishing without an EOS step), run out of tokens, and jump forward, in one
+    batch beside a plain request."""
+    from radixlm.runtime.request import Req
+
+    prompts = ["A person as JSON:", "Pick a colour:", "A date:", "Say hi."]
+    params = [
+        {"max_new_tokens": 200, "temperature": 0, "json_schema": json.dumps(PERSON)},
+        {"max_new_tokens": 16, "temperature": 0, "regex": REGEXES["enum"]},
+        {"max_new_tokens": 6, "temperature": 0, "regex": REGEXES["date"]},
+        {"max_new_tokens": 12, "temperature": 0},
+    ]
+
+    def run():
+        with radixlm.Engine(default_model_folder) as eng:
+            outs = eng.generate(prompts, params)
+            return [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"]) for o in outs], (
+                eng.get_stats()["jump_forward_tokens"]
+            )
+
+    inline = run()
+    monkeypatch.setattr(Req, "grammar_output", property(lambda self: False))
+    general = run()
+    assert inline == general
+    assert inline[1] > 0  # (jump-forward did run)
+    reasons = [r["type"] for _, _, r in inline[0]]
+    assert reasons[:3] == ["stop", "stop", "length"], reasons
+    jsonschema.validate(json.loads(inline[0][0][1]), PERSON)
+
+
 # -- lenient JSON schemas: unenforceable keywords skipped, the output checked and reported ------
 
 # every value the mask allows is a list of three items from {1, 2}: never unique
