@@ -135,7 +135,7 @@ class CacheManager:
             if length < req.kv_len
         ]
         if dropped:
-            self.allocator.free(torch.from_numpy(np.concatenate(dropped).astype(np.int64)))
+            self.allocator.free(torch.from_numpy(np.concatenate(dropped)))  # (int64 there)
         for req, length in zip(reqs, lengths):
             req.kv_len = min(req.kv_len, length)
 

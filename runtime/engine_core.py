@@ -427,7 +427,7 @@ class EngineCore:
                 self.host_seconds["sample"] += time.perf_counter() - t2
                 launched += time.perf_counter() - t2
             if handle.ready or not self._can_overlap(plan):
-                self._complete(plan, handle, launched, lockstep=self._plain_overlaps())
+                self._complete(plan, handle, launched, waited_at_once=self._plain_overlaps())
             else:
                 inflight = (plan, handle, launched)
                 self.num_overlapped_steps += 1
@@ -446,10 +446,10 @@ class EngineCore:
             return False
         return self.speculative is None or self.speculative.may_overlap(plan)
 
-    def _complete(self, plan, handle, launched: float, lockstep: bool = False) -> None:
+    def _complete(self, plan, handle, launched: float, waited_at_once: bool = False) -> None:
         """Wait for the tokens of `plan` (scheduled and launched in `launched` seconds) and
-        apply them. `lockstep`: nothing was launched beside it (the loop waits for it at once),
-        where a plain step would have overlapped (`_plain_overlaps`)."""
+        apply them. `waited_at_once`: nothing was launched beside it, where a plain step would
+        have overlapped (`_plain_overlaps`): the gate is told what it would have cost so."""
         t0 = time.perf_counter()
         try:
             results = handle.results()
@@ -470,7 +470,7 @@ class EngineCore:
             # cost overlapped the longer of its host work and its wait for the device
             host, wait = launched + t2 - t1, t1 - t0
             self.speculative.observe_step(
-                plan, results, host + wait, max(host, wait) if lockstep else None
+                plan, results, host + wait, max(host, wait) if waited_at_once else None
             )
 
     def _drain_inbox(self, block: bool, inflight: tuple | None = None) -> tuple | None:

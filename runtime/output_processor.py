@@ -229,10 +229,9 @@ class OutputProcessor:
 
     def _apply_decodes(self, reqs: list[Req], tokens: list[int]) -> None:
         """`_apply` for a step's decodes when no request asked for log-probabilities, with the
-        common cases inline: a request that is running, has a first token already, and that
-        this token does not finish, either plain (no grammar, stop strings or
-        log-probabilities) or with a grammar (and no stop strings or log-probabilities) that
-        takes the token without completing."""
+        common case inline: a request that is running, has a first token already, looks for no
+        stop strings and records no log-probabilities (`Req.applied_inline`), whose token does
+        not finish it, after its grammar, if it has one, takes the token."""
         progress = self.progress
         running = ReqStatus.RUNNING
         jump = self.enable_jump_forward
@@ -250,19 +249,17 @@ class OutputProcessor:
                     or not out
                     or token in req.finish_token_ids
                     or len(out) + 1 >= req.max_output_len
+                    or not req.applied_inline
                 ):
                     self._apply(req, token, None)
                     continue
-                if req.plain_output:
-                    out.append(token)
-                    req.detokenizer.add_one(token)
-                elif req.grammar_output:
-                    grammar = req.grammar
-                    if not grammar.accept_token(token):  # (it fails there: its own message)
-                        self._apply(req, token, None)
-                        continue
-                    out.append(token)
-                    req.detokenizer.add_one(token)
+                grammar = req.grammar
+                if grammar is not None and not grammar.accept_token(token):
+                    self._apply(req, token, None)  # (it fails there, with its own message)
+                    continue
+                out.append(token)
+                req.detokenizer.add_one(token)
+                if grammar is not None:
                     if grammar.is_terminated():  # complete: it finishes now
                         self.num_generated_tokens += 1
                         self._check_stop_or_length(req)
@@ -274,9 +271,6 @@ class OutputProcessor:
                             self.num_generated_tokens += 1
                             self._settle(req)
                             continue
-                else:
-                    self._apply(req, token, None)
-                    continue
                 inline += 1
                 if progress:
                     sink = progress.get(req.rid)

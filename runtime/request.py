@@ -128,23 +128,11 @@ class Req:
         )
 
     @functools.cached_property
-    def plain_output(self) -> bool:
-        """Applying a token is appending it: no grammar to advance, no stop strings to look for,
-        no log-probabilities to record."""
-        return (
-            self.grammar is None
-            and not self.logprob.return_logprob
-            and not (self.detokenizer is not None and self.detokenizer.stop)
-        )
-
-    @functools.cached_property
-    def grammar_output(self) -> bool:
-        """Applying a token is the grammar's taking it, then appending it: a grammar, and no
-        stop strings to look for or log-probabilities to record."""
-        return (
-            self.grammar is not None
-            and not self.logprob.return_logprob
-            and not (self.detokenizer is not None and self.detokenizer.stop)
+    def applied_inline(self) -> bool:
+        """Applying a token is appending it, after the grammar (if any) takes it: no stop strings
+        to look for, no log-probabilities to record."""
+        return not self.logprob.return_logprob and not (
+            self.detokenizer is not None and self.detokenizer.stop
         )
 
     @functools.cached_property

@@ -289,18 +289,17 @@ def test_constrained_requests_hold_their_grammar_while_the_gate_overlaps_plain_s
 
 
 @pytest.mark.parametrize(
-    "kw, lockstep_estimates",
-    [({}, True), ({"disable_overlap_schedule": True}, False), ({"logprobs": True}, False)],
+    "kw, logprobs, lockstep_estimates",
+    [({}, False, True), ({"disable_overlap_schedule": True}, False, False), ({}, True, False)],
     ids=["overlap", "overlap-off", "logprobs"],
 )
 def test_the_gate_gets_an_overlapped_cost_only_where_plain_steps_overlap(
-    tiny_model_folder, kw, lockstep_estimates
+    tiny_model_folder, kw, logprobs, lockstep_estimates
 ):
     """A plain step run in lockstep is offered to the gate at what it would cost overlapped
     only where plain steps do overlap once kept plain: not with overlap scheduling off, nor
     while a request asks for log-probabilities (its steps stay in lockstep)."""
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-    logprobs = kw.pop("logprobs", False)
     with radixlm.Engine(
         tiny_model_folder, **{**SPEC, "speculative_adaptive": True}, **kw
     ) as eng:  # fmt: skip
