@@ -55,6 +55,28 @@ def _time(fn, reps: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def _kernels(fn, top: int, steps: int = 20) -> str:
+    """The `top` kernels of `steps` calls of `fn` by device time (torch.profiler), a step each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in rows) / steps
+    lines = [f"  total {total:.1f} us"]
+    for e in rows[:top]:
+        lines.append(
+            f"  {e.device_time_total / steps:8.1f} us {e.count / steps:5.1f}  {e.key[:90]}"
+        )
+    return "\n".join(lines)
+
+
 def _uncaptured_graphs(core, max_bs: int, k: int, max_tokens: int) -> None:
     """The engine's graphs built without capture (their forwards run eagerly): on the CPU."""
     from radixlm.runtime.cuda_graph import DecodeGraphs, PrefillGraphs, RowGraphs
@@ -78,6 +100,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument(
+        "--profile", type=int, default=0, metavar="N",
+        help="then each step once more under the profiler (CUDA): its N kernels with the most "
+        "device time, in us a step",
+    )  # fmt: skip
     args = ap.parse_args()
     device = torch.device(args.device)
     most_rows = max(args.batch)
@@ -105,12 +132,12 @@ def main() -> None:
         kv_row_bytes = pool.bytes_per_slot(
             len(pool.k), pool.k[0].shape[1], pool.k[0].shape[2], pool.dtype
         )
-        results = []
+        results, profiles = [], []
         rg, pg = runner.row_graphs, runner.prefill_graphs
         for b in args.batch:
             rows = list(range(b))
             slots_b = table[rows, args.context].long().cpu()
-            step = partial(runner.graphs.run, rows, [args.context + 1] * b, slots_b)
+            step = step_decode = partial(runner.graphs.run, rows, [args.context + 1] * b, slots_b)
             decode_ms = _time(step, args.reps, device)
             for k in args.tokens:
                 ids = torch.randint(100, 32000, (b * k,), generator=gen).tolist()
@@ -129,6 +156,12 @@ def main() -> None:
                 # each row reads its context again: beyond the decode step's B contexts
                 kv_extra = b * (k - 1) * args.context * kv_row_bytes
                 results.append((b, k, decode_ms, as_rows, as_extend, kv_extra))
+                if args.profile and device.type == "cuda" and as_rows is not None:
+                    rows_step = partial(rg.run, ids, positions, token_rows, [])
+                    profiles.append((f"batch {b}, decode", _kernels(step_decode, args.profile)))
+                    profiles.append(
+                        (f"batch {b}, verify {k} as rows", _kernels(rows_step, args.profile))
+                    )
         weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
         dispatch = getattr(eng.model, "matmul", None)
         tuned = [
@@ -162,6 +195,8 @@ def main() -> None:
             f"| {rows} | ({n}, {k}) | {plain_ms * 1e3:.1f} us | {tile} | "
             f"{'cuBLAS' if chosen is None else chosen} |"
         )
+    for label, table in profiles:
+        print(f"\n{label}: kernels by device time (us a step, calls a step)\n{table}")
 
 
 if __name__ == "__main__":
