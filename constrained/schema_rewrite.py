@@ -214,6 +214,9 @@ def prepare_schema(
     parts: dict[int, tuple[str | None, dict[str, Any], dict[str, Any] | None]] = {}
     counts: Counter = Counter()
     seen = {"oneOf": False, "ids": False}
+    # (container, key or index, keyword, node) of each leaf that may be shared, innermost first:
+    # the sharing then visits these slots alone instead of walking the schema again
+    slots: list[tuple[Any, Any, str, dict[str, Any]]] = []
 
     def prepare(node: dict[str, Any], where: str) -> dict[str, Any]:
         if "oneOf" in node or "dependencies" in node:
@@ -228,12 +231,57 @@ def prepare_schema(
             counts[part[0]] += 1
         return node
 
-    prepared = map_subschemas(schema, prepare)
+    def walk(node: dict[str, Any], where: str) -> dict[str, Any]:
+        """map_subschemas(node, prepare, where), noting the slots of the leaves."""
+        out = dict(node)
+        for key, value in node.items():
+            if isinstance(value, dict):
+                if key in _ONE:
+                    out[key] = sub = walk(value, key)
+                    if parts[id(sub)][0] is not None:
+                        slots.append((out, key, key, sub))
+                elif key in _MAP:
+                    out[key] = named = {}
+                    for name, sub in value.items():
+                        if isinstance(sub, dict):
+                            sub = walk(sub, key)
+                            if parts[id(sub)][0] is not None:
+                                slots.append((named, name, key, sub))
+                        named[name] = sub
+            elif isinstance(value, list) and key in _LIST:
+                out[key] = listed = []
+                for sub in value:
+                    if isinstance(sub, dict):
+                        sub = walk(sub, key)
+                        if parts[id(sub)][0] is not None:
+                            slots.append((listed, len(listed), key, sub))
+                    listed.append(sub)
+        return prepare(out, where)
+
+    prepared = walk(schema, "")
     if seen["oneOf"]:
         return None
     if seen["ids"] or not isinstance(prepared.get("$defs", {}), dict):
         return share_leaves(prepared, counts)  # (identifiers first: the general way)
-    return _share_in_place(prepared, parts, counts)
+    return _share_slots(prepared, slots, parts, counts)
+
+
+def _share_slots(
+    schema: dict[str, Any],
+    slots: list[tuple[Any, Any, str, dict[str, Any]]],
+    parts: dict[int, tuple[str | None, dict[str, Any], dict[str, Any] | None]],
+    counts: Counter,
+) -> dict[str, Any]:
+    """_share_in_place's sharing, where `slots` (container, key, keyword, node) are already
+    known: every leaf that may be shared, innermost first, as the walk meets them."""
+    shared = {text for text, n in counts.items() if text is not None and n >= 2}
+    if not shared:
+        return schema
+    share = _sharer(schema.get("$defs", {}), parts, shared)
+    for container, key, where, node in slots:
+        container[key] = share.replace(node, where)
+    schema["$defs"] = {**share.defs, **share.made}
+    return schema
 
 
 def _share_in_place(
@@ -246,29 +294,41 @@ def _share_in_place(
     shared = {text for text, n in counts.items() if text is not None and n >= 2}
     if not shared:
         return schema
-    defs = schema.get("$defs", {})
-    names = (f"radixlm-shared-{i}" for i in itertools.count())
-    refs: dict[str, dict[str, Any]] = {}
-    made: dict[str, dict[str, Any]] = {}  # (added once the walk is done: it walks $defs too)
+    share = _sharer(schema.get("$defs", {}), parts, shared)
+    _replace_subschemas(schema, share.replace)
+    schema["$defs"] = {**share.defs, **share.made}
+    return schema
 
-    def share(node: Any, where: str) -> Any:
-        part = parts.get(id(node)) if isinstance(node, dict) else None
+
+class _sharer:
+    """What a shared leaf becomes: a `$ref` to its one copy, made in `made` (the `$defs` to
+    add once the walk is done, which walks `defs` too) under a name not among `defs`."""
+
+    def __init__(
+        self,
+        defs: dict[str, Any],
+        parts: dict[int, tuple[str | None, dict[str, Any], dict[str, Any] | None]],
+        shared: set[str],
+    ) -> None:
+        self.defs, self.parts, self.shared = defs, parts, shared
+        self.names = (f"radixlm-shared-{i}" for i in itertools.count())
+        self.refs: dict[str, dict[str, Any]] = {}
+        self.made: dict[str, dict[str, Any]] = {}
+
+    def replace(self, node: Any, where: str) -> Any:
+        part = self.parts.get(id(node)) if isinstance(node, dict) else None
         # (a oneOf's branch keeps its own keywords: llguidance tells the branches apart by them)
-        if part is None or part[0] not in shared or where == "oneOf":
+        if part is None or part[0] not in self.shared or where == "oneOf":
             return node
         text, body, rest = part
-        if text not in refs:
-            name = next(n for n in names if n not in defs)
-            refs[text] = {"$ref": f"#/$defs/{name}"}
-            made[name] = body
+        if text not in self.refs:
+            name = next(n for n in self.names if n not in self.defs)
+            self.refs[text] = {"$ref": f"#/$defs/{name}"}
+            self.made[name] = body
         if rest is None:
-            return dict(refs[text])
+            return dict(self.refs[text])
         notes = {k: v for k, v in node.items() if _is_annotation(k, v)}
-        return {"anyOf": [dict(refs[text]), rest], **notes}
-
-    _replace_subschemas(schema, share)
-    schema["$defs"] = {**defs, **made}
-    return schema
+        return {"anyOf": [dict(self.refs[text]), rest], **notes}
 
 
 def _replace_subschemas(node: Any, fn: Callable[[Any, str], Any]) -> None:
@@ -409,6 +469,9 @@ _LEAF_KEYS = _BOUND_KEYS | _STRING_KEYS | {"enum"}
 # enums of this many values and more are shared where alike (llguidance builds each place's
 # alternatives anew: a schema with the 251 country codes three times spent ~1 ms on the copies)
 _SHARED_ENUM = 4
+# a leaf's keywords as text, the key alike leaves share (one encoder: json.dumps with options
+# makes one per call)
+_KEY = json.JSONEncoder(sort_keys=True)
 
 
 def share_leaves(schema: Any, counts: Counter | None = None) -> Any:
@@ -464,7 +527,7 @@ def _leaf_part(
         values = node["enum"]
         if keys <= {"enum", "type"} and isinstance(values, list) and len(values) >= _SHARED_ENUM:
             body = {k: node[k] for k in keys}
-            return json.dumps(body, sort_keys=True), body, None
+            return _KEY.encode(body), body, None
         return None, {}, None
     if keys & _BOUND_KEYS:
         if not keys <= _NUMBER_KEYS | _STRING_KEYS:
@@ -486,7 +549,7 @@ def _leaf_part(
         return None, {}, None
     body = {k: v for k, v in node.items() if k in own}
     body["type"] = types
-    text = json.dumps(body, sort_keys=True)
+    text = _KEY.encode(body)
     if not others:
         return text, body, None
     rest: dict[str, Any] = {"type": others[0] if len(others) == 1 else others}
