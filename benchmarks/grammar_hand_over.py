@@ -5,6 +5,10 @@ the GIL waits before its holder is asked to let go), in one run; and how many "s
 thread made meanwhile. (A shorter interval while compiles ran measured faster here, and no faster
 in the engine on an H100's host: benchmarks/RESULTS.md; the compiler leaves the interval alone.)
 
+Then the same for tokenizing a prompt (the chat prompts of the 96-schema workload), alone and
+beside the busy thread: Hugging Face's `encode`, which lets the GIL go inside, against the
+engine's `text_ids` (protocol/prompt_tokens.py), which keeps it.
+
     python -m benchmarks.grammar_hand_over [--intervals 5,1,0.2] [--busy-ms 5] [--sleep-ms 0,0.1]
 """
 
@@ -19,6 +23,7 @@ import time
 from benchmarks.common import commit
 from benchmarks.constrained_throughput import DEFAULT_SCHEMAS, distinct_schemas
 from radixlm.constrained import GrammarCompiler
+from radixlm.protocol.prompt_tokens import text_ids
 from radixlm.runtime.model_loader import default_tokenizer
 
 
@@ -72,6 +77,41 @@ def main() -> None:
             print(
                 f"| {interval:g} | {pause:g} | {wall * 1e3:.0f} | {made / wall:.0f} |", flush=True
             )
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Write one JSON example of {name[:-5]}, as JSON."}],
+            tokenize=False,
+        )
+        for name, _ in distinct_schemas(DEFAULT_SCHEMAS, args.count)
+    ]
+    ways = {
+        "Hugging Face's encode": lambda t: tokenizer.encode(t, add_special_tokens=False),
+        "text_ids (the engine's)": lambda t: text_ids(tokenizer, t),
+    }
+    assert all(
+        ways["text_ids (the engine's)"](t) == ways["Hugging Face's encode"](t) for t in prompts
+    )
+    print(
+        f"\n{len(prompts)} prompts tokenized one by one, us a prompt (switch interval "
+        f"{own * 1e3:g} ms, the busy thread's spells {args.busy_ms:g} ms)\n"
+        "\n| way | alone | beside the busy thread |\n|---|---|---|"
+    )
+    for name, encode in ways.items():
+        row = []
+        for busy in (False, True):
+            stop, steps = [], []
+            thread = threading.Thread(target=core, args=(stop, steps, args.busy_ms, 0.0))
+            if busy:
+                thread.start()
+                time.sleep(0.05)
+            t0 = time.perf_counter()
+            for text in prompts:
+                encode(text)
+            row.append((time.perf_counter() - t0) / len(prompts) * 1e6)
+            stop.append(1)
+            if busy:
+                thread.join()
+        print(f"| {name} | {row[0]:.0f} | {row[1]:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

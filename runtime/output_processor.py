@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from radixlm.protocol.prompt_tokens import text_ids
 from radixlm.runtime.request import Req, ReqStatus
 
 logger = logging.getLogger(__name__)
@@ -379,7 +380,7 @@ class OutputProcessor:
                 return
         tokenizer = req.detokenizer.tokenizer
         ids = req.output_ids
-        full = tokenizer.encode(tokenizer.decode(ids) + text, add_special_tokens=False)
+        full = text_ids(tokenizer, tokenizer.decode(ids) + text)
         keep = _common_prefix_len(full, ids)
         dropped = ids[keep:]
         # no further than the request may go, and no more forced tokens than the grammar can

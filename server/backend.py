@@ -17,7 +17,7 @@ from pathlib import PurePath
 from typing import Any, Protocol
 
 from radixlm.errors import GrammarRefused
-from radixlm.protocol.prompt_tokens import encode_prompt
+from radixlm.protocol.prompt_tokens import encode_prompt, text_ids
 from radixlm.protocol.stats import EngineStats
 from radixlm.server.errors import unavailable
 
@@ -118,7 +118,7 @@ class TokenizerSide:
         """The ids of a text prompt as the engine tokenizes one; without `add_special_tokens`,
         the text's own tokens only (no BOS put in front)."""
         if not add_special_tokens:
-            return list(self._tokenizer.encode(text, add_special_tokens=False))
+            return text_ids(self._tokenizer, text)
         return encode_prompt(self._tokenizer, text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
