@@ -289,15 +289,20 @@ class Engine:
         priority: int | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """Like `generate`, from a coroutine; with stream=True it returns an async iterator."""
-        # tokenizing can take a while: off the event loop. A grammar compiles in the compiler's
-        # threads meanwhile; a single request waits for it here, without holding a thread (one
-        # per request held the default executor's few threads, and the requests behind them
-        # queued to start their compiles)
-        reqs, single = await asyncio.to_thread(
-            self._make_requests,
+        # A long prompt's tokenizing can take a while: off the event loop. A short call's is
+        # made here: handed to a thread, each is one more thread contending for the GIL, and
+        # 96 requests at once kept the default executor's 20 threads (on a 16-core host) busy
+        # while the engine core waited for the GIL at every torch call (a first step's
+        # scheduling took 120-150 ms there). A grammar compiles in the compiler's threads
+        # meanwhile; a single request waits for it here, without holding a thread.
+        args = (
             prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
             priority, False,
         )  # fmt: skip
+        if _short(prompt, input_ids):
+            reqs, single = self._make_requests(*args)
+        else:
+            reqs, single = await asyncio.to_thread(self._make_requests, *args)
         if single and reqs[0].grammar_future is not None:
             await asyncio.wrap_future(reqs[0].grammar_future)  # (a refused grammar raises here)
         loop = asyncio.get_running_loop()
@@ -664,6 +669,25 @@ class Engine:
         finally:
             if not req.is_finished:
                 self._core.abort(req.rid)
+
+
+# a call of at most this many prompts, of at most this many characters (or token ids) in all, is
+# made on the caller's event loop (its tokenizing ~50 us a thousand characters; text_ids keeps
+# the GIL, so nothing else would run meanwhile either way)
+_INLINE_PROMPTS = 64
+_INLINE_PROMPT_SIZE = 8192
+
+
+def _short(prompt, input_ids) -> bool:
+    """Whether a call's requests are made on the event loop (async_generate) rather than in a
+    thread: a few short prompts, as text or as token ids."""
+    items = input_ids if input_ids is not None else prompt
+    if isinstance(items, str) or (isinstance(items, list) and items and isinstance(items[0], int)):
+        items = [items]  # one prompt
+    if not isinstance(items, list):
+        return True  # (refused at once by _make_requests)
+    size = sum(len(item) if isinstance(item, (str, list)) else 0 for item in items)
+    return len(items) <= _INLINE_PROMPTS and size <= _INLINE_PROMPT_SIZE
 
 
 class _Newest:
