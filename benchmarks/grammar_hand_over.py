@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=96)
     args = ap.parse_args()
     print(f"commit: {commit()}")
-    specs = [json.dumps(schema) for _, schema in distinct_schemas(DEFAULT_SCHEMAS, args.count)]
+    picked = distinct_schemas(DEFAULT_SCHEMAS, args.count)
+    specs = [json.dumps(schema) for _, schema in picked]
     own = sys.getswitchinterval()
     tokenizer = default_tokenizer()
     print(
@@ -82,7 +83,7 @@ def main() -> None:
             [{"role": "user", "content": f"Write one JSON example of {name[:-5]}, as JSON."}],
             tokenize=False,
         )
-        for name, _ in distinct_schemas(DEFAULT_SCHEMAS, args.count)
+        for name, _ in picked
     ]
     ways = {
         "Hugging Face's encode": lambda t: tokenizer.encode(t, add_special_tokens=False),

@@ -137,28 +137,29 @@ def main() -> None:
         for b in args.batch:
             rows = list(range(b))
             slots_b = table[rows, args.context].long().cpu()
-            step = step_decode = partial(runner.graphs.run, rows, [args.context + 1] * b, slots_b)
-            decode_ms = _time(step, args.reps, device)
+            decode_step = partial(runner.graphs.run, rows, [args.context + 1] * b, slots_b)
+            decode_ms = _time(decode_step, args.reps, device)
+            if args.profile and device.type == "cuda":
+                profiles.append((f"batch {b}, decode", _kernels(decode_step, args.profile)))
             for k in args.tokens:
                 ids = torch.randint(100, 32000, (b * k,), generator=gen).tolist()
                 positions = [args.context + j for _ in rows for j in range(k)]
                 token_rows = [r for r in rows for _ in range(k)]
                 as_rows = as_extend = None
+                rows_step = None
                 if rg is not None and rg.can_run(b * k, k):
-                    step = partial(rg.run, ids, positions, token_rows, [])
-                    as_rows = _time(step, args.reps, device)
+                    rows_step = partial(rg.run, ids, positions, token_rows, [])
+                    as_rows = _time(rows_step, args.reps, device)
                 if pg is not None and pg.can_run(b * k, b, b * k):
-                    step = partial(
+                    extend_step = partial(
                         pg.run, ids, positions, token_rows, [], rows, [args.context] * b,
                         [k] * b, list(range(b * k)),
                     )  # fmt: skip
-                    as_extend = _time(step, args.reps, device)
+                    as_extend = _time(extend_step, args.reps, device)
                 # each row reads its context again: beyond the decode step's B contexts
                 kv_extra = b * (k - 1) * args.context * kv_row_bytes
                 results.append((b, k, decode_ms, as_rows, as_extend, kv_extra))
-                if args.profile and device.type == "cuda" and as_rows is not None:
-                    rows_step = partial(rg.run, ids, positions, token_rows, [])
-                    profiles.append((f"batch {b}, decode", _kernels(step_decode, args.profile)))
+                if args.profile and device.type == "cuda" and rows_step is not None:
                     profiles.append(
                         (f"batch {b}, verify {k} as rows", _kernels(rows_step, args.profile))
                     )

@@ -63,21 +63,36 @@ class NumberLimits:
 
 
 def map_subschemas(
-    schema: Any, fn: Callable[[dict[str, Any], str], dict[str, Any]], where: str = ""
+    schema: Any,
+    fn: Callable[[dict[str, Any], str], dict[str, Any]],
+    where: str = "",
+    note: Callable[[Any, Any, str], None] | None = None,
 ) -> Any:
     """A copy of `schema` with `fn(node, where)` applied to every (sub)schema object, innermost
-    first; `where` is the keyword the node hangs under ("" at the root)."""
+    first; `where` is the keyword the node hangs under ("" at the root). With `note`,
+    `note(container, key, where)` is told of each subschema's slot in the copy once its subtree
+    is done (the container is a node, or the map or list under one of its keywords)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key, value in schema.items():  # (a node's own keys: fewer than the keywords)
         if isinstance(value, dict):
             if key in _ONE:
-                out[key] = map_subschemas(value, fn, key)
+                out[key] = map_subschemas(value, fn, key, note)
+                if note is not None:
+                    note(out, key, key)
             elif key in _MAP:
-                out[key] = {name: map_subschemas(s, fn, key) for name, s in value.items()}
+                out[key] = named = {}
+                for name, sub in value.items():
+                    named[name] = map_subschemas(sub, fn, key, note)
+                    if note is not None:
+                        note(named, name, key)
         elif isinstance(value, list) and key in _LIST:
-            out[key] = [map_subschemas(s, fn, key) for s in value]
+            out[key] = listed = []
+            for sub in value:
+                listed.append(map_subschemas(sub, fn, key, note))
+                if note is not None:
+                    note(listed, len(listed) - 1, key)
     return fn(out, where)
 
 
@@ -231,34 +246,12 @@ def prepare_schema(
             counts[part[0]] += 1
         return node
 
-    def walk(node: dict[str, Any], where: str) -> dict[str, Any]:
-        """map_subschemas(node, prepare, where), noting the slots of the leaves."""
-        out = dict(node)
-        for key, value in node.items():
-            if isinstance(value, dict):
-                if key in _ONE:
-                    out[key] = sub = walk(value, key)
-                    if parts[id(sub)][0] is not None:
-                        slots.append((out, key, key, sub))
-                elif key in _MAP:
-                    out[key] = named = {}
-                    for name, sub in value.items():
-                        if isinstance(sub, dict):
-                            sub = walk(sub, key)
-                            if parts[id(sub)][0] is not None:
-                                slots.append((named, name, key, sub))
-                        named[name] = sub
-            elif isinstance(value, list) and key in _LIST:
-                out[key] = listed = []
-                for sub in value:
-                    if isinstance(sub, dict):
-                        sub = walk(sub, key)
-                        if parts[id(sub)][0] is not None:
-                            slots.append((listed, len(listed), key, sub))
-                    listed.append(sub)
-        return prepare(out, where)
+    def slot(container: Any, key: Any, where: str) -> None:
+        sub = container[key]
+        if isinstance(sub, dict) and parts[id(sub)][0] is not None:
+            slots.append((container, key, where, sub))
 
-    prepared = walk(schema, "")
+    prepared = map_subschemas(schema, prepare, note=slot)
     if seen["oneOf"]:
         return None
     if seen["ids"] or not isinstance(prepared.get("$defs", {}), dict):
@@ -277,7 +270,7 @@ def _share_slots(
     shared = {text for text, n in counts.items() if text is not None and n >= 2}
     if not shared:
         return schema
-    share = _sharer(schema.get("$defs", {}), parts, shared)
+    share = _Sharer(schema.get("$defs", {}), parts, shared)
     for container, key, where, node in slots:
         container[key] = share.replace(node, where)
     schema["$defs"] = {**share.defs, **share.made}
@@ -294,13 +287,13 @@ def _share_in_place(
     shared = {text for text, n in counts.items() if text is not None and n >= 2}
     if not shared:
         return schema
-    share = _sharer(schema.get("$defs", {}), parts, shared)
+    share = _Sharer(schema.get("$defs", {}), parts, shared)
     _replace_subschemas(schema, share.replace)
     schema["$defs"] = {**share.defs, **share.made}
     return schema
 
 
-class _sharer:
+class _Sharer:
     """What a shared leaf becomes: a `$ref` to its one copy, made in `made` (the `$defs` to
     add once the walk is done, which walks `defs` too) under a name not among `defs`."""
 

@@ -280,18 +280,15 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """table[row, start:start + len(slots)] = slots: the host copy through numpy, the device's
-        by one copy queued from a pinned staging copy (two torch calls, not five: each lets the
-        GIL go, and the core thread, admitting a request, waits to get it back whenever other
-        threads run Python)."""
+        from it (three torch calls where there were five: each lets the GIL go, and the core
+        thread, admitting a request, waits to get it back whenever other threads run Python)."""
         end = start + len(slots)
         if slots.device.type != "cpu":
             slots = slots.cpu()
         self._host_np[row, start:end] = slots.numpy()
         if self.host is not self.table:
-            staged = torch.from_numpy(self._host_np[row, start:end].copy())
-            if self.table.device.type == "cuda":  # (queued, not waited for: see to_device)
-                staged = staged.pin_memory()
-            self.table[row, start:end].copy_(staged, non_blocking=True)
+            written = torch.from_numpy(self._host_np[row, start:end])
+            self.table[row, start:end] = to_device(written, self.table.device)
 
     def write_many(
         self, rows: list[int], starts: list[int], counts: list[int], slots: torch.Tensor
