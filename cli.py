@@ -74,10 +74,12 @@ _ENGINE_HELP = {
     "refuse recursive grammars; llguidance parses recursion as written)",
     "grammar_backend": "the grammar engine: llguidance (Earley parser, the default) or outlines "
     "(one byte DFA per grammar, recursion unrolled)",
-    "json_integer_bound": "JSON integers whose schema sets no bound stay within +-this (0: no bound)",
-    "json_number_bound": "JSON numbers whose schema sets no bound stay within +-this (0: no bound)",
+    "json_integer_digits": "digits before the point of a JSON number whose schema sets no "
+    "bounds (18: integers within 64 bits; 0: no limit)",
     "json_fraction_digits": "digits after the point of a JSON number whose schema sets no "
-    "multipleOf, written without exponent (-1: no limit)",
+    "bounds (-1: no limit)",
+    "json_exponent_digits": "digits of a JSON number's exponent where its schema sets no bounds "
+    "(0: no exponent; -1: no limit)",
     "speculative_algorithm": "speculative decoding: NGRAM (drafts from earlier occurrences of "
     "the context's own ending), MEDUSA (heads over the model's last hidden state), STANDALONE "
     "(a smaller model of the same tokenizer, --speculative-draft-model-path), EAGLE3 (a "

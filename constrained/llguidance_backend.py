@@ -31,6 +31,7 @@ import torch
 from radixlm.constrained.bitmask import bitmask_words, ids_from_bitmask
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.json_schema import FLEXIBLE_WHITESPACE, OutputCheck, one_of_exclusivity
+from radixlm.constrained.number_digits import DigitLimits, NumberDigits, TokenTable, hold
 from radixlm.constrained.schema_rewrite import (
     NumberLimits,
     bound_numbers,
@@ -49,6 +50,7 @@ _MAX_JUMP_BYTES = 4096
 # number bound past 10**18, is refused or narrowed by llguidance itself
 _INTEGER_LIMIT = 9 * 10**18
 _NUMBER_LIMIT = 10**18
+_UNLIMITED = NumberLimits(0, -1, -1)
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 # what llguidance says of a oneOf whose branches it cannot tell apart (refused; lenient: anyOf)
 _ONE_OF = re.compile(r"oneOf constraints are not supported|oneOf not fully supported")
@@ -85,6 +87,15 @@ class LLGuidanceBackend:
         self.whitespace = whitespace
         self.allow_unlisted_properties = allow_unlisted_properties
         self.numbers = numbers if numbers is not None else NumberLimits()
+        n = self.numbers
+        self._digit_limits = DigitLimits(n.integer_digits, n.fraction_digits, n.exponent_digits)
+        # the JSON readers of each set of digit limits met (number_digits.py), over one table of
+        # the tokens' bytes: the default limits' made here (~40 ms), not in a first compile
+        self._digits: dict[DigitLimits, NumberDigits] = {}
+        self._token_table: TokenTable | None = None
+        self._digits_lock = threading.Lock()
+        if self._digit_limits.any:
+            self._number_digits(self._digit_limits)
         self._executor: Any = None
         self._fill_thread: Any = None
         # errors without the parser's state dump: they reach the user
@@ -152,8 +163,13 @@ class LLGuidanceBackend:
     def build(self, kind: str, spec: str, lenient: bool) -> LLGuidanceGrammar:
         """Compile `spec`; GrammarError saying what to change if llguidance refuses it."""
         overlapping: dict[str, str] = {}  # the oneOfs whose branches may overlap, and why
+        digits = None
         if kind == "json_schema":
-            schema, overlapping = self._prepared_schema(spec, lenient)
+            # the numbers' digits held by the mask, not by bounds in the grammar (~0.5 ms each)
+            held = self._digit_limits.any
+            schema, overlapping = self._prepared_schema(spec, lenient, bound=not held)
+            if held:
+                digits = self._number_digits(self._digit_limits.covering(schema))
             text = self._schema_grammar(schema, lenient)
         elif kind == "structural_tag":
             text = self._structural_tag_grammar(spec, lenient)
@@ -183,7 +199,24 @@ class LLGuidanceBackend:
         notes = ()
         if lenient:
             notes = _located_notes(matcher.get_grammar_warnings(), spec, overlapping)
-        return LLGuidanceGrammar(kind, spec, matcher, self, notes, lenient)
+        return LLGuidanceGrammar(kind, spec, matcher, self, notes, lenient, digits)
+
+    def _number_digits(self, limits: DigitLimits) -> NumberDigits:
+        with self._digits_lock:
+            digits = self._digits.get(limits)
+            if digits is None:
+                if self._token_table is None:
+                    tok, size = self.tokenizer, self.vocab_size
+                    own = min(tok.vocab_size, size)
+                    self._token_table = TokenTable(
+                        [
+                            None if tok.is_special_token(i) else tok.decode_bytes([i])
+                            for i in range(own)
+                        ]
+                        + [None] * (size - own)
+                    )
+                digits = self._digits[limits] = NumberDigits(self._token_table, limits)
+            return digits
 
     def _matcher(self, text: str) -> Any:
         return self._ll.LLMatcher(self.tokenizer, text, log_level=0, limits=self._limits)
@@ -288,9 +321,12 @@ class LLGuidanceBackend:
             return ll.grammar_from_lark(lark)
         raise GrammarError(f"unknown grammar kind {kind!r}")
 
-    def _prepared_schema(self, spec: str, lenient: bool) -> tuple[Any, dict[str, str]]:
+    def _prepared_schema(
+        self, spec: str, lenient: bool, bound: bool = True
+    ) -> tuple[Any, dict[str, str]]:
         """The schema llguidance compiles, and the oneOfs left as they are (pointer -> why their
-        branches may overlap). Those a value is checked against are refused here, unless
+        branches may overlap). Unless `bound`, numbers get no bounds of the number limits (the
+        mask holds their digits). Those a value is checked against are refused here, unless
         `lenient` (llguidance then generates them as anyOf, and says so): llguidance would
         otherwise judge them itself, on the objects this closed, which can make branches
         exclusive whose values still match two of the branches as written."""
@@ -302,9 +338,10 @@ class LLGuidanceBackend:
             raise GrammarError("a JSON schema must be an object or a boolean")
         overlapping: dict[str, str] = {}
         fit = (_INTEGER_LIMIT, _NUMBER_LIMIT)
+        numbers = self.numbers if bound else _UNLIMITED
         if isinstance(schema, dict):
             # (bounded numbers and strings with formats make costly lexemes: built once each)
-            prepared = prepare_schema(schema, not self.allow_unlisted_properties, self.numbers, fit)
+            prepared = prepare_schema(schema, not self.allow_unlisted_properties, numbers, fit)
             if prepared is not None:  # (no oneOf, no dependencies: all in one or two passes)
                 return prepared, overlapping
             narrowed = schema if self.allow_unlisted_properties else close_objects(schema)
@@ -321,7 +358,7 @@ class LLGuidanceBackend:
                     raise GrammarError(_cannot_enforce(refused[:1]))
             exclusive = [where for where, why in exclusivity.items() if why is None]
             schema = one_of_as_any_of(narrowed, exclusive)
-            schema = share_leaves(bound_numbers(schema, self.numbers, fit=fit))
+            schema = share_leaves(bound_numbers(schema, numbers, fit=fit))
         return schema, overlapping
 
     def _json_options(self, lenient: bool) -> dict[str, Any]:
@@ -349,8 +386,10 @@ class LLGuidanceGrammar:
         backend: LLGuidanceBackend,
         notes: tuple[str, ...] = (),
         lenient: bool = False,
+        digits: NumberDigits | None = None,
     ) -> None:
         self.kind = kind
+        self.digits = digits  # the numbers' digits, held by the mask (number_digits.py)
         self.spec = spec
         self.notes = notes
         self.lenient = lenient
@@ -381,7 +420,9 @@ class LLGuidanceGrammar:
 class LLGuidanceMatcher:
     """Where one request stands in its llguidance grammar, with the engine's matcher contract:
     a refused token returns False and changes nothing; EOS is accepted only where the grammar is
-    complete, and ends it; `rollback` undoes accepted tokens (EOS included)."""
+    complete, and ends it; `rollback` undoes accepted tokens (EOS included). Where the grammar's
+    numbers have digit limits (`grammar.digits`), a token that writes too many is refused too
+    and left out of the mask, unless the grammar allows nothing else."""
 
     def __init__(self, grammar: LLGuidanceGrammar, matcher: Any, max_rollback: int) -> None:
         self.grammar = grammar
@@ -399,6 +440,11 @@ class LLGuidanceMatcher:
         self._busy: Any = None
         self._snap: tuple[bool, bool, bool, bytes] | None = None
         self.version = 0  # bumped by every change of what the next mask is
+        # where the output stands in its JSON (number_digits.py), and where it stood before each
+        # token llguidance took (for rollback)
+        self._digits = grammar.digits
+        self._num = 0
+        self._nums: list[int] = []
 
     @property
     def max_rollback(self) -> int:
@@ -459,7 +505,21 @@ class LLGuidanceMatcher:
         self._m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         if self._m.is_error():
             mask[:] = 0  # llguidance allows EOS once it fails: the output would look complete
+        elif self._digits is not None:
+            self.hold_digits(mask)
         return mask
+
+    def hold_digits(self, row: np.ndarray) -> None:
+        """Leave out of a filled mask row the tokens that write too many digits (no-op without
+        digit limits)."""
+        digits = self._digits
+        if digits is not None:
+            state = self._num
+            if self._ahead is not None:
+                state = digits.after(state, self._ahead)[0]
+            keep = digits.keep(state)
+            if keep is not None:
+                hold(row, keep)
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor | np.ndarray, index: int = 0) -> None:
         """Write the allowed next tokens into `bitmask`: a (W,) row or row `index` of (B, W)."""
@@ -486,6 +546,8 @@ class LLGuidanceMatcher:
         self._m.unsafe_compute_mask_ptr(ptr, self.grammar._words * 4)
         if self._m.is_error():  # as in next_token_mask
             (row.numpy() if isinstance(row, torch.Tensor) else row).fill(0)
+        elif self._digits is not None:
+            self.hold_digits(row.numpy() if isinstance(row, torch.Tensor) else row)
 
     def allowed_token_ids(self) -> list[int]:
         """The allowed next token ids (EOS included when accepting): for tests and debugging."""
@@ -496,9 +558,13 @@ class LLGuidanceMatcher:
             return False
         token_id = int(token_id)
         if self._ahead is not None:  # taken already, with its step's others (accept_batch)
-            if self._ahead == token_id:
+            if self._ahead == token_id and (
+                self._digits is None or not self._digits.after(self._num, token_id)[1]
+            ):
                 self._ahead = None
                 self._depth += 1
+                if self._digits is not None:
+                    self._took(token_id)
                 return True
             self._settle()
         if token_id in self._eos:
@@ -511,11 +577,35 @@ class LLGuidanceMatcher:
         if not 0 <= token_id < self.grammar.vocab_size:
             return False
         self._idle()
+        if (
+            self._digits is not None
+            and self._digits.after(self._num, token_id)[1]
+            and not self._only_digits(token_id)
+        ):
+            return False
         if self._m.try_consume_tokens([token_id]) != 1:
             return False
         self._depth += 1
+        if self._digits is not None:
+            self._took(token_id)
         self._changed()
         return True
+
+    def _took(self, token_id: int) -> None:
+        nums = self._nums
+        nums.append(self._num)
+        self._num = self._digits.after(self._num, token_id)[0]
+        if len(nums) > 2 * self._max_rollback + 8:  # (no rollback reaches further)
+            del nums[: len(nums) - self._max_rollback - 1]
+
+    def _only_digits(self, token_id: int) -> bool:
+        """Whether `token_id`, which writes too many digits, is allowed all the same: the
+        grammar allows it, and nothing the limits allow (a long constant)."""
+        mask = np.zeros(self.grammar._words, dtype=np.int32)
+        self._m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        keep = self._digits.keep(self._num)
+        allowed = (int(mask[token_id >> 5]) >> (token_id & 31)) & 1
+        return bool(allowed) and (keep is None or not (mask & keep).any())
 
     def accept_tokens(self, token_ids: list[int]) -> int:
         """Accept tokens in order until one is refused; returns how many were accepted."""
@@ -532,13 +622,19 @@ class LLGuidanceMatcher:
         if self._terminated:
             return False
         tokenizer = self.grammar.backend.tokenizer
+        data = text.encode("utf-8", "surrogatepass")
         ids = tokenizer.tokenize_str(text)
-        if tokenizer.decode_bytes(ids) != text.encode("utf-8", "surrogatepass"):
+        if tokenizer.decode_bytes(ids) != data:
             return False
+        if self._digits is not None and self._digits.after_bytes(self._num, data)[1]:
+            return False  # (too many digits: a forced long constant is sampled instead)
         # checked first, then taken: undoing a partial advance could need more than max_rollback
         if self._m.validate_tokens(ids) != len(ids) or self._m.try_consume_tokens(ids) != len(ids):
             return False
         self._depth += len(ids)
+        if self._digits is not None:
+            for t in ids:
+                self._took(t)
         self._changed()
         return True
 
@@ -576,6 +672,9 @@ class LLGuidanceMatcher:
             n -= 1
         if n and not self._m.rollback(n):
             raise GrammarError(f"llguidance could not roll back {n} tokens: {self._m.get_error()}")
+        if n and self._digits is not None:
+            self._num = self._nums[-n]
+            del self._nums[-n:]
 
     def reset(self) -> None:
         self._idle()
@@ -584,6 +683,8 @@ class LLGuidanceMatcher:
         self._m.reset()
         self._terminated = False
         self._depth = 0
+        self._num = 0
+        self._nums.clear()
 
 
 def accept_batch(pairs: list[tuple[LLGuidanceMatcher, int]], executor: Any) -> None:
@@ -622,9 +723,14 @@ def fill_bitmasks(matchers: list[tuple[Any, int]], bitmask: torch.Tensor, execut
     if live:
         batch, words = bitmask.shape
         executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), words * 4, batch)
-        for m, row in live:
-            if m.is_error():  # as in LLGuidanceMatcher.next_token_mask: nothing, not EOS
-                bitmask[row].zero_()
+        rows = bitmask.numpy()
+        for m, row in matchers:
+            if m._terminated:
+                continue
+            if m._m.is_error():  # as in LLGuidanceMatcher.next_token_mask: nothing, not EOS
+                rows[row] = 0
+            elif m._digits is not None:
+                m.hold_digits(rows[row])
 
 
 class _ByteTokenizer:
@@ -705,13 +811,16 @@ class PendingFill:
     def result(self) -> torch.Tensor:
         future = self._future
         failed = future.exception() is not None
+        rows = self._bitmask.numpy()
         for (m, row), version in zip(self._pairs, self._versions):
             if m._busy is future:
                 m._busy = None
             if failed or m.version != version or m._terminated:
                 m.fill_next_token_bitmask(self._bitmask, row)
             elif m._m.is_error():  # as in LLGuidanceMatcher.next_token_mask: nothing, not EOS
-                self._bitmask[row].zero_()
+                rows[row] = 0
+            elif m._digits is not None:
+                m.hold_digits(rows[row])
         return self._bitmask
 
 

@@ -46,20 +46,34 @@ _MAP = frozenset({"properties", "patternProperties", "$defs", "definitions", "de
 
 @dataclass(frozen=True)
 class NumberLimits:
-    """Bounds put on numbers whose schema sets none. integer_bound: |integer| <= this (0: no
-    bound). number_bound: |number| <= this (0: none). fraction_digits: digits after the decimal
-    point of a non-integer number (and no exponent); -1: as many as the model writes."""
+    """How many digits a number whose schema sets no bounds may have: integer_digits before the
+    point (integers and other numbers alike; 0: any), fraction_digits after it (-1: any),
+    exponent_digits (0: no exponent, -1: any). 18 keep integers within 64 bits. Written into a
+    schema (`bound_numbers`) they are bounds of +-(10**integer_digits - 1) (+-10**15 at most on
+    other numbers: what a double holds exactly, all the outlines backend reads), a `multipleOf`
+    of 10**-fraction_digits, and no exponent; the llguidance backend holds them in the mask
+    instead (number_digits.py)."""
 
-    integer_bound: int = 10**18
-    number_bound: int = 10**15
+    integer_digits: int = 18
     fraction_digits: int = 10
+    exponent_digits: int = 2
 
     def __post_init__(self) -> None:
-        if self.integer_bound < 0 or self.number_bound < 0 or self.fraction_digits < -1:
+        if self.integer_digits < 0 or self.fraction_digits < -1 or self.exponent_digits < -1:
             raise ValueError(
-                "number limits: integer_bound and number_bound must be >= 0 (0: no bound), "
-                "fraction_digits >= -1 (-1: no limit)"
+                "number limits: integer_digits must be >= 0 (0: any), fraction_digits and "
+                "exponent_digits >= -1 (-1: any)"
             )
+
+    @property
+    def bound(self) -> int:
+        """The bound an integer's schema gets: |integer| <= this (0: none)."""
+        return 10**self.integer_digits - 1 if self.integer_digits else 0
+
+    @property
+    def number_bound(self) -> int:
+        """The bound another number's schema gets (0: none)."""
+        return min(self.bound, 10**15) if self.integer_digits else 0
 
 
 def map_subschemas(
@@ -209,7 +223,7 @@ def _bound_node(
         if fit is not None:
             _fit(node, fit[1])
     elif "integer" in types:
-        _add_bounds(node, limits.integer_bound)
+        _add_bounds(node, limits.bound)
         if fit is not None:
             _fit(node, fit[0])
     return node

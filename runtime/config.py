@@ -131,12 +131,13 @@ class EngineConfig:
     ebnf_recursion_depth: int = 0  # outlines backend: recursive EBNF rules unrolled this deep
     grammar_backend: str = "llguidance"  # llguidance | outlines (constrained/compiler.py)
     # JSON numbers whose schema sets no bounds are held to what JSON consumers read (a greedy
-    # model otherwise writes digits until max_new_tokens): |integer| <= json_integer_bound,
-    # |number| <= json_number_bound with at most json_fraction_digits after the point, no
-    # exponent. 0 (-1 for the digits): no limit. See constrained/schema_rewrite.py.
-    json_integer_bound: int = 10**18
-    json_number_bound: int = 10**15
+    # model otherwise writes digits until max_new_tokens): at most json_integer_digits before
+    # the point (18: integers within 64 bits; 0: any), json_fraction_digits after it (-1: any)
+    # and json_exponent_digits in the exponent (0: none, -1: any). Never narrower than the
+    # schema's own numbers. See constrained/number_digits.py.
+    json_integer_digits: int = 18
     json_fraction_digits: int = 10
+    json_exponent_digits: int = 2
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
     # auto: the checkpoint's weights; dummy: random weights of the config's shape (benchmarks)
     load_format: str = "auto"
@@ -273,10 +274,10 @@ class EngineConfig:
             bad(f"ebnf_recursion_depth={self.ebnf_recursion_depth}; it must lie in [0, 16]")
         if self.grammar_backend not in ("llguidance", "outlines"):
             bad(f"grammar_backend={self.grammar_backend!r}; use 'llguidance' or 'outlines'")
-        if self.json_integer_bound < 0 or self.json_number_bound < 0:
-            bad("json_integer_bound and json_number_bound must be >= 0 (0: no bound)")
-        if self.json_fraction_digits < -1:
-            bad("json_fraction_digits must be >= -1 (-1: no limit)")
+        if self.json_integer_digits < 0:
+            bad("json_integer_digits must be >= 0 (0: no limit)")
+        if self.json_fraction_digits < -1 or self.json_exponent_digits < -1:
+            bad("json_fraction_digits and json_exponent_digits must be >= -1 (-1: no limit)")
         if self.load_format not in ("auto", "dummy"):
             bad(f"load_format={self.load_format!r}; use 'auto' or 'dummy'")
         if self.context_length is not None and self.context_length < 2:

@@ -516,7 +516,7 @@ class Engine:
             eos_token_ids=sorted(self.eos_token_ids),
             backend=config.grammar_backend,
             numbers=NumberLimits(
-                config.json_integer_bound, config.json_number_bound, config.json_fraction_digits
+                config.json_integer_digits, config.json_fraction_digits, config.json_exponent_digits
             ),
         )
 

@@ -344,7 +344,7 @@ def test_an_unbounded_integer_is_held_to_the_default_bound(compiler):
     }
     for digits, ok in [
         ("9" * 18, True),
-        ("1" + "0" * 18, True),  # the bound itself: 10**18
+        ("1" + "0" * 18, False),  # 19 digits: past 18, the default
         ("1" + "0" * 17 + "1", False),
         ("1" * 20, False),
         ("-" + "9" * 18, True),
@@ -352,7 +352,13 @@ def test_an_unbounded_integer_is_held_to_the_default_bound(compiler):
         assert accepts(compiler, population, f'{{"population":{digits}}}') is ok, digits
     row = compiler.compile("json_schema", population).matcher()
     assert row.accept_string('{"population":' + "1" * 18)
-    assert row.allowed_token_ids() and not row.accept_string("11")  # no 20th digit
+    assert not row.accept_string("11")  # no 19th digit
+    decode = row.grammar.backend.tokenizer.decode_bytes
+    allowed = [decode([t]) for t in row.allowed_token_ids()]
+    assert allowed and not any(b[:1].isdigit() for b in allowed), allowed
+    # in a string, digits are free
+    text = compiler.compile("json_schema", {"type": "string"}).matcher()
+    assert text.accept_string('"' + "1" * 40 + '"') and text.is_accepting()
 
 
 def test_a_schemas_own_bounds_are_never_narrowed(compiler):
@@ -409,13 +415,13 @@ def test_alike_bounded_numbers_are_shared_and_each_keeps_its_bounds(compiler):
         == shared["properties"]["e"]
         == {"$ref": "#/$defs/radixlm-shared-1"}
     )
-    big, fraction = 10**18, 0.1234567890
+    big, fraction = 10**18 - 1, 0.1234567890  # (18 digits: the default)
     values = [
-        {"a": big, "b": -big, "c": 0, "d": 10**15, "tags": [big]},
+        {"a": big, "b": -big, "c": 0, "d": 10**15, "e": fraction, "tags": [big]},
         {"a": big + 1, "b": 1, "c": 0, "d": 1},
         {"a": 1, "b": -big - 1, "c": 0, "d": 1},
         {"a": 1, "b": 1, "c": -1, "d": 1},
-        {"a": 1, "b": 1, "c": 1, "d": fraction, "e": -(10**15) - 1},
+        {"a": 1, "b": 1, "c": 1, "d": fraction, "e": -big - 1},
         {"a": 1, "b": 1, "c": 1, "d": 1, "tags": [1, big + 1]},
     ]
     expect_same_values(compiler, schema, bounded, shared, values, jsonschema.Draft202012Validator)
@@ -486,16 +492,16 @@ def test_numbers_in_type_lists_and_under_ids_are_shared_too(compiler):
     assert props["c"]["anyOf"][1] == {"type": "string", "maxLength": 3}
     assert props["d"] == bounded["properties"]["d"]  # an `x-` key is not an annotation
     assert props["e"]["anyOf"][1] == {"type": "string", "format": "date"}
-    big = 10**18
+    big = 10**18 - 1
     values = [
         {"a": big, "b": None, "c": "abc", "d": 1.5, "e": 2},
         {"a": big + 1},
         {"b": -big - 1},
         {"c": "abcd"},
-        {"c": 10**15 + 1},
+        {"c": big + 1},
         {"a": "1"},
         {"b": 1.5},
-        {"e": 10**16},
+        {"e": -big - 1},
     ]
     expect_same_values(compiler, schema, bounded, shared, values, jsonschema.Draft7Validator)
 
@@ -648,7 +654,8 @@ def test_numbers_keep_their_fraction_digits_bounded(compiler):
     number = {"type": "number"}
     assert accepts(compiler, number, "0.1234567890")
     assert not accepts(compiler, number, "0.12345678901")
-    assert not accepts(compiler, number, "1e5")  # no exponent
+    assert accepts(compiler, number, "1e5") and accepts(compiler, number, "-2.5E-12")
+    assert not accepts(compiler, number, "1e123")  # two exponent digits at most
 
 
 # -- regexes read as the DFA backend reads them ------------------------------------------------
