@@ -445,6 +445,8 @@ class LLGuidanceMatcher:
         self._digits = grammar.digits
         self._num = 0
         self._nums: list[int] = []
+        # the digits' mask of `_num`, if it holds any
+        self._keep: np.ndarray | None = None if self._digits is None else self._digits.keep(0)
 
     @property
     def max_rollback(self) -> int:
@@ -514,10 +516,9 @@ class LLGuidanceMatcher:
         digit limits)."""
         digits = self._digits
         if digits is not None:
-            state = self._num
+            keep = self._keep
             if self._ahead is not None:
-                state = digits.after(state, self._ahead)[0]
-            keep = digits.keep(state)
+                keep = digits.keep(digits.after(self._num, self._ahead)[0])
             if keep is not None:
                 hold(row, keep)
 
@@ -558,14 +559,18 @@ class LLGuidanceMatcher:
             return False
         token_id = int(token_id)
         if self._ahead is not None:  # taken already, with its step's others (accept_batch)
-            if self._ahead == token_id and (
-                self._digits is None or not self._digits.after(self._num, token_id)[1]
-            ):
-                self._ahead = None
-                self._depth += 1
-                if self._digits is not None:
-                    self._took(token_id)
-                return True
+            if self._ahead == token_id:
+                digits = self._digits
+                if digits is None:
+                    self._ahead = None
+                    self._depth += 1
+                    return True
+                state, refused = digits.after(self._num, token_id)
+                if not refused:
+                    self._ahead = None
+                    self._depth += 1
+                    self._went(state)
+                    return True
             self._settle()
         if token_id in self._eos:
             if not self.is_accepting():
@@ -577,26 +582,27 @@ class LLGuidanceMatcher:
         if not 0 <= token_id < self.grammar.vocab_size:
             return False
         self._idle()
-        if (
-            self._digits is not None
-            and self._digits.after(self._num, token_id)[1]
-            and not self._only_digits(token_id)
-        ):
-            return False
+        digits = self._digits
+        if digits is not None:
+            state, refused = digits.after(self._num, token_id)
+            if refused and not self._only_digits(token_id):
+                return False
         if self._m.try_consume_tokens([token_id]) != 1:
             return False
         self._depth += 1
-        if self._digits is not None:
-            self._took(token_id)
+        if digits is not None:
+            self._went(state)
         self._changed()
         return True
 
-    def _took(self, token_id: int) -> None:
+    def _went(self, state: int) -> None:
+        """The digits' reader is at `state` after one more token llguidance took."""
         nums = self._nums
         nums.append(self._num)
-        self._num = self._digits.after(self._num, token_id)[0]
         if len(nums) > 2 * self._max_rollback + 8:  # (no rollback reaches further)
             del nums[: len(nums) - self._max_rollback - 1]
+        self._num = state
+        self._keep = self._digits.keep(state)
 
     def _only_digits(self, token_id: int) -> bool:
         """Whether `token_id`, which writes too many digits, is allowed all the same: the
@@ -634,7 +640,7 @@ class LLGuidanceMatcher:
         self._depth += len(ids)
         if self._digits is not None:
             for t in ids:
-                self._took(t)
+                self._went(self._digits.after(self._num, t)[0])
         self._changed()
         return True
 
@@ -675,6 +681,7 @@ class LLGuidanceMatcher:
         if n and self._digits is not None:
             self._num = self._nums[-n]
             del self._nums[-n:]
+            self._keep = self._digits.keep(self._num)
 
     def reset(self) -> None:
         self._idle()
@@ -685,6 +692,7 @@ class LLGuidanceMatcher:
         self._depth = 0
         self._num = 0
         self._nums.clear()
+        self._keep = None if self._digits is None else self._digits.keep(0)
 
 
 def accept_batch(pairs: list[tuple[LLGuidanceMatcher, int]], executor: Any) -> None:
@@ -819,7 +827,7 @@ class PendingFill:
                 m.fill_next_token_bitmask(self._bitmask, row)
             elif m._m.is_error():  # as in LLGuidanceMatcher.next_token_mask: nothing, not EOS
                 rows[row] = 0
-            elif m._digits is not None:
+            elif m._keep is not None or (m._ahead is not None and m._digits is not None):
                 m.hold_digits(rows[row])
         return self._bitmask
 

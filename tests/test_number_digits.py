@@ -207,17 +207,14 @@ def test_every_way_of_filling_masks_holds_the_digits(compiler, tokenizer):
     assert held == [True, True, False, False]
 
 
-def test_a_model_writing_a_number_stops_at_the_limit(default_model_folder):
-    """The real model, greedy, asked for a large number: with no limit it writes more digits
-    than the limit set here, and with the limit it writes that many at most."""
+def test_a_model_writing_a_number_stops_at_the_limit(engine, default_model_folder):
+    """The real model, greedy, asked for a large number: with the default limit it writes more
+    digits than the limit set here, and with that limit it writes that many at most."""
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     prompt = [{"role": "user", "content": "Write a very large number, in JSON as n."}]
     params = {"temperature": 0, "max_new_tokens": 40, "json_schema": json.dumps(schema)}
-    written = []
-    for limit in (0, 4):
-        with radixlm.Engine(default_model_folder, json_integer_digits=limit) as eng:
-            out = eng.generate(eng.apply_chat_template(prompt), params)
-        written.append(out["text"])
-    free, held = written
-    assert len(re.search(r'"n":\s*-?(\d+)', free).group(1)) > 4, free  # (maybe cut at 40 tokens)
+    free = engine.generate(engine.apply_chat_template(prompt), params)["text"]
+    assert len(re.search(r'"n":\s*-?(\d+)', free).group(1)) > 4, free
+    with radixlm.Engine(default_model_folder, json_integer_digits=4) as eng:
+        held = eng.generate(eng.apply_chat_template(prompt), params)["text"]
     assert len(str(abs(json.loads(held)["n"]))) <= 4, held
