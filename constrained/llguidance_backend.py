@@ -51,6 +51,9 @@ _MAX_JUMP_BYTES = 4096
 _INTEGER_LIMIT = 9 * 10**18
 _NUMBER_LIMIT = 10**18
 _UNLIMITED = NumberLimits(0, -1, -1)
+# a run of digits as long as an integer past 2**53 (llguidance reads such a constant as a double)
+_LONG_DIGITS = re.compile(r"\d{16}")
+_NAMES = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 # what llguidance says of a oneOf whose branches it cannot tell apart (refused; lenient: anyOf)
 _ONE_OF = re.compile(r"oneOf constraints are not supported|oneOf not fully supported")
@@ -336,6 +339,8 @@ class LLGuidanceBackend:
             raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object or a boolean")
+        if _LONG_DIGITS.search(spec):
+            _refuse_inexact_constants(schema)
         overlapping: dict[str, str] = {}
         fit = (_INTEGER_LIMIT, _NUMBER_LIMIT)
         numbers = self.numbers if bound else _UNLIMITED
@@ -922,6 +927,37 @@ def _unpanicked(read: Callable[[], Any]) -> Any:
             f"llguidance cannot read this tokenizer ({type(e).__name__}: {e}); "
             "use grammar_backend='outlines'"
         ) from None
+
+
+def _refuse_inexact_constants(schema: Any) -> None:
+    """GrammarError where a `const` or `enum` holds an integer past 2**53: llguidance reads it as
+    a double and would force a different number (9007199254740993 written as ...992)."""
+
+    def wide(value: Any) -> bool:
+        if isinstance(value, dict):
+            return any(wide(v) for v in value.values())
+        if isinstance(value, list):
+            return any(wide(v) for v in value)
+        return isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**53
+
+    def walk(node: Any, where: str, names: bool) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                here = f"{where}/{str(key).replace('~', '~0').replace('/', '~1')}"
+                if not names and key in ("const", "enum"):
+                    if wide(value):
+                        raise GrammarError(
+                            f"the JSON schema cannot be enforced exactly: keyword {key!r} at "
+                            f"{here} holds an integer beyond 2**53, which llguidance reads as a "
+                            "double (it would write another number); write it as a string"
+                        )
+                    continue
+                walk(value, here, not names and key in _NAMES)
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{where}/{i}", False)
+
+    walk(schema, "#", False)
 
 
 def _lark_string(text: str) -> str:

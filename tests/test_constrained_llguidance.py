@@ -658,6 +658,25 @@ def test_numbers_keep_their_fraction_digits_bounded(compiler):
     assert not accepts(compiler, number, "1e123")  # two exponent digits at most
 
 
+def test_a_constant_integer_past_2_53_is_refused_not_rounded(compiler):
+    """llguidance reads a `const` or `enum` integer as a double: 2**53 + 1 would be forced as
+    2**53. Refused with where it sits; one within 2**53, or such digits in a string, compile."""
+    wide = 2**53 + 1
+    for schema, where in [
+        ({"const": wide}, "#/const"),
+        ({"properties": {"id": {"enum": ["a", {"n": [-wide]}]}}}, "#/properties/id/enum"),
+    ]:
+        with pytest.raises(GrammarError) as e:
+            compiler.compile("json_schema", schema)
+        assert where in str(e.value) and "2**53" in str(e.value)
+    for schema, text in [
+        ({"const": 2**53}, str(2**53)),
+        ({"const": str(wide)}, json.dumps(str(wide))),
+        ({"properties": {"const": {"type": "integer", "maximum": wide}}}, '{"const":5}'),
+    ]:
+        assert accepts(compiler, schema, text), schema
+
+
 # -- regexes read as the DFA backend reads them ------------------------------------------------
 
 
