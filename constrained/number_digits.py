@@ -112,7 +112,8 @@ class TokenTable:
     """What the readers need of a vocabulary's tokens, made once (vectorized: ~20 ms for 49k
     tokens) and shared by every set of limits: each token's bytes (None or b"" for a token that
     never appears in JSON text), whether it has bytes but none that ends a string or is read in
-    a number (most tokens), a digit, and whether it begins with an exponent's letter."""
+    a number (most tokens), whether it has bytes but no quote or backslash (a string's text goes
+    on), a digit, and whether it begins with an exponent's letter."""
 
     def __init__(self, token_bytes: Sequence[bytes | None]) -> None:
         self.bytes = [b or b"" for b in token_bytes]
@@ -131,6 +132,9 @@ class TokenTable:
         digit = np.zeros(256, dtype=np.int64)
         digit[0x30:0x3A] = 1
         self.plain: list[bool] = ((count(special) == 0) & (lengths > 0)).tolist()
+        quote = np.zeros(256, dtype=np.int64)
+        quote[[_QUOTE, _BACKSLASH]] = 1
+        self.in_string: list[bool] = ((count(quote) == 0) & (lengths > 0)).tolist()
         self.has_digit = count(digit) > 0
         first = np.where(lengths > 0, data[np.minimum(starts, max(len(data) - 1, 0))], 0)
         self.exponent_first = (first == 0x65) | (first == 0x45)
@@ -154,6 +158,7 @@ class NumberDigits:
         self._cap = 1 + max((v for v in self._most.values() if v < inf), default=0)
         self._bytes = table.bytes
         self._plain = table.plain
+        self._in_string = table.in_string
         self._words = bitmask_words(table.size)
         # the tokens that can take a number past a limit: those with a digit (and, where
         # exponents are refused, those that begin one)
@@ -165,9 +170,12 @@ class NumberDigits:
 
     def after(self, state: int, token: int) -> tuple[int, bool]:
         """The state after `token` from `state`, and whether it wrote more digits than allowed."""
-        if self._plain[token]:
-            phase = state & 7
-            return (STR, False) if phase in (STR, ESC) else (OUT, False)
+        phase = state & 7
+        if phase in (STR, ESC):  # (an escape takes the token's first byte; the rest is text)
+            if self._in_string[token]:
+                return STR, False
+        elif self._plain[token]:
+            return OUT, False
         key = (state, token)
         got = self._after.get(key)
         if got is None:
