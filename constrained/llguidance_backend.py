@@ -446,7 +446,8 @@ class LLGuidanceMatcher:
         self._snap: tuple[bool, bool, bool, bytes] | None = None
         self.version = 0  # bumped by every change of what the next mask is
         # where the output stands in its JSON (number_digits.py), and where it stood before each
-        # token llguidance took (for rollback)
+        # token llguidance took (for rollback: all of them, an int a token, as the output's ids;
+        # rollbacks one after another may reach further back than max_rollback from the end)
         self._digits = grammar.digits
         self._num = 0
         self._nums: list[int] = []
@@ -602,10 +603,7 @@ class LLGuidanceMatcher:
 
     def _went(self, state: int) -> None:
         """The digits' reader is at `state` after one more token llguidance took."""
-        nums = self._nums
-        nums.append(self._num)
-        if len(nums) > 2 * self._max_rollback + 8:  # (no rollback reaches further)
-            del nums[: len(nums) - self._max_rollback - 1]
+        self._nums.append(self._num)
         self._num = state
         self._keep = self._digits.keep(state)
 

@@ -38,6 +38,8 @@ START = OUT
 _QUOTE, _BACKSLASH, _DOT, _PLUS, _MINUS = 0x22, 0x5C, 0x2E, 0x2B, 0x2D
 _SPECIAL = frozenset(b'"\\0123456789.eE+-')
 _NUMERIC_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+# keywords whose value maps names to subschemas (a name there is not a keyword)
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,12 @@ def schema_digits(schema: Any) -> tuple[int, int]:
     most = [0, 0]
 
     def number(v: Any) -> None:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if isinstance(v, bool):
             return
-        if isinstance(v, int):
+        if isinstance(v, int):  # (before isfinite: an int past a double's range overflows it)
             most[0] = max(most[0], len(str(abs(v))))
+            return
+        if not isinstance(v, float) or not math.isfinite(v):
             return
         d = decimal.Decimal(repr(v)).normalize()
         sign, digits, exp = d.as_tuple()
@@ -91,15 +95,17 @@ def schema_digits(schema: Any) -> tuple[int, int]:
         else:
             number(v)
 
-    def walk(node: Any) -> None:
+    def walk(node: Any, names: bool = False) -> None:
         if isinstance(node, dict):
             for key, v in node.items():
-                if key in _NUMERIC_KEYWORDS:
+                if names:  # (a property's or a definition's name: its value is a subschema)
+                    walk(v)
+                elif key in _NUMERIC_KEYWORDS:
                     number(v)
                 elif key == "const" or (key == "enum" and isinstance(v, list)):
                     value(v)
                 else:
-                    walk(v)
+                    walk(v, key in _NAMED)
         elif isinstance(node, list):
             for x in node:
                 walk(x)

@@ -675,6 +675,10 @@ def test_a_constant_integer_past_2_53_is_refused_not_rounded(compiler):
         ({"properties": {"const": {"type": "integer", "maximum": wide}}}, '{"const":5}'),
     ]:
         assert accepts(compiler, schema, text), schema
+    # past a double's range: llguidance's own refusal, not a Python error
+    with pytest.raises(GrammarError) as e:
+        compiler.compile("json_schema", {"type": "string", "maximum": 10**400})
+    assert "OverflowError" not in str(e.value), e.value
 
 
 # -- regexes read as the DFA backend reads them ------------------------------------------------

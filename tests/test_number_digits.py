@@ -103,6 +103,13 @@ def test_schema_numbers_raise_the_limits():
         }
     }
     assert schema_digits(schema) == (21, 12)
+    # under a property or a definition named like a keyword, numbers are read all the same
+    named = {
+        "properties": {"minimum": {"enum": [0.12345678911]}},
+        "$defs": {"maximum": {"const": 12345678901234567890}},
+    }
+    assert schema_digits(named) == (20, 11)
+    assert schema_digits({"maximum": 10**400, "minimum": float("inf")}) == (401, 0)
     assert DigitLimits(18, 10, 2).covering(schema) == DigitLimits(21, 12, 2)
     assert DigitLimits(0, -1, 2).covering(schema) == DigitLimits(0, -1, 2)  # (no limit stays)
 
@@ -166,6 +173,21 @@ def test_the_mask_is_llguidances_less_the_digits_past_the_limit(compiler, tokeni
     assert row.accept_string(',"area":' + "1" * 18 + "." + "2" * 10)
     assert not set(row.allowed_token_ids()) & digits  # (11 fraction digits: no)
     assert row.accept_string("e-12}") and row.is_accepting()
+
+
+def test_rollbacks_one_after_another_go_as_far_as_without_limits(compiler, tokenizer):
+    """Each rollback may go back max_rollback tokens from where the last one left: the reader
+    goes back with llguidance, however far."""
+    grammar = compiler.compile("json_schema", {"type": "array", "items": {"type": "integer"}})
+    row = grammar.matcher(max_rollback=2)
+    ids = tokenizer.encode("[1,2,3,4,5,6,7", add_special_tokens=False)
+    assert row.accept_tokens(ids) == len(ids)
+    for _ in range(4):
+        row.rollback(2)
+    ids = ids[:-8]
+    fresh = grammar.matcher()
+    assert fresh.accept_tokens(ids) == len(ids)
+    assert row._num == fresh._num and row.allowed_token_ids() == fresh.allowed_token_ids()
 
 
 def test_a_constant_longer_than_the_limits_is_allowed(compiler, tokenizer):
