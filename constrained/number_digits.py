@@ -240,8 +240,7 @@ class NumberDigits:
             return self._keep[state]
 
     def _make_keep(self, state: int) -> np.ndarray | None:
-        if state & 7 in (STR, ESC):
-            return None
+        # (in a string too: a token may end it and begin a number, `":123` in some vocabularies)
         refused = [t for t in self._risky if self.after_bytes(state, self._bytes[t])[1]]
         if not refused:
             return None

@@ -34,7 +34,7 @@ from radixlm.runtime.model_loader import default_tokenizer
 TOKENS = [
     b"1", b"12", b"123", b"1234", b".", b".5", b".25", b"e", b"E", b"e+", b"e-1", b"E12",
     b"-", b"-1", b"0", b'"', b'"1', b"\\", b'\\"', b"a", b"en", b" ", b",", b"}", b"1,", b"1,234",
-    b"5}", b"9.99e9", b"x1", b"", None, b"true", b"1\"",
+    b"5}", b"9.99e9", b"x1", b"", None, b"true", b"1\"", b'":123', b'\\":12',
 ]  # fmt: skip
 
 
