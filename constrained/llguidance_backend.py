@@ -31,7 +31,13 @@ import torch
 from radixlm.constrained.bitmask import bitmask_words, ids_from_bitmask
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.json_schema import FLEXIBLE_WHITESPACE, OutputCheck, one_of_exclusivity
-from radixlm.constrained.number_digits import DigitLimits, NumberDigits, TokenTable, hold
+from radixlm.constrained.number_digits import (
+    NAMED_SUBSCHEMAS,
+    DigitLimits,
+    NumberDigits,
+    TokenTable,
+    hold,
+)
 from radixlm.constrained.schema_rewrite import (
     NumberLimits,
     bound_numbers,
@@ -53,7 +59,6 @@ _NUMBER_LIMIT = 10**18
 _UNLIMITED = NumberLimits(0, -1, -1)
 # a run of digits as long as an integer past 2**53 (llguidance reads such a constant as a double)
 _LONG_DIGITS = re.compile(r"\d{16}")
-_NAMES = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 # what llguidance says of a oneOf whose branches it cannot tell apart (refused; lenient: anyOf)
 _ONE_OF = re.compile(r"oneOf constraints are not supported|oneOf not fully supported")
@@ -612,7 +617,7 @@ class LLGuidanceMatcher:
         grammar allows it, and nothing the limits allow (a long constant)."""
         mask = np.zeros(self.grammar._words, dtype=np.int32)
         self._m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        keep = self._digits.keep(self._num)
+        keep = self._keep  # (the limits' mask where it stands)
         allowed = (int(mask[token_id >> 5]) >> (token_id & 31)) & 1
         return bool(allowed) and (keep is None or not (mask & keep).any())
 
@@ -950,7 +955,7 @@ def _refuse_inexact_constants(schema: Any) -> None:
                             "double (it would write another number); write it as a string"
                         )
                     continue
-                walk(value, here, not names and key in _NAMES)
+                walk(value, here, not names and key in NAMED_SUBSCHEMAS)
         elif isinstance(node, list):
             for i, value in enumerate(node):
                 walk(value, f"{where}/{i}", False)

@@ -39,7 +39,9 @@ _QUOTE, _BACKSLASH, _DOT, _PLUS, _MINUS = 0x22, 0x5C, 0x2E, 0x2B, 0x2D
 _SPECIAL = frozenset(b'"\\0123456789.eE+-')
 _NUMERIC_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 # keywords whose value maps names to subschemas (a name there is not a keyword)
-_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+NAMED_SUBSCHEMAS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def schema_digits(schema: Any) -> tuple[int, int]:
                 elif key == "const" or (key == "enum" and isinstance(v, list)):
                     value(v)
                 else:
-                    walk(v, key in _NAMED)
+                    walk(v, key in NAMED_SUBSCHEMAS)
         elif isinstance(node, list):
             for x in node:
                 walk(x)

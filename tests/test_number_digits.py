@@ -27,7 +27,6 @@ from radixlm.constrained.number_digits import (
     hold,
     schema_digits,
 )
-from radixlm.runtime.model_loader import default_tokenizer
 
 # tokens of several digits and of a number's other bytes (the default model's vocabulary has
 # digits one a token only)
@@ -125,15 +124,7 @@ def test_hold_keeps_a_row_that_would_allow_nothing():
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    try:
-        return default_tokenizer()
-    except ValueError as e:  # the embedded model package is missing
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer) -> GrammarCompiler:
+def compiler(tokenizer) -> GrammarCompiler:  # (tokenizer: conftest's, the default model's)
     return GrammarCompiler(tokenizer, eos_token_ids=[tokenizer.eos_token_id], cache_size=0)
 
 
