@@ -66,6 +66,7 @@ ABLATIONS = {
     "fusedgemv": "RADIXLM_DISABLE_FUSED_GEMV",  # only the norm / SiLU fused into the GEMV
     "ropestore": "RADIXLM_DISABLE_FUSED_ROPE_STORE",  # only rope fused into the KV store
     "pdl": "RADIXLM_DISABLE_PDL",  # each Triton kernel launched after the last ends (Hopper on)
+    "half": "RADIXLM_DISABLE_HALF_TILES",  # no float16-operand tiles over float8 / INT4 weights
 }
 
 

@@ -5,7 +5,8 @@ every GEMV tile timed in CUDA graphs as the engine's start-up tuning times them
 reads (weights and their scales), the fastest tile's time, its bandwidth against the measured copy
 bandwidth (the floor of a call that reads its weights once), and that tile; for packed INT4
 weights also the fastest `words` tile (kernels/gemv.py INT4_CONFIGS: int32 words) and the fastest
-of the tiles that read bytes, the A/B of the two ways to read the same weights.
+of the tiles that read bytes, the A/B of the two ways to read the same weights; for float8 and
+INT4 weights the fastest `half` tile (x into the MMA as float16) and the fastest other tile.
 
     python -m benchmarks.quant_gemv [--shapes llama-3.1-8b] [--schemes none,fp8,w4a16] [--rows 1]
     python -m benchmarks.quant_gemv --schemes none,q4_0,q4_1,q4_k,q8_0,q6_k   # GGUF blocks
@@ -90,8 +91,9 @@ def main() -> None:
     print(f"device: {device_line()}  commit: {commit()}  copy bandwidth: {bw / 1e12:.2f} TB/s")
     print(
         "\n| shape | layer | N x K | weights | MB read | plain us | best tile us | of copy "
-        "bandwidth | tiles that ran | best tile | words / byte tiles us | dequantize us |"
-        "\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "bandwidth | tiles that ran | best tile | words / byte tiles us | half / other tiles us "
+        "| dequantize us |"
+        "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for name in args.shapes.split(","):
         for label, n, k in linear_shapes(name):
@@ -106,25 +108,23 @@ def main() -> None:
                     f"| {name} | {label} | {n} x {k} | {scheme} | {mb:.1f} | {plain_ms * 1e3:.1f} "
                     f"| {fastest[0] * 1e3:.1f} | {mb * 1e6 / (fastest[0] / 1e3) / bw:.0%} "
                     f"| {len(timed)} | {tuple(fastest[1]) if fastest[1] else '-'} "
-                    f"| {words_and_bytes(timed)} | {dequantize_us(n, k, scheme, args.rows)} |",
+                    f"| {fastest_with_and_without(timed, 'words')} "
+                    f"| {fastest_with_and_without(timed, 'half')} | {dequantize_us(n, k, scheme, args.rows)} |",
                     flush=True,
                 )
                 del lin, dispatch
                 torch.cuda.empty_cache()
 
 
-def words_and_bytes(timed) -> str:
-    """The fastest `words` tile's and the fastest other tile's microseconds ("-" where a layer
-    ran none of them: a weight that is not packed INT4 has no words tiles)."""
-    words = [ms for ms, c in timed if c.words]
-    others = [ms for ms, c in timed if not c.words]
-    if not words:
+def fastest_with_and_without(timed, flag: str) -> str:
+    """The fastest tile's microseconds with `flag` set (`words`: packed INT4 read as int32 words;
+    `half`: x into the MMA as float16) and the fastest without, the A/B of the two ways ("-"
+    where a layer ran no tile with it: only quantized weights have such tiles)."""
+    on = [ms for ms, c in timed if getattr(c, flag)]
+    off = [ms for ms, c in timed if not getattr(c, flag)]
+    if not on:
         return "-"
-    return (
-        f"{min(words) * 1e3:.1f} / {min(others) * 1e3:.1f}"
-        if others
-        else f"{min(words) * 1e3:.1f} / -"
-    )
+    return f"{min(on) * 1e3:.1f} / " + (f"{min(off) * 1e3:.1f}" if off else "-")
 
 
 def dequantize_us(n: int, k: int, scheme: str, rows: int) -> str:

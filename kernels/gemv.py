@@ -77,6 +77,12 @@ class GemvConfig(NamedTuple):
     # float by two instructions and multiplied by x as stored, a group's scale and zero point
     # applied to its sums (`_int4_word_sums`); block_k a multiple of the group
     words: bool = False
+    # dot tiles over float8 or INT4 weights only: x goes into the MMA as float16, each row of a
+    # tile first scaled by a power of two that puts its largest magnitude in [2**14, 2**15)
+    # (exact for bfloat16 and float16 x, float32 x rounded to float16's 11 bits; the sums scaled
+    # back), so the weights become float16 operands cheaply: float8 by one conversion per two
+    # values (to bfloat16 it takes four), INT4 as 1024 + q by one OR (`_int4_mma_operand`)
+    half: bool = False
 
 
 @triton.jit
@@ -147,6 +153,23 @@ def _accumulate(
         else:
             acc += tl.sum(prod, axis=2)
     return acc
+
+
+@triton.jit
+def _half_operand(a, b):
+    """Rows of x's tile (or its even and odd columns, `a` and `b`) as float16 MMA operands, and
+    the factor that turns their sums back: each row times the power of two that puts its largest
+    magnitude in [2**14, 2**15) (below float16's largest, 65504; a value 2**-29 of that or more
+    stays a normal float16, so bfloat16 and float16 rows convert exactly), (BLOCK_M,) float32
+    2 ** -e back. Built from the exponent's bits: no log, no division."""
+    af = a.to(tl.float32)
+    bf = b.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(af), axis=1), tl.max(tl.abs(bf), axis=1))
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # the biased exponent of amax
+    up = tl.minimum(tl.maximum(268 - e, 1), 254)  # biased exponent of 2 ** (141 - e)
+    up_f = (up << 23).to(tl.float32, bitcast=True)
+    down = ((254 - up) << 23).to(tl.float32, bitcast=True)  # 2 ** (e - 141) (0 for a zero row)
+    return (af * up_f[:, None]).to(tl.float16), (bf * up_f[:, None]).to(tl.float16), down
 
 
 @triton.jit
@@ -360,6 +383,7 @@ def _gemv_kernel(
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, LATE_SUM: tl.constexpr, PREFETCH: tl.constexpr,
     DOT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr, WORDS: tl.constexpr,
+    HALF: tl.constexpr,
 ):  # fmt: skip
     """With DOT, BLOCK_M is the MMA's 16 rows and ROWS the rows (a power of two) of x; else they
     are the same. With PDL (launched as a programmatic dependent launch, `fused.pdl_launch`) the
@@ -374,7 +398,9 @@ def _gemv_kernel(
     late sum), or with WORDS read as int32 words (`_int4_word_sums`). With W_INT8 they are int8
     with a scale and zero point per GROUP columns as INT4's, dequantized as read (`_int8_tile`; no
     prefetch). W_CONVERT: a weight tile is turned into x's type for tl.dot (float8, INT4 and int8
-    weights)."""
+    weights). HALF (DOT over float8 or INT4 weights): x's tile goes into the MMA as float16,
+    scaled row by row by a power of two (`_half_operand`), the float8 weights converted to
+    float16, the INT4 ones as 1024 + q (INT4_MMA)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -436,9 +462,16 @@ def _gemv_kernel(
                     x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, even + 1, k_end, M, K, stride_xm,
                     stride_rm, PROLOGUE, HAS_RESIDUAL,
                 )  # fmt: skip
-                acc = _int4_dot_accumulate(
-                    acc, a_even, a_odd, lo, hi, scale, zero, BLOCK_N, BLOCK_K
-                )  # fmt: skip
+                if HALF:
+                    a_even, a_odd, down = _half_operand(a_even, a_odd)
+                    part = _int4_dot_accumulate(
+                        tl.zeros_like(acc), a_even, a_odd, lo, hi, scale, zero, BLOCK_N, BLOCK_K
+                    )  # fmt: skip
+                    acc += part * down[:, None]
+                else:
+                    acc = _int4_dot_accumulate(
+                        acc, a_even, a_odd, lo, hi, scale, zero, BLOCK_N, BLOCK_K
+                    )  # fmt: skip
             else:
                 a = _tile_operand(
                     x_ptr, res_ptr, norm_w_ptr, rstd, rows_m, k, k_end, M, K, stride_xm, stride_rm,
@@ -451,6 +484,10 @@ def _gemv_kernel(
                 elif W_INT4:
                     w_tile = _int4_dequantized(lo, hi, scale, zero, BLOCK_N, BLOCK_K)
                     acc = _accumulate(acc, a, w_tile, DOT, False, True)
+                elif HALF:  # float8 weights, converted exactly to float16
+                    a, _, down = _half_operand(a, a)
+                    part = tl.dot(a, tl.trans(w_tile.to(tl.float16)), input_precision="ieee")
+                    acc += part * down[:, None]
                 else:
                     acc = _accumulate(acc, a, w_tile, DOT, LATE_SUM, W_CONVERT)
     if LATE_SUM:
@@ -526,6 +563,17 @@ def _launch(
             f"{tuple(x.shape)}, weight {tuple(weight.shape)}, {config}"
         )
     group = _check_w_scale(weight, k, w_scale, w_zero)
+    if config.half and not (
+        config.dot
+        and (
+            weight.dtype == torch.float8_e4m3fn
+            or (int4 and int4_mma(group, config.block_k, x.dtype, half=True))
+        )
+    ):
+        raise ValueError(
+            f"a half tile is a dot tile over float8 weights or INT4 ones a group or less a tile "
+            f"(block_k <= group); got a {weight.dtype} weight, group {group}, {config}"
+        )
     if config.words:
         weight = _int4_words(weight, group, config)
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
@@ -551,12 +599,12 @@ def _launch(
         W_SCALED=w_scale is not None and not grouped, W_INT4=int4, W_INT8=grouped and not int4,
         GROUP=group, HAS_ZERO=w_zero is not None,
         W_CONVERT=w_scale is not None, **_int4_tiling(group, config.block_k),
-        INT4_MMA=int4 and config.dot and int4_mma(group, config.block_k, x.dtype),
+        INT4_MMA=int4 and config.dot and int4_mma(group, config.block_k, x.dtype, config.half),
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NORM_BLOCK=_norm_block(k, rows, config),
         LATE_SUM=config.late_sum and not (config.dot or int4),
         PREFETCH=config.prefetch and not config.dot and (config.words or not grouped),
-        DOT=config.dot, ROWS=rows, WORDS=config.words,
+        DOT=config.dot, ROWS=rows, WORDS=config.words, HALF=config.half,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )  # fmt: skip
     if splits > 1:
@@ -593,10 +641,11 @@ def _int4_words(weight: torch.Tensor, group: int, config: GemvConfig) -> torch.T
     return weight.view(torch.int32)
 
 
-def int4_mma(group: int, block_k: int, dtype: torch.dtype) -> bool:
+def int4_mma(group: int, block_k: int, dtype: torch.dtype, half: bool = False) -> bool:
     """Whether an INT4 tl.dot tile of `block_k` columns takes the stored integers into the MMA
-    (`_int4_dot_accumulate`): a tile within one group, x not bfloat16."""
-    return block_k <= group and dtype != torch.bfloat16
+    (`_int4_dot_accumulate`): a tile within one group, x not bfloat16 or a `half` tile (x made
+    float16)."""
+    return block_k <= group and (dtype != torch.bfloat16 or half)
 
 
 def _int4_tiling(group: int, block_k: int) -> dict[str, int]:
@@ -782,6 +831,17 @@ FP8_CONFIGS = [
         (4, 4096, 4, 3, 1), (8, 2048, 4, 3, 1), (4, 4096, 4, 2, 2), (8, 4096, 8, 2, 4),
         (4, 2048, 4, 3, 2), (4, 2048, 4, 1, 1, _T, _T), (8, 2048, 8, 1, 1, _T, _T),
         (4, 4096, 8, 1, 1, _F, _T),
+    ]
+]  # fmt: skip
+# Float8 and packed INT4 weights also try these dot tiles with x as float16 (`half`): an INT4 tile
+# is a group or less (128 columns), a float8 one up to 512 (a byte a weight).
+HALF_CONFIGS = [
+    GemvConfig(*c, dot=True, half=True)
+    for c in [
+        (32, 128, 4, 4, 1), (64, 128, 4, 4, 1), (64, 128, 4, 6, 1), (128, 128, 8, 4, 1),
+        (32, 128, 4, 4, 2), (64, 128, 4, 4, 4), (16, 128, 4, 4, 4), (128, 128, 4, 3, 1),
+        (32, 256, 4, 3, 1), (64, 256, 4, 3, 1), (32, 256, 4, 3, 4), (64, 256, 8, 4, 1),
+        (32, 512, 4, 3, 1), (64, 512, 8, 3, 1), (16, 512, 4, 3, 2),
     ]
 ]  # fmt: skip
 # The fused kernels try the fastest two tiles of the plain kernel for the shape, and these: more

@@ -15,6 +15,7 @@ choices (the key holds the weight's dtype).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -25,6 +26,7 @@ from radixlm.kernels.gemv import (
     CONFIGS,
     FP8_CONFIGS,
     FUSED_CONFIGS,
+    HALF_CONFIGS,
     INT4_CONFIGS,
     MAX_ROWS,
     MAX_ROWS_WITHOUT_DOT,
@@ -135,9 +137,12 @@ class LinearDispatch(PlainMatmuls):
         want = oracle(linear).float()
         base = self.plain_ms[key] = graph_ms(plain, linear)
         stored = _weights(linear)[0].dtype  # packed INT4 and float8 weights: their tiles too
-        candidates = CONFIGS + {torch.uint8: INT4_CONFIGS, torch.float8_e4m3fn: FP8_CONFIGS}.get(
-            stored, []
-        )
+        candidates = CONFIGS + {
+            torch.uint8: INT4_CONFIGS + HALF_CONFIGS,
+            torch.float8_e4m3fn: FP8_CONFIGS + HALF_CONFIGS,
+        }.get(stored, [])
+        if os.environ.get("RADIXLM_DISABLE_HALF_TILES") == "1":  # (an ablation's switch)
+            candidates = [c for c in candidates if not c.half]
         if op != "linear":
             ranked = self.timings.get(choice_key("linear", rows, linear), [])
             fastest = [c for _, c in ranked[:2]]

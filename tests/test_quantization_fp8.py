@@ -257,6 +257,63 @@ def test_gemv_prologues_with_fp8_weights(rows, torch_path):
         torch.testing.assert_close(y.float(), want_silu, atol=TOL, rtol=TOL)
 
 
+# dot tiles with x as float16 (`half`), on the CPU at the sizes the interpreter takes
+HALF_TILES = (
+    [GemvConfig(16, 64, 1, 2, 1, dot=True, half=True), GemvConfig(16, 32, 1, 2, 3, dot=True, half=True)]
+    if not ON_GPU
+    else [GemvConfig(32, 256, 4, 3, 1, dot=True, half=True), GemvConfig(64, 128, 4, 4, 4, dot=True, half=True)]
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e4, 1e30])
+def test_half_tiles_give_the_oracles_sums_at_any_magnitude(magnitude):
+    """x (values bfloat16 holds) goes into the MMA as float16 scaled a row at a time by a power of
+    two: exact, so the sums are the oracle's up to their order, at magnitudes float16 alone would
+    flush to zero or overflow (1e-3 of 1e-3's row's values are below its smallest normal;
+    3e4 * 3 and 1e30 above its largest), and an all-zero row gives zeros. The norm and SiLU
+    prologues through the same tiles."""
+    n, k = SIZES[0]
+    _, values, scale = fp8_weight(n, k, seed=21)
+    gen = torch.Generator().manual_seed(21)
+    x = (torch.randn(3, k, generator=gen) * magnitude).to(torch.bfloat16).to(DEVICE, DTYPE)
+    x[1] = 0.0
+    want = fp8_linear_ref(x, values, scale, act_quant=False, out_dtype=torch.float32)
+    size = want.abs().amax()
+    assert bool(torch.isfinite(size)) and size > 0
+    gate_up = (torch.randn(1, 2 * k, generator=gen) * 3).to(DEVICE, DTYPE)
+    norm = RMSNorm(k, 1e-5).to(DEVICE, DTYPE)
+    w = dequantize_fp8_rows(values, scale).float()
+
+    def assert_near(y, act):
+        """y against the oracle on the prologue's output `act`: within the output's rounding and,
+        where act is float32 (on the CPU), what rounding it to float16 moves a sum, three
+        standard deviations of it."""
+        want = fp8_linear_ref(act, values, scale, act_quant=False, out_dtype=torch.float32)
+        unit = 2.0**-11 if act.dtype == torch.float32 else 0.0
+        spread = 3 * unit * ((act.float() ** 2) @ (w * w).t()).sqrt()
+        off = (y.float() - want).abs() - (TOL + TOL * want.abs() + spread)
+        assert float(off.max()) <= 0, float(off.max())
+
+    for tile in HALF_TILES:
+        got = gemv(x, values, None, tile, out_dtype=torch.float32, w_scale=scale)
+        torch.testing.assert_close(got / size, want / size, atol=1e-5, rtol=0)
+        assert torch.equal(got[1], torch.zeros_like(got[1]))
+        y, _ = gemv_rms_norm(x[:1], None, norm.weight, norm.eps, values, None, tile, w_scale=scale)
+        assert_near(y, norm(x[:1]))
+        assert_near(
+            gemv_silu_and_mul(gate_up, values, None, tile, w_scale=scale), silu_and_mul(gate_up)
+        )
+
+
+def test_a_half_tile_must_be_a_dot_tile():
+    _, values, scale = fp8_weight(8, 32, seed=3)
+    x = torch.randn(1, 32, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(ValueError, match="a half tile is a dot tile over float8 weights"):
+        gemv(x, values, None, GemvConfig(8, 32, 1, 1, 1, half=True), w_scale=scale)
+    with pytest.raises(ValueError, match="a half tile is a dot tile over float8 weights"):
+        gemv(x, values.to(DTYPE), None, GemvConfig(16, 32, 1, 1, 1, dot=True, half=True))
+
+
 def test_gemv_refuses_fp8_weights_without_scales_and_scales_without_fp8():
     _, values, scale = fp8_weight(8, 32, seed=3)
     torch.manual_seed(0)

@@ -162,6 +162,27 @@ def test_int4_tiles_of_one_group_go_into_the_mma_as_stored(dtype):
     assert float(((got - used).abs() - half_ulp - 1e-4 * size).max()) <= 0
 
 
+def test_half_tiles_take_bfloat16_x_into_the_mma_with_the_stored_integers():
+    """A `half` dot tile of one group takes x (bfloat16's values) as float16, each row scaled by a
+    power of two (exact: 1e-3 and 1e30 as well as 1), the integers as 1024 + q: against the
+    oracle as the float16 tiles are (the sums less 1024 times x's cancel some bits); a tile of
+    several groups is refused."""
+    n, k, group = (4096, 4096, 128) if ON_GPU else (20, 256, 128)
+    _, packed, scale, zero = int4_weight(n, k, group, seed=12)
+    gen = torch.Generator().manual_seed(12)
+    tiles = [(16, 128, 1), (16, 64, 3)] if not ON_GPU else [(64, 128, 1), (32, 128, 4)]
+    for magnitude in (1e-3, 1.0, 1e30):
+        x = (torch.randn(3, k, generator=gen) * magnitude).to(torch.bfloat16).to(DEVICE, DTYPE)
+        want = grouped_linear_ref(x, packed, scale, zero, out_dtype=torch.float32)
+        size = want.abs().amax()
+        for block_n, block_k, split in tiles:
+            tile = GemvConfig(block_n, block_k, 4, 2, split, dot=True, half=True)
+            got = gemv(x, packed, None, tile, torch.float32, w_scale=scale, w_zero=zero)
+            torch.testing.assert_close(got / size, want / size, atol=1e-3, rtol=0)
+    with pytest.raises(ValueError, match="INT4 ones a group or less a tile"):
+        gemv(x, packed, None, GemvConfig(16, 256, 4, 2, 1, dot=True, half=True), w_scale=scale, w_zero=zero)  # fmt: skip
+
+
 @pytest.mark.parametrize("rows", [5, SLOW(33)])
 @pytest.mark.parametrize("size", SIZES)
 def test_int4_gemm_for_larger_batches_matches_the_oracle(size, rows):
