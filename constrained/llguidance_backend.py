@@ -32,13 +32,13 @@ from radixlm.constrained.bitmask import bitmask_words, ids_from_bitmask
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.json_schema import FLEXIBLE_WHITESPACE, OutputCheck, one_of_exclusivity
 from radixlm.constrained.number_digits import (
-    NAMED_SUBSCHEMAS,
     DigitLimits,
     NumberDigits,
     TokenTable,
     hold,
 )
 from radixlm.constrained.schema_rewrite import (
+    NAMED_SUBSCHEMAS,
     NumberLimits,
     bound_numbers,
     close_objects,

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from radixlm.constrained.bitmask import bitmask_words
+from radixlm.constrained.schema_rewrite import NAMED_SUBSCHEMAS
 
 # a state is phase + 8 * digits (the digits of the number's current part, for the number phases)
 OUT, STR, ESC, INT, FRAC, EXP = range(6)
@@ -38,10 +39,6 @@ START = OUT
 _QUOTE, _BACKSLASH, _DOT, _PLUS, _MINUS = 0x22, 0x5C, 0x2E, 0x2B, 0x2D
 _SPECIAL = frozenset(b'"\\0123456789.eE+-')
 _NUMERIC_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-# keywords whose value maps names to subschemas (a name there is not a keyword)
-NAMED_SUBSCHEMAS = frozenset(
-    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
-)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,10 @@ _OPEN_KEYS = (
     "additionalProperties", "unevaluatedProperties", "patternProperties", "allOf", "anyOf",
     "oneOf", "$ref", "if", "dependentSchemas", "dependencies",
 )  # fmt: skip
-_MAP = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+# keywords whose value maps names to subschemas (a name there is not a keyword)
+NAMED_SUBSCHEMAS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ def map_subschemas(
                 out[key] = map_subschemas(value, fn, key, note)
                 if note is not None:
                     note(out, key, key)
-            elif key in _MAP:
+            elif key in NAMED_SUBSCHEMAS:
                 out[key] = named = {}
                 for name, sub in value.items():
                     named[name] = map_subschemas(sub, fn, key, note)
@@ -117,7 +120,7 @@ def _child_schemas(node: dict[str, Any]) -> Iterator[tuple[str, Any, Any]]:
         if isinstance(value, dict):
             if key in _ONE:
                 yield key, None, value
-            elif key in _MAP or key == "dependencies":
+            elif key in NAMED_SUBSCHEMAS or key == "dependencies":
                 for name, sub in value.items():
                     yield key, name, sub
         elif isinstance(value, list) and key in _LIST:
@@ -348,7 +351,7 @@ def _replace_subschemas(node: Any, fn: Callable[[Any, str], Any]) -> None:
             if key in _ONE:
                 _replace_subschemas(value, fn)
                 node[key] = fn(value, key)
-            elif key in _MAP:
+            elif key in NAMED_SUBSCHEMAS:
                 for name, sub in value.items():
                     _replace_subschemas(sub, fn)
                     value[name] = fn(sub, key)
