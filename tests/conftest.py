@@ -33,6 +33,60 @@ _import_hub_kernels()
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _find_interpreter_builtins_once() -> None:
+    """Triton's CPU interpreter, at every kernel launch, walks triton.language's modules and its
+    tensor class (inspect.getmembers) for the builtins, wraps each in a new function that calls
+    it interpreted, swaps those in, and swaps the originals back after: about a fifth of a test
+    that runs a small engine on the Triton backend. What the modules hold does not change between
+    launches, so here each is walked and its wrappers made once (by the interpreter's own code),
+    then swapped in at every launch as before; the kernels run exactly as they did. Left alone
+    where the interpreter is off or its internals are not those this was written against."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import inspect
+
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_attr = getattr(interpreter, "_patch_attr", None)
+    walk = getattr(interpreter, "_patch_builtin", None)
+    if (
+        patch_attr is None
+        or walk is None
+        or list(inspect.signature(walk).parameters) != ["pkg", "builder", "scope"]
+        or not callable(getattr(getattr(tl, "core", None), "is_builtin", None))
+    ):
+        return
+
+    class Wrappers:  # a scope that keeps the wrappers instead of swapping them in
+        def __init__(self):
+            self.made: list[tuple[str, object]] = []
+
+        def set_attr(self, obj, name, value):
+            self.made.append((name, value))
+
+    found: dict[tuple[int, int], tuple[object, list]] = {}  # -> (the module or class, wrappers)
+
+    def swap_builtins(pkg, builder, scope):
+        key = (id(pkg), id(builder))
+        known = found.get(key)
+        if known is None:  # (the first launch: nothing swapped yet)
+            wrappers = Wrappers()
+            for name, member in inspect.getmembers(pkg):
+                if tl.core.is_builtin(member):
+                    patch_attr(pkg, name, member, builder, wrappers)
+            known = found[key] = (pkg, wrappers.made)
+        for name, wrapper in known[1]:
+            scope.set_attr(pkg, name, wrapper)
+
+    interpreter._patch_builtin = swap_builtins
+
+
+_find_interpreter_builtins_once()
+
 # With pytest-xdist each worker gets its share of the cores (two workers each running torch on
 # every core would only take turns).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
