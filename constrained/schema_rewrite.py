@@ -8,7 +8,8 @@ that the output is usable, never narrower than the schema's own bounds.
 - Objects that list `properties` and say nothing of other keys get `additionalProperties: false`
   unless unlisted properties are allowed (a model fills an open object with made-up keys).
 - For llguidance, which reads bounds as doubles, a bound past 64 bits is brought to the widest
-  it reads (`fit_bounds`): the one rewrite narrower than the schema, and only there.
+  it reads, and an integer bound past 2**53 to the nearest double inside it, inclusive
+  (`fit_bounds`): the one rewrite narrower than the schema, and only there.
 - For llguidance, which refuses a `oneOf` whose branches it cannot itself tell apart, a `oneOf`
   whose branches are proven to exclude each other (json_schema.one_of_exclusivity) is written as
   the `anyOf` it then equals (`one_of_as_any_of`): the same schema, never a looser one. Closing
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -400,6 +402,28 @@ def _fit(node: dict[str, Any], limit: int) -> None:
             del node[key]
         if past and inclusive not in node and exclusive not in node:
             node[inclusive] = sign * limit
+        _inexact_bound_inward(node, inclusive, exclusive, sign)
+
+
+def _inexact_bound_inward(node: dict[str, Any], inclusive: str, exclusive: str, sign: int) -> None:
+    """An integer bound past 2**53, which a reader of doubles rounds to a neighbour (llguidance
+    then allowed 2**53 under `minimum: 2**53 + 1`, and an exclusive bound's own value), made an
+    inclusive bound on a double inside it: the nearest double at or above a lower bound (sign
+    -1; plus one if exclusive), at or below an upper one (sign 1; less one). Narrower than the
+    schema by the integers between, never wider."""
+    for key in (inclusive, exclusive):
+        value = node.get(key)
+        if not (isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**53):
+            continue
+        if key == exclusive:
+            value -= sign  # (x > m is x >= m + 1 for integers; x < m is x <= m - 1)
+        near = int(float(value))
+        if near * sign > value * sign:  # rounded outside the range: the next double inward
+            near = int(math.nextafter(float(near), -sign * math.inf))
+        del node[key]
+        other = node.get(inclusive)
+        # (both bounds given: the tighter)
+        node[inclusive] = near if not _is_number(other) else min(near * sign, other * sign) * sign
 
 
 def _is_number(value: Any) -> bool:

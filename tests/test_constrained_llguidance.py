@@ -373,6 +373,38 @@ def test_a_schemas_own_bounds_are_never_narrowed(compiler):
     assert accepts(compiler, huge, str(9 * 10**18)) and accepts(compiler, huge, "-7")
 
 
+def test_integer_bounds_past_2_53_hold_though_llguidance_reads_doubles(compiler):
+    """llguidance reads a bound as a double: `minimum: 2**53 + 1` became 2**53 (allowed), an
+    exclusive bound's own value was allowed. Each such bound now goes in as an inclusive bound
+    on the nearest double inside it: what the grammar allows is valid, at the cost of the
+    integers between (never wider than the schema)."""
+    from radixlm.constrained.schema_rewrite import fit_bounds
+
+    n = 2**53
+    assert fit_bounds({"type": "integer", "minimum": n + 1}, 9 * 10**18, 10**18) == {
+        "type": "integer",
+        "minimum": n + 2,
+    }
+    both = {"type": "integer", "minimum": n + 8, "exclusiveMinimum": n + 1, "maximum": 10}
+    assert fit_bounds(both, 9 * 10**18, 10**18)["minimum"] == n + 8  # (the tighter of the two)
+    small = {"type": "integer", "exclusiveMinimum": 3, "maximum": n}  # (exact: left as written)
+    assert fit_bounds(dict(small), 9 * 10**18, 10**18) == small
+    cases = [
+        ({"minimum": n + 1}, [n + 2, n + 4], [n, n + 1]),
+        ({"exclusiveMinimum": n + 1}, [n + 2, n + 3], [n, n + 1]),
+        ({"maximum": n + 3}, [n + 2, n], [n + 4]),
+        ({"exclusiveMaximum": n + 3}, [n + 2], [n + 3, n + 4]),
+        ({"minimum": -(n + 1)}, [-n, 0], [-(n + 2)]),
+        ({"exclusiveMaximum": -(n + 1)}, [-(n + 2), -(n + 4)], [-(n + 1), -n]),
+    ]
+    for bounds, allowed, refused in cases:
+        schema = {"type": "integer", **bounds}
+        for value in allowed:
+            assert accepts(compiler, schema, str(value)), (bounds, value)
+        for value in refused:
+            assert not accepts(compiler, schema, str(value)), (bounds, value)
+
+
 def expect_same_values(compiler, schema, bounded, shared, values, validator) -> None:
     """`values[0]` valid and the rest not under `bounded` (the schema with its number bounds),
     and each read the same under `shared` (its rewrite) and by the grammar compiled from
