@@ -15,7 +15,8 @@ may run inside it, as the prologue of every K tile:
 A float8_e4m3fn weight (runtime/quantization/fp8.py) comes with a float32 scale per output row
 (`w_scale`): its tiles are read as stored, a quarter of a float32 weight's bytes, converted in
 registers (exactly, to float32 or to x's type for tl.dot) and each output multiplied by its row's
-scale; x is not rounded (the oracle: kernels/quant_ref.py `fp8_linear_ref(..., act_quant=False)`).
+scale; x is not rounded (the oracle: kernels/quant_ref.py `fp8_linear_ref(..., act_quant=False)`),
+but for the `half` tiles' float16 operands (`_half_operand`).
 A packed INT4 weight (runtime/quantization/int4.py: two values a byte, a float32 scale and zero
 point per group of columns) is read as stored too; its `words` tiles (INT4_CONFIGS) read it as int32
 words of eight values: about six instructions a weight in the sm_90 code Triton 3.9 builds for
@@ -79,9 +80,10 @@ class GemvConfig(NamedTuple):
     words: bool = False
     # dot tiles over float8 or INT4 weights only: x goes into the MMA as float16, each row of a
     # tile first scaled by a power of two that puts its largest magnitude in [2**14, 2**15)
-    # (exact for bfloat16 and float16 x, float32 x rounded to float16's 11 bits; the sums scaled
-    # back), so the weights become float16 operands cheaply: float8 by one conversion per two
-    # values (to bfloat16 it takes four), INT4 as 1024 + q by one OR (`_int4_mma_operand`)
+    # (bfloat16 x exact but for values below 2**-29 of their row's largest, float32 x rounded
+    # to float16's 11 bits: `_half_operand`; the sums scaled back), so the weights become
+    # float16 operands cheaply: float8 by one conversion per two values (to bfloat16 it takes
+    # four), INT4 as 1024 + q by one OR (`_int4_mma_operand`)
     half: bool = False
 
 
@@ -159,16 +161,19 @@ def _accumulate(
 def _half_operand(a, b):
     """Rows of x's tile (or its even and odd columns, `a` and `b`) as float16 MMA operands, and
     the factor that turns their sums back: each row times the power of two that puts its largest
-    magnitude in [2**14, 2**15) (below float16's largest, 65504; a value 2**-29 of that or more
-    stays a normal float16, so bfloat16 and float16 rows convert exactly), (BLOCK_M,) float32
-    2 ** -e back. Built from the exponent's bits: no log, no division."""
+    magnitude in [2**14, 2**15) (below float16's largest, 65504), (BLOCK_M,) float32 2 ** -e
+    back. A bfloat16 or float16 value down to 2**-29 of its row's largest converts exactly
+    (float16's normal range); smaller ones round to float16's subnormal step, 2**-38 of the
+    largest or finer; float32 values keep float16's 11 bits. A row whose largest is below 2**-112
+    is scaled by 2**126 only (the factor back stays a normal float). Built from the exponent's
+    bits: no log, no division."""
     af = a.to(tl.float32)
     bf = b.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(af), axis=1), tl.max(tl.abs(bf), axis=1))
     e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # the biased exponent of amax
-    up = tl.minimum(tl.maximum(268 - e, 1), 254)  # biased exponent of 2 ** (141 - e)
+    up = tl.minimum(268 - e, 253)  # biased exponent of 2 ** (141 - e) (13 .. 253)
     up_f = (up << 23).to(tl.float32, bitcast=True)
-    down = ((254 - up) << 23).to(tl.float32, bitcast=True)  # 2 ** (e - 141) (0 for a zero row)
+    down = ((254 - up) << 23).to(tl.float32, bitcast=True)  # 2 ** (e - 141)
     return (af * up_f[:, None]).to(tl.float16), (bf * up_f[:, None]).to(tl.float16), down
 
 
@@ -834,14 +839,16 @@ FP8_CONFIGS = [
     ]
 ]  # fmt: skip
 # Float8 and packed INT4 weights also try these dot tiles with x as float16 (`half`): an INT4 tile
-# is a group or less (128 columns), a float8 one up to 512 (a byte a weight).
+# is a group or less (128 columns; 64 and 32 for smaller groups, GGUF's 4-bit blocks' 32), a
+# float8 one up to 512 (a byte a weight).
 HALF_CONFIGS = [
     GemvConfig(*c, dot=True, half=True)
     for c in [
         (32, 128, 4, 4, 1), (64, 128, 4, 4, 1), (64, 128, 4, 6, 1), (128, 128, 8, 4, 1),
         (32, 128, 4, 4, 2), (64, 128, 4, 4, 4), (16, 128, 4, 4, 4), (128, 128, 4, 3, 1),
         (32, 256, 4, 3, 1), (64, 256, 4, 3, 1), (32, 256, 4, 3, 4), (64, 256, 8, 4, 1),
-        (32, 512, 4, 3, 1), (64, 512, 8, 3, 1), (16, 512, 4, 3, 2),
+        (32, 512, 4, 3, 1), (64, 512, 8, 3, 1), (16, 512, 4, 3, 2), (64, 64, 4, 4, 1),
+        (128, 64, 4, 4, 1), (64, 32, 4, 4, 1),
     ]
 ]  # fmt: skip
 # The fused kernels try the fastest two tiles of the plain kernel for the shape, and these: more

@@ -265,13 +265,12 @@ HALF_TILES = (
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e4, 1e30])
+@pytest.mark.parametrize("magnitude", [1e-35, 1e-3, 1.0, 3e4, 1e30])
 def test_half_tiles_give_the_oracles_sums_at_any_magnitude(magnitude):
     """x (values bfloat16 holds) goes into the MMA as float16 scaled a row at a time by a power of
     two: exact, so the sums are the oracle's up to their order, at magnitudes float16 alone would
-    flush to zero or overflow (1e-3 of 1e-3's row's values are below its smallest normal;
-    3e4 * 3 and 1e30 above its largest), and an all-zero row gives zeros. The norm and SiLU
-    prologues through the same tiles."""
+    flush to zero (1e-35; 1e-3's smallest values fall below its normal range) or overflow
+    (3e4 * 3, 1e30), and an all-zero row gives zeros."""
     n, k = SIZES[0]
     _, values, scale = fp8_weight(n, k, seed=21)
     gen = torch.Generator().manual_seed(21)
@@ -280,14 +279,38 @@ def test_half_tiles_give_the_oracles_sums_at_any_magnitude(magnitude):
     want = fp8_linear_ref(x, values, scale, act_quant=False, out_dtype=torch.float32)
     size = want.abs().amax()
     assert bool(torch.isfinite(size)) and size > 0
+    for tile in HALF_TILES:
+        got = gemv(x, values, None, tile, out_dtype=torch.float32, w_scale=scale)
+        torch.testing.assert_close(got / size, want / size, atol=1e-5, rtol=0)
+        assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+def test_half_tiles_round_float32_x_to_float16_and_run_the_prologues():
+    """Float32 x of more bits than float16 holds (1 + 2**-13 + ...) comes out as the oracle over x
+    rounded as the tile rounds it (scaled to [2**14, 2**15), to float16, back), not as the
+    float32 oracle: the half path is the one that ran. The norm and SiLU prologues through the
+    same tiles: within what rounding their output to float16 moves a sum."""
+    n, k = SIZES[0]
+    _, values, scale = fp8_weight(n, k, seed=22)
+    gen = torch.Generator().manual_seed(22)
+    x = 1 + (2.0**-13) * torch.randint(1, 8, (2, k), generator=gen).float()  # 14 bits
+    x[1] *= -(2.0**-20)
+    up = 2.0 ** (14 - torch.floor(torch.log2(x.abs().amax(1, keepdim=True))))
+    rounded = (x * up).half().float() / up
+    want = fp8_linear_ref(rounded, values, scale, act_quant=False, out_dtype=torch.float32)
+    exact = fp8_linear_ref(x, values, scale, act_quant=False, out_dtype=torch.float32)
+    size = want.abs().amax(1, keepdim=True).to(DEVICE)
+    moved = float(((exact - want).abs().to(DEVICE) / size).max())
+    assert moved > 1e-4  # (the rounding moves the sums well past the tolerance below)
+    w = dequantize_fp8_rows(values, scale).float()
     gate_up = (torch.randn(1, 2 * k, generator=gen) * 3).to(DEVICE, DTYPE)
     norm = RMSNorm(k, 1e-5).to(DEVICE, DTYPE)
-    w = dequantize_fp8_rows(values, scale).float()
 
     def assert_near(y, act):
         """y against the oracle on the prologue's output `act`: within the output's rounding and,
-        where act is float32 (on the CPU), what rounding it to float16 moves a sum, three
-        standard deviations of it."""
+        where act is float32, what rounding it to float16 moves a sum, three standard deviations
+        of it."""
+        act = act.detach()
         want = fp8_linear_ref(act, values, scale, act_quant=False, out_dtype=torch.float32)
         unit = 2.0**-11 if act.dtype == torch.float32 else 0.0
         spread = 3 * unit * ((act.float() ** 2) @ (w * w).t()).sqrt()
@@ -295,14 +318,14 @@ def test_half_tiles_give_the_oracles_sums_at_any_magnitude(magnitude):
         assert float(off.max()) <= 0, float(off.max())
 
     for tile in HALF_TILES:
-        got = gemv(x, values, None, tile, out_dtype=torch.float32, w_scale=scale)
-        torch.testing.assert_close(got / size, want / size, atol=1e-5, rtol=0)
-        assert torch.equal(got[1], torch.zeros_like(got[1]))
-        y, _ = gemv_rms_norm(x[:1], None, norm.weight, norm.eps, values, None, tile, w_scale=scale)
-        assert_near(y, norm(x[:1]))
-        assert_near(
-            gemv_silu_and_mul(gate_up, values, None, tile, w_scale=scale), silu_and_mul(gate_up)
+        got = gemv(x.to(DEVICE), values, None, tile, out_dtype=torch.float32, w_scale=scale)
+        torch.testing.assert_close(got / size, want.to(DEVICE) / size, atol=1e-5, rtol=0)
+        y, _ = gemv_rms_norm(
+            x[:1].to(DEVICE, DTYPE), None, norm.weight, norm.eps, values, None, tile, w_scale=scale
         )
+        assert_near(y, norm(x[:1].to(DEVICE, DTYPE)))
+        y = gemv_silu_and_mul(gate_up, values, None, tile, w_scale=scale)
+        assert_near(y, silu_and_mul(gate_up))
 
 
 def test_a_half_tile_must_be_a_dot_tile():

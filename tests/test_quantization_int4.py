@@ -13,7 +13,13 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 import radixlm  # noqa: E402
-from radixlm.kernels.gemv import GemvConfig, gemv, gemv_rms_norm, gemv_silu_and_mul  # noqa: E402
+from radixlm.kernels.gemv import (  # noqa: E402
+    GemvConfig,
+    gemv,
+    gemv_rms_norm,
+    gemv_silu_and_mul,
+    int4_mma,
+)
 from radixlm.kernels.quant_gemm import grouped_gemm  # noqa: E402
 from radixlm.kernels.quant_ref import (  # noqa: E402
     dequantize_groups,
@@ -179,6 +185,8 @@ def test_half_tiles_take_bfloat16_x_into_the_mma_with_the_stored_integers():
             tile = GemvConfig(block_n, block_k, 4, 2, split, dot=True, half=True)
             got = gemv(x, packed, None, tile, torch.float32, w_scale=scale, w_zero=zero)
             torch.testing.assert_close(got / size, want / size, atol=1e-3, rtol=0)
+    # (bfloat16 x alone dequantizes a tile; a half tile takes the integers into the MMA)
+    assert not int4_mma(group, 128, torch.bfloat16) and int4_mma(group, 128, torch.bfloat16, True)
     with pytest.raises(ValueError, match="INT4 ones a group or less a tile"):
         gemv(x, packed, None, GemvConfig(16, 256, 4, 2, 1, dot=True, half=True), w_scale=scale, w_zero=zero)  # fmt: skip
 
