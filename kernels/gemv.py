@@ -16,7 +16,7 @@ A float8_e4m3fn weight (runtime/quantization/fp8.py) comes with a float32 scale 
 (`w_scale`): its tiles are read as stored, a quarter of a float32 weight's bytes, converted in
 registers (exactly, to float32 or to x's type for tl.dot) and each output multiplied by its row's
 scale; x is not rounded (the oracle: kernels/quant_ref.py `fp8_linear_ref(..., act_quant=False)`),
-but for the `half` tiles' float16 operands (`_half_operand`).
+but for the `half` tiles' float16 operands (`_half_rows`).
 A packed INT4 weight (runtime/quantization/int4.py: two values a byte, a float32 scale and zero
 point per group of columns) is read as stored too; its `words` tiles (INT4_CONFIGS) read it as int32
 words of eight values: about six instructions a weight in the sm_90 code Triton 3.9 builds for
@@ -81,7 +81,7 @@ class GemvConfig(NamedTuple):
     # dot tiles over float8 or INT4 weights only: x goes into the MMA as float16, each row of a
     # tile first scaled by a power of two that puts its largest magnitude in [2**14, 2**15)
     # (bfloat16 x exact but for values below 2**-29 of their row's largest, float32 x rounded
-    # to float16's 11 bits: `_half_operand`; the sums scaled back), so the weights become
+    # to float16's 11 bits: `_half_rows`; the sums scaled back), so the weights become
     # float16 operands cheaply: float8 by one conversion per two values (to bfloat16 it takes
     # four), INT4 as 1024 + q by one OR (`_int4_mma_operand`)
     half: bool = False
@@ -158,23 +158,36 @@ def _accumulate(
 
 
 @triton.jit
-def _half_operand(a, b):
-    """Rows of x's tile (or its even and odd columns, `a` and `b`) as float16 MMA operands, and
-    the factor that turns their sums back: each row times the power of two that puts its largest
-    magnitude in [2**14, 2**15) (below float16's largest, 65504), (BLOCK_M,) float32 2 ** -e
-    back. A bfloat16 or float16 value down to 2**-29 of its row's largest converts exactly
-    (float16's normal range); smaller ones round to float16's subnormal step, 2**-38 of the
-    largest or finer; float32 values keep float16's 11 bits. A row whose largest is below 2**-112
-    is scaled by 2**126 only (the factor back stays a normal float). Built from the exponent's
-    bits: no log, no division."""
+def _half_scales(amax):
+    """For rows whose largest magnitude is `amax` ((BLOCK_M,) float32): the power of two that
+    puts it in [2**14, 2**15) (below float16's largest, 65504) and the one back, both float32.
+    Built from amax's exponent bits: no log, no division. A row whose largest is below 2**-112
+    is scaled by 2**126 only (the factor back stays a normal float)."""
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # the biased exponent of amax
+    up = tl.minimum(268 - e, 253)  # biased exponent of 2 ** (141 - e) (13 .. 253)
+    down = ((254 - up) << 23).to(tl.float32, bitcast=True)  # 2 ** (e - 141)
+    return (up << 23).to(tl.float32, bitcast=True), down
+
+
+@triton.jit
+def _half_rows(a):
+    """x's tile as a float16 MMA operand, each row scaled by `_half_scales`, and the factor that
+    turns its sums back. A bfloat16 or float16 value down to 2**-29 of its row's largest converts
+    exactly (float16's normal range); smaller ones round to float16's subnormal step, 2**-38 of
+    the largest or finer; float32 values keep float16's 11 bits."""
+    af = a.to(tl.float32)
+    up, down = _half_scales(tl.max(tl.abs(af), axis=1))
+    return (af * up[:, None]).to(tl.float16), down
+
+
+@triton.jit
+def _half_pair(a, b):
+    """`_half_rows` of x's even and odd columns (`a`, `b`) at one scale a row: theirs together."""
     af = a.to(tl.float32)
     bf = b.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(af), axis=1), tl.max(tl.abs(bf), axis=1))
-    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # the biased exponent of amax
-    up = tl.minimum(268 - e, 253)  # biased exponent of 2 ** (141 - e) (13 .. 253)
-    up_f = (up << 23).to(tl.float32, bitcast=True)
-    down = ((254 - up) << 23).to(tl.float32, bitcast=True)  # 2 ** (e - 141)
-    return (af * up_f[:, None]).to(tl.float16), (bf * up_f[:, None]).to(tl.float16), down
+    up, down = _half_scales(amax)
+    return (af * up[:, None]).to(tl.float16), (bf * up[:, None]).to(tl.float16), down
 
 
 @triton.jit
@@ -404,7 +417,7 @@ def _gemv_kernel(
     with a scale and zero point per GROUP columns as INT4's, dequantized as read (`_int8_tile`; no
     prefetch). W_CONVERT: a weight tile is turned into x's type for tl.dot (float8, INT4 and int8
     weights). HALF (DOT over float8 or INT4 weights): x's tile goes into the MMA as float16,
-    scaled row by row by a power of two (`_half_operand`), the float8 weights converted to
+    scaled row by row by a power of two (`_half_rows`), the float8 weights converted to
     float16, the INT4 ones as 1024 + q (INT4_MMA)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -468,7 +481,7 @@ def _gemv_kernel(
                     stride_rm, PROLOGUE, HAS_RESIDUAL,
                 )  # fmt: skip
                 if HALF:
-                    a_even, a_odd, down = _half_operand(a_even, a_odd)
+                    a_even, a_odd, down = _half_pair(a_even, a_odd)
                     part = _int4_dot_accumulate(
                         tl.zeros_like(acc), a_even, a_odd, lo, hi, scale, zero, BLOCK_N, BLOCK_K
                     )  # fmt: skip
@@ -490,7 +503,7 @@ def _gemv_kernel(
                     w_tile = _int4_dequantized(lo, hi, scale, zero, BLOCK_N, BLOCK_K)
                     acc = _accumulate(acc, a, w_tile, DOT, False, True)
                 elif HALF:  # float8 weights, converted exactly to float16
-                    a, _, down = _half_operand(a, a)
+                    a, down = _half_rows(a)
                     part = tl.dot(a, tl.trans(w_tile.to(tl.float16)), input_precision="ieee")
                     acc += part * down[:, None]
                 else:
