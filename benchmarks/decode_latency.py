@@ -6,11 +6,13 @@ headline rate counts the prompt step (a 32-token prompt) with the decode steps; 
 leaves it out.
 
     python -m benchmarks.decode_latency [--shapes smollm2-135m,llama-3.1-8b] [--new-tokens 128]
-        [--ablate fused,gemv,...] [--no-hf-compiled] [--quantization fp8]
+        [--ablate fused,gemv,...] [--no-hf-compiled] [--quantization fp8,w4a16 [--quant-ablate half]]
 
 With --quantization, radixlm also runs each scheme on the same shape (the weights quantized at
 load from the same random bf16 ones), with bf16 in the same run: each one's weight bytes a step
-(float8 weights and their scales; the LM head and norms in bf16), its bandwidth floor and its rate.
+(float8 weights and their scales; the LM head and norms in bf16), its bandwidth floor and its rate;
+--quant-ablate runs each scheme again without each named switch (half: the GEMV's float16-operand
+tiles), in the same run.
 """
 
 from __future__ import annotations
@@ -155,7 +157,12 @@ def main() -> None:
     ap.add_argument(
         "--quantization",
         default="",
-        help="also run radixlm with these schemes (comma-separated: fp8)",
+        help="also run radixlm with these schemes (comma-separated: fp8, w4a16)",
+    )
+    ap.add_argument(
+        "--quant-ablate",
+        default="",
+        help="with --quantization: also run each scheme without each of these (e.g. half)",
     )
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -165,6 +172,10 @@ def main() -> None:
     prompt = list(range(1000, 1032))
     ablate = [a for a in args.ablate.split(",") if a]
     schemes = [q for q in args.quantization.split(",") if q]
+    quant_ablate = [a for a in args.quant_ablate.split(",") if a]
+    unknown = set(ablate + quant_ablate) - set(ABLATIONS)
+    if unknown:
+        raise SystemExit(f"no switch {sorted(unknown)}; the switches: {list(ABLATIONS)}")
     rows, quant_rows = [], []
     for name in args.shapes.split(","):
         folder = shape_folder(name)
@@ -182,10 +193,15 @@ def main() -> None:
         rows.append((name, ours, decode_only, without, hf, compiled, missing, floor, weight_bytes))
         print(rows[-1], flush=True)
         if schemes:
-            quant_rows.append((name, "bf16", ours, decode_only, ours_tok_s.weight_bytes))
+            quant_rows.append((name, "bf16", ours, decode_only, ours_tok_s.weight_bytes, None))
         for scheme in schemes:
+            # (each switch off, then all on: the A/B on one machine, minutes apart at most)
+            off = [
+                ours_tok_s(folder, prompt, args.new_tokens, a, quantization=scheme)[0]
+                for a in quant_ablate
+            ]
             rate, alone = ours_tok_s(folder, prompt, args.new_tokens, quantization=scheme)
-            quant_rows.append((name, scheme, rate, alone, ours_tok_s.weight_bytes))
+            quant_rows.append((name, scheme, rate, alone, ours_tok_s.weight_bytes, off))
             print(quant_rows[-1], flush=True)
     cols = "".join(f" without {a} |" for a in ablate)
     print(
@@ -204,18 +220,23 @@ def main() -> None:
             f"{decode_only:.1f} ({decode_only / floor:.1%}) |"
         )
     if quant_rows:
+        cols = "".join(f" without {a}: tok/s (all on over that) |" for a in quant_ablate)
         print(
             "\n| shape | weights | radixlm tok/s | GB read a step | bandwidth floor tok/s | "
-            "radixlm of floor | decode steps alone (of floor) | vs bf16 |\n"
-            "|---|---|---|---|---|---|---|---|"
+            f"radixlm of floor | decode steps alone (of floor) | vs bf16 |{cols}\n"
+            "|---|---|---|---|---|---|---|---|" + "---|" * len(quant_ablate)
         )
-        base = {name: rate for name, scheme, rate, _, _ in quant_rows if scheme == "bf16"}
-        for name, scheme, rate, alone, wb in quant_rows:
+        base = {row[0]: row[2] for row in quant_rows if row[1] == "bf16"}
+        for name, scheme, rate, alone, wb, off in quant_rows:
             floor = bw / wb
+            if off is None:  # (bf16: the switches are the quantized layers')
+                ab = " - |" * len(quant_ablate)
+            else:
+                ab = "".join(f" {o:.1f} ({rate / o:.2f}x) |" for o in off)
             print(
                 f"| {name} | {scheme} | {rate:.1f} | {wb / 1e9:.2f} | {floor:.0f} | "
                 f"{rate / floor:.1%} | {alone:.1f} ({alone / floor:.1%}) | "
-                f"{rate / base[name]:.2f}x |"
+                f"{rate / base[name]:.2f}x |{ab}"
             )
 
 
