@@ -109,7 +109,8 @@ def main() -> None:
                     f"| {fastest[0] * 1e3:.1f} | {mb * 1e6 / (fastest[0] / 1e3) / bw:.0%} "
                     f"| {len(timed)} | {tuple(fastest[1]) if fastest[1] else '-'} "
                     f"| {fastest_with_and_without(timed, 'words')} "
-                    f"| {fastest_with_and_without(timed, 'half')} | {dequantize_us(n, k, scheme, args.rows)} |",
+                    f"| {fastest_with_and_without(timed, 'half')} "
+                    f"| {dequantize_us(n, k, scheme, args.rows)} |",
                     flush=True,
                 )
                 del lin, dispatch

@@ -31,12 +31,7 @@ import torch
 from radixlm.constrained.bitmask import bitmask_words, ids_from_bitmask
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.json_schema import FLEXIBLE_WHITESPACE, OutputCheck, one_of_exclusivity
-from radixlm.constrained.number_digits import (
-    DigitLimits,
-    NumberDigits,
-    TokenTable,
-    hold,
-)
+from radixlm.constrained.number_digits import DigitLimits, NumberDigits, TokenTable, hold
 from radixlm.constrained.schema_rewrite import (
     NAMED_SUBSCHEMAS,
     NumberLimits,

@@ -143,12 +143,6 @@ class LinearDispatch(PlainMatmuls):
         }.get(stored, [])
         if os.environ.get("RADIXLM_DISABLE_HALF_TILES") == "1":  # (an ablation's switch)
             candidates = [c for c in candidates if not c.half]
-        elif stored == torch.uint8:  # (an INT4 half tile holds a group or less)
-            group = linear.in_features // _weights(linear)[1]["w_scale"].shape[1]
-            dtype = norm.weight.dtype if norm is not None else _activation_dtype(linear)
-            candidates = [
-                c for c in candidates if not c.half or gemv.int4_mma(group, c.block_k, dtype, True)
-            ]
         if op != "linear":
             ranked = self.timings.get(choice_key("linear", rows, linear), [])
             fastest = [c for _, c in ranked[:2]]

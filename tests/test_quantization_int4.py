@@ -171,8 +171,8 @@ def test_int4_tiles_of_one_group_go_into_the_mma_as_stored(dtype):
 def test_half_tiles_take_bfloat16_x_into_the_mma_with_the_stored_integers():
     """A `half` dot tile of one group takes x (bfloat16's values) as float16, each row scaled by a
     power of two (exact: 1e-3 and 1e30 as well as 1), the integers as 1024 + q: against the
-    oracle as the float16 tiles are (the sums less 1024 times x's cancel some bits); a tile of
-    several groups is refused."""
+    oracle as the float16 tiles are (the sums less 1024 times x's cancel some bits); float32 x
+    rounded as the tile rounds it; a tile of several groups is refused."""
     n, k, group = (4096, 4096, 128) if ON_GPU else (20, 256, 128)
     _, packed, scale, zero = int4_weight(n, k, group, seed=12)
     gen = torch.Generator().manual_seed(12)
@@ -187,6 +187,21 @@ def test_half_tiles_take_bfloat16_x_into_the_mma_with_the_stored_integers():
             torch.testing.assert_close(got / size, want / size, atol=1e-3, rtol=0)
     # (bfloat16 x alone dequantizes a tile; a half tile takes the integers into the MMA)
     assert not int4_mma(group, 128, torch.bfloat16) and int4_mma(group, 128, torch.bfloat16, True)
+    # float32 x of more bits than float16 holds: +-(1 + 2**-11 - 2**-20) goes in as +-1
+    # (float16's step in [1, 2) is 2**-10), so the sums are those of the rounded x, ~5e-4 of them
+    # from the float32 oracle's: the half path is the one that ran. (Signs alternate along K, so
+    # that the sums of 1024 times x cancel little.)
+    signs = torch.tensor([1.0, -1.0]).repeat(k // 2)
+    x = torch.stack([signs, -signs]) * (1 + 2.0**-11 - 2.0**-20)
+    rounded = x.sign()
+    want = grouped_linear_ref(rounded.to(DEVICE), packed, scale, zero, out_dtype=torch.float32)
+    exact = grouped_linear_ref(x.to(DEVICE), packed, scale, zero, out_dtype=torch.float32)
+    size = want.abs().amax()
+    assert float((exact - want).abs().max() / size) > 3e-4
+    for block_n, block_k, split in tiles:
+        tile = GemvConfig(block_n, block_k, 4, 2, split, dot=True, half=True)
+        got = gemv(x.to(DEVICE), packed, None, tile, torch.float32, w_scale=scale, w_zero=zero)
+        torch.testing.assert_close(got / size, want / size, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="INT4 ones a group or less a tile"):
         gemv(x, packed, None, GemvConfig(16, 256, 4, 2, 1, dot=True, half=True), w_scale=scale, w_zero=zero)  # fmt: skip
 
